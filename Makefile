@@ -1,0 +1,28 @@
+# kvxfer: `make test` runs every test; `make serve` runs the daemon on an embedded default.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test serve bench clean
+
+# (Re)install when the project's metadata changes; torch is pinned to the local CPU build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(VENV)/bin/kvxfer serve $(SERVE_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/kvxfer bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,79 @@
+"""The ``kvxfer`` command: one subcommand per tool, each registered in COMMANDS."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from kvxfer.errors import KvxferError
+from kvxfer.layout import DTYPES, PRESETS, KVSpec, Layout, PoolLayout, parse_dtype
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """Pool geometry flags shared by every subcommand that needs a KVSpec."""
+    d = {"layers": 4, "blocks": 4, "block_size": 4, "heads": 2, "head_size": 2, "dtype": "bfloat16",
+         "layout": "BLHNC", **(defaults or {})}
+    parser.add_argument("--layers", type=int, default=d["layers"], help="number of layers (L)")
+    parser.add_argument("--blocks", type=int, default=d["blocks"], help="number of physical blocks (B)")
+    parser.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per block (N)")
+    parser.add_argument("--heads", type=int, default=d["heads"], help="KV heads (H)")
+    parser.add_argument("--head-size", type=int, default=d["head_size"], help="elements per head vector (D)")
+    parser.add_argument("--dtype", default=d["dtype"], choices=sorted(DTYPES), help="element type")
+    parser.add_argument("--layout", default=d["layout"],
+                        help=f"a preset ({', '.join(PRESETS)}) or axes like L,KV,B,N,H,D")
+
+
+def spec_from_args(args: argparse.Namespace) -> KVSpec:
+    return KVSpec(args.layers, args.blocks, args.block_size, args.heads, args.head_size, parse_dtype(args.dtype))
+
+
+def _layout_command(args: argparse.Namespace) -> int:
+    pool_layout = PoolLayout(spec_from_args(args), Layout.parse(args.layout))
+    info = pool_layout.describe()
+    if args.json:
+        json.dump(info, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"layout {info['layout']} ({info['order']}), dtype {info['spec']['dtype']}")
+    print("byte strides: " + ", ".join(f"s_{axis}={stride}" for axis, stride in info["strides"].items()))
+    print(f"pool {info['nbytes']} B, block {info['block_bytes']} B over all layers, "
+          f"{info['runs_per_block']} run(s) per block")
+    blocks = range(len(info["block_runs"]))
+    print("\npage offset(layer, block) in bytes")
+    print("layer " + "".join(f"{'P' + str(b):>10}" for b in blocks))
+    for layer, row in enumerate(info["page_offsets"]):
+        print(f"{layer:>5} " + "".join(f"{offset:>10}" for offset in row))
+    print("\nblock runs [offset, end)")
+    for block, runs in enumerate(info["block_runs"]):
+        print(f"P{block}: " + " ".join(f"[{o},{o + n})" for o, n in runs))
+    return 0
+
+
+def _layout_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("layout", help="print strides, page offsets and block runs of a pool layout")
+    add_spec_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_layout_command)
+
+
+#: Each entry adds one subcommand to the parser; later tools append here.
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvxfer", description="KV-cache offload and transfer daemon and tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in COMMANDS:
+        register(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KvxferError as exc:
+        print(f"kvxfer {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

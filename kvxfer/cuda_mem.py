@@ -1,0 +1,88 @@
+"""Device memory shared between processes with CUDA IPC (cuda-python runtime API).
+
+The pool is one ``cudaMalloc`` allocation so that its IPC handle names exactly the
+pool (torch's caching allocator may hand out a slice of a larger segment). Memory
+is wrapped as a torch tensor through ``__cuda_array_interface__``; the wrapper
+object frees (or closes) the memory when the last tensor over it is gone.
+
+Not exercised on machines without a GPU; see README for what is verified.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvxfer.errors import FailedPrecondition, Internal, InvalidArgument
+
+IPC_HANDLE_BYTES = 64
+
+
+def _runtime():
+    from cuda.bindings import runtime  # imported lazily: CPU hosts never need it
+
+    return runtime
+
+
+def _check(result: tuple, what: str):
+    err, *values = result
+    rt = _runtime()
+    if err != rt.cudaError_t.cudaSuccess:
+        raise FailedPrecondition(f"{what} failed: {err}")
+    return values[0] if len(values) == 1 else values
+
+
+class _DeviceMemory:
+    """Holds a device pointer and releases it when garbage collected."""
+
+    def __init__(self, ptr: int, nbytes: int, device: int, opened_by_ipc: bool) -> None:
+        self.ptr, self.nbytes, self.device, self.opened_by_ipc = ptr, nbytes, device, opened_by_ipc
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    def __del__(self) -> None:
+        rt = _runtime()
+        with torch.cuda.device(self.device):
+            if self.opened_by_ipc:
+                rt.cudaIpcCloseMemHandle(self.ptr)
+            else:
+                rt.cudaFree(self.ptr)
+
+
+def _as_tensor(memory: _DeviceMemory) -> torch.Tensor:
+    tensor = torch.as_tensor(memory, device=f"cuda:{memory.device}")
+    if tensor.data_ptr() != memory.ptr:
+        raise Internal("CUDA array interface made a copy of the pool")
+    return tensor
+
+
+def allocate(nbytes: int, device: int) -> tuple[torch.Tensor, bytes]:
+    """A zeroed flat uint8 tensor of ``nbytes`` on ``device`` and its IPC handle."""
+    rt = _runtime()
+    with torch.cuda.device(device):
+        ptr = int(_check(rt.cudaMalloc(nbytes), f"cudaMalloc({nbytes})"))
+        memory = _DeviceMemory(ptr, nbytes, device, opened_by_ipc=False)
+        _check(rt.cudaMemset(ptr, 0, nbytes), "cudaMemset")
+        handle = _check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
+        raw = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+    return _as_tensor(memory), raw
+
+
+def open_handle(raw: bytes, nbytes: int, device: int, offset: int = 0) -> torch.Tensor:
+    """Map memory another process exported; ``offset`` bytes into the allocation."""
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise InvalidArgument(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(raw)}")
+    rt = _runtime()
+    handle = rt.cudaIpcMemHandle_t()
+    ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
+    with torch.cuda.device(device):
+        ptr = int(_check(rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
+    memory = _DeviceMemory(ptr, offset + nbytes, device, opened_by_ipc=True)
+    whole = _as_tensor(memory)
+    return whole[offset:] if offset else whole

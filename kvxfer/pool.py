@@ -1,0 +1,220 @@
+"""Pool storage: one flat byte buffer laid out by a PoolLayout, mapped by many processes.
+
+A pool is either *owned* (created here: a CUDA allocation on a GPU, else a file
+under /dev/shm) or *registered* (someone else allocated it and describes it; we
+map it). Either way a ``PoolDescriptor`` says everything a process needs to map
+the same bytes and build the same per-layer views.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import signal
+import sys
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvxfer import cuda_mem, shm
+from kvxfer.errors import InvalidArgument
+from kvxfer.layout import NULL_BLOCK, KVSpec, Layout, PoolLayout
+
+
+class Medium(enum.Enum):
+    """Where a pool's bytes live and how another process maps them."""
+
+    SHM = "shm"  # a file under a tmpfs directory, mapped MAP_SHARED
+    CUDA = "cuda"  # device memory, mapped through a CUDA IPC handle
+
+
+@dataclass(frozen=True)
+class PoolHandle:
+    """How to map a pool: a file path, or a CUDA IPC handle and device."""
+
+    medium: Medium
+    path: str = ""
+    ipc_handle: bytes = b""
+    device: int = 0
+    offset: int = 0  # byte offset of the pool inside the file or allocation
+
+    def to_dict(self) -> dict:
+        return {"medium": self.medium.value, "path": self.path, "ipc_handle": self.ipc_handle.hex(),
+                "device": self.device, "offset": self.offset}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PoolHandle:
+        try:
+            medium = Medium(data["medium"])
+        except (KeyError, ValueError):
+            raise InvalidArgument(f"pool handle medium must be one of {[m.value for m in Medium]}") from None
+        return cls(medium, str(data.get("path", "")), bytes.fromhex(data.get("ipc_handle", "")),
+                   int(data.get("device", 0)), int(data.get("offset", 0)))
+
+
+def new_epoch() -> int:
+    """A fresh, nonzero 63-bit epoch: a new one each time a pool is created or registered."""
+    return secrets.randbits(63) or 1
+
+
+@dataclass(frozen=True)
+class PoolDescriptor:
+    """A pool's identity and geometry: enough for any process to map it and agree on addresses."""
+
+    pool_id: str
+    spec: KVSpec
+    layout: Layout
+    handle: PoolHandle
+    epoch: int = field(default_factory=new_epoch)
+    owned: bool = True
+
+    @property
+    def pool_layout(self) -> PoolLayout:
+        return PoolLayout(self.spec, self.layout)
+
+    def to_dict(self) -> dict:
+        pl = self.pool_layout
+        return {
+            "pool_id": self.pool_id,
+            "spec": self.spec.to_dict(),
+            "layout": self.layout.spelled,
+            "layout_name": self.layout.name,
+            "strides": {axis.value: stride for axis, stride in pl.strides.items()},
+            "nbytes": pl.nbytes,
+            "block_bytes": pl.block_bytes,
+            "epoch": self.epoch,
+            "owned": self.owned,
+            "handle": self.handle.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PoolDescriptor:
+        try:
+            desc = cls(
+                pool_id=str(data["pool_id"]),
+                spec=KVSpec.from_dict(data["spec"]),
+                layout=Layout.parse(data["layout"]),
+                handle=PoolHandle.from_dict(data["handle"]),
+                epoch=int(data["epoch"]),
+                owned=bool(data.get("owned", True)),
+            )
+        except KeyError as exc:
+            raise InvalidArgument(f"pool descriptor lacks {exc}") from None
+        # A descriptor that states sizes must agree with what its geometry implies.
+        if "nbytes" in data and int(data["nbytes"]) != desc.pool_layout.nbytes:
+            raise InvalidArgument(f"pool descriptor says {data['nbytes']} bytes; its geometry needs "
+                                  f"{desc.pool_layout.nbytes}")
+        return desc
+
+
+class Pool:
+    """A mapped pool: flat uint8 storage, its layout and per-layer K/V views.
+
+    Use ``Pool.create`` to own one and ``Pool.attach`` to map one described elsewhere.
+    Closing an owned pool removes its file; views already handed out stay valid
+    until dropped (the kernel keeps the pages while they are mapped).
+    """
+
+    def __init__(self, descriptor: PoolDescriptor, storage: torch.Tensor, owned_file: shm.OwnedFile | None = None):
+        self.descriptor = descriptor
+        self.layout = descriptor.pool_layout
+        if storage.numel() != self.layout.nbytes:
+            raise InvalidArgument(f"pool storage has {storage.numel()} bytes, layout needs {self.layout.nbytes}")
+        self.storage: torch.Tensor | None = storage
+        self._owned_file = owned_file
+        # Runs at close(), at garbage collection and at interpreter exit (exceptions included).
+        self._finalizer = weakref.finalize(self, _release, owned_file)
+
+    @classmethod
+    def create(cls, pool_id: str, spec: KVSpec, layout: Layout, *, device: str = "cpu",
+               shm_dir: str | Path = "/dev/shm", mode: int = 0o600, group: str | int | None = None) -> Pool:
+        """Allocate a new zeroed pool with a fresh epoch; block 0 is the null block."""
+        nbytes = spec.nbytes
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            storage, raw = cuda_mem.allocate(nbytes, index)
+            handle = PoolHandle(Medium.CUDA, ipc_handle=raw, device=index)
+            return cls(PoolDescriptor(pool_id, spec, layout, handle), storage)
+        if dev.type != "cpu":
+            raise InvalidArgument(f"pool device must be cpu or cuda[:N], got {device!r}")
+        shm.sweep_stale(shm_dir)
+        epoch = new_epoch()
+        owned = shm.OwnedFile.create(shm_dir, f"{pool_id}-{epoch:016x}", nbytes, mode=mode, group=group)
+        try:
+            storage = owned.map(nbytes)
+        except BaseException:
+            owned.release()
+            raise
+        handle = PoolHandle(Medium.SHM, path=str(owned.path))
+        return cls(PoolDescriptor(pool_id, spec, layout, handle, epoch=epoch), storage, owned)
+
+    @classmethod
+    def attach(cls, descriptor: PoolDescriptor) -> Pool:
+        """Map a pool described by another process (a client, or a registered pool)."""
+        nbytes = descriptor.pool_layout.nbytes
+        handle = descriptor.handle
+        if handle.offset < 0:
+            raise InvalidArgument("pool handle offset must be >= 0")
+        if handle.medium is Medium.SHM:
+            storage = shm.map_file(handle.path, nbytes, handle.offset)
+        else:
+            storage = cuda_mem.open_handle(handle.ipc_handle, nbytes, handle.device, handle.offset)
+        return cls(descriptor, storage)
+
+    @property
+    def closed(self) -> bool:
+        return self.storage is None
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_size]``, zero-copy."""
+        return self.layout.views(self._live_storage())
+
+    def block_bytes(self, block: int) -> torch.Tensor:
+        """The bytes of one block in a block-major pool, as a view (tests and tools)."""
+        if not self.descriptor.layout.block_major:
+            raise InvalidArgument(f"layout {self.descriptor.layout.name} is not block-major")
+        (run,) = self.layout.block_runs(block)
+        return self._live_storage()[run.offset:run.end]
+
+    def _live_storage(self) -> torch.Tensor:
+        if self.storage is None:
+            raise InvalidArgument(f"pool {self.descriptor.pool_id} is closed")
+        return self.storage
+
+    def close(self) -> None:
+        """Drop this process's mapping and, for an owned file, remove the file."""
+        self.storage = None
+        self._finalizer()
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _release(owned_file: shm.OwnedFile | None) -> None:
+    if owned_file is not None:
+        owned_file.release()
+
+
+def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> None:
+    """Turn these signals into ``SystemExit`` so pools are released as at a normal exit.
+
+    Python's default for SIGTERM kills the process without running exit handlers,
+    which would leave owned pool files behind. Call from the main thread of a
+    process that owns pools and has no shutdown handling of its own (the daemon
+    has its own).
+    """
+
+    def _exit(signum: int, _frame) -> None:
+        sys.exit(128 + signum)
+
+    for signum in signals:
+        signal.signal(signum, _exit)
+
+
+__all__ = ["NULL_BLOCK", "Medium", "Pool", "PoolDescriptor", "PoolHandle", "exit_on_signals", "new_epoch"]

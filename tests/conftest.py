@@ -1,0 +1,29 @@
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def shm_dir():
+    """A private directory on /dev/shm, removed after the test; asserts nothing was left in it."""
+    path = Path("/dev/shm") / f"kvxfer-test-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def python_env() -> dict:
+    """Environment for child Python processes: the project importable, output unbuffered."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+PYTHON = sys.executable
