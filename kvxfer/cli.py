@@ -58,8 +58,20 @@ def _layout_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_layout_command)
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from kvxfer.bench import store
+
+    p = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the same run")
+    benches = p.add_subparsers(dest="bench", required=True)
+    for name, module, text in (("store", store, "offload/restore throughput of the store core"),):
+        b = benches.add_parser(name, help=text, description=module.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(b)
+        b.set_defaults(func=module.run)
+
+
 #: Each entry adds one subcommand to the parser; later tools append here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser, _bench_parser]
 
 
 def main(argv: list[str] | None = None) -> int:

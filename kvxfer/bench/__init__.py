@@ -1,0 +1,1 @@
+"""Benchmarks: every figure beside a baseline measured in the same run."""

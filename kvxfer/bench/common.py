@@ -1,0 +1,68 @@
+"""Timing, progress and table helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+GB = 1e9
+
+
+def interleaved(subjects: dict[str, Callable[[], object]], reps: int,
+                setup: dict[str, Callable[[], object]] | None = None, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall seconds of each subject per repetition, the subjects run in turn in every repetition.
+
+    ``setup[name]`` runs untimed before that subject; the first ``warmup`` repetitions are dropped.
+    """
+    times: dict[str, list[float]] = {name: [] for name in subjects}
+    for rep in range(warmup + reps):
+        for name, fn in subjects.items():
+            if setup and name in setup:
+                setup[name]()
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if rep >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``reps`` runs."""
+    return statistics.median(interleaved({"fn": fn}, reps, warmup=warmup)["fn"])
+
+
+class Progress:
+    """One line per step on stderr, so long runs show where they are."""
+
+    def __init__(self, total: int, stream=sys.stderr) -> None:
+        self.total, self.done, self.stream, self.start = total, 0, stream, time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        print(f"[{self.done}/{self.total} {elapsed:6.1f}s] {label}", file=self.stream, flush=True)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (readable in a terminal, pasteable into docs)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"

@@ -1,0 +1,1 @@
+"""Tiers: bounded byte stores of fixed-size slots, one block each."""

@@ -1,0 +1,98 @@
+"""Free-slot bookkeeping for a tier of fixed-size slots. Touches no bytes.
+
+Free slots are kept as sorted, non-touching extents ``[start, start + length)``.
+A batch gets one contiguous extent when one is large enough, so that a gather can
+write straight into its destination; otherwise the largest extents first, to
+keep the number of pieces small.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from kvxfer.errors import Internal
+
+
+class SlotAllocator:
+    """Hands out slot numbers in ``[0, capacity)``; never the same slot twice."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise Internal(f"negative tier capacity {capacity}")
+        self.capacity = capacity
+        self._starts: list[int] = [0] if capacity else []
+        self._lengths: list[int] = [capacity] if capacity else []
+        self._free = capacity
+
+    @property
+    def free(self) -> int:
+        return self._free
+
+    @property
+    def used(self) -> int:
+        return self.capacity - self._free
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` free slots, ascending within each extent; None (and nothing taken) if fewer are free."""
+        if n > self._free:
+            return None
+        if n == 0:
+            return []
+        for i, length in enumerate(self._lengths):  # first fit: one contiguous extent
+            if length >= n:
+                return self._take(i, n)
+        slots: list[int] = []
+        while len(slots) < n:  # fragmented: largest extents first
+            i = max(range(len(self._lengths)), key=self._lengths.__getitem__)
+            slots += self._take(i, min(self._lengths[i], n - len(slots)))
+        return slots
+
+    def _take(self, i: int, n: int) -> list[int]:
+        start = self._starts[i]
+        if self._lengths[i] == n:
+            del self._starts[i], self._lengths[i]
+        else:
+            self._starts[i] += n
+            self._lengths[i] -= n
+        self._free -= n
+        return list(range(start, start + n))
+
+    def release(self, slot: int) -> None:
+        """Return one slot."""
+        self._release_extent(slot, 1)
+
+    def release_many(self, slots: list[int]) -> None:
+        """Return several slots; consecutive ones are merged first, so this is cheap per extent."""
+        if not slots:
+            return
+        ordered = sorted(slots)
+        start = prev = ordered[0]
+        for slot in ordered[1:]:
+            if slot != prev + 1:
+                self._release_extent(start, prev - start + 1)
+                start = slot
+            prev = slot
+        self._release_extent(start, prev - start + 1)
+
+    def _release_extent(self, slot: int, n: int) -> None:
+        """Return [slot, slot + n); merges with neighbouring free extents."""
+        if not (0 <= slot and slot + n <= self.capacity):
+            raise Internal(f"slots [{slot}, {slot + n}) out of range [0, {self.capacity})")
+        i = bisect.bisect_right(self._starts, slot)
+        if (i > 0 and self._starts[i - 1] + self._lengths[i - 1] > slot) or \
+                (i < len(self._starts) and self._starts[i] < slot + n):
+            raise Internal(f"slots [{slot}, {slot + n}) released twice")
+        joins_left = i > 0 and self._starts[i - 1] + self._lengths[i - 1] == slot
+        joins_right = i < len(self._starts) and self._starts[i] == slot + n
+        if joins_left and joins_right:
+            self._lengths[i - 1] += n + self._lengths[i]
+            del self._starts[i], self._lengths[i]
+        elif joins_left:
+            self._lengths[i - 1] += n
+        elif joins_right:
+            self._starts[i] = slot
+            self._lengths[i] += n
+        else:
+            self._starts.insert(i, slot)
+            self._lengths.insert(i, n)
+        self._free += n

@@ -1,0 +1,74 @@
+"""The copy-engine interface: runs in, a completion handle out.
+
+An engine moves whole blocks between a pool and a host tier. It decides nothing:
+which blocks, which slots and what to do on failure are the caller's business.
+A CPU engine completes inside ``submit``; a CUDA engine enqueues on a stream per
+direction and its handle waits on an event, so callers always go through the handle.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class Direction(enum.Enum):
+    TO_HOST = "pool->host"  # offload
+    TO_POOL = "host->pool"  # restore
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """Copy pool block ``blocks[i]`` to or from host slot ``slots[i]``, for every i."""
+
+    direction: Direction
+    blocks: list[int]
+    slots: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.blocks) != len(self.slots):
+            raise ValueError("a copy batch pairs each block with one slot")
+
+
+class CopyHandle(ABC):
+    """Completion of one submitted batch."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the copy has finished, successfully or not (never blocks)."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the copy finished; raise the copy's error if it failed."""
+
+
+class CompletedHandle(CopyHandle):
+    """A handle for work that finished inside ``submit``."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+class CopyEngine(ABC):
+    """Moves blocks between one pool and one host tier."""
+
+    @abstractmethod
+    def submit(self, batch: CopyBatch) -> CopyHandle:
+        """Start copying ``batch``; the bytes are only valid once the handle completes."""
+
+    @abstractmethod
+    def pool_checksums(self, blocks: list[int]) -> list[int]:
+        """The block checksum (kvxfer.checksum) of each pool block as it is now."""
+
+    @property
+    @abstractmethod
+    def descriptors_per_block(self) -> int:
+        """Contiguous byte runs one block costs (1 for block-major layouts)."""

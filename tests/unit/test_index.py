@@ -1,0 +1,112 @@
+"""The index alone: LRU, pins, visibility, eviction. No tensors anywhere."""
+
+from kvxfer.store import BlockIndex, Outcome, TierKind
+
+NS = "model-a"
+DONE, PRESENT, MISSING, FULL = Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_FOUND, Outcome.RESOURCE_EXHAUSTED
+
+
+def store(index, keys, ok=True):
+    plan = index.prepare_store(NS, keys)
+    index.complete_store(plan.entries, [hash(e.key) & 0xFFFF if ok else None for e in plan.entries])
+    return plan.outcomes
+
+
+def test_visible_only_after_completion():
+    index = BlockIndex(TierKind.HOST, 4)
+    plan = index.prepare_store(NS, [b"a", b"b"])
+    assert plan.outcomes == [DONE, DONE] and plan.positions == [0, 1]
+    assert index.contains(NS, [b"a", b"b"]) == [False, False]
+    assert index.prepare_load(NS, [b"a"]).outcomes == [MISSING]
+    assert index.stats().pinned == 2
+    index.complete_store(plan.entries, [1, 2])
+    assert index.contains(NS, [b"a", b"b"]) == [True, True]
+    assert index.stats().pinned == 0 and index.stats().ready == 2
+
+
+def test_failed_store_is_never_visible_and_frees_its_slot():
+    index = BlockIndex(TierKind.HOST, 2)
+    store(index, [b"a", b"b"], ok=False)
+    assert index.contains(NS, [b"a", b"b"]) == [False, False]
+    s = index.stats()
+    assert (s.used, s.pinned, s.ready) == (0, 0, 0)
+    assert store(index, [b"a", b"b"]) == [DONE, DONE]
+
+
+def test_lru_evicts_oldest_unpinned():
+    index = BlockIndex(TierKind.HOST, 3)
+    store(index, [b"a", b"b", b"c"])
+    loaded = index.prepare_load(NS, [b"a"])  # a is now pinned and most recent
+    store(index, [b"d"])  # evicts b, the oldest unpinned
+    assert index.contains(NS, [b"a", b"b", b"c", b"d"]) == [True, False, True, True]
+    index.complete_load(loaded.entries)
+    store(index, [b"e"])  # c is now the oldest
+    assert index.contains(NS, [b"a", b"c", b"d", b"e"]) == [True, False, True, True]
+    assert index.stats().evictions == 2
+
+
+def test_eviction_never_touches_pinned_and_reports_exhaustion():
+    index = BlockIndex(TierKind.HOST, 2)
+    store(index, [b"a", b"b"])
+    loaded = index.prepare_load(NS, [b"a", b"b"])
+    assert index.prepare_store(NS, [b"c"]).outcomes == [FULL]
+    assert index.contains(NS, [b"a", b"b"]) == [True, True]
+    index.complete_load(loaded.entries)
+    assert index.stats().pinned == 0
+    assert store(index, [b"c"]) == [DONE]
+
+
+def test_present_keys_in_a_batch_are_not_evicted_for_its_new_keys():
+    index = BlockIndex(TierKind.HOST, 2)
+    store(index, [b"a", b"b"])
+    assert store(index, [b"a", b"c"]) == [PRESENT, DONE]  # c must evict b, not a
+    assert index.contains(NS, [b"a", b"b", b"c"]) == [True, False, True]
+
+
+def test_corrupt_load_drops_entry():
+    index = BlockIndex(TierKind.HOST, 2)
+    store(index, [b"a"])
+    loaded = index.prepare_load(NS, [b"a"])
+    index.complete_load(loaded.entries, {0})
+    assert index.contains(NS, [b"a"]) == [False]
+    assert index.stats().used == 0 and index.locate(NS, b"a") is None
+
+
+def test_delete_while_pinned_frees_at_unpin():
+    index = BlockIndex(TierKind.HOST, 1)
+    store(index, [b"a"])
+    loaded = index.prepare_load(NS, [b"a"])
+    assert index.delete(NS, [b"a", b"absent"]) == 1
+    assert index.contains(NS, [b"a"]) == [False]
+    assert index.stats().used == 1  # bytes still being read
+    index.complete_load(loaded.entries)
+    assert index.stats().used == 0
+    assert index.contains(NS, [b"a"]) == [False]
+
+
+def test_delete_of_a_store_in_flight_wins():
+    index = BlockIndex(TierKind.HOST, 1)
+    plan = index.prepare_store(NS, [b"a"])
+    index.delete(NS, [b"a"])
+    index.complete_store(plan.entries, [7])
+    assert index.contains(NS, [b"a"]) == [False]
+    assert index.stats().used == 0
+
+
+def test_namespaces_are_separate():
+    index = BlockIndex(TierKind.HOST, 4)
+    store(index, [b"a"])
+    assert index.contains("model-b", [b"a"]) == [False]
+    assert index.prepare_load("model-b", [b"a"]).outcomes == [MISSING]
+    assert store(index, [b"a"]) == [PRESENT]
+    plan = index.prepare_store("model-b", [b"a"])
+    assert plan.outcomes == [DONE]
+    index.complete_store(plan.entries, [1])
+
+
+def test_duplicate_store_while_in_flight_is_already_present():
+    index = BlockIndex(TierKind.HOST, 4)
+    plan = index.prepare_store(NS, [b"a"])
+    assert index.prepare_store(NS, [b"a"]).outcomes == [PRESENT]
+    index.complete_store(plan.entries, [1])
+    assert index.stats().pinned == 0

@@ -1,0 +1,157 @@
+"""PoolManager over a real shared-memory pool: outcomes, integrity, refusal of bad batches."""
+
+import pytest
+import torch
+
+from kvxfer.errors import Internal, InvalidArgument
+from kvxfer.layout import PRESETS, KVSpec, PoolLayout
+from kvxfer.manager import PoolManager
+from kvxfer.pool import Pool
+from kvxfer.store import Outcome
+from kvxfer.transfer import CompletedHandle, CopyBatch, CopyEngine
+from kvxfer.transfer.cpu import CpuCopyEngine
+from tests.helpers import read_block
+
+NS = "llama-test"
+SPEC = KVSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)
+
+
+@pytest.fixture(params=["BLHNC", "LBHNC"])
+def pool(request, shm_dir):
+    with Pool.create("t", SPEC, PRESETS[request.param], shm_dir=shm_dir) as p:
+        p.storage.copy_(torch.randint(0, 256, (p.layout.nbytes,), dtype=torch.uint8))
+        yield p
+
+
+def test_roundtrip_and_already_present(pool):
+    m = PoolManager(pool, 8)
+    expected = {s: read_block(pool.storage, pool.layout, s) for s in (3, 4, 9)}
+    assert m.offload(NS, [(3, b"k3"), (4, b"k4"), (9, b"k9")]) == [Outcome.DONE] * 3
+    pool.storage.zero_()
+    assert m.offload(NS, [(3, b"k3")]) == [Outcome.ALREADY_PRESENT]  # not copied again
+    assert m.restore(NS, [(b"k9", 1), (b"k3", 15), (b"k4", 2)]) == [Outcome.DONE] * 3
+    assert torch.equal(read_block(pool.storage, pool.layout, 1), expected[9])
+    assert torch.equal(read_block(pool.storage, pool.layout, 15), expected[3])
+    assert torch.equal(read_block(pool.storage, pool.layout, 2), expected[4])
+    assert int(read_block(pool.storage, pool.layout, 5).count_nonzero()) == 0
+    stats = m.stats()
+    assert stats.offloaded.blocks == 3 and stats.offloaded.bytes == 3 * SPEC.block_bytes
+    assert stats.restored.blocks == 3 and stats.index.pinned == 0
+
+
+def test_checksum_mismatch_is_data_loss_and_drops_the_entry(pool):
+    m = PoolManager(pool, 8)
+    m.offload(NS, [(3, b"good"), (4, b"bad")])
+    want_good = read_block(pool.storage, pool.layout, 3)
+    bad_slot = m.index.locate(NS, b"bad")
+    m.host.slot_view(bad_slot)[17] ^= 0x40  # one flipped bit in the stored copy
+    pool.storage.zero_()
+    assert m.restore(NS, [(b"good", 5), (b"bad", 6)]) == [Outcome.DONE, Outcome.DATA_LOSS]
+    assert torch.equal(read_block(pool.storage, pool.layout, 5), want_good)
+    assert m.lookup(NS, [b"good", b"bad"]).tiers[1] is None  # dropped, never served again
+    assert m.restore(NS, [(b"bad", 6)]) == [Outcome.NOT_FOUND]
+    assert m.stats().index.pinned == 0
+
+
+class BrokenEngine(CopyEngine):
+    """A copy engine whose hardware fails: the only fake here, for a failure we cannot cause."""
+
+    def __init__(self, inner):
+        self.inner, self.fail = inner, True
+
+    @property
+    def descriptors_per_block(self):
+        return self.inner.descriptors_per_block
+
+    def submit(self, batch: CopyBatch):
+        return CompletedHandle(Internal("DMA error")) if self.fail else self.inner.submit(batch)
+
+    def pool_checksums(self, blocks):
+        return self.inner.pool_checksums(blocks)
+
+
+def test_failed_copy_leaves_nothing_visible_and_no_pins(pool):
+    m = PoolManager(pool, 4)
+    m.copier.engine = BrokenEngine(CpuCopyEngine(pool.storage, pool.layout, m.host))
+    assert m.offload(NS, [(1, b"a"), (2, b"b")]) == [Outcome.FAILED] * 2
+    stats = m.stats().index
+    assert (stats.used, stats.pinned, stats.ready) == (0, 0, 0)
+    assert m.lookup(NS, [b"a"]).hits == 0
+    m.copier.engine.fail = False
+    assert m.offload(NS, [(1, b"a")]) == [Outcome.DONE]
+    m.copier.engine.fail = True
+    assert m.restore(NS, [(b"a", 3)]) == [Outcome.FAILED]
+    assert m.stats().index.pinned == 0 and m.lookup(NS, [b"a"]).hits == 1
+
+
+def test_capacity_exhausted_and_eviction(pool):
+    m = PoolManager(pool, 2)
+    assert m.offload(NS, [(1, b"a"), (2, b"b"), (3, b"c")]) == [Outcome.DONE, Outcome.DONE,
+                                                                Outcome.RESOURCE_EXHAUSTED]
+    assert m.offload(NS, [(3, b"c")]) == [Outcome.DONE]  # evicts a, the least recently used
+    assert m.lookup(NS, [b"a", b"b", b"c"]).tiers == [None, m.index.tier, m.index.tier]
+
+
+BAD_OFFLOADS = {
+    "null block": [(0, b"a")],
+    "slot out of range": [(16, b"a")],
+    "negative slot": [(-1, b"a")],
+    "duplicate slots": [(1, b"a"), (1, b"b")],
+    "duplicate keys": [(1, b"a"), (2, b"a")],
+    "empty key": [(1, b"")],
+    "oversized key": [(1, b"x" * 257)],
+    "one bad among good": [(1, b"a"), (2, b"b"), (0, b"c")],
+}
+
+
+@pytest.mark.parametrize("case", BAD_OFFLOADS)
+def test_malformed_batches_are_refused_whole(pool, case):
+    m = PoolManager(pool, 4)
+    m.offload(NS, [(5, b"kept")])
+    before_pool, before_host = pool.storage.clone(), m.host.buffer.clone()
+    with pytest.raises(InvalidArgument):
+        m.offload(NS, BAD_OFFLOADS[case])
+    with pytest.raises(InvalidArgument):
+        m.restore(NS, [(k, s) for s, k in BAD_OFFLOADS[case]])
+    assert torch.equal(pool.storage, before_pool) and torch.equal(m.host.buffer, before_host)
+    stats = m.stats().index
+    assert (stats.used, stats.ready, stats.pinned) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("namespace", ["", "-lead", "a" * 129, "sp ace", "new\nline"])
+def test_bad_namespace(pool, namespace):
+    m = PoolManager(pool, 4)
+    for call in (lambda: m.offload(namespace, [(1, b"a")]), lambda: m.lookup(namespace, [b"a"]),
+                 lambda: m.delete(namespace, [b"a"]), lambda: m.restore(namespace, [(b"a", 1)])):
+        with pytest.raises(InvalidArgument):
+            call()
+
+
+def test_odd_sized_runs_use_a_narrower_word(shm_dir):
+    spec = KVSpec(num_layers=2, num_blocks=6, block_size=3, num_kv_heads=1, head_size=3, dtype=torch.float8_e4m3fn)
+    for name, word in (("BLHNC", torch.int32), ("flash_attn", torch.uint8)):  # 36-byte span, 9-byte runs
+        with Pool.create("odd", spec, PRESETS[name], shm_dir=shm_dir) as pool:
+            m = PoolManager(pool, 4)
+            assert m.engine.word == word
+            pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
+            want = read_block(pool.storage, pool.layout, 2)
+            m.offload(NS, [(2, b"x")])
+            assert m.restore(NS, [(b"x", 4)]) == [Outcome.DONE]
+            assert torch.equal(read_block(pool.storage, PoolLayout(spec, PRESETS[name]), 4), want)
+
+
+def test_consecutive_pieces():
+    from kvxfer.transfer.cpu import consecutive_pieces
+
+    assert consecutive_pieces([]) == []
+    assert consecutive_pieces([4, 5, 6]) == [(0, 3)]
+    assert consecutive_pieces([4, 6, 7, 1]) == [(0, 1), (1, 3), (3, 4)]
+    assert consecutive_pieces([6, 5, 4]) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_pool_checksums_match_tier_checksums(pool):
+    """The pool-side hash of a block equals the hash of its tier copy, in every layout."""
+    m = PoolManager(pool, 4)
+    m.offload(NS, [(7, b"k"), (2, b"j")])
+    slots = [m.index.locate(NS, b"k"), m.index.locate(NS, b"j")]
+    assert m.engine.pool_checksums([7, 2]) == m.host.checksums(slots)
