@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench clean
+.PHONY: install test serve bench proto clean
 
 # (Re)install when the project's metadata changes; torch is pinned to the local CPU build.
 $(STAMP): pyproject.toml constraints.txt
@@ -23,6 +23,10 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvxfer bench $(BENCH_ARGS)
+
+# Regenerate kvxfer/v1 from protos/ (committed; tests/unit/test_proto_current.py checks it).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/kvxfer/v1/kvxfer.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.layout import DTYPES, PRESETS, KVSpec, Layout, PoolLayout, parse_dtype
 
 
@@ -59,19 +59,37 @@ def _layout_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvxfer.bench import store
+    from kvxfer.bench import daemon, store
 
     p = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the same run")
     benches = p.add_subparsers(dest="bench", required=True)
-    for name, module, text in (("store", store, "offload/restore throughput of the store core"),):
+    for name, module, text in (("store", store, "offload/restore throughput of the store core"),
+                               ("daemon", daemon, "throughput and latency through a real daemon")):
         b = benches.add_parser(name, help=text, description=module.__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(b)
         b.set_defaults(func=module.run)
 
 
+def _serve_command(args: argparse.Namespace) -> int:
+    from service import config, server  # the daemon's dependencies load only for `serve`
+
+    overrides = {"socket": args.socket, "listen": args.listen, "log_level": args.log_level}
+    cfg = config.load(args.config, overrides=overrides)
+    return server.serve(cfg)
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the daemon (defaults: one CPU pool of a small model's geometry)")
+    p.add_argument("--config", help="YAML config file (see README: Configuration)")
+    p.add_argument("--socket", help="Unix socket path (default /tmp/kvxfer.sock)")
+    p.add_argument("--listen", help="HOST:PORT for TCP; needs TLS and a token in the config")
+    p.add_argument("--log-level", help="debug, info, warning or error")
+    p.set_defaults(func=_serve_command)
+
+
 #: Each entry adds one subcommand to the parser; later tools append here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser, _bench_parser]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser, _bench_parser, _serve_parser]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except KvxferError as exc:
+    except InvalidArgument as exc:  # bad input or configuration
         print(f"kvxfer {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KvxferError as exc:  # could not run (e.g. another daemon on the socket)
+        print(f"kvxfer {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

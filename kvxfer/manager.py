@@ -40,6 +40,15 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class TransferResult:
+    """One request's outcomes (in request order) and what it measurably moved."""
+
+    outcomes: list[Outcome]
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class LookupResult:
     hits: int  # how many leading keys are present
     tiers: list[TierKind | None]  # where each key is, None if absent
@@ -65,7 +74,7 @@ class PoolManager:
     def num_blocks(self) -> int:
         return self.pool.layout.spec.num_blocks
 
-    def offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]]) -> list[Outcome]:
+    def offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]]) -> TransferResult:
         """Copy each slot's block into the host tier under its key; one outcome per pair."""
         check_namespace(namespace)
         slots, keys = [p[0] for p in pairs], [bytes(p[1]) for p in pairs]
@@ -74,20 +83,22 @@ class PoolManager:
         plan = self.index.prepare_store(namespace, keys)
         entries = plan.entries
         checksums: list[int | None] = [None] * len(entries)
+        moved, seconds = 0, 0.0
         try:
             if entries:
                 start = time.perf_counter()
                 checksums = self.copier.to_host([slots[i] for i in plan.positions], [e.slot for e in entries])
-                self._count(self._offloaded, len(entries), time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                moved = self._count(self._offloaded, len(entries), seconds)
         except KvxferError:
             for i in plan.positions:
                 plan.outcomes[i] = Outcome.FAILED
         finally:
             self.index.complete_store(entries, checksums)  # None checksums: never visible
         self._tally(plan.outcomes)
-        return plan.outcomes
+        return TransferResult(plan.outcomes, moved, seconds)
 
-    def restore(self, namespace: str, pairs: Sequence[tuple[bytes, int]]) -> list[Outcome]:
+    def restore(self, namespace: str, pairs: Sequence[tuple[bytes, int]]) -> TransferResult:
         """Copy each key's block into its slot and verify it there; one outcome per pair."""
         check_namespace(namespace)
         keys, slots = [bytes(p[0]) for p in pairs], [p[1] for p in pairs]
@@ -96,13 +107,15 @@ class PoolManager:
         plan = self.index.prepare_load(namespace, keys)
         entries, positions = plan.entries, plan.positions
         corrupt: set[int] = set()
+        moved, seconds = 0, 0.0
         try:
             if entries:
                 start = time.perf_counter()
                 try:
                     corrupt = self.copier.to_pool([e.slot for e in entries], [e.checksum for e in entries],
                                                   [slots[i] for i in positions])
-                    self._count(self._restored, len(entries) - len(corrupt), time.perf_counter() - start)
+                    seconds = time.perf_counter() - start
+                    moved = self._count(self._restored, len(entries) - len(corrupt), seconds)
                 except KvxferError:
                     for i in positions:
                         plan.outcomes[i] = Outcome.FAILED
@@ -111,7 +124,7 @@ class PoolManager:
         finally:
             self.index.complete_load(entries, corrupt)
         self._tally(plan.outcomes)
-        return plan.outcomes
+        return TransferResult(plan.outcomes, moved, seconds)
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
         """Keys in prefix order: how many leading ones are present, and each one's tier."""
@@ -133,11 +146,13 @@ class PoolManager:
             return PoolStats(self.index.stats(), self.host.slot_bytes, TransferCounters(**vars(self._offloaded)),
                              TransferCounters(**vars(self._restored)), dict(self._outcomes))
 
-    def _count(self, counters: TransferCounters, blocks: int, seconds: float) -> None:
+    def _count(self, counters: TransferCounters, blocks: int, seconds: float) -> int:
+        moved = blocks * self.host.slot_bytes
         with self._lock:
             counters.blocks += blocks
-            counters.bytes += blocks * self.host.slot_bytes
+            counters.bytes += moved
             counters.seconds += seconds
+        return moved
 
     def _tally(self, outcomes: list[Outcome]) -> None:
         counts = [(o.value, outcomes.count(o)) for o in Outcome]  # list.count: no enum hashing

@@ -59,7 +59,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(slots=slots_st, data=st.data())
     def offload(self, slots, data):
         keys = data.draw(st.lists(st.sampled_from(KEYS), min_size=len(slots), max_size=len(slots), unique=True))
-        outcomes = self.m.offload(NS, list(zip(slots, keys)))
+        outcomes = self.m.offload(NS, list(zip(slots, keys))).outcomes
         expected = []
         new = [k for k in keys if k not in self.stored]
         for k in keys:
@@ -89,7 +89,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(slots=slots_st, data=st.data())
     def restore(self, slots, data):
         keys = data.draw(st.lists(st.sampled_from(KEYS), min_size=len(slots), max_size=len(slots), unique=True))
-        outcomes = self.m.restore(NS, list(zip(keys, slots)))
+        outcomes = self.m.restore(NS, list(zip(keys, slots))).outcomes
         expected = []
         for slot, k in zip(slots, keys):
             if k not in self.stored:

@@ -26,10 +26,10 @@ def pool(request, shm_dir):
 def test_roundtrip_and_already_present(pool):
     m = PoolManager(pool, 8)
     expected = {s: read_block(pool.storage, pool.layout, s) for s in (3, 4, 9)}
-    assert m.offload(NS, [(3, b"k3"), (4, b"k4"), (9, b"k9")]) == [Outcome.DONE] * 3
+    assert m.offload(NS, [(3, b"k3"), (4, b"k4"), (9, b"k9")]).outcomes == [Outcome.DONE] * 3
     pool.storage.zero_()
-    assert m.offload(NS, [(3, b"k3")]) == [Outcome.ALREADY_PRESENT]  # not copied again
-    assert m.restore(NS, [(b"k9", 1), (b"k3", 15), (b"k4", 2)]) == [Outcome.DONE] * 3
+    assert m.offload(NS, [(3, b"k3")]).outcomes == [Outcome.ALREADY_PRESENT]  # not copied again
+    assert m.restore(NS, [(b"k9", 1), (b"k3", 15), (b"k4", 2)]).outcomes == [Outcome.DONE] * 3
     assert torch.equal(read_block(pool.storage, pool.layout, 1), expected[9])
     assert torch.equal(read_block(pool.storage, pool.layout, 15), expected[3])
     assert torch.equal(read_block(pool.storage, pool.layout, 2), expected[4])
@@ -46,10 +46,10 @@ def test_checksum_mismatch_is_data_loss_and_drops_the_entry(pool):
     bad_slot = m.index.locate(NS, b"bad")
     m.host.slot_view(bad_slot)[17] ^= 0x40  # one flipped bit in the stored copy
     pool.storage.zero_()
-    assert m.restore(NS, [(b"good", 5), (b"bad", 6)]) == [Outcome.DONE, Outcome.DATA_LOSS]
+    assert m.restore(NS, [(b"good", 5), (b"bad", 6)]).outcomes == [Outcome.DONE, Outcome.DATA_LOSS]
     assert torch.equal(read_block(pool.storage, pool.layout, 5), want_good)
     assert m.lookup(NS, [b"good", b"bad"]).tiers[1] is None  # dropped, never served again
-    assert m.restore(NS, [(b"bad", 6)]) == [Outcome.NOT_FOUND]
+    assert m.restore(NS, [(b"bad", 6)]).outcomes == [Outcome.NOT_FOUND]
     assert m.stats().index.pinned == 0
 
 
@@ -73,22 +73,22 @@ class BrokenEngine(CopyEngine):
 def test_failed_copy_leaves_nothing_visible_and_no_pins(pool):
     m = PoolManager(pool, 4)
     m.copier.engine = BrokenEngine(CpuCopyEngine(pool.storage, pool.layout, m.host))
-    assert m.offload(NS, [(1, b"a"), (2, b"b")]) == [Outcome.FAILED] * 2
+    assert m.offload(NS, [(1, b"a"), (2, b"b")]).outcomes == [Outcome.FAILED] * 2
     stats = m.stats().index
     assert (stats.used, stats.pinned, stats.ready) == (0, 0, 0)
     assert m.lookup(NS, [b"a"]).hits == 0
     m.copier.engine.fail = False
-    assert m.offload(NS, [(1, b"a")]) == [Outcome.DONE]
+    assert m.offload(NS, [(1, b"a")]).outcomes == [Outcome.DONE]
     m.copier.engine.fail = True
-    assert m.restore(NS, [(b"a", 3)]) == [Outcome.FAILED]
+    assert m.restore(NS, [(b"a", 3)]).outcomes == [Outcome.FAILED]
     assert m.stats().index.pinned == 0 and m.lookup(NS, [b"a"]).hits == 1
 
 
 def test_capacity_exhausted_and_eviction(pool):
     m = PoolManager(pool, 2)
-    assert m.offload(NS, [(1, b"a"), (2, b"b"), (3, b"c")]) == [Outcome.DONE, Outcome.DONE,
+    assert m.offload(NS, [(1, b"a"), (2, b"b"), (3, b"c")]).outcomes == [Outcome.DONE, Outcome.DONE,
                                                                 Outcome.RESOURCE_EXHAUSTED]
-    assert m.offload(NS, [(3, b"c")]) == [Outcome.DONE]  # evicts a, the least recently used
+    assert m.offload(NS, [(3, b"c")]).outcomes == [Outcome.DONE]  # evicts a, the least recently used
     assert m.lookup(NS, [b"a", b"b", b"c"]).tiers == [None, m.index.tier, m.index.tier]
 
 
@@ -136,7 +136,7 @@ def test_odd_sized_runs_use_a_narrower_word(shm_dir):
             pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
             want = read_block(pool.storage, pool.layout, 2)
             m.offload(NS, [(2, b"x")])
-            assert m.restore(NS, [(b"x", 4)]) == [Outcome.DONE]
+            assert m.restore(NS, [(b"x", 4)]).outcomes == [Outcome.DONE]
             assert torch.equal(read_block(pool.storage, PoolLayout(spec, PRESETS[name]), 4), want)
 
 

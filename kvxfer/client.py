@@ -1,0 +1,179 @@
+"""The engine-side client: connect, map the pool with zero copy, and call the daemon.
+
+Every call has a deadline (``timeout``); a daemon that is down or slow fails the
+call fast with ``Unavailable`` or ``DeadlineExceeded`` instead of hanging the
+engine. A status from the daemon raises the kvxfer exception of that code. A
+well-formed request whose blocks did not all succeed raises ``BlockFailures``
+carrying every block's outcome, unless the caller passes ``partial=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvxfer import wire
+from kvxfer.errors import InvalidArgument, KvxferError, error_for_code
+from kvxfer.keys import block_keys
+from kvxfer.manager import LookupResult, TransferResult
+from kvxfer.pool import Pool, PoolDescriptor
+from kvxfer.store import Outcome
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+
+SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT})
+#: Which status a failed batch reports, worst first.
+_FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL"),
+                  (Outcome.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"), (Outcome.NOT_FOUND, "NOT_FOUND")]
+
+
+class BlockFailures(KvxferError):
+    """Some blocks of a well-formed request failed; ``outcomes`` has every block's outcome."""
+
+    def __init__(self, message: str, outcomes: list[Outcome], code: str) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+        self.code = code
+
+
+class Client:
+    """A connection to one daemon. ``target`` is ``unix:/path/to.sock`` or ``host:port`` (TLS)."""
+
+    def __init__(self, target: str, namespace: str = "default", *, pool_id: str | None = None,
+                 timeout: float = 5.0, token: str | None = None, root_certificates: bytes | None = None) -> None:
+        self.namespace = namespace
+        self.timeout = timeout
+        self.default_pool = pool_id
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        if target.startswith("unix:"):
+            self._channel = grpc.insecure_channel(target, options=options)
+            self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        else:
+            if root_certificates is None:
+                raise InvalidArgument("a TCP target needs root_certificates (the daemon serves TCP with TLS only)")
+            creds = grpc.ssl_channel_credentials(root_certificates)
+            if token:
+                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+            self._channel = grpc.secure_channel(target, creds, options=options)
+            self._metadata = ()
+        self._stub = pb_grpc.KVTransferStub(self._channel)
+        self._descriptors: dict[str, PoolDescriptor] = {}
+        self._mapped: dict[str, Pool] = {}
+
+    # -- pools -----------------------------------------------------------------
+    def pools(self) -> list[PoolDescriptor]:
+        """Every pool the daemon serves (and refresh what this client knows of them)."""
+        response = self._call(self._stub.GetPoolInfo, pb.GetPoolInfoRequest())
+        self._descriptors = {p.pool_id: wire.descriptor_from_pb(p) for p in response.pools}
+        return list(self._descriptors.values())
+
+    def pool_info(self, pool_id: str | None = None) -> PoolDescriptor:
+        """One pool's descriptor; without an id, the client's default or the daemon's only pool."""
+        pool_id = pool_id or self.default_pool
+        if pool_id is None:
+            pools = self.pools()
+            if len(pools) != 1:
+                raise InvalidArgument(f"the daemon serves {len(pools)} pools; name one: "
+                                      f"{[p.pool_id for p in pools]}")
+            return pools[0]
+        response = self._call(self._stub.GetPoolInfo, pb.GetPoolInfoRequest(pool_id=pool_id))
+        desc = wire.descriptor_from_pb(response.pools[0])
+        self._descriptors[pool_id] = desc
+        return desc
+
+    def map_pool(self, pool_id: str | None = None) -> Pool:
+        """Map the pool into this process (zero copy); requests then carry the mapped epoch."""
+        desc = self.pool_info(pool_id)
+        old = self._mapped.get(desc.pool_id)
+        if old is not None and old.descriptor.epoch == desc.epoch:
+            return old
+        pool = self._mapped[desc.pool_id] = Pool.attach(desc)
+        return pool
+
+    def kv_views(self, pool_id: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the K and V views over the mapped pool."""
+        return self.map_pool(pool_id).views()
+
+    # -- blocks ----------------------------------------------------------------
+    def offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
+                namespace: str | None = None, partial: bool = False, timeout: float | None = None) -> TransferResult:
+        """Copy (slot, key) blocks into the daemon's tiers."""
+        ref = self._ref(pool_id)
+        request = pb.OffloadRequest(pool=ref, namespace=namespace or self.namespace,
+                                    slots=[p[0] for p in pairs], keys=[p[1] for p in pairs])
+        return self._transfer(self._stub.Offload, request, partial, timeout)
+
+    def restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
+                namespace: str | None = None, partial: bool = False, timeout: float | None = None) -> TransferResult:
+        """Copy stored (key, slot) blocks into the pool."""
+        ref = self._ref(pool_id)
+        request = pb.RestoreRequest(pool=ref, namespace=namespace or self.namespace,
+                                    keys=[p[0] for p in pairs], slots=[p[1] for p in pairs])
+        return self._transfer(self._stub.Restore, request, partial, timeout)
+
+    def lookup(self, keys: Sequence[bytes], *, pool_ids: Sequence[str] | None = None,
+               namespace: str | None = None, timeout: float | None = None) -> LookupResult:
+        """Keys in prefix order: leading hits present in every named pool (default: this client's pool)."""
+        refs = [self._ref(p) for p in (pool_ids or [None])]
+        response = self._call(self._stub.Lookup, pb.LookupRequest(pools=refs, namespace=namespace or self.namespace,
+                                                                  keys=list(keys)), timeout)
+        return LookupResult(response.hits, [wire.PB_TO_TIER.get(t) for t in response.tiers])
+
+    def delete(self, keys: Sequence[bytes], *, pool_id: str | None = None, namespace: str | None = None,
+               timeout: float | None = None) -> int:
+        request = pb.DeleteRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace, keys=list(keys))
+        return self._call(self._stub.Delete, request, timeout).deleted
+
+    def stats(self, pool_id: str = "", timeout: float | None = None) -> list[pb.PoolStats]:
+        return list(self._call(self._stub.Stats, pb.StatsRequest(pool_id=pool_id), timeout).pools)
+
+    def health(self, timeout: float | None = None) -> str:
+        """The daemon's health status on this channel: "SERVING", "NOT_SERVING", ..."""
+        request = health_pb2.HealthCheckRequest()
+        response = self._call(health_pb2_grpc.HealthStub(self._channel).Check, request, timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    block_keys = staticmethod(block_keys)
+
+    # -- plumbing --------------------------------------------------------------
+    def _ref(self, pool_id: str | None) -> pb.PoolRef:
+        """The pool and the epoch this process mapped (or last saw); no RPC once known."""
+        pool_id = pool_id or self.default_pool
+        if pool_id is None:
+            self.default_pool = pool_id = self.pool_info().pool_id  # the daemon's only pool
+        mapped = self._mapped.get(pool_id)
+        if mapped is not None:
+            return pb.PoolRef(pool_id=pool_id, epoch=mapped.descriptor.epoch)
+        desc = self._descriptors.get(pool_id) or self.pool_info(pool_id)
+        return pb.PoolRef(pool_id=pool_id, epoch=desc.epoch)
+
+    def _transfer(self, method, request, partial: bool, timeout: float | None) -> TransferResult:
+        response = self._call(method, request, timeout)
+        result = TransferResult([wire.STATUS_TO_OUTCOME[s] for s in response.statuses], response.bytes,
+                                response.seconds)
+        if not partial and any(o not in SUCCESS for o in result.outcomes):
+            code = next(c for o, c in _FAILURE_CODES if o in result.outcomes)
+            failed = sum(o not in SUCCESS for o in result.outcomes)
+            raise BlockFailures(f"{failed} of {len(result.outcomes)} blocks failed", result.outcomes, code)
+        return result
+
+    def _call(self, method, request, timeout: float | None = None):
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_for_code(exc.code().name)(exc.details() or exc.code().name) from None
+
+    def close(self) -> None:
+        self._channel.close()
+        for pool in self._mapped.values():
+            pool.close()
+        self._mapped.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,271 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEDIUM_UNSPECIFIED: _ClassVar[Medium]
+    MEDIUM_SHM: _ClassVar[Medium]
+    MEDIUM_CUDA: _ClassVar[Medium]
+
+class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_STATUS_UNSPECIFIED: _ClassVar[BlockStatus]
+    BLOCK_STATUS_DONE: _ClassVar[BlockStatus]
+    BLOCK_STATUS_ALREADY_PRESENT: _ClassVar[BlockStatus]
+    BLOCK_STATUS_NOT_FOUND: _ClassVar[BlockStatus]
+    BLOCK_STATUS_DATA_LOSS: _ClassVar[BlockStatus]
+    BLOCK_STATUS_RESOURCE_EXHAUSTED: _ClassVar[BlockStatus]
+    BLOCK_STATUS_FAILED: _ClassVar[BlockStatus]
+    BLOCK_STATUS_PENDING: _ClassVar[BlockStatus]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+MEDIUM_UNSPECIFIED: Medium
+MEDIUM_SHM: Medium
+MEDIUM_CUDA: Medium
+BLOCK_STATUS_UNSPECIFIED: BlockStatus
+BLOCK_STATUS_DONE: BlockStatus
+BLOCK_STATUS_ALREADY_PRESENT: BlockStatus
+BLOCK_STATUS_NOT_FOUND: BlockStatus
+BLOCK_STATUS_DATA_LOSS: BlockStatus
+BLOCK_STATUS_RESOURCE_EXHAUSTED: BlockStatus
+BLOCK_STATUS_FAILED: BlockStatus
+BLOCK_STATUS_PENDING: BlockStatus
+TIER_UNSPECIFIED: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+TIER_REMOTE: Tier
+
+class PoolRef(_message.Message):
+    __slots__ = ("pool_id", "epoch")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class KVSpec(_message.Message):
+    __slots__ = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PoolHandle(_message.Message):
+    __slots__ = ("medium", "path", "cuda_ipc_handle", "device", "offset")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    medium: Medium
+    path: str
+    cuda_ipc_handle: bytes
+    device: int
+    offset: int
+    def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("pool_id", "epoch", "spec", "layout", "layout_name", "strides", "nbytes", "block_bytes", "owned", "handle", "runs_per_block")
+    class StridesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_NAME_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RUNS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    spec: KVSpec
+    layout: str
+    layout_name: str
+    strides: _containers.ScalarMap[str, int]
+    nbytes: int
+    block_bytes: int
+    owned: bool
+    handle: PoolHandle
+    runs_per_block: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., layout_name: _Optional[str] = ..., strides: _Optional[_Mapping[str, int]] = ..., nbytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., owned: _Optional[bool] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., runs_per_block: _Optional[int] = ...) -> None: ...
+
+class GetPoolInfoRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class GetPoolInfoResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
+
+class OffloadRequest(_message.Message):
+    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    namespace: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    wait: bool
+    lease_ms: int
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    wait: bool
+    lease_ms: int
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class TransferResponse(_message.Message):
+    __slots__ = ("job_id", "statuses", "bytes", "seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    statuses: _containers.RepeatedScalarFieldContainer[BlockStatus]
+    bytes: int
+    seconds: float
+    def __init__(self, job_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("pools", "namespace", "keys")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolRef]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolRef, _Mapping]]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hits", "tiers")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("pool", "namespace", "keys")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_blocks", "used_blocks", "ready_blocks", "pinned_blocks", "evictions", "slot_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_blocks: int
+    used_blocks: int
+    ready_blocks: int
+    pinned_blocks: int
+    evictions: int
+    slot_bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., ready_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class TransferStats(_message.Message):
+    __slots__ = ("blocks", "bytes", "seconds")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    seconds: float
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool_id", "epoch", "tiers", "offloaded", "restored", "outcomes")
+    class OutcomesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    offloaded: TransferStats
+    restored: TransferStats
+    outcomes: _containers.ScalarMap[str, int]
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offloaded: _Optional[_Union[TransferStats, _Mapping]] = ..., restored: _Optional[_Union[TransferStats, _Mapping]] = ..., outcomes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The kvxfer daemon: a thin gRPC adapter over the kvxfer library."""

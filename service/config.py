@@ -1,0 +1,205 @@
+"""Daemon configuration: defaults < YAML file < KVXFER_* environment < command-line flags.
+
+Every value is validated at start-up; a bad one is a one-line ``ConfigError`` naming
+the setting. Unknown keys are errors too, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import yaml
+
+from kvxfer.errors import InvalidArgument
+from kvxfer.layout import KVSpec, Layout, parse_dtype
+from kvxfer.shm import resolve_group
+
+MIB = 1 << 20
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is invalid; the daemon does not start."""
+
+
+#: The embedded default pool: the KV geometry of Qwen2.5-0.5B (24 layers, 2 KV heads,
+#: head_size 64, bf16) with 16-token blocks: 192 KiB per block, 192 MiB for 1024 blocks.
+DEFAULT_POOL = {
+    "id": "rank0",
+    "device": "auto",
+    "layout": "BLHNC",
+    "spec": {"num_layers": 24, "num_blocks": 1024, "block_size": 16, "num_kv_heads": 2, "head_size": 64,
+             "dtype": "bfloat16"},
+    "host_capacity_mib": 512,
+}
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    id: str
+    device: str  # "cpu", "cuda", "cuda:N", or "auto" (cuda:0 when a GPU is present)
+    layout: Layout
+    spec: KVSpec
+    host_capacity_blocks: int
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: str = "/tmp/kvxfer.sock"
+    socket_mode: int = 0o660
+    socket_group: str = ""
+    listen: str = ""  # HOST:PORT; needs tls_cert, tls_key and a token
+    tls_cert: str = ""
+    tls_key: str = ""
+    token_file: str = ""
+    shm_dir: str = "/dev/shm"
+    shm_mode: int = 0o660
+    shm_group: str = ""
+    max_concurrent_rpcs: int = 64
+    workers: int = 16
+    max_message_mib: int = 64
+    grace_period_s: float = 10.0
+    log_level: str = "info"
+    log_format: str = "json"
+    pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
+
+    @property
+    def token(self) -> str:
+        if not self.token_file:
+            return ""
+        return Path(self.token_file).read_text().strip()
+
+
+_SCALARS = {f.name: f for f in fields(Config) if f.name != "pools"}
+_MODES = {"socket_mode", "shm_mode"}
+_ENV_PREFIX = "KVXFER_"
+_LISTEN_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def _coerce(name: str, value) -> object:
+    """One scalar setting from YAML, environment or flags, validated."""
+    kind = _SCALARS[name].type
+    try:
+        if name in _MODES:
+            mode = int(str(value), 8) if isinstance(value, str) else int(value)
+            if not 0 <= mode <= 0o777:
+                raise ValueError
+            return mode
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return "" if value is None else str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: invalid value {value!r}") from None
+
+
+def _pool(raw: dict, index: int) -> PoolConfig:
+    where = f"pools[{index}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a mapping")
+    unknown = set(raw) - set(DEFAULT_POOL)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(DEFAULT_POOL)}")
+    merged = {**DEFAULT_POOL, **raw, "spec": {**DEFAULT_POOL["spec"], **(raw.get("spec") or {})}}
+    pool_id = str(merged["id"])
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", pool_id):
+        raise ConfigError(f"{where}.id: {pool_id!r} must be 1-64 letters, digits, '_', '.', '-'")
+    device = str(merged["device"])
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"{where}.device: {device!r} must be auto, cpu, cuda or cuda:N")
+    try:
+        spec_raw = dict(merged["spec"])
+        unknown = set(spec_raw) - set(DEFAULT_POOL["spec"])
+        if unknown:
+            raise ConfigError(f"{where}.spec: unknown keys {sorted(unknown)}")
+        spec_raw["dtype"] = parse_dtype(str(spec_raw["dtype"]))
+        spec = KVSpec(**spec_raw)
+        layout = Layout.parse(str(merged["layout"]))
+    except ConfigError:
+        raise
+    except InvalidArgument as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    capacity = merged["host_capacity_mib"]
+    if isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0:
+        raise ConfigError(f"{where}.host_capacity_mib: must be a positive number, got {capacity!r}")
+    blocks = int(capacity * MIB) // spec.block_bytes
+    if blocks < 1:
+        raise ConfigError(f"{where}.host_capacity_mib: {capacity} MiB holds no block of {spec.block_bytes} bytes")
+    return PoolConfig(pool_id, device, layout, spec, blocks)
+
+
+def load(path: str | None = None, env: dict[str, str] | None = None, overrides: dict | None = None) -> Config:
+    """Build and validate the configuration from its sources."""
+    raw: dict = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: must be a mapping")
+        raw = dict(loaded or {})
+    unknown = set(raw) - set(_SCALARS) - {"pools"}
+    if unknown:
+        raise ConfigError(f"unknown settings {sorted(unknown)}; allowed: {sorted([*_SCALARS, 'pools'])}")
+    env = os.environ if env is None else env
+    for name in _SCALARS:
+        if _ENV_PREFIX + name.upper() in env:
+            raw[name] = env[_ENV_PREFIX + name.upper()]
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            raw[name] = value
+    values = {name: _coerce(name, raw[name]) for name in _SCALARS if name in raw}
+    pools_raw = raw.get("pools")
+    if pools_raw is None:
+        pools_raw = [{}]
+    if not isinstance(pools_raw, list) or not pools_raw:
+        raise ConfigError("pools: must be a non-empty list")
+    pools = tuple(_pool(p, i) for i, p in enumerate(pools_raw))
+    if len({p.id for p in pools}) != len(pools):
+        raise ConfigError("pools: ids must be unique")
+    return validate(replace(Config(), **values, pools=pools))
+
+
+def validate(config: Config) -> Config:
+    """Cross-field rules; returns the config unchanged when they hold."""
+    if config.log_level.lower() not in {"debug", "info", "warning", "error"}:
+        raise ConfigError(f"log_level: {config.log_level!r} must be debug, info, warning or error")
+    if config.log_format not in {"json", "text"}:
+        raise ConfigError(f"log_format: {config.log_format!r} must be json or text")
+    for name in ("max_concurrent_rpcs", "workers", "max_message_mib"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{name}: must be at least 1")
+    if config.grace_period_s < 0:
+        raise ConfigError("grace_period_s: must be >= 0")
+    if not config.socket and not config.listen:
+        raise ConfigError("nothing to listen on: set socket and/or listen")
+    if config.socket and not Path(config.socket).parent.is_dir():
+        raise ConfigError(f"socket: directory {Path(config.socket).parent} does not exist")
+    for name in ("socket_group", "shm_group"):
+        try:
+            resolve_group(getattr(config, name) or None)
+        except InvalidArgument as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    if not Path(config.shm_dir).is_dir():
+        raise ConfigError(f"shm_dir: {config.shm_dir} is not a directory")
+    if config.listen:
+        if not _LISTEN_RE.match(config.listen) or not 0 < int(config.listen.rsplit(":", 1)[1]) < 65536:
+            raise ConfigError(f"listen: {config.listen!r} must be HOST:PORT")
+        if not (config.tls_cert and config.tls_key and config.token_file):
+            raise ConfigError("listen: a TCP listener needs tls_cert, tls_key and token_file; refusing to "
+                              "serve without TLS and a token (use the Unix socket inside the pod)")
+    for name in ("tls_cert", "tls_key", "token_file"):
+        value = getattr(config, name)
+        if value and not Path(value).is_file():
+            raise ConfigError(f"{name}: {value} is not a readable file")
+    if config.token_file and not config.token:
+        raise ConfigError(f"token_file: {config.token_file} is empty")
+    return config
