@@ -9,6 +9,7 @@ carrying every block's outcome, unless the caller passes ``partial=True``.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 import grpc
@@ -16,10 +17,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer import wire
-from kvxfer.errors import InvalidArgument, KvxferError, error_for_code
+from kvxfer.errors import (DeadlineExceeded, InvalidArgument, KvxferError, ResourceExhausted, Unavailable,
+                           error_for_code)
 from kvxfer.keys import block_keys
+from kvxfer.layout import KVSpec, Layout
 from kvxfer.manager import LookupResult, TransferResult
-from kvxfer.pool import Pool, PoolDescriptor
+from kvxfer.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.store import Outcome
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -27,7 +30,8 @@ from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT})
 #: Which status a failed batch reports, worst first.
 _FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL"),
-                  (Outcome.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"), (Outcome.NOT_FOUND, "NOT_FOUND")]
+                  (Outcome.CANCELLED, "CANCELLED"), (Outcome.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"),
+                  (Outcome.NOT_FOUND, "NOT_FOUND")]
 
 
 class BlockFailures(KvxferError):
@@ -39,11 +43,17 @@ class BlockFailures(KvxferError):
         self.code = code
 
 
+#: Errors after which a best-effort offload is dropped instead of raised: the daemon is
+#: down, slow or full. A dropped offload costs a cache hit later, never correctness.
+_DROPPABLE = (Unavailable, DeadlineExceeded, ResourceExhausted)
+
+
 class Client:
     """A connection to one daemon. ``target`` is ``unix:/path/to.sock`` or ``host:port`` (TLS)."""
 
     def __init__(self, target: str, namespace: str = "default", *, pool_id: str | None = None,
                  timeout: float = 5.0, token: str | None = None, root_certificates: bytes | None = None) -> None:
+        self.client_id = uuid.uuid4().hex  # names this client's asynchronous jobs
         self.namespace = namespace
         self.timeout = timeout
         self.default_pool = pool_id
@@ -99,12 +109,21 @@ class Client:
 
     # -- blocks ----------------------------------------------------------------
     def offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
-                namespace: str | None = None, partial: bool = False, timeout: float | None = None) -> TransferResult:
-        """Copy (slot, key) blocks into the daemon's tiers."""
-        ref = self._ref(pool_id)
-        request = pb.OffloadRequest(pool=ref, namespace=namespace or self.namespace,
+                namespace: str | None = None, partial: bool = False, best_effort: bool = False,
+                timeout: float | None = None) -> TransferResult | None:
+        """Copy (slot, key) blocks into the daemon's tiers.
+
+        ``best_effort=True``: if the daemon is down, slow or full, return None instead of
+        raising (the engine goes on; it loses a future cache hit, nothing else).
+        """
+        request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     slots=[p[0] for p in pairs], keys=[p[1] for p in pairs])
-        return self._transfer(self._stub.Offload, request, partial, timeout)
+        try:
+            return self._transfer(self._stub.Offload, request, partial or best_effort, timeout)
+        except _DROPPABLE:
+            if best_effort:
+                return None
+            raise
 
     def restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
                 namespace: str | None = None, partial: bool = False, timeout: float | None = None) -> TransferResult:
@@ -113,6 +132,67 @@ class Client:
         request = pb.RestoreRequest(pool=ref, namespace=namespace or self.namespace,
                                     keys=[p[0] for p in pairs], slots=[p[1] for p in pairs])
         return self._transfer(self._stub.Restore, request, partial, timeout)
+
+    # -- asynchronous jobs -------------------------------------------------------
+    def submit_offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
+                       namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None) -> int:
+        """Queue an offload; returns its job id at once. Do not write the slots until it is finished.
+
+        The job's lease (``lease_s``, 0: the daemon's default) is renewed by every
+        ``wait_jobs`` call; if this client stops calling, the daemon cancels the job.
+        """
+        request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
+                                    slots=[p[0] for p in pairs], keys=[p[1] for p in pairs], wait=False,
+                                    lease_ms=int(lease_s * 1000), client_id=self.client_id)
+        return self._call(self._stub.Offload, request, timeout).job_id
+
+    def submit_restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
+                       namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None) -> int:
+        """Queue a restore; returns its job id at once. Do not read the slots until it is finished."""
+        request = pb.RestoreRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
+                                    keys=[p[0] for p in pairs], slots=[p[1] for p in pairs], wait=False,
+                                    lease_ms=int(lease_s * 1000), client_id=self.client_id)
+        return self._call(self._stub.Restore, request, timeout).job_id
+
+    def wait_jobs(self, job_ids: Sequence[int] = (), *, wait_s: float = 0.0, wait_all: bool = False,
+                  pool_id: str | None = None, timeout: float | None = None) -> dict[int, TransferResult]:
+        """Finished jobs of this client (those named, or any): job id -> per-block outcomes.
+
+        Each job is reported once. ``wait_s=0`` polls (like vLLM's get_finished);
+        otherwise the call waits up to ``wait_s`` for one to finish, or with
+        ``wait_all`` for every named one (restores a forward pass needs). Failed
+        blocks are in the outcomes; nothing is raised for them. Renews this client's leases.
+        """
+        request = pb.WaitJobsRequest(pool=self._ref(pool_id), client_id=self.client_id, job_ids=list(job_ids),
+                                     timeout_ms=int(wait_s * 1000), wait_all=wait_all)
+        response = self._call(self._stub.WaitJobs, request, timeout or self.timeout + wait_s)
+        return {j.job_id: TransferResult([wire.STATUS_TO_OUTCOME[s] for s in j.statuses], j.bytes, j.seconds)
+                for j in response.finished}
+
+    # -- registered pools ----------------------------------------------------------
+    def register_pool(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, *,
+                      host_capacity_mib: int = 0, cache_group: str = "",
+                      timeout: float | None = None) -> PoolDescriptor:
+        """Have the daemon serve memory this engine allocated (for example a file under /dev/shm).
+
+        Returns the descriptor with the epoch the daemon assigned; requests from this
+        client then name it. Pools of one ``cache_group`` (default: the pool id) share a
+        host tier: register an engine's restart in the group it used before; never put
+        two tensor-parallel ranks in one group.
+        """
+        request = pb.RegisterPoolRequest(pool_id=pool_id, spec=wire.spec_to_pb(spec), layout=layout.spelled,
+                                         handle=wire.handle_to_pb(handle), host_capacity_mib=host_capacity_mib,
+                                         cache_group=cache_group)
+        desc = wire.descriptor_from_pb(self._call(self._stub.RegisterPool, request, timeout).pool)
+        self._descriptors[pool_id] = desc
+        return desc
+
+    def unregister_pool(self, pool_id: str, *, drain_s: float = 10.0, timeout: float | None = None) -> int:
+        """Stop the daemon serving a registered pool; returns how many queued jobs were cancelled."""
+        request = pb.UnregisterPoolRequest(pool=self._ref(pool_id), drain_timeout_ms=int(drain_s * 1000))
+        cancelled = self._call(self._stub.UnregisterPool, request, timeout or self.timeout + drain_s).cancelled_jobs
+        self._descriptors.pop(pool_id, None)
+        return cancelled
 
     def lookup(self, keys: Sequence[bytes], *, pool_ids: Sequence[str] | None = None,
                namespace: str | None = None, timeout: float | None = None) -> LookupResult:

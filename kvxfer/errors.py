@@ -69,6 +69,18 @@ class Unauthenticated(KvxferError):
     code = "UNAUTHENTICATED"
 
 
+class Cancelled(KvxferError):
+    """The operation was stopped (a job's lease ran out). ``completed`` leading items were
+    done; ``corrupt`` lists those among them that failed verification."""
+
+    code = "CANCELLED"
+
+    def __init__(self, message: str, completed: int = 0, corrupt: frozenset[int] = frozenset()) -> None:
+        super().__init__(message)
+        self.completed = completed
+        self.corrupt = corrupt
+
+
 class Internal(KvxferError):
     """An invariant broke; this is a bug in kvxfer."""
 
@@ -77,7 +89,7 @@ class Internal(KvxferError):
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, NotFound, AlreadyExists,
                                       ResourceExhausted, DataLoss, Unavailable, DeadlineExceeded,
-                                      Unauthenticated, Internal)}
+                                      Unauthenticated, Cancelled, Internal)}
 
 
 def error_for_code(code: str) -> type[KvxferError]:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import Cancelled, KvxferError
 from kvxfer.pool import Pool
-from kvxfer.store import BlockIndex, IndexStats, Outcome, TierKind
-from kvxfer.tiers.host import HostTier
+from kvxfer.group import CacheGroup
+from kvxfer.store import IndexStats, Outcome, TierKind
 from kvxfer.transfer import CopyEngine, engine_for
 from kvxfer.transfer.checked import CheckedCopier
 from kvxfer.validate import check_keys, check_namespace, check_slots
@@ -55,14 +55,19 @@ class LookupResult:
 
 
 class PoolManager:
-    """Offload, restore, lookup and delete for one pool."""
+    """Offload, restore, lookup and delete for one pool, over its cache group's tier."""
 
-    def __init__(self, pool: Pool, host_capacity_blocks: int, engine: CopyEngine | None = None) -> None:
+    def __init__(self, pool: Pool, group: CacheGroup | int, engine: CopyEngine | None = None) -> None:
+        """``group``: the cache group the pool joins, or a capacity in blocks for a group of its own."""
         self.pool = pool
         layout = pool.layout
         storage = pool.storage
-        self.host = HostTier(host_capacity_blocks, layout.block_bytes, pin_memory=storage.is_cuda)
-        self.index = BlockIndex(TierKind.HOST, host_capacity_blocks)
+        if isinstance(group, int):
+            group = CacheGroup(pool.descriptor.pool_id, layout, group, pin_memory=storage.is_cuda)
+        group.check_joins(layout)
+        self.group = group
+        self.host = group.host
+        self.index = group.index
         self.engine = engine or engine_for(pool.descriptor.handle.medium, storage, layout, self.host)
         self.copier = CheckedCopier(self.engine, self.host)
         self._offloaded = TransferCounters()
@@ -74,12 +79,30 @@ class PoolManager:
     def num_blocks(self) -> int:
         return self.pool.layout.spec.num_blocks
 
-    def offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]]) -> TransferResult:
-        """Copy each slot's block into the host tier under its key; one outcome per pair."""
+    def check_offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]]) -> tuple[list[int], list[bytes]]:
+        """Validate an offload request whole; returns its slots and keys."""
         check_namespace(namespace)
         slots, keys = [p[0] for p in pairs], [bytes(p[1]) for p in pairs]
         check_slots(slots, self.num_blocks)
         check_keys(keys)
+        return slots, keys
+
+    def check_restore(self, namespace: str, pairs: Sequence[tuple[bytes, int]]) -> tuple[list[bytes], list[int]]:
+        """Validate a restore request whole; returns its keys and slots."""
+        check_namespace(namespace)
+        keys, slots = [bytes(p[0]) for p in pairs], [p[1] for p in pairs]
+        check_keys(keys)
+        check_slots(slots, self.num_blocks)
+        return keys, slots
+
+    def offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]],
+                cancelled: Callable[[], bool] | None = None) -> TransferResult:
+        """Copy each slot's block into the host tier under its key; one outcome per pair.
+
+        ``cancelled`` (a job's lease) is asked between chunks; once it answers True
+        nothing more is copied and none of the request's keys become visible.
+        """
+        slots, keys = self.check_offload(namespace, pairs)
         plan = self.index.prepare_store(namespace, keys)
         entries = plan.entries
         checksums: list[int | None] = [None] * len(entries)
@@ -87,9 +110,13 @@ class PoolManager:
         try:
             if entries:
                 start = time.perf_counter()
-                checksums = self.copier.to_host([slots[i] for i in plan.positions], [e.slot for e in entries])
+                checksums = self.copier.to_host([slots[i] for i in plan.positions], [e.slot for e in entries],
+                                                cancelled)
                 seconds = time.perf_counter() - start
                 moved = self._count(self._offloaded, len(entries), seconds)
+        except Cancelled:
+            for i in plan.positions:
+                plan.outcomes[i] = Outcome.CANCELLED
         except KvxferError:
             for i in plan.positions:
                 plan.outcomes[i] = Outcome.FAILED
@@ -98,30 +125,37 @@ class PoolManager:
         self._tally(plan.outcomes)
         return TransferResult(plan.outcomes, moved, seconds)
 
-    def restore(self, namespace: str, pairs: Sequence[tuple[bytes, int]]) -> TransferResult:
-        """Copy each key's block into its slot and verify it there; one outcome per pair."""
-        check_namespace(namespace)
-        keys, slots = [bytes(p[0]) for p in pairs], [p[1] for p in pairs]
-        check_keys(keys)
-        check_slots(slots, self.num_blocks)
+    def restore(self, namespace: str, pairs: Sequence[tuple[bytes, int]],
+                cancelled: Callable[[], bool] | None = None) -> TransferResult:
+        """Copy each key's block into its slot and verify it there; one outcome per pair.
+
+        Once ``cancelled`` answers True no further slot is written; blocks not
+        done are reported CANCELLED.
+        """
+        keys, slots = self.check_restore(namespace, pairs)
         plan = self.index.prepare_load(namespace, keys)
         entries, positions = plan.entries, plan.positions
-        corrupt: set[int] = set()
+        corrupt: set[int] | frozenset[int] = set()
         moved, seconds = 0, 0.0
         try:
             if entries:
                 start = time.perf_counter()
                 try:
                     corrupt = self.copier.to_pool([e.slot for e in entries], [e.checksum for e in entries],
-                                                  [slots[i] for i in positions])
-                    seconds = time.perf_counter() - start
-                    moved = self._count(self._restored, len(entries) - len(corrupt), seconds)
-                except KvxferError:
-                    for i in positions:
-                        plan.outcomes[i] = Outcome.FAILED
-                for j in corrupt:  # dropped at complete_load; the engine must not read their slots
-                    plan.outcomes[positions[j]] = Outcome.DATA_LOSS
+                                                  [slots[i] for i in positions], cancelled)
+                    done = len(entries)
+                except Cancelled as exc:
+                    corrupt, done = exc.corrupt, exc.completed
+                    for j in range(done, len(entries)):
+                        plan.outcomes[positions[j]] = Outcome.CANCELLED
+                seconds = time.perf_counter() - start
+                moved = self._count(self._restored, done - len(corrupt), seconds)
+        except KvxferError:
+            for i in positions:
+                plan.outcomes[i] = Outcome.FAILED
         finally:
+            for j in corrupt:  # dropped at complete_load; the engine must not read their slots
+                plan.outcomes[positions[j]] = Outcome.DATA_LOSS
             self.index.complete_load(entries, corrupt)
         self._tally(plan.outcomes)
         return TransferResult(plan.outcomes, moved, seconds)

@@ -26,6 +26,7 @@ class Outcome(enum.Enum):
     DATA_LOSS = "data_loss"  # restore: checksum mismatch; the entry was dropped, the slot not written
     RESOURCE_EXHAUSTED = "resource_exhausted"  # offload: tier full of pinned entries
     FAILED = "failed"  # the copy itself failed; nothing was stored
+    CANCELLED = "cancelled"  # the job's lease ran out (or its pool went away) before this block was done
 
 
 class TierKind(enum.Enum):

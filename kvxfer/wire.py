@@ -5,6 +5,8 @@ Shared by the daemon (service/) and the client, so both read the wire the same w
 
 from __future__ import annotations
 
+from kvxfer.errors import InvalidArgument
+from kvxfer.jobs import JobStats
 from kvxfer.layout import KVSpec, Layout, parse_dtype
 from kvxfer.manager import PoolStats
 from kvxfer.pool import Medium, PoolDescriptor, PoolHandle
@@ -18,6 +20,7 @@ OUTCOME_TO_STATUS = {
     Outcome.DATA_LOSS: pb.BLOCK_STATUS_DATA_LOSS,
     Outcome.RESOURCE_EXHAUSTED: pb.BLOCK_STATUS_RESOURCE_EXHAUSTED,
     Outcome.FAILED: pb.BLOCK_STATUS_FAILED,
+    Outcome.CANCELLED: pb.BLOCK_STATUS_CANCELLED,
 }
 STATUS_TO_OUTCOME = {status: outcome for outcome, status in OUTCOME_TO_STATUS.items()}
 TIER_TO_PB = {TierKind.HOST: pb.TIER_HOST}
@@ -35,29 +38,25 @@ def spec_from_pb(msg: pb.KVSpec) -> KVSpec:
                   parse_dtype(msg.dtype))
 
 
-def pool_info(desc: PoolDescriptor) -> pb.PoolInfo:
+def pool_info(desc: PoolDescriptor, cache_group: str = "") -> pb.PoolInfo:
     pl = desc.pool_layout
-    h = desc.handle
     return pb.PoolInfo(
         pool_id=desc.pool_id, epoch=desc.epoch, spec=spec_to_pb(desc.spec), layout=desc.layout.spelled,
         layout_name=desc.layout.name, strides={a.value: s for a, s in pl.strides.items()}, nbytes=pl.nbytes,
         block_bytes=pl.block_bytes, owned=desc.owned, runs_per_block=pl.runs_per_block,
-        handle=pb.PoolHandle(medium=MEDIUM_TO_PB[h.medium], path=h.path, cuda_ipc_handle=h.ipc_handle,
-                             device=h.device, offset=h.offset),
+        handle=handle_to_pb(desc.handle), cache_group=cache_group,
     )
 
 
 def descriptor_from_pb(msg: pb.PoolInfo) -> PoolDescriptor:
-    h = msg.handle
-    handle = PoolHandle(PB_TO_MEDIUM[h.medium], h.path, bytes(h.cuda_ipc_handle), h.device, h.offset)
-    return PoolDescriptor(msg.pool_id, spec_from_pb(msg.spec), Layout.parse(msg.layout), handle, msg.epoch,
-                          msg.owned)
+    return PoolDescriptor(msg.pool_id, spec_from_pb(msg.spec), Layout.parse(msg.layout), handle_from_pb(msg.handle),
+                          msg.epoch, msg.owned)
 
 
-def pool_stats(desc: PoolDescriptor, stats: PoolStats) -> pb.PoolStats:
+def pool_stats(desc: PoolDescriptor, stats: PoolStats, jobs: JobStats, cache_group: str) -> pb.PoolStats:
     i = stats.index
     return pb.PoolStats(
-        pool_id=desc.pool_id, epoch=desc.epoch,
+        pool_id=desc.pool_id, epoch=desc.epoch, cache_group=cache_group,
         tiers=[pb.TierStats(tier=TIER_TO_PB[i.tier], capacity_blocks=i.capacity, used_blocks=i.used,
                             ready_blocks=i.ready, pinned_blocks=i.pinned, evictions=i.evictions,
                             slot_bytes=stats.slot_bytes)],
@@ -66,4 +65,17 @@ def pool_stats(desc: PoolDescriptor, stats: PoolStats) -> pb.PoolStats:
         restored=pb.TransferStats(blocks=stats.restored.blocks, bytes=stats.restored.bytes,
                                   seconds=stats.restored.seconds),
         outcomes=stats.outcomes,
+        jobs=pb.JobStats(queued=jobs.queued, running=jobs.running, unclaimed=jobs.unclaimed,
+                         completed=jobs.completed, cancelled=jobs.cancelled, expired=jobs.expired),
     )
+
+
+def handle_from_pb(msg: pb.PoolHandle) -> PoolHandle:
+    if msg.medium not in PB_TO_MEDIUM:
+        raise InvalidArgument("pool handle needs a medium (MEDIUM_SHM or MEDIUM_CUDA)")
+    return PoolHandle(PB_TO_MEDIUM[msg.medium], msg.path, bytes(msg.cuda_ipc_handle), msg.device, msg.offset)
+
+
+def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
+    return pb.PoolHandle(medium=MEDIUM_TO_PB[h.medium], path=h.path, cuda_ipc_handle=h.ipc_handle, device=h.device,
+                         offset=h.offset)

@@ -15,6 +15,7 @@ import yaml
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.layout import KVSpec, Layout, parse_dtype
+from kvxfer.registry import Limits
 from kvxfer.shm import resolve_group
 
 MIB = 1 << 20
@@ -33,6 +34,7 @@ DEFAULT_POOL = {
     "spec": {"num_layers": 24, "num_blocks": 1024, "block_size": 16, "num_kv_heads": 2, "head_size": 64,
              "dtype": "bfloat16"},
     "host_capacity_mib": 512,
+    "cache_group": "",  # pools of one group share a host tier and keys; "" = the pool id
 }
 
 
@@ -43,6 +45,7 @@ class PoolConfig:
     layout: Layout
     spec: KVSpec
     host_capacity_blocks: int
+    cache_group: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,22 @@ class Config:
     workers: int = 16
     max_message_mib: int = 64
     grace_period_s: float = 10.0
+    max_pools: int = 8
+    max_cache_groups: int = 8
+    max_queued_jobs: int = 256
+    default_lease_s: float = 30.0
+    max_lease_s: float = 600.0
+    allow_register: bool = True
+    registered_host_capacity_mib: int = 512
     log_level: str = "info"
     log_format: str = "json"
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
+                      self.max_lease_s, self.shm_dir if self.allow_register else None,
+                      self.registered_host_capacity_mib)
 
     @property
     def token(self) -> str:
@@ -87,6 +103,13 @@ def _coerce(name: str, value) -> object:
             if not 0 <= mode <= 0o777:
                 raise ValueError
             return mode
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text not in {"true", "false", "1", "0", "yes", "no"}:
+                raise ValueError
+            return text in {"true", "1", "yes"}
         if kind == "int":
             if isinstance(value, bool):
                 raise ValueError
@@ -130,7 +153,7 @@ def _pool(raw: dict, index: int) -> PoolConfig:
     blocks = int(capacity * MIB) // spec.block_bytes
     if blocks < 1:
         raise ConfigError(f"{where}.host_capacity_mib: {capacity} MiB holds no block of {spec.block_bytes} bytes")
-    return PoolConfig(pool_id, device, layout, spec, blocks)
+    return PoolConfig(pool_id, device, layout, spec, blocks, str(merged["cache_group"] or ""))
 
 
 def load(path: str | None = None, env: dict[str, str] | None = None, overrides: dict | None = None) -> Config:
@@ -174,9 +197,15 @@ def validate(config: Config) -> Config:
         raise ConfigError(f"log_level: {config.log_level!r} must be debug, info, warning or error")
     if config.log_format not in {"json", "text"}:
         raise ConfigError(f"log_format: {config.log_format!r} must be json or text")
-    for name in ("max_concurrent_rpcs", "workers", "max_message_mib"):
+    for name in ("max_concurrent_rpcs", "workers", "max_message_mib", "max_pools", "max_cache_groups",
+                 "max_queued_jobs",
+                 "registered_host_capacity_mib"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{name}: must be at least 1")
+    if not 0 < config.default_lease_s <= config.max_lease_s:
+        raise ConfigError("default_lease_s: must be > 0 and at most max_lease_s")
+    if len(config.pools) > config.max_pools:
+        raise ConfigError(f"pools: {len(config.pools)} configured, max_pools is {config.max_pools}")
     if config.grace_period_s < 0:
         raise ConfigError("grace_period_s: must be >= 0")
     if not config.socket and not config.listen:

@@ -62,7 +62,7 @@ def resolve_device(device: str) -> str:
 
 
 def create_pools(config: Config) -> PoolRegistry:
-    registry = PoolRegistry()
+    registry = PoolRegistry(config.limits)
     try:
         for pc in config.pools:
             _create_pool(registry, pc, config)
@@ -76,7 +76,7 @@ def _create_pool(registry: PoolRegistry, pc: PoolConfig, config: Config) -> None
     device = resolve_device(pc.device)
     pool = Pool.create(pc.id, pc.spec, pc.layout, device=device, shm_dir=config.shm_dir, mode=config.shm_mode,
                        group=config.shm_group or None)
-    registry.add(pool, pc.host_capacity_blocks)
+    registry.add(pool, pc.host_capacity_blocks, pc.cache_group)
     log.info("pool ready", extra={"pool": pc.id, "device": device, "layout": pc.layout.name,
                                   "block_bytes": pc.spec.block_bytes, "num_blocks": pc.spec.num_blocks,
                                   "host_capacity_blocks": pc.host_capacity_blocks, "epoch": pool.descriptor.epoch,
@@ -124,6 +124,7 @@ class Daemon:
         try:
             self._listen()
         except BaseException:
+            self.server.stop(None).wait()
             self.registry.close()
             raise
 
@@ -155,7 +156,7 @@ class Daemon:
         self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
         log.info("shutting down", extra={"grace_period_s": self.config.grace_period_s})
         self.server.stop(self.config.grace_period_s).wait()
-        self.registry.close()
+        self.registry.close(drain_timeout=self.config.grace_period_s)  # queued jobs finish first
         if self.config.socket:
             Path(self.config.socket).unlink(missing_ok=True)
         log.info("stopped")

@@ -7,6 +7,9 @@ same number of bytes: a plain ``copy_`` from the mapped pool into a local buffer
 and that copy followed by the checksum pass. The four are interleaved in every
 repetition; ratios are medians of per-repetition ratios.
 
+Jobs in flight: the same bytes offloaded as N asynchronous jobs submitted at
+once, then collected with WaitJobs.
+
 Latency: round trips of a one-block Offload (a fresh key each call, so each call
 copies and hashes 192 KiB) against a health Check on the same channel,
 interleaved call by call; p50 and p99.
@@ -73,6 +76,32 @@ def throughput(client: Client, args: argparse.Namespace, progress: Progress) -> 
     return result
 
 
+def jobs_in_flight(client: Client, args: argparse.Namespace, progress: Progress) -> list[dict]:
+    """Offload the same bytes as N asynchronous jobs submitted at once, then wait for all."""
+    pool = client.map_pool()
+    block = pool.layout.block_bytes
+    n = (args.batch_mib * MIB) // block
+    odd = list(range(1, pool.layout.spec.num_blocks, 2))[:n]
+    rows = []
+    for inflight in (int(x) for x in args.inflight.split(",")):
+        keys = [f"jf{inflight}-{i}".encode() for i in range(n)]
+        per_job = -(-n // inflight)
+
+        def run_jobs() -> None:
+            ids = {client.submit_offload(list(zip(odd[a:a + per_job], keys[a:a + per_job])))
+                   for a in range(0, n, per_job)}
+            while ids:
+                finished = client.wait_jobs(list(ids), wait_s=30, wait_all=True)
+                assert all(all(o.value == "done" for o in r.outcomes) for r in finished.values()), finished
+                ids -= set(finished)
+
+        seconds = interleaved({"jobs": run_jobs}, args.reps, setup={"jobs": lambda: client.delete(keys)})["jobs"]
+        rows.append({"jobs_in_flight": inflight, "blocks_per_job": per_job,
+                     "gbps": n * block / statistics.median(seconds) / GB})
+        progress.step(f"{inflight} jobs in flight: {rows[-1]['gbps']:.2f} GB/s")
+    return rows
+
+
 def latency(client: Client, args: argparse.Namespace, progress: Progress) -> dict:
     spec = client.pool_info().spec
     times: dict[str, list[float]] = {"health": [], "offload": []}
@@ -100,12 +129,13 @@ def run(args: argparse.Namespace) -> int:
     spec["num_blocks"] = (args.pool_mib * MIB) // block
     config = {"pools": [{**DEFAULT_POOL, "device": "cpu", "spec": spec,
                          "host_capacity_mib": args.batch_mib + 64}], "log_level": "warning"}
-    progress = Progress(3)
+    progress = Progress(3 + len(args.inflight.split(",")))
     daemon = launch.spawn(config)
     progress.step(f"daemon serving on {daemon.target}")
     try:
         with Client(daemon.target, NS, timeout=300) as client:
             tp = throughput(client, args, progress)
+            inflight = jobs_in_flight(client, args, progress)
             lat = latency(client, args, progress)
     finally:
         daemon.stop()
@@ -115,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
                        [[d, tp[f"{d}_gbps"], tp[f"{d}_daemon_gbps"], tp["copy_gbps"], tp["copy_hash_gbps"],
                          tp[f"{d}_vs_copy_hash"], tp[f"{d}_vs_copy"]] for d in ("offload", "restore")]))
     print()
+    print(format_table(["asynchronous offload jobs in flight", "blocks per job", "GB/s (submit all, wait all)"],
+                       [[r["jobs_in_flight"], r["blocks_per_job"], r["gbps"]] for r in inflight]))
+    print()
     print(format_table(["call", "p50 us", "p99 us"],
                        [["health Check", lat["health_p50_us"], lat["health_p99_us"]],
                         [f"Offload, 1 block of {tp['block_bytes'] // 1024} KiB", lat["offload_p50_us"],
@@ -122,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\none-block Offload p50 / health Check p50 = {lat['offload_vs_health_p50']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"throughput": tp, "latency": lat}, f, indent=2)
+            json.dump({"throughput": tp, "jobs_in_flight": inflight, "latency": lat}, f, indent=2)
     return 0
 
 
@@ -132,4 +165,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="repetitions; medians are reported")
     p.add_argument("--calls", type=int, default=2000, help="latency samples per call type")
     p.add_argument("--warmup", type=int, default=100, help="latency calls not counted")
+    p.add_argument("--inflight", default="1,4,16", help="asynchronous jobs in flight to measure")
     p.add_argument("--json", help="also write the results as JSON here")

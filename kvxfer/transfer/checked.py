@@ -12,6 +12,9 @@ for the same cores and memory).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from kvxfer.errors import Cancelled
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, Direction
 
@@ -26,20 +29,26 @@ class CheckedCopier:
         self.host = host
         self.chunk = max(1, chunk_bytes // host.slot_bytes)
 
-    def to_host(self, blocks: list[int], slots: list[int]) -> list[int]:
-        """Copy pool ``blocks`` into tier ``slots``; return the checksum of each slot."""
+    def to_host(self, blocks: list[int], slots: list[int], cancelled: Callable[[], bool] | None = None) -> list[int]:
+        """Copy pool ``blocks`` into tier ``slots``; return the checksum of each slot.
+
+        ``cancelled`` is asked before each chunk; when it answers True, ``Cancelled`` is raised.
+        """
         c = self.chunk
         checksums: list[int] = []
         for a in range(0, len(slots), c):
+            _check(cancelled, a)
             self.engine.submit(CopyBatch(Direction.TO_HOST, blocks[a:a + c], slots[a:a + c])).wait()
             checksums += self.host.checksums(slots[a:a + c])
         return checksums
 
-    def to_pool(self, slots: list[int], expected: list[int], blocks: list[int]) -> set[int]:
+    def to_pool(self, slots: list[int], expected: list[int], blocks: list[int],
+                cancelled: Callable[[], bool] | None = None) -> set[int]:
         """Copy tier ``slots`` into pool ``blocks``, verified against ``expected``.
 
         Returns the indices whose bytes did not match. Their pool blocks hold
-        undefined bytes and must be reported failed, never read.
+        undefined bytes and must be reported failed, never read. ``Cancelled``
+        (with the count of leading blocks done) when ``cancelled`` answers True.
         """
         # Verify what landed where a block is one span of the pool (one hash call,
         # from cache); where it is many runs, verify the contiguous tier copy first.
@@ -47,6 +56,7 @@ class CheckedCopier:
         c = self.chunk
         corrupt: set[int] = set()
         for a in range(0, len(slots), c):
+            _check(cancelled, a, corrupt)
             chunk_blocks, chunk_slots, want = blocks[a:a + c], slots[a:a + c], expected[a:a + c]
             if not verify_after:
                 sums = self.host.checksums(chunk_slots)
@@ -62,3 +72,8 @@ class CheckedCopier:
                 if sums != want:
                     corrupt |= {a + j for j, (got, w) in enumerate(zip(sums, want)) if got != w}
         return corrupt
+
+
+def _check(cancelled: Callable[[], bool] | None, completed: int, corrupt: set[int] | None = None) -> None:
+    if cancelled is not None and cancelled():
+        raise Cancelled("lease expired", completed, frozenset(corrupt or ()))

@@ -23,6 +23,7 @@ class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_STATUS_RESOURCE_EXHAUSTED: _ClassVar[BlockStatus]
     BLOCK_STATUS_FAILED: _ClassVar[BlockStatus]
     BLOCK_STATUS_PENDING: _ClassVar[BlockStatus]
+    BLOCK_STATUS_CANCELLED: _ClassVar[BlockStatus]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ BLOCK_STATUS_DATA_LOSS: BlockStatus
 BLOCK_STATUS_RESOURCE_EXHAUSTED: BlockStatus
 BLOCK_STATUS_FAILED: BlockStatus
 BLOCK_STATUS_PENDING: BlockStatus
+BLOCK_STATUS_CANCELLED: BlockStatus
 TIER_UNSPECIFIED: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
@@ -85,7 +87,7 @@ class PoolHandle(_message.Message):
     def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "epoch", "spec", "layout", "layout_name", "strides", "nbytes", "block_bytes", "owned", "handle", "runs_per_block")
+    __slots__ = ("pool_id", "epoch", "spec", "layout", "layout_name", "strides", "nbytes", "block_bytes", "owned", "handle", "runs_per_block", "cache_group")
     class StridesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class PoolInfo(_message.Message):
     OWNED_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     RUNS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     spec: KVSpec
@@ -115,7 +118,8 @@ class PoolInfo(_message.Message):
     owned: bool
     handle: PoolHandle
     runs_per_block: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., layout_name: _Optional[str] = ..., strides: _Optional[_Mapping[str, int]] = ..., nbytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., owned: _Optional[bool] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., runs_per_block: _Optional[int] = ...) -> None: ...
+    cache_group: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., layout_name: _Optional[str] = ..., strides: _Optional[_Mapping[str, int]] = ..., nbytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., owned: _Optional[bool] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., runs_per_block: _Optional[int] = ..., cache_group: _Optional[str] = ...) -> None: ...
 
 class GetPoolInfoRequest(_message.Message):
     __slots__ = ("pool_id",)
@@ -130,36 +134,40 @@ class GetPoolInfoResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms")
+    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     slots: _containers.RepeatedScalarFieldContainer[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     wait: bool
     lease_ms: int
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    client_id: str
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms")
+    __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms", "client_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     slots: _containers.RepeatedScalarFieldContainer[int]
     wait: bool
     lease_ms: int
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    client_id: str
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("job_id", "statuses", "bytes", "seconds")
@@ -242,7 +250,7 @@ class TransferStats(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "epoch", "tiers", "offloaded", "restored", "outcomes")
+    __slots__ = ("pool_id", "epoch", "tiers", "offloaded", "restored", "outcomes", "jobs", "cache_group")
     class OutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -256,16 +264,106 @@ class PoolStats(_message.Message):
     OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     offloaded: TransferStats
     restored: TransferStats
     outcomes: _containers.ScalarMap[str, int]
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offloaded: _Optional[_Union[TransferStats, _Mapping]] = ..., restored: _Optional[_Union[TransferStats, _Mapping]] = ..., outcomes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    jobs: JobStats
+    cache_group: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offloaded: _Optional[_Union[TransferStats, _Mapping]] = ..., restored: _Optional[_Union[TransferStats, _Mapping]] = ..., outcomes: _Optional[_Mapping[str, int]] = ..., jobs: _Optional[_Union[JobStats, _Mapping]] = ..., cache_group: _Optional[str] = ...) -> None: ...
+
+class JobStats(_message.Message):
+    __slots__ = ("queued", "running", "unclaimed", "completed", "cancelled", "expired")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    UNCLAIMED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    running: int
+    unclaimed: int
+    completed: int
+    cancelled: int
+    expired: int
+    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., unclaimed: _Optional[int] = ..., completed: _Optional[int] = ..., cancelled: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("pools",)
     POOLS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    HOST_CAPACITY_MIB_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    spec: KVSpec
+    layout: str
+    handle: PoolHandle
+    host_capacity_mib: int
+    cache_group: str
+    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolInfo
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
+
+class UnregisterPoolRequest(_message.Message):
+    __slots__ = ("pool", "drain_timeout_ms")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    drain_timeout_ms: int
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., drain_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class UnregisterPoolResponse(_message.Message):
+    __slots__ = ("cancelled_jobs",)
+    CANCELLED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    cancelled_jobs: int
+    def __init__(self, cancelled_jobs: _Optional[int] = ...) -> None: ...
+
+class WaitJobsRequest(_message.Message):
+    __slots__ = ("pool", "client_id", "job_ids", "timeout_ms", "wait_all")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_ALL_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    client_id: str
+    job_ids: _containers.RepeatedScalarFieldContainer[int]
+    timeout_ms: int
+    wait_all: bool
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., client_id: _Optional[str] = ..., job_ids: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., wait_all: _Optional[bool] = ...) -> None: ...
+
+class JobResult(_message.Message):
+    __slots__ = ("job_id", "statuses", "bytes", "seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    statuses: _containers.RepeatedScalarFieldContainer[BlockStatus]
+    bytes: int
+    seconds: float
+    def __init__(self, job_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class WaitJobsResponse(_message.Message):
+    __slots__ = ("finished", "unknown_job_ids")
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_JOB_IDS_FIELD_NUMBER: _ClassVar[int]
+    finished: _containers.RepeatedCompositeFieldContainer[JobResult]
+    unknown_job_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, finished: _Optional[_Iterable[_Union[JobResult, _Mapping]]] = ..., unknown_job_ids: _Optional[_Iterable[int]] = ...) -> None: ...

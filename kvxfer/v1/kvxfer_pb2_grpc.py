@@ -64,6 +64,21 @@ class KVTransferStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.RegisterPool = channel.unary_unary(
+                '/kvxfer.v1.KVTransfer/RegisterPool',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.RegisterPoolRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.RegisterPoolResponse.FromString,
+                _registered_method=True)
+        self.UnregisterPool = channel.unary_unary(
+                '/kvxfer.v1.KVTransfer/UnregisterPool',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.UnregisterPoolRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.UnregisterPoolResponse.FromString,
+                _registered_method=True)
+        self.WaitJobs = channel.unary_unary(
+                '/kvxfer.v1.KVTransfer/WaitJobs',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -111,6 +126,28 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterPool(self, request, context):
+        """Serve a pool the engine allocated itself (shared-memory file or CUDA IPC handle).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterPool(self, request, context):
+        """Stop serving a registered pool; its queued jobs finish or are cancelled first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitJobs(self, request, context):
+        """Finished asynchronous jobs (like vLLM's get_finished): each reported once.
+        Also renews the leases of every job of this client on the pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +180,21 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.StatsRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.StatsResponse.SerializeToString,
+            ),
+            'RegisterPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterPool,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.RegisterPoolRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.RegisterPoolResponse.SerializeToString,
+            ),
+            'UnregisterPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterPool,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.UnregisterPoolRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.UnregisterPoolResponse.SerializeToString,
+            ),
+            'WaitJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitJobs,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +359,87 @@ class KVTransfer:
             '/kvxfer.v1.KVTransfer/Stats',
             kvxfer_dot_v1_dot_kvxfer__pb2.StatsRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVTransfer/RegisterPool',
+            kvxfer_dot_v1_dot_kvxfer__pb2.RegisterPoolRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.RegisterPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVTransfer/UnregisterPool',
+            kvxfer_dot_v1_dot_kvxfer__pb2.UnregisterPoolRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.UnregisterPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVTransfer/WaitJobs',
+            kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,8 +125,9 @@ def test_client_fails_fast_when_no_daemon(tmp_path):
 def test_sigterm_mid_batch_exits_cleanly_and_never_showed_incomplete_keys(make_daemon):
     daemon = make_daemon({"grace_period_s": 20})
     pool_file = Client(daemon.target).pool_info().handle.path
-    writer = start_worker("offload_forever", daemon.target, "rank0", "term", 16, 60.0)
-    reader = start_worker("verify_present", daemon.target, "rank0", "term", 16, 60.0)
+    progress = str(daemon.dir / "progress")
+    writer = start_worker("offload_forever", daemon.target, "rank0", "term", 16, 60.0, progress)
+    reader = start_worker("verify_present", daemon.target, "rank0", "term", 16, 60.0, progress)
     for worker in (writer, reader):
         assert '"started"' in worker.stdout.readline()
     time.sleep(2.0)  # let them run a while

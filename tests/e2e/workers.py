@@ -5,8 +5,10 @@ as its last line. Each one is a real client: it maps the daemon's pool itself.
 """
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -68,10 +70,11 @@ def namespace_probe(target: str, pool_id: str, namespace: str, keys_hex: list[st
 WRITER_SLOTS = 47  # offload_forever writes slots 1..47; verify_present restores into 48 and up
 
 
-def offload_forever(target: str, pool_id: str, namespace: str, batch: int, seconds: float) -> dict:
+def offload_forever(target: str, pool_id: str, namespace: str, batch: int, seconds: float, progress: str) -> dict:
     """Offload rounds of freshly written blocks until the daemon goes away; count what was acknowledged.
 
     Key ``r{round}-{j}`` holds K = (round * 1000 + j) % 2048 and V = layer in every element.
+    The last acknowledged round is written to the file ``progress``.
     """
     done, errors = 0, []
     deadline = time.monotonic() + seconds
@@ -89,6 +92,8 @@ def offload_forever(target: str, pool_id: str, namespace: str, batch: int, secon
             try:
                 client.offload(list(zip(slots, keys)), partial=True)
                 done += batch
+                Path(progress + ".tmp").write_text(str(round_))
+                os.replace(progress + ".tmp", progress)
             except KvxferError as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
                 break
@@ -96,8 +101,8 @@ def offload_forever(target: str, pool_id: str, namespace: str, batch: int, secon
     return {"acknowledged": done, "rounds": round_, "errors": errors}
 
 
-def verify_present(target: str, pool_id: str, namespace: str, batch: int, seconds: float) -> dict:
-    """Round by round: restore every key a lookup reports present and check its bytes."""
+def verify_present(target: str, pool_id: str, namespace: str, batch: int, seconds: float, progress: str) -> dict:
+    """Restore every key a lookup reports present, from rounds just behind the writer, and check its bytes."""
     checked, bad, round_ = 0, [], 0
     deadline = time.monotonic() + seconds
     with Client(target, namespace, pool_id=pool_id, timeout=30) as client:
@@ -105,14 +110,17 @@ def verify_present(target: str, pool_id: str, namespace: str, batch: int, second
         print(json.dumps({"started": True}), flush=True)
         try:
             while time.monotonic() < deadline:
+                try:
+                    latest = int(Path(progress).read_text())
+                except (FileNotFoundError, ValueError):
+                    time.sleep(0.002)
+                    continue
+                round_ = max(round_, latest - 2)  # older rounds are likely evicted already
                 keys = [f"r{round_}-{j}".encode() for j in range(batch)]
                 tiers = client.lookup(keys).tiers
                 present = [j for j, t in enumerate(tiers) if t is not None]
                 if not present:
-                    if client.lookup([f"r{round_ + 1}-0".encode()]).hits:
-                        round_ += 1  # this round was evicted already; move on
-                    else:
-                        time.sleep(0.002)  # not written yet
+                    round_ += 1
                     continue
                 dst = [WRITER_SLOTS + 1 + i for i in range(len(present))]
                 outcomes = client.restore([(keys[j], d) for j, d in zip(present, dst)], partial=True).outcomes
@@ -151,6 +159,92 @@ def concurrent_offloads(target: str, pool_id: str, threads: int, batch: int) -> 
             for code in pool.map(one, range(threads * 4)):
                 codes[code] = codes.get(code, 0) + 1
     return codes
+
+
+def submit_and_hang(target: str, pool_id: str, jobs: int, batch: int, lease_s: float) -> dict:
+    """Queue many asynchronous jobs, say so, then wait to be killed without ever collecting them."""
+    with Client(target, "orphan", pool_id=pool_id, timeout=30) as client:
+        client.map_pool()
+        ids = []
+        for i in range(jobs):
+            pairs = [(1 + j, f"o{i}-{j}".encode()) for j in range(batch)]
+            ids.append(client.submit_offload(pairs, lease_s=lease_s))
+            if i % 2:
+                ids.append(client.submit_restore([(f"o{i - 1}-{j}".encode(), 1 + batch + j) for j in range(batch)],
+                                                 lease_s=lease_s))
+        print(json.dumps({"submitted": ids}), flush=True)
+        time.sleep(600)
+    return {}
+
+
+def engine_pool(shm_dir: str, pool_id: str, spec: dict, layout: str) -> tuple:
+    """What an engine does: allocate its own KV memory as a file under /dev/shm and map it."""
+    from kvxfer.layout import KVSpec, Layout, PoolLayout
+    from kvxfer.pool import Medium, Pool, PoolDescriptor, PoolHandle
+
+    kv_spec = KVSpec.from_dict(spec)
+    kv_layout = Layout.parse(layout)
+    path = Path(shm_dir) / f"engine-{pool_id}-{os.getpid()}"
+    offset = 4096  # the KV cache starts inside a larger allocation
+    with open(path, "wb") as f:
+        f.truncate(offset + PoolLayout(kv_spec, kv_layout).nbytes)
+    handle = PoolHandle(Medium.SHM, str(path), offset=offset)
+    return Pool.attach(PoolDescriptor(pool_id, kv_spec, kv_layout, handle, owned=False)), path
+
+
+def registered_offload(target: str, shm_dir: str, pool_id: str, group: str, spec: dict, layout: str, seed: int,
+                       slots: list[int]) -> dict:
+    """An engine registers its own pool, writes KV, offloads it, unregisters and exits."""
+    pool, path = engine_pool(shm_dir, pool_id, spec, layout)
+    with Client(target, "registered") as client:
+        desc = client.register_pool(pool_id, pool.descriptor.spec, pool.descriptor.layout, pool.descriptor.handle,
+                                    host_capacity_mib=16, cache_group=group)
+        _fill(pool.views(), slots, seed)
+        keys = [f"reg-{seed}-{i}".encode() for i in range(len(slots))]
+        result = client.offload(list(zip(slots, keys)), pool_id=pool_id)
+        info = {"epoch": desc.epoch, "done": [o.value for o in result.outcomes], "keys": [k.hex() for k in keys]}
+        client.unregister_pool(pool_id)
+    pool.close()
+    path.unlink()
+    return info
+
+
+def registered_restore(target: str, shm_dir: str, pool_id: str, group: str, spec: dict, layout: str, seed: int,
+                       keys_hex: list[str], slots: list[int]) -> dict:
+    """Another engine process registers a new pool in the same cache group and restores the blocks."""
+    from kvxfer.layout import KVSpec, Layout, PoolLayout
+
+    pool, path = engine_pool(shm_dir, pool_id, spec, layout)
+    with Client(target, "registered") as client:
+        client.register_pool(pool_id, pool.descriptor.spec, pool.descriptor.layout, pool.descriptor.handle,
+                             cache_group=group)
+        keys = [bytes.fromhex(k) for k in keys_hex]
+        hits = client.lookup(keys, pool_ids=[pool_id]).hits
+        outcomes = client.restore(list(zip(keys, slots)), pool_id=pool_id).outcomes
+        scratch = PoolLayout(KVSpec.from_dict(spec), Layout.parse(layout))
+        expected = _fill(scratch.views(torch.zeros(scratch.nbytes, dtype=torch.uint8)), slots, seed)
+        same = _same(pool.views(), slots, expected)
+        client.unregister_pool(pool_id)
+    pool.close()
+    path.unlink()
+    return {"hits": hits, "outcomes": [o.value for o in outcomes], "same": same}
+
+
+def offload_until_error(target: str, pool_id: str, timeout: float) -> dict:
+    """Offload in a loop; when the daemon dies, report how long the failing call took."""
+    with Client(target, "doomed", pool_id=pool_id, timeout=timeout) as client:
+        client.map_pool()
+        print(json.dumps({"started": True}), flush=True)
+        i = 0
+        while True:
+            start = time.monotonic()
+            try:
+                client.offload([(1 + i % 60, f"d{i}".encode())])
+            except KvxferError as exc:
+                dropped = client.offload([(1, b"x")], best_effort=True)  # best effort: no raise
+                return {"error": type(exc).__name__, "failing_call_s": time.monotonic() - start,
+                        "best_effort": dropped}
+            i += 1
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize()
     def setup(self):
-        self.dir = tempfile.mkdtemp(dir="/dev/shm")
+        self.dir = tempfile.mkdtemp(prefix="kvxfer-test-", dir="/dev/shm")
         self.pool = Pool.create("model", SPEC, PRESETS[self.layout_name], shm_dir=self.dir)
         self.m = PoolManager(self.pool, CAPACITY)
         self.layout = self.pool.layout

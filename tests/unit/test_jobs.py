@@ -1,0 +1,138 @@
+"""JobRunner and cancellation over a real pool: ordering, leases, bounds, chunk-level stops."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvxfer.jobs import JobKind, JobRunner
+from kvxfer.layout import PRESETS, KVSpec
+from kvxfer.manager import PoolManager
+from kvxfer.pool import Pool
+from kvxfer.store import Outcome
+from tests.helpers import read_block
+
+# 64 KiB blocks: a 4 MiB chunk is 64 blocks
+SPEC = KVSpec(num_layers=4, num_blocks=300, block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float16)
+NS = "jobs"
+
+
+@pytest.fixture
+def manager(shm_dir):
+    with Pool.create("j", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir) as pool:
+        pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
+        yield PoolManager(pool, 280)
+
+
+def test_cancelled_offload_publishes_nothing(manager):
+    calls = []
+    result = manager.offload(NS, [(1 + i, f"k{i}".encode()) for i in range(200)],
+                             cancelled=lambda: calls.append(1) or len(calls) > 1)  # stop after one chunk
+    assert result.outcomes == [Outcome.CANCELLED] * 200
+    stats = manager.stats().index
+    assert (stats.used, stats.pinned, stats.ready) == (0, 0, 0)
+
+
+def test_cancelled_restore_stops_writing_at_a_chunk(manager):
+    pairs = [(1 + i, f"k{i}".encode()) for i in range(200)]
+    manager.offload(NS, pairs)
+    before = manager.pool.storage.clone()
+    calls = []
+    result = manager.restore(NS, [(k, s) for s, k in pairs], cancelled=lambda: calls.append(1) or len(calls) > 1)
+    chunk = manager.copier.chunk
+    assert result.outcomes == [Outcome.DONE] * chunk + [Outcome.CANCELLED] * (200 - chunk)
+    assert manager.stats().index.pinned == 0
+    # restored into the slots they came from: bytes unchanged either way, and nothing else touched
+    assert torch.equal(manager.pool.storage, before)
+
+
+def test_jobs_run_in_submission_order_and_sync_waits_its_turn(manager):
+    runner = JobRunner(manager)
+    src = read_block(manager.pool.storage, manager.pool.layout, 5)
+    ids = [runner.submit(JobKind.OFFLOAD, NS, [(1 + j, f"big{i}-{j}".encode()) for j in range(60)], "c")
+           for i in range(3)]
+    ids.append(runner.submit(JobKind.OFFLOAD, NS, [(5, b"five")], "c"))
+    result = runner.run(JobKind.RESTORE, NS, [(b"five", 250)])  # queued behind all of them
+    assert result.outcomes == [Outcome.DONE]
+    assert torch.equal(read_block(manager.pool.storage, manager.pool.layout, 250), src)
+    done, unknown = runner.wait("c", ids, timeout=10)
+    assert sorted(j.job_id for j in done) == sorted(ids) and unknown == []
+    assert runner.wait("c", ids) == ([], sorted(ids))  # reported once
+    runner.close()
+
+
+def test_expired_queued_jobs_are_cancelled_and_results_dropped(manager):
+    runner = JobRunner(manager)
+    gate = threading.Event()
+    original = manager.offload
+
+    def slow_offload(*args, **kwargs):
+        gate.wait(5)
+        return original(*args, **kwargs)
+
+    manager.offload = slow_offload
+    first = runner.submit(JobKind.OFFLOAD, NS, [(1, b"a")], "gone", lease_s=0.05)
+    runner.submit(JobKind.OFFLOAD, NS, [(2, b"b")], "gone", lease_s=0.05)
+    time.sleep(0.3)  # both leases run out; the first is running, the second still queued
+    gate.set()
+    deadline = time.monotonic() + 5
+    while runner.stats().running or runner.stats().unclaimed or runner.stats().queued:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    stats = runner.stats()
+    assert stats.cancelled == 1 and stats.expired == 2
+    assert runner.wait("gone", [first]) == ([], [first])
+    assert manager.lookup(NS, [b"a", b"b"]).tiers == [None, None]  # the running one stopped before its copy
+    assert manager.stats().index.pinned == 0
+    runner.close()
+
+
+def test_queue_is_bounded_and_requests_are_validated_at_submit(manager):
+    runner = JobRunner(manager, max_queued=2)
+    gate = threading.Event()
+    manager.offload = lambda *a, **k: gate.wait(5) or manager.restore(NS, [])
+    runner.submit(JobKind.OFFLOAD, NS, [(1, b"a")], "c")
+    time.sleep(0.1)  # the first is running now
+    runner.submit(JobKind.OFFLOAD, NS, [(2, b"b")], "c")
+    runner.submit(JobKind.OFFLOAD, NS, [(3, b"c")], "c")
+    with pytest.raises(ResourceExhausted):
+        runner.submit(JobKind.OFFLOAD, NS, [(4, b"d")], "c")
+    for bad in ([(0, b"x")], [(1, b"")]):
+        with pytest.raises(InvalidArgument):
+            runner.submit(JobKind.OFFLOAD, NS, bad, "c")
+    with pytest.raises(InvalidArgument):
+        runner.submit(JobKind.OFFLOAD, NS, [(1, b"x")], "")  # no client id
+    with pytest.raises(InvalidArgument):
+        runner.submit(JobKind.OFFLOAD, NS, [(1, b"x")], "c", lease_s=10_000)
+    gate.set()
+    assert runner.close(drain_timeout=5) == 0
+    with pytest.raises(FailedPrecondition):
+        runner.submit(JobKind.OFFLOAD, NS, [(1, b"x")], "c")
+
+
+def test_close_cancels_what_does_not_drain_in_time(manager):
+    runner = JobRunner(manager)
+    gate = threading.Event()
+    manager.offload = lambda *a, **k: gate.wait(5) or manager.restore(NS, [])
+    for i in range(4):
+        runner.submit(JobKind.OFFLOAD, NS, [(1 + i, b"k%d" % i)], "c")
+    time.sleep(0.1)
+    closer = threading.Thread(target=lambda: setattr(runner, "cancelled_on_close", runner.close(0.2)))
+    closer.start()
+    time.sleep(0.4)
+    gate.set()
+    closer.join(5)
+    assert runner.cancelled_on_close == 3  # one was running; three never started
+
+
+def test_wait_all_returns_when_every_named_job_finished(manager):
+    runner = JobRunner(manager)
+    ids = [runner.submit(JobKind.OFFLOAD, NS, [(1 + 10 * i + j, f"w{i}-{j}".encode()) for j in range(10)], "c")
+           for i in range(5)]
+    done, unknown = runner.wait("c", ids, timeout=10, wait_all=True)
+    assert sorted(j.job_id for j in done) == sorted(ids) and unknown == []
+    with pytest.raises(InvalidArgument):
+        runner.wait("c", [], wait_all=True)
+    runner.close()
