@@ -59,12 +59,13 @@ def _layout_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvxfer.bench import daemon, store
+    from kvxfer.bench import daemon, kernels, store
 
     p = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the same run")
     benches = p.add_subparsers(dest="bench", required=True)
     for name, module, text in (("store", store, "offload/restore throughput of the store core"),
-                               ("daemon", daemon, "throughput and latency through a real daemon")):
+                               ("daemon", daemon, "throughput and latency through a real daemon"),
+                               ("kernels", kernels, "slot mapping and cache write (torch path)")):
         b = benches.add_parser(name, help=text, description=module.__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(b)

@@ -37,13 +37,14 @@ def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> floa
 class Progress:
     """One line per step on stderr, so long runs show where they are."""
 
-    def __init__(self, total: int, stream=sys.stderr) -> None:
-        self.total, self.done, self.stream, self.start = total, 0, stream, time.perf_counter()
+    def __init__(self, total: int, stream=None) -> None:
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.stream = stream  # None: whatever sys.stderr is when a step is printed
 
     def step(self, label: str) -> None:
         self.done += 1
         elapsed = time.perf_counter() - self.start
-        print(f"[{self.done}/{self.total} {elapsed:6.1f}s] {label}", file=self.stream, flush=True)
+        print(f"[{self.done}/{self.total} {elapsed:6.1f}s] {label}", file=self.stream or sys.stderr, flush=True)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

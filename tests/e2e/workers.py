@@ -247,6 +247,67 @@ def offload_until_error(target: str, pool_id: str, timeout: float) -> dict:
             i += 1
 
 
+def attention_roundtrip(target: str, pool_id: str, namespace: str, use_triton: bool) -> dict:
+    """The engine's attention-side path around an offload and a restore into other slots."""
+    from kvxfer.block_table import BlockTable, batch_metadata, gather_kv
+    from kvxfer.kernels import cache_write_torch, cache_write_triton, compute_slot_mapping
+
+    write = cache_write_triton if use_triton else cache_write_torch
+    with Client(target, namespace, pool_id=pool_id) as client:
+        views = client.kv_views()
+        spec = client.pool_info().spec
+        n, layers = spec.block_size, spec.num_layers
+        free = list(range(1, spec.num_blocks))[::-1]  # the engine's allocator
+        table = BlockTable(4, 8)
+        lengths = [2 * n + n // 2, 2 * n]  # request 0 ends in a half-filled block
+        for r, length in enumerate(lengths):
+            table.append_row(r, [free.pop() for _ in range(-(-length // n))])
+        g = torch.Generator().manual_seed(11)
+
+        def step(requests):
+            qsl, positions, num_tokens = batch_metadata(requests)
+            slots = compute_slot_mapping(qsl, positions, table.commit(len(requests), len(requests) + 1), n,
+                                         num_tokens, max_num_tokens=num_tokens + 5)
+            new = [(torch.randn((num_tokens, spec.num_kv_heads, spec.head_size), generator=g).to(spec.dtype),
+                    torch.randn((num_tokens, spec.num_kv_heads, spec.head_size), generator=g).to(spec.dtype))
+                   for _ in range(layers)]
+            for (k_cache, v_cache), (key, value) in zip(views, new):
+                write(key, value, k_cache, v_cache, slots)
+            return new
+
+        prefill = step([(0, lengths[0]), (0, lengths[1])])
+        original = [[gather_kv(k, v, table.row(r), lengths[r]) for (k, v) in views] for r in range(2)]
+        # Offload the full blocks of both requests, then the engine reuses their slots.
+        full = [(r, b) for r in range(2) for b in range(lengths[r] // n)]
+        keys = {(r, b): client.block_keys(list(range(1000 * r, 1000 * r + lengths[r])), n)[b] for r, b in full}
+        client.offload([(table.row(r)[b], keys[r, b]) for r, b in full])
+        for r, b in full:
+            for k, v in views:
+                k[table.row(r)[b]].normal_()
+                v[table.row(r)[b]].normal_()
+        # Restore into other slots and rewrite the block table.
+        new_slots = {rb: free.pop() for rb in full}
+        client.restore([(keys[rb], new_slots[rb]) for rb in full])
+        for r, b in full:
+            table.set_blocks(r, b, [new_slots[r, b]])
+        restored_ok = all(
+            all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in zip(gather_kv(k, v, table.row(r), lengths[r]), original[r][layer]))
+            for r in range(2) for layer, (k, v) in enumerate(views))
+        # Decode one token each: request 0 continues its half-filled block, request 1 needs a new block.
+        table.append_row(1, [free.pop()])
+        decode = step([(lengths[0], 1), (lengths[1], 1)])
+        decode_ok = True
+        for r in range(2):
+            for layer, (k, v) in enumerate(views):
+                k_read, v_read = gather_kv(k, v, table.row(r), lengths[r] + 1)
+                decode_ok &= torch.equal(k_read[:-1].view(torch.uint8), original[r][layer][0].view(torch.uint8))
+                decode_ok &= torch.equal(k_read[-1], decode[layer][0][r]) and torch.equal(v_read[-1],
+                                                                                         decode[layer][1][r])
+        assert prefill
+        return {"restored": restored_ok, "decode": bool(decode_ok), "rows": [table.row(0), table.row(1)]}
+
+
 if __name__ == "__main__":
     result = globals()[sys.argv[1]](*json.loads(sys.argv[2]))
     print(json.dumps(result), flush=True)

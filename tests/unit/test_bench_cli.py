@@ -17,3 +17,19 @@ def test_bench_store_smoke(tmp_path, capsys):
     assert [r["descriptors_per_block"] for r in results] == [1, 16]
     assert all(r["offload_gbps"] > 0 and r["restore_gbps"] > 0 for r in results)
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_kernels_smoke(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    assert cli.main(["bench", "kernels", "--reps", "3", "--json", str(out)]) == 0
+    assert "slot mapping us" in capsys.readouterr().out
+    assert [r["tokens"] for r in json.loads(out.read_text())] == [256, 16384]
+
+
+def test_bench_daemon_smoke(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert cli.main(["bench", "daemon", "--pool-mib", "32", "--batch-mib", "4", "--reps", "1", "--calls", "20",
+                     "--warmup", "2", "--inflight", "1,2", "--json", str(out)]) == 0
+    assert "one-block Offload p50" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["throughput"]["offload_gbps"] > 0 and len(result["jobs_in_flight"]) == 2
