@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from kvxfer.manager import PoolManager, TransferResult
 from kvxfer.store import Outcome
 
 SWEEP_S = 0.05  # how often leases are checked while the runner is idle
+log = logging.getLogger(__name__)
 
 
 class JobKind(enum.Enum):
@@ -220,6 +222,9 @@ class JobRunner:
                 self._busy = True
             try:
                 job.result = self._execute(job.kind, job.namespace, job.pairs, job)
+            except Exception:  # a bug: report the job failed, keep the pool's queue running
+                log.exception("job failed", extra={"job_id": job.job_id, "kind": job.kind.value})
+                job.result = TransferResult([Outcome.FAILED] * len(job.pairs))
             finally:
                 with self._cond:
                     job.state = JobState.FINISHED

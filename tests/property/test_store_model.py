@@ -72,7 +72,7 @@ class StoreMachine(RuleBasedStateMachine):
                 break
             del self.stored[victim]
         room = CAPACITY - len(self.stored)
-        for slot, k in zip(slots, keys):
+        for k in keys:
             if k in self.stored:
                 expected.append(Outcome.ALREADY_PRESENT)
             elif room > 0:

@@ -136,3 +136,17 @@ def test_wait_all_returns_when_every_named_job_finished(manager):
     with pytest.raises(InvalidArgument):
         runner.wait("c", [], wait_all=True)
     runner.close()
+
+
+def test_a_job_that_breaks_fails_alone_and_the_queue_goes_on(manager):
+    runner = JobRunner(manager)
+    original = manager.offload
+    manager.offload = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug"))
+    broken = runner.submit(JobKind.OFFLOAD, NS, [(1, b"a"), (2, b"b")], "c")
+    done, _ = runner.wait("c", [broken], timeout=5, wait_all=True)
+    assert done[0].result.outcomes == [Outcome.FAILED, Outcome.FAILED]
+    manager.offload = original
+    fine = runner.submit(JobKind.OFFLOAD, NS, [(3, b"c")], "c")
+    done, _ = runner.wait("c", [fine], timeout=5, wait_all=True)
+    assert done[0].result.outcomes == [Outcome.DONE]
+    runner.close()

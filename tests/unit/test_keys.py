@@ -1,14 +1,13 @@
 """Block keys: the documented chain, deterministic across processes and hash seeds."""
 
 import hashlib
-import os
 import struct
 import subprocess
 
 import pytest
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.keys import block_keys, root_key
+from kvxfer.keys import block_keys
 from tests.conftest import PYTHON, python_env
 
 
