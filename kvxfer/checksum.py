@@ -41,11 +41,3 @@ def runs_checksum(runs: Iterable[np.ndarray]) -> int:
     for run in runs:
         state.update(run)
     return state.intdigest()
-
-
-def to_bytes(value: int) -> bytes:
-    return value.to_bytes(8, "little")
-
-
-def from_bytes(raw: bytes) -> int:
-    return int.from_bytes(raw, "little")

@@ -172,13 +172,6 @@ class Pool:
         """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_size]``, zero-copy."""
         return self.layout.views(self._live_storage())
 
-    def block_bytes(self, block: int) -> torch.Tensor:
-        """The bytes of one block in a block-major pool, as a view (tests and tools)."""
-        if not self.descriptor.layout.block_major:
-            raise InvalidArgument(f"layout {self.descriptor.layout.name} is not block-major")
-        (run,) = self.layout.block_runs(block)
-        return self._live_storage()[run.offset:run.end]
-
     def _live_storage(self) -> torch.Tensor:
         if self.storage is None:
             raise InvalidArgument(f"pool {self.descriptor.pool_id} is closed")

@@ -23,9 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer.errors import FailedPrecondition
-from kvxfer.pool import Pool
+from kvxfer.pool import Medium, Pool
 from kvxfer.registry import PoolRegistry
 from kvxfer.shm import resolve_group
+from kvxfer.transfer import ENGINES
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from service import logs
@@ -54,10 +55,16 @@ class TokenAuth(grpc.ServerInterceptor):
 
 
 def resolve_device(device: str) -> str:
+    """``auto`` is the GPU when there is one and a copy engine serves CUDA pools, else the CPU."""
+    cuda_served = any(medium is Medium.CUDA for medium, _ in ENGINES)
     if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FailedPrecondition(f"pool device {device} asked for, but no CUDA device is available")
+        return "cuda:0" if torch.cuda.is_available() and cuda_served else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise FailedPrecondition(f"pool device {device} asked for, but no CUDA device is available")
+        if not cuda_served:
+            raise FailedPrecondition(f"pool device {device}: this version has no copy engine for CUDA pools yet; "
+                                     "use device: cpu")
     return device
 
 

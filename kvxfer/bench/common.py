@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,11 +26,6 @@ def interleaved(subjects: dict[str, Callable[[], object]], reps: int,
             if rep >= warmup:
                 times[name].append(elapsed)
     return times
-
-
-def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` over ``reps`` runs."""
-    return statistics.median(interleaved({"fn": fn}, reps, warmup=warmup)["fn"])
 
 
 class Progress:
