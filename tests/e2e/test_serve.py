@@ -124,3 +124,17 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(make_daemon):
     stats = json.loads(grpcurl("kvxfer.v1.KVTransfer/Stats", data="{}"))
     assert stats["pools"][0]["tiers"][0]["used_blocks"] == "1"
     assert json.loads(grpcurl("grpc.health.v1.Health/Check"))["status"] == "SERVING"
+
+
+def test_socket_and_pool_file_get_the_configured_mode_and_group(make_daemon):
+    import grp
+    import os
+    import stat
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    daemon = make_daemon({"socket_mode": "0600", "socket_group": group, "shm_mode": "0640", "shm_group": group})
+    st = os.stat(daemon.socket)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_gid == os.getgid()
+    with Client(daemon.target) as client:
+        pool_file = os.stat(client.pool_info().handle.path)
+    assert stat.S_IMODE(pool_file.st_mode) == 0o640 and pool_file.st_gid == os.getgid()
