@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
                          "host_capacity_mib": args.batch_mib + 64}], "log_level": "warning"}
     progress = Progress(3 + len(args.inflight.split(",")))
     daemon = launch.spawn(config)
-    progress.step(f"daemon serving on {daemon.target}")
-    try:
+    try:  # nothing between spawn and this try: the daemon must never outlive the benchmark
+        progress.step(f"daemon serving on {daemon.target}")
         with Client(daemon.target, NS, timeout=300) as client:
             tp = throughput(client, args, progress)
             inflight = jobs_in_flight(client, args, progress)
