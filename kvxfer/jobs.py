@@ -10,7 +10,8 @@ A job holds a lease that the client renews by waiting or polling. When the lease
 runs out (the client is gone), a queued job is cancelled without touching its
 slots, a running job stops at its next chunk (its pins are released, its slots no
 longer touched), and a finished result nobody claimed is dropped. Results are
-reported once. The queue is bounded: excess submissions get RESOURCE_EXHAUSTED.
+reported once. Queued jobs plus uncollected results are bounded: excess
+submissions get RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -177,8 +178,7 @@ class JobRunner:
 
     def stats(self) -> JobStats:
         with self._cond:
-            unclaimed = sum(j.state is JobState.FINISHED and j.client_id != "" for j in self._jobs.values())
-            return JobStats(len(self._queue), int(self._busy), unclaimed, self._completed, self._cancelled,
+            return JobStats(len(self._queue), int(self._busy), self._unclaimed(), self._completed, self._cancelled,
                             self._expired)
 
     # -- internals ---------------------------------------------------------------
@@ -192,9 +192,16 @@ class JobRunner:
         if self._closing:
             raise FailedPrecondition(f"pool {self.manager.pool.descriptor.pool_id} is being unregistered")
 
+    def _unclaimed(self) -> int:
+        """Finished asynchronous jobs whose results nobody collected yet (lock held)."""
+        return sum(j.state is JobState.FINISHED and j.client_id != "" for j in self._jobs.values())
+
     def _enqueue(self, kind: JobKind, namespace: str, pairs: Sequence[tuple], client_id: str, lease_s: float) -> Job:
-        if len(self._queue) >= self.max_queued:
-            raise ResourceExhausted(f"{len(self._queue)} jobs queued on pool "
+        # Uncollected results hold memory until their lease runs out, so they count
+        # against the bound too: a client that never calls WaitJobs is refused, not buffered.
+        held = len(self._queue) + self._unclaimed()
+        if held >= self.max_queued:
+            raise ResourceExhausted(f"{held} jobs queued or finished but not collected on pool "
                                     f"{self.manager.pool.descriptor.pool_id}; at most {self.max_queued}")
         job = Job(next(self._ids), kind, namespace, list(pairs), client_id, lease_s, time.monotonic() + lease_s)
         self._jobs[job.job_id] = job

@@ -99,7 +99,7 @@ class PoolRegistry:
             return served
 
     def register(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle,
-                 host_capacity_mib: int = 0, cache_group: str = "") -> PoolDescriptor:
+                 host_capacity_mib: int = 0, cache_group: str = "") -> ServedPool:
         """Map and serve a pool an engine allocated itself; it gets a fresh epoch."""
         if self.limits.register_dir is None:
             raise FailedPrecondition("this daemon does not accept registered pools (allow_register: false)")
@@ -125,11 +125,10 @@ class PoolRegistry:
         descriptor = PoolDescriptor(pool_id, spec, layout, handle, epoch=new_epoch(), owned=False)
         pool = Pool.attach(descriptor)  # checks that the memory holds the geometry
         try:
-            self.add(pool, capacity, cache_group)
+            return self.add(pool, capacity, cache_group)
         except BaseException:
             pool.close()
             raise
-        return descriptor
 
     def unregister(self, ref: PoolRef, drain_timeout: float = 10.0) -> int:
         """Stop serving a registered pool: its queued jobs get ``drain_timeout`` to finish, the

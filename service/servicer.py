@@ -88,11 +88,10 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
 
     @rpc
     def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
-        descriptor = self.registry.register(request.pool_id, wire.spec_from_pb(request.spec),
-                                            Layout.parse(request.layout), wire.handle_from_pb(request.handle),
-                                            request.host_capacity_mib, request.cache_group)
-        served = self.registry.served(descriptor.pool_id)[0]
-        return pb.RegisterPoolResponse(pool=wire.pool_info(descriptor, served.cache_group))
+        served = self.registry.register(request.pool_id, wire.spec_from_pb(request.spec),
+                                        Layout.parse(request.layout), wire.handle_from_pb(request.handle),
+                                        request.host_capacity_mib, request.cache_group)
+        return pb.RegisterPoolResponse(pool=wire.pool_info(served.descriptor, served.cache_group))
 
     @rpc
     def UnregisterPool(self, request: pb.UnregisterPoolRequest, context) -> pb.UnregisterPoolResponse:

@@ -30,6 +30,8 @@ def compute_slot_mapping(query_start_loc: torch.Tensor, positions: torch.Tensor,
     max_num_tokens = num_tokens if max_num_tokens is None else max_num_tokens
     if max_num_tokens < num_tokens or positions.numel() < num_tokens:
         raise InvalidArgument(f"{num_tokens} tokens do not fit max_num_tokens {max_num_tokens} / positions")
+    if block_table.dim() != 2 or block_table.shape[0] < query_start_loc.numel() - 1:
+        raise InvalidArgument(f"block_table needs a row for each of the {query_start_loc.numel() - 1} requests")
     if out is None:
         out = torch.empty(max_num_tokens, dtype=torch.int64, device=positions.device)
     return _SLOT_MAPPING(query_start_loc, positions, block_table, block_size, num_tokens, out[:max_num_tokens])
@@ -45,6 +47,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         raise InvalidArgument(f"key/value dtype {key.dtype} differs from the cache's {k_cache.dtype}")
     if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise InvalidArgument("head_size must be the innermost, contiguous axis")
+    # Shape checks only: a kernel would read past a short slot mapping. Slot values are
+    # the caller's (checking them would cost a device sync per layer).
+    if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1 or slot_mapping.numel() < key.shape[0]:
+        raise InvalidArgument(f"slot_mapping must be int64 with at least {key.shape[0]} entries")
     _CACHE_WRITE(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -70,5 +70,10 @@ def test_chosen_path_and_argument_checks():
             write_kv(bad, bad, k_cache, v_cache, slots)
     with pytest.raises(InvalidArgument):
         compute_slot_mapping(qsl, pos, t.commit(1), 4, n, max_num_tokens=3)
+    with pytest.raises(InvalidArgument):  # a request without a block-table row
+        compute_slot_mapping(torch.tensor([0, 3, 6], dtype=torch.int32), pos, t.commit(1), 4, n)
+    for short in (slots[:5], slots.int()):  # too few slots for the tokens, or not int64
+        with pytest.raises(InvalidArgument):
+            write_kv(key, key, k_cache, v_cache, short)
     with pytest.raises(InvalidArgument):
         gather_kv(k_cache, v_cache, [3], 6)

@@ -150,3 +150,19 @@ def test_a_job_that_breaks_fails_alone_and_the_queue_goes_on(manager):
     done, _ = runner.wait("c", [fine], timeout=5, wait_all=True)
     assert done[0].result.outcomes == [Outcome.DONE]
     runner.close()
+
+
+def test_uncollected_results_count_against_the_bound(manager):
+    runner = JobRunner(manager, max_queued=2)
+    ids = [runner.submit(JobKind.OFFLOAD, NS, [(1 + i, f"u{i}".encode())], "lazy") for i in range(2)]
+    deadline = time.monotonic() + 5
+    while runner.stats().unclaimed < 2:  # both finished, nobody collected them
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert runner.stats().queued == 0
+    with pytest.raises(ResourceExhausted, match="not collected"):
+        runner.submit(JobKind.OFFLOAD, NS, [(5, b"more")], "lazy")
+    done, _ = runner.wait("lazy", ids)
+    assert len(done) == 2
+    runner.submit(JobKind.OFFLOAD, NS, [(5, b"more")], "lazy")  # collecting frees room
+    runner.close()
