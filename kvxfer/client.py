@@ -9,6 +9,7 @@ carrying every block's outcome, unless the caller passes ``partial=True``.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Sequence
 
@@ -16,13 +17,13 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvxfer import wire
-from kvxfer.errors import (DeadlineExceeded, InvalidArgument, KvxferError, ResourceExhausted, Unavailable,
+from kvxfer import fdpass, wire
+from kvxfer.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, KvxferError, ResourceExhausted, Unavailable,
                            error_for_code)
 from kvxfer.keys import block_keys
 from kvxfer.layout import KVSpec, Layout
 from kvxfer.manager import LookupResult, TransferResult
-from kvxfer.pool import Pool, PoolDescriptor, PoolHandle
+from kvxfer.pool import Medium, Pool, PoolDescriptor, PoolHandle
 from kvxfer.store import Outcome
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -41,6 +42,15 @@ class BlockFailures(KvxferError):
         super().__init__(message)
         self.outcomes = outcomes
         self.code = code
+
+
+class FinishedJobs(dict):
+    """``wait_jobs``'s answer: job id -> result, and in ``unknown`` the ids the daemon does not
+    know (never submitted there, reported already, or dropped when their lease ran out)."""
+
+    def __init__(self, results: dict[int, TransferResult], unknown: Sequence[int] = ()) -> None:
+        super().__init__(results)
+        self.unknown: list[int] = list(unknown)
 
 
 #: Errors after which a best-effort offload is dropped instead of raised: the daemon is
@@ -69,7 +79,9 @@ class Client:
                 creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
             self._channel = grpc.secure_channel(target, creds, options=options)
             self._metadata = ()
+        self._target = target
         self._stub = pb_grpc.KVTransferStub(self._channel)
+        self._registrations: dict[str, bytes] = {}  # pool id -> registration token
         self._descriptors: dict[str, PoolDescriptor] = {}
         self._mapped: dict[str, Pool] = {}
 
@@ -100,7 +112,16 @@ class Client:
         old = self._mapped.get(desc.pool_id)
         if old is not None and old.descriptor.epoch == desc.epoch:
             return old
-        pool = self._mapped[desc.pool_id] = Pool.attach(desc)
+        if desc.handle.medium is Medium.MEMFD:  # the daemon's own pool: it passes the descriptor
+            fd = fdpass.receive_pool(fdpass.socket_path_for(self._target), desc.pool_id, desc.epoch)
+            try:
+                pool = Pool.from_fd(desc, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+        else:
+            pool = Pool.attach(desc)
+        self._mapped[desc.pool_id] = pool
         return pool
 
     def kv_views(self, pool_id: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -155,43 +176,71 @@ class Client:
         return self._call(self._stub.Restore, request, timeout).job_id
 
     def wait_jobs(self, job_ids: Sequence[int] = (), *, wait_s: float = 0.0, wait_all: bool = False,
-                  pool_id: str | None = None, timeout: float | None = None) -> dict[int, TransferResult]:
+                  pool_id: str | None = None, timeout: float | None = None) -> FinishedJobs:
         """Finished jobs of this client (those named, or any): job id -> per-block outcomes.
 
         Each job is reported once. ``wait_s=0`` polls (like vLLM's get_finished);
         otherwise the call waits up to ``wait_s`` for one to finish, or with
         ``wait_all`` for every named one (restores a forward pass needs). Failed
         blocks are in the outcomes; nothing is raised for them. Renews this client's leases.
+        Named ids the daemon does not know (expired, say) are in the answer's ``unknown``.
         """
         request = pb.WaitJobsRequest(pool=self._ref(pool_id), client_id=self.client_id, job_ids=list(job_ids),
                                      timeout_ms=int(wait_s * 1000), wait_all=wait_all)
         response = self._call(self._stub.WaitJobs, request, timeout or self.timeout + wait_s)
-        return {j.job_id: TransferResult([wire.STATUS_TO_OUTCOME[s] for s in j.statuses], j.bytes, j.seconds)
-                for j in response.finished}
+        return FinishedJobs({j.job_id: TransferResult([wire.STATUS_TO_OUTCOME[s] for s in j.statuses], j.bytes,
+                                                      j.seconds) for j in response.finished},
+                            response.unknown_job_ids)
 
     # -- registered pools ----------------------------------------------------------
     def register_pool(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, *,
-                      host_capacity_mib: int = 0, cache_group: str = "",
+                      host_capacity_mib: int = 0, cache_group: str = "", fd: int | None = None,
                       timeout: float | None = None) -> PoolDescriptor:
-        """Have the daemon serve memory this engine allocated (for example a file under /dev/shm).
+        """Have the daemon serve memory this engine allocated (a file, or a memfd as ``fd``).
 
-        Returns the descriptor with the epoch the daemon assigned; requests from this
-        client then name it. Pools of one ``cache_group`` (default: the pool id) share a
-        host tier: register an engine's restart in the group it used before; never put
-        two tensor-parallel ranks in one group.
+        This process opens the file itself (or passes ``fd``) and hands the open
+        descriptor to the daemon, which serves exactly that memory: the daemon never
+        opens a path for a client. A sealed memfd is copied at memory speed; any other
+        file through its descriptor (it may shrink). Returns the descriptor with the
+        epoch the daemon assigned. Pools of one ``cache_group`` (default: the pool id)
+        share a host tier: register an engine's restart in the group it used before
+        (a group admits only the user that created it); never put two tensor-parallel
+        ranks in one group.
         """
+        token = b""
+        if handle.medium is not Medium.CUDA:
+            token = self._hand_over(handle.path, fd)
         request = pb.RegisterPoolRequest(pool_id=pool_id, spec=wire.spec_to_pb(spec), layout=layout.spelled,
                                          handle=wire.handle_to_pb(handle), host_capacity_mib=host_capacity_mib,
-                                         cache_group=cache_group)
-        desc = wire.descriptor_from_pb(self._call(self._stub.RegisterPool, request, timeout).pool)
+                                         cache_group=cache_group, registration_token=token)
+        response = self._call(self._stub.RegisterPool, request, timeout)
+        desc = wire.descriptor_from_pb(response.pool)
         self._descriptors[pool_id] = desc
+        self._registrations[pool_id] = response.registration_token
         return desc
 
+    def _hand_over(self, path: str, fd: int | None) -> bytes:
+        """Open the pool's file as this process (unless given ``fd``) and pass it to the daemon."""
+        opened = fd is None
+        if opened:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                raise FailedPrecondition(f"cannot open pool file {path!r}: {exc.strerror}") from None
+        try:
+            return fdpass.hand_over(fdpass.socket_path_for(self._target), fd)
+        finally:
+            if opened:
+                os.close(fd)
+
     def unregister_pool(self, pool_id: str, *, drain_s: float = 10.0, timeout: float | None = None) -> int:
-        """Stop the daemon serving a registered pool; returns how many queued jobs were cancelled."""
-        request = pb.UnregisterPoolRequest(pool=self._ref(pool_id), drain_timeout_ms=int(drain_s * 1000))
+        """Stop the daemon serving a pool this client registered; returns how many queued jobs
+        were cancelled."""
+        request = pb.UnregisterPoolRequest(pool=self._ref(pool_id), drain_timeout_ms=int(drain_s * 1000),
+                                           registration_token=self._registrations.get(pool_id, b""))
         cancelled = self._call(self._stub.UnregisterPool, request, timeout or self.timeout + drain_s).cancelled_jobs
         self._descriptors.pop(pool_id, None)
+        self._registrations.pop(pool_id, None)
         return cancelled
 
     def lookup(self, keys: Sequence[bytes], *, pool_ids: Sequence[str] | None = None,

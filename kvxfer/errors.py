@@ -39,6 +39,13 @@ class AlreadyExists(KvxferError):
     code = "ALREADY_EXISTS"
 
 
+class PermissionDenied(KvxferError):
+    """The caller may not do this (another party's pool, a cache group it was not admitted to,
+    memory it could not reach itself)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class ResourceExhausted(KvxferError):
     """A bounded resource (tier capacity, queue, memory) is full."""
 
@@ -88,7 +95,7 @@ class Internal(KvxferError):
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, NotFound, AlreadyExists,
-                                      ResourceExhausted, DataLoss, Unavailable, DeadlineExceeded,
+                                      PermissionDenied, ResourceExhausted, DataLoss, Unavailable, DeadlineExceeded,
                                       Unauthenticated, Cancelled, Internal)}
 
 

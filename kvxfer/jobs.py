@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -56,6 +56,7 @@ class Job:
     state: JobState = JobState.QUEUED
     result: TransferResult | None = None
     finished: threading.Event = field(default_factory=threading.Event)
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
 
     def renew(self, now: float) -> None:
         self.expires = now + self.lease_s
@@ -75,9 +76,11 @@ class JobRunner:
     """Runs one pool's transfers on one worker thread (or inline when idle)."""
 
     def __init__(self, manager: PoolManager, job_ids: Iterator[int] | None = None, max_queued: int = 256,
-                 default_lease_s: float = 30.0, max_lease_s: float = 600.0) -> None:
+                 default_lease_s: float = 30.0, max_lease_s: float = 600.0, max_per_client: int | None = None) -> None:
         self.manager = manager
         self.max_queued = max_queued
+        self.max_per_client = max_queued if max_per_client is None else max_per_client
+        self._listeners: set[Callable[[], None]] = set()  # told whenever a job finishes
         self.default_lease_s = default_lease_s
         self.max_lease_s = max_lease_s
         self._ids = job_ids if job_ids is not None else itertools.count(1)
@@ -94,25 +97,54 @@ class JobRunner:
     # -- submitting --------------------------------------------------------------
     def run(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> TransferResult:
         """A synchronous transfer, in order with the jobs submitted before it."""
+        job = self.begin(kind, namespace, pairs)
+        if job is None:
+            return self.run_inline(kind, namespace, pairs)
+        job.finished.wait()
+        return self.collect(job)
+
+    def begin(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> Job | None:
+        """Start a synchronous transfer: None when the pool is idle and the caller now runs it
+        (``run_inline``); else a queued job to wait for (``on_finish``) and ``collect``."""
         self._validate(kind, namespace, pairs)
         with self._cond:
             self._check_open()
-            inline = not self._busy and not self._queue
-            if inline:
+            if not self._busy and not self._queue:
                 self._busy = True
-            else:
-                job = self._enqueue(kind, namespace, pairs, "", self.max_lease_s)
-        if inline:
-            try:
-                return self._execute(kind, namespace, pairs)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-        job.finished.wait()
+                return None
+            return self._enqueue(kind, namespace, pairs, "", self.max_lease_s)
+
+    def run_inline(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> TransferResult:
+        """Run a transfer ``begin`` admitted inline; frees the pool for the next one."""
+        try:
+            return self._execute(kind, namespace, list(pairs))
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def on_finish(self, job: Job, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the worker thread, or now) once ``job`` has finished."""
+        with self._cond:
+            if job.state is not JobState.FINISHED:
+                job.callbacks.append(callback)
+                return
+        callback()
+
+    def collect(self, job: Job) -> TransferResult:
+        """The result of a finished synchronous job."""
         with self._cond:
             self._jobs.pop(job.job_id, None)
         return job.result  # type: ignore[return-value]
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the worker thread) whenever a job finishes, until removed."""
+        with self._cond:
+            self._listeners.add(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        with self._cond:
+            self._listeners.discard(callback)
 
     def submit(self, kind: JobKind, namespace: str, pairs: Sequence[tuple], client_id: str,
                lease_s: float = 0.0) -> int:
@@ -132,26 +164,41 @@ class JobRunner:
         """Finished jobs of this client (those named, or all), each reported once, and the ids
         not known (never submitted here, reported already, or expired). Waits up to ``timeout``
         for one to finish, or with ``wait_all`` for every named one. Renews the client's leases."""
-        if wait_all and not job_ids:
-            raise InvalidArgument("wait_all needs job_ids")
-        if not client_id:
-            raise InvalidArgument("client_id is required")
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
             while True:
                 now = time.monotonic()
-                mine = [j for j in self._jobs.values() if j.client_id == client_id]
-                for job in mine:
-                    job.renew(now)
-                wanted = set(job_ids)
-                unknown = sorted(wanted - {j.job_id for j in mine})
-                done = [j for j in mine if j.state is JobState.FINISHED and (not wanted or j.job_id in wanted)]
-                enough = len(done) + len(unknown) == len(wanted) if wait_all else bool(done)
-                if enough or now >= deadline or (wanted and len(unknown) == len(wanted)):
-                    for job in done:
-                        del self._jobs[job.job_id]
-                    return done, unknown
+                answer = self._poll(client_id, job_ids, wait_all, final=now >= deadline)
+                if answer is not None:
+                    return answer
                 self._cond.wait(deadline - now)
+
+    def poll(self, client_id: str, job_ids: Sequence[int] = (), wait_all: bool = False,
+             final: bool = False) -> tuple[list[Job], list[int]] | None:
+        """``wait`` without blocking: the answer once there is one (or ``final``), else None
+        (nothing is consumed then). Renews the client's leases either way."""
+        with self._cond:
+            return self._poll(client_id, job_ids, wait_all, final)
+
+    def _poll(self, client_id: str, job_ids: Sequence[int], wait_all: bool,
+              final: bool) -> tuple[list[Job], list[int]] | None:
+        if wait_all and not job_ids:
+            raise InvalidArgument("wait_all needs job_ids")
+        if not client_id:
+            raise InvalidArgument("client_id is required")
+        now = time.monotonic()
+        mine = [j for j in self._jobs.values() if j.client_id == client_id]
+        for job in mine:
+            job.renew(now)
+        wanted = set(job_ids)
+        unknown = sorted(wanted - {j.job_id for j in mine})
+        done = [j for j in mine if j.state is JobState.FINISHED and (not wanted or j.job_id in wanted)]
+        enough = len(done) + len(unknown) == len(wanted) if wait_all else bool(done)
+        if not (enough or final or (wanted and len(unknown) == len(wanted))):
+            return None
+        for job in done:
+            del self._jobs[job.job_id]
+        return done, unknown
 
     # -- lifecycle ---------------------------------------------------------------
     def close(self, drain_timeout: float = 10.0) -> int:
@@ -163,14 +210,19 @@ class JobRunner:
             while (self._queue or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(deadline - time.monotonic())
             cancelled = len(self._queue)
+            callbacks: list[Callable[[], None]] = []
             for job in self._queue:  # never started: their slots were not touched
                 job.result = TransferResult([Outcome.CANCELLED] * len(job.pairs))
                 job.state = JobState.FINISHED
                 job.finished.set()
+                callbacks += job.callbacks
                 self._jobs.pop(job.job_id, None)
             self._queue.clear()
             self._cancelled += cancelled
             self._cond.notify_all()
+        for callback in callbacks:
+            callback()
+        with self._cond:
             while self._busy:
                 self._cond.wait()
         self._worker.join(timeout=5 * SWEEP_S + drain_timeout)
@@ -203,6 +255,12 @@ class JobRunner:
         if held >= self.max_queued:
             raise ResourceExhausted(f"{held} jobs queued or finished but not collected on pool "
                                     f"{self.manager.pool.descriptor.pool_id}; at most {self.max_queued}")
+        if client_id:  # one client may not take every place (fairness): its own bound too
+            own = sum(j.client_id == client_id and j.state is not JobState.RUNNING for j in self._jobs.values())
+            if own >= self.max_per_client:
+                raise ResourceExhausted(f"this client holds {own} jobs queued or not collected on pool "
+                                        f"{self.manager.pool.descriptor.pool_id}; at most {self.max_per_client} "
+                                        "per client (collect results with WaitJobs)")
         job = Job(next(self._ids), kind, namespace, list(pairs), client_id, lease_s, time.monotonic() + lease_s)
         self._jobs[job.job_id] = job
         self._queue.append(job)
@@ -239,6 +297,9 @@ class JobRunner:
                     self._completed += 1
                     job.finished.set()
                     self._cond.notify_all()
+                    callbacks, job.callbacks = [*job.callbacks, *self._listeners], []
+                for callback in callbacks:
+                    callback()
 
     def _expire(self, now: float) -> None:
         """Cancel queued jobs and drop finished results whose lease ran out (lock held)."""

@@ -61,14 +61,13 @@ class PoolManager:
         """``group``: the cache group the pool joins, or a capacity in blocks for a group of its own."""
         self.pool = pool
         layout = pool.layout
-        storage = pool.storage
         if isinstance(group, int):
-            group = CacheGroup(pool.descriptor.pool_id, layout, group, pin_memory=storage.is_cuda)
+            group = CacheGroup(pool.descriptor.pool_id, layout, group, pin_memory=pool.is_cuda)
         group.check_joins(layout)
         self.group = group
         self.host = group.host
         self.index = group.index
-        self.engine = engine or engine_for(pool.descriptor.handle.medium, storage, layout, self.host)
+        self.engine = engine or engine_for(pool, self.host)
         self.copier = CheckedCopier(self.engine, self.host)
         self._offloaded = TransferCounters()
         self._restored = TransferCounters()

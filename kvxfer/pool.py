@@ -9,6 +9,7 @@ the same bytes and build the same per-layer views.
 from __future__ import annotations
 
 import enum
+import os
 import secrets
 import signal
 import sys
@@ -28,7 +29,14 @@ class Medium(enum.Enum):
 
     SHM = "shm"  # a file under a tmpfs directory, mapped MAP_SHARED
     CUDA = "cuda"  # device memory, mapped through a CUDA IPC handle
+    MEMFD = "memfd"  # a sealed memfd of the daemon's; clients receive it over its descriptor socket
 
+
+class Access(enum.Enum):
+    """How this process reaches a pool's bytes (chooses the copy engine)."""
+
+    MAPPED = "mapped"  # through this process's mapping
+    FILE = "file"  # pread/pwrite on its descriptor: a file shrunk under us fails a copy, never faults
 
 @dataclass(frozen=True)
 class PoolHandle:
@@ -117,20 +125,31 @@ class Pool:
     until dropped (the kernel keeps the pages while they are mapped).
     """
 
-    def __init__(self, descriptor: PoolDescriptor, storage: torch.Tensor, owned_file: shm.OwnedFile | None = None):
+    def __init__(self, descriptor: PoolDescriptor, storage: torch.Tensor | None,
+                 owned_file: shm.OwnedFile | None = None, fd: int | None = None) -> None:
+        """``storage``: the mapped bytes, or None for a pool reached through ``fd`` only
+        (``Access.FILE``). ``fd`` is held (and closed at ``close``) when given."""
         self.descriptor = descriptor
         self.layout = descriptor.pool_layout
-        if storage.numel() != self.layout.nbytes:
+        if storage is not None and storage.numel() != self.layout.nbytes:
             raise InvalidArgument(f"pool storage has {storage.numel()} bytes, layout needs {self.layout.nbytes}")
+        if storage is None and fd is None:
+            raise InvalidArgument("a pool needs its storage or its descriptor")
         self.storage: torch.Tensor | None = storage
+        self.fd = fd
+        self.access = Access.MAPPED if storage is not None else Access.FILE
         self._owned_file = owned_file
         # Runs at close(), at garbage collection and at interpreter exit (exceptions included).
-        self._finalizer = weakref.finalize(self, _release, owned_file)
+        self._finalizer = weakref.finalize(self, _release, owned_file, fd)
 
     @classmethod
     def create(cls, pool_id: str, spec: KVSpec, layout: Layout, *, device: str = "cpu",
-               shm_dir: str | Path = "/dev/shm", mode: int = 0o600, group: str | int | None = None) -> Pool:
-        """Allocate a new zeroed pool with a fresh epoch; block 0 is the null block."""
+               shm_dir: str | Path | None = "/dev/shm", mode: int = 0o600, group: str | int | None = None) -> Pool:
+        """Allocate a new zeroed pool with a fresh epoch; block 0 is the null block.
+
+        On CPU: a file under ``shm_dir`` (others map it by path), or with ``shm_dir=None``
+        a sealed memfd (others receive its descriptor; its size can never change).
+        """
         nbytes = spec.nbytes
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -140,6 +159,15 @@ class Pool:
             return cls(PoolDescriptor(pool_id, spec, layout, handle), storage)
         if dev.type != "cpu":
             raise InvalidArgument(f"pool device must be cpu or cuda[:N], got {device!r}")
+        if shm_dir is None:
+            epoch = new_epoch()
+            fd = shm.create_sealed(f"{pool_id}-{epoch:016x}", nbytes)
+            try:
+                storage = shm.map_fd(fd, nbytes)
+            except BaseException:
+                os.close(fd)
+                raise
+            return cls(PoolDescriptor(pool_id, spec, layout, PoolHandle(Medium.MEMFD), epoch=epoch), storage, fd=fd)
         shm.sweep_stale(shm_dir)
         epoch = new_epoch()
         owned = shm.OwnedFile.create(shm_dir, f"{pool_id}-{epoch:016x}", nbytes, mode=mode, group=group)
@@ -160,13 +188,31 @@ class Pool:
             raise InvalidArgument("pool handle offset must be >= 0")
         if handle.medium is Medium.SHM:
             storage = shm.map_file(handle.path, nbytes, handle.offset)
-        else:
+        elif handle.medium is Medium.CUDA:
             storage = cuda_mem.open_handle(handle.ipc_handle, nbytes, handle.device, handle.offset)
+        else:
+            raise InvalidArgument("a memfd pool is mapped from its descriptor (Pool.from_fd)")
         return cls(descriptor, storage)
 
+    @classmethod
+    def from_fd(cls, descriptor: PoolDescriptor, fd: int, *, mapped: bool = True) -> Pool:
+        """A pool over an open descriptor, which the pool then holds.
+
+        ``mapped=False`` never maps it: copies go through the descriptor (``Access.FILE``),
+        so a file shrunk by someone else fails a copy instead of faulting this process.
+        """
+        nbytes, offset = descriptor.pool_layout.nbytes, descriptor.handle.offset
+        if not mapped:
+            size = os.fstat(fd).st_size
+            if offset < 0 or offset + nbytes > size:
+                raise InvalidArgument(f"the pool's file holds {size} bytes; [{offset}, {offset + nbytes}) does not "
+                                      "fit")
+            return cls(descriptor, None, fd=fd)
+        return cls(descriptor, shm.map_fd(fd, nbytes, offset), fd=fd)
+
     @property
-    def closed(self) -> bool:
-        return self.storage is None
+    def is_cuda(self) -> bool:
+        return self.descriptor.handle.medium is Medium.CUDA
 
     def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_size]``, zero-copy."""
@@ -174,11 +220,11 @@ class Pool:
 
     def _live_storage(self) -> torch.Tensor:
         if self.storage is None:
-            raise InvalidArgument(f"pool {self.descriptor.pool_id} is closed")
+            raise InvalidArgument(f"pool {self.descriptor.pool_id} is closed or not mapped here")
         return self.storage
 
     def close(self) -> None:
-        """Drop this process's mapping and, for an owned file, remove the file."""
+        """Drop this process's mapping and descriptor and, for an owned file, remove the file."""
         self.storage = None
         self._finalizer()
 
@@ -189,9 +235,11 @@ class Pool:
         self.close()
 
 
-def _release(owned_file: shm.OwnedFile | None) -> None:
+def _release(owned_file: shm.OwnedFile | None, fd: int | None) -> None:
     if owned_file is not None:
         owned_file.release()
+    if fd is not None:
+        os.close(fd)
 
 
 def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> None:
@@ -210,4 +258,4 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) 
         signal.signal(signum, _exit)
 
 
-__all__ = ["NULL_BLOCK", "Medium", "Pool", "PoolDescriptor", "PoolHandle", "exit_on_signals", "new_epoch"]
+__all__ = ["NULL_BLOCK", "Access", "Medium", "Pool", "PoolDescriptor", "PoolHandle", "exit_on_signals", "new_epoch"]

@@ -2,28 +2,42 @@
 
 Each pool has its own manager (copies) and job runner (ordering, leases), so
 ranks never wait for each other; its tier and index belong to its cache group.
+
+Who may do what (docs/design.md, threat model): a registration maps only memory
+its client handed over as an open descriptor (``kvxfer.handoff``); a cache group is
+joined only by the party that created it (the daemon for its own pools, else the
+registering uid); only the holder of a pool's registration token unregisters it.
+A group whose last pool is gone is released after ``cache_group_retention_s``.
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
+import logging
 import os
-import re
+import secrets
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
+    ResourceExhausted
 from kvxfer.group import CacheGroup
+from kvxfer.handoff import HandOffs, file_identity, token_digest
 from kvxfer.jobs import JobRunner
 from kvxfer.layout import KVSpec, Layout
 from kvxfer.manager import LookupResult, PoolManager
-from kvxfer.pool import Medium, Pool, PoolDescriptor, PoolHandle, new_epoch
+from kvxfer.pool import Access, Medium, Pool, PoolDescriptor, PoolHandle, new_epoch
+from kvxfer.shm import size_sealed
+from kvxfer.validate import check_pool_id, shown
 
 MIB = 1 << 20
-_POOL_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+DAEMON = "daemon"  # the owner of the daemon's own pools and their cache groups
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,14 +57,18 @@ class Limits:
     max_queued_jobs: int = 256
     default_lease_s: float = 30.0
     max_lease_s: float = 600.0
-    register_dir: str | None = None  # where registered pool files must live; None: registering is off
+    allow_register: bool = True
     registered_host_capacity_mib: int = 512  # default and maximum host tier of a registered pool
+    max_jobs_per_client: int = 64  # queued + uncollected jobs of one client_id on one pool
+    cache_group_retention_s: float = 300.0  # a group without pools keeps its blocks this long
 
 
 @dataclass(frozen=True)
 class ServedPool:
     manager: PoolManager
     jobs: JobRunner
+    owner: str = DAEMON
+    token_digest: bytes = b""  # of the registration token that may unregister it
 
     @property
     def descriptor(self) -> PoolDescriptor:
@@ -61,50 +79,65 @@ class ServedPool:
         return self.manager.group.name
 
 
+@dataclass
+class _Group:
+    group: CacheGroup
+    owner: str
+    idle_since: float | None = None  # when its last pool went away
+    pools: set[str] = field(default_factory=set)
+
+
 class PoolRegistry:
     """Thread-safe map of pool id -> served pool."""
 
     def __init__(self, limits: Limits = Limits()) -> None:
         self.limits = limits
+        self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
         self._pools: dict[str, ServedPool] = {}
-        self._groups: dict[str, CacheGroup] = {}
+        self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
         self._job_ids = itertools.count(1)  # job ids are unique across the daemon's pools
 
-    def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "") -> ServedPool:
+    def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
+            token: bytes = b"") -> ServedPool:
         """Serve a mapped pool (owned, or registered) in a cache group (default: its own id).
 
-        A new group gets a host tier of ``host_capacity_blocks``; an existing group keeps its own.
+        A new group gets a host tier of ``host_capacity_blocks``; an existing group keeps its
+        own and admits only its ``owner``.
         """
         pool_id = pool.descriptor.pool_id
-        name = cache_group or pool_id
-        if not _POOL_ID_RE.match(name):
-            raise InvalidArgument(f"cache group {name!r} must be 1-64 letters, digits, '_', '.', '-'")
+        name = check_pool_id(cache_group or pool_id, "cache group")
         with self._lock:
             if pool_id in self._pools:
-                raise AlreadyExists(f"pool {pool_id!r} exists")
+                raise AlreadyExists(f"pool {shown(pool_id)} exists")
             if len(self._pools) >= self.limits.max_pools:
                 raise ResourceExhausted(f"the daemon serves {len(self._pools)} pools; at most {self.limits.max_pools}")
-            group = self._groups.get(name)
-            if group is None:
+            entry = self._groups.get(name)
+            if entry is not None and entry.owner != owner:
+                raise PermissionDenied(f"cache group {shown(name)} belongs to another party; a pool joins only a "
+                                       "group its own party created (use another cache group)")
+            if entry is None:
+                self._sweep(time.monotonic(), force_room=True)
                 if len(self._groups) >= self.limits.max_cache_groups:
                     raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
                                             f"{self.limits.max_cache_groups}")
-                group = CacheGroup(name, pool.layout, host_capacity_blocks, pin_memory=pool.storage.is_cuda)
-            manager = PoolManager(pool, group)  # refuses a pool whose block format differs from the group's
-            self._groups[name] = group
+                entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_memory=pool.is_cuda), owner)
+            manager = PoolManager(pool, entry.group)  # refuses a pool whose block format differs from the group's
+            self._groups[name] = entry
+            entry.pools.add(pool_id)
+            entry.idle_since = None
             jobs = JobRunner(manager, self._job_ids, self.limits.max_queued_jobs, self.limits.default_lease_s,
-                             self.limits.max_lease_s)
-            served = self._pools[pool_id] = ServedPool(manager, jobs)
+                             self.limits.max_lease_s, self.limits.max_jobs_per_client)
+            served = self._pools[pool_id] = ServedPool(manager, jobs, owner, token_digest(token) if token else b"")
             return served
 
-    def register(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle,
-                 host_capacity_mib: int = 0, cache_group: str = "") -> ServedPool:
-        """Map and serve a pool an engine allocated itself; it gets a fresh epoch."""
-        if self.limits.register_dir is None:
+    def register(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, token: bytes,
+                 host_capacity_mib: int = 0, cache_group: str = "") -> tuple[ServedPool, bytes]:
+        """Serve memory an engine allocated and handed over; returns the pool (with a fresh
+        epoch) and the registration token that unregisters it."""
+        if not self.limits.allow_register:
             raise FailedPrecondition("this daemon does not accept registered pools (allow_register: false)")
-        if not _POOL_ID_RE.match(pool_id):
-            raise InvalidArgument(f"pool id {pool_id!r} must be 1-64 letters, digits, '_', '.', '-'")
+        check_pool_id(pool_id)
         limit = self.limits.registered_host_capacity_mib
         if not 0 <= host_capacity_mib <= limit:
             raise InvalidArgument(f"host_capacity_mib {host_capacity_mib} out of range [1, {limit}] (0: {limit})")
@@ -112,36 +145,67 @@ class PoolRegistry:
         if capacity < 1:
             raise InvalidArgument(f"a host tier of {host_capacity_mib or limit} MiB holds no block of "
                                   f"{spec.block_bytes} bytes")
-        if handle.medium is Medium.CUDA and not torch.cuda.is_available():
-            raise FailedPrecondition("a CUDA pool was registered, but this daemon sees no CUDA device")
-        if handle.medium is Medium.SHM:
-            allowed = os.path.realpath(self.limits.register_dir)
-            if os.path.commonpath([allowed, os.path.realpath(handle.path)]) != allowed:
-                raise InvalidArgument(f"a registered pool file must lie under {self.limits.register_dir}, "
-                                      f"got {handle.path!r}")
+        if handle.medium is Medium.CUDA:
+            if not torch.cuda.is_available():
+                raise FailedPrecondition("a CUDA pool was registered, but this daemon sees no CUDA device")
+            raise FailedPrecondition("CUDA pools cannot be registered until the CUDA copy engine exists")
+        if handle.medium is not Medium.SHM:
+            raise InvalidArgument("a registered host pool has medium MEDIUM_SHM (its descriptor handed over)")
         with self._lock:
             if pool_id in self._pools:
-                raise AlreadyExists(f"pool {pool_id!r} exists")
-        descriptor = PoolDescriptor(pool_id, spec, layout, handle, epoch=new_epoch(), owned=False)
-        pool = Pool.attach(descriptor)  # checks that the memory holds the geometry
+                raise AlreadyExists(f"pool {shown(pool_id)} exists")
+        handoff = self.handoffs.take(token)
         try:
-            return self.add(pool, capacity, cache_group)
+            _check_path_names(handle.path, handoff.dev, handoff.ino)
+            descriptor = PoolDescriptor(pool_id, spec, layout, handle, epoch=new_epoch(), owned=False)
+            # A sealed memfd cannot shrink: map it and copy at memory speed. Any other file
+            # may be shrunk under us: reach it through its descriptor only (no SIGBUS).
+            pool = Pool.from_fd(descriptor, handoff.fd, mapped=size_sealed(handoff.fd))
+        except BaseException:
+            os.close(handoff.fd)
+            raise
+        unregister_token = secrets.token_bytes(16)
+        try:
+            served = self.add(pool, capacity, cache_group, owner=f"uid:{handoff.uid}", token=unregister_token)
         except BaseException:
             pool.close()
             raise
+        log.info("pool registered", extra={"pool": pool_id, "uid": handoff.uid, "pid": handoff.pid,
+                                           "access": pool.access.value, "cache_group": served.cache_group})
+        return served, unregister_token
 
-    def unregister(self, ref: PoolRef, drain_timeout: float = 10.0) -> int:
+    def unregister(self, ref: PoolRef, token: bytes, drain_timeout: float = 10.0) -> int:
         """Stop serving a registered pool: its queued jobs get ``drain_timeout`` to finish, the
-        rest are cancelled (returned). New requests for it fail at once."""
+        rest are cancelled (returned). New requests for it fail at once. Only the holder of
+        the pool's registration token may."""
         served = self.get(ref)
         if served.descriptor.owned:
-            raise FailedPrecondition(f"pool {ref.pool_id!r} is owned by the daemon; only registered pools "
+            raise FailedPrecondition(f"pool {shown(ref.pool_id)} is owned by the daemon; only registered pools "
                                      "are unregistered")
+        if not hmac.compare_digest(token_digest(bytes(token)), served.token_digest):
+            raise PermissionDenied(f"pool {shown(ref.pool_id)} was registered by another client: only the "
+                                   "registration token it was given unregisters it")
         with self._lock:
-            self._pools.pop(ref.pool_id, None)
+            if self._pools.get(ref.pool_id) is not served:
+                raise FailedPrecondition(f"pool {shown(ref.pool_id)} is being unregistered")
+            del self._pools[ref.pool_id]
         cancelled = served.jobs.close(drain_timeout)
         served.manager.pool.close()
+        self._release(served)
         return cancelled
+
+    def accept_handoff(self, fd: int, uid: int, pid: int) -> bytes:
+        """Keep a descriptor a client passed; returns the token RegisterPool presents."""
+        return self.handoffs.accept(fd, uid, pid, self._served_files())
+
+    def pool_fd(self, pool_id: str, epoch: int) -> int:
+        """The descriptor of one of the daemon's own memfd pools, for a client to map."""
+        served = self.get(PoolRef(pool_id, epoch))
+        pool = served.manager.pool
+        if not served.descriptor.owned or pool.descriptor.handle.medium is not Medium.MEMFD or pool.fd is None:
+            raise FailedPrecondition(f"pool {shown(pool_id)} is not one of the daemon's memfd pools; map it "
+                                     "as its handle says")
+        return pool.fd
 
     def get(self, ref: PoolRef) -> ServedPool:
         """A live pool whose epoch matches; FAILED_PRECONDITION otherwise."""
@@ -150,10 +214,10 @@ class PoolRegistry:
         with self._lock:
             served = self._pools.get(ref.pool_id)
         if served is None:
-            raise FailedPrecondition(f"unknown pool {ref.pool_id!r}")
+            raise FailedPrecondition(f"unknown pool {shown(ref.pool_id)}")
         epoch = served.descriptor.epoch
         if ref.epoch != epoch:
-            raise FailedPrecondition(f"stale epoch {ref.epoch} for pool {ref.pool_id!r} (now {epoch}): "
+            raise FailedPrecondition(f"stale epoch {ref.epoch} for pool {shown(ref.pool_id)} (now {epoch}): "
                                      "call GetPoolInfo and map the pool again")
         return served
 
@@ -164,11 +228,15 @@ class PoolRegistry:
                 return list(self._pools.values())
             served = self._pools.get(pool_id)
         if served is None:
-            raise NotFound(f"no pool {pool_id!r}")
+            raise NotFound(f"no pool {shown(pool_id)}")
         return [served]
 
     def descriptors(self, pool_id: str = "") -> list[PoolDescriptor]:
         return [s.descriptor for s in self.served(pool_id)]
+
+    def cache_groups(self) -> list[str]:
+        with self._lock:
+            return list(self._groups)
 
     def lookup(self, refs: Sequence[PoolRef], namespace: str, keys: Sequence[bytes]) -> LookupResult:
         """Hits present in every listed pool (the ranks of one model): the minimum over pools,
@@ -181,10 +249,62 @@ class PoolRegistry:
         tiers = [t if all(r.tiers[i] is not None for r in results) else None for i, t in enumerate(results[0].tiers)]
         return LookupResult(min(r.hits for r in results), tiers)
 
+    def sweep(self) -> list[str]:
+        """Release cache groups whose last pool left more than the retention ago; returns them."""
+        with self._lock:
+            return self._sweep(time.monotonic())
+
     def close(self, drain_timeout: float = 0.0) -> None:
         """Stop every pool's jobs and release every pool (owned pool files are removed)."""
         with self._lock:
             served, self._pools = list(self._pools.values()), {}
+            self._groups.clear()
         for s in served:
             s.jobs.close(drain_timeout)
             s.manager.pool.close()
+        self.handoffs.close()
+
+    # -- internals ---------------------------------------------------------------
+    def _release(self, served: ServedPool) -> None:
+        with self._lock:
+            entry = self._groups.get(served.cache_group)
+            if entry is not None:
+                entry.pools.discard(served.descriptor.pool_id)
+                if not entry.pools:
+                    entry.idle_since = time.monotonic()
+            self._sweep(time.monotonic())
+
+    def _sweep(self, now: float, force_room: bool = False) -> list[str]:
+        """(lock held) Drop idle groups past retention; with ``force_room``, when no room is
+        left for a new group, also the longest idle one (its blocks are the stalest)."""
+        retention = self.limits.cache_group_retention_s
+        idle = sorted((e.idle_since, name) for name, e in self._groups.items() if e.idle_since is not None)
+        gone = [name for since, name in idle if now - since >= retention]
+        if force_room and len(self._groups) - len(gone) >= self.limits.max_cache_groups:
+            gone += [name for _, name in idle if name not in gone][:1]
+        for name in gone:
+            del self._groups[name]  # its host tier is freed with the last reference
+        if gone:
+            log.info("cache groups released", extra={"cache_groups": gone})
+        return gone
+
+    def _served_files(self) -> set[tuple[int, int]]:
+        with self._lock:
+            pools = [s.manager.pool for s in self._pools.values()]
+        return {file_identity(p.fd) for p in pools if p.fd is not None}
+
+
+def _check_path_names(path: str, dev: int, ino: int) -> None:
+    """A registered pool's published path (what other processes map) must name the file handed over."""
+    if not path:
+        return
+    try:
+        st = os.stat(path)
+        same = (st.st_dev, st.st_ino) == (dev, ino)
+    except (OSError, ValueError):
+        same = False  # one answer for "absent" and "another file": no oracle for other users' paths
+    if not same:
+        raise InvalidArgument(f"pool path {shown(path)} does not name the file whose descriptor was handed over")
+
+
+__all__ = ["Access", "DAEMON", "Limits", "PoolRef", "PoolRegistry", "ServedPool"]

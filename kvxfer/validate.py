@@ -1,5 +1,10 @@
 """Request validation shared by the library and the daemon: a malformed batch is
-refused whole, before anything is reserved or copied."""
+refused whole, before anything is reserved or copied.
+
+Names are matched whole (``fullmatch``: ``$`` alone lets a trailing newline
+through), and a value echoed back in a message is cut short (``shown``), so that
+a 1 MiB name never becomes a 1 MiB status message or log line.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +16,43 @@ from kvxfer.layout import NULL_BLOCK
 
 MAX_KEY_BYTES = 256
 MAX_BATCH_BLOCKS = 65536
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}$")
+SHOWN_CHARS = 48
+NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}")
+POOL_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # pool ids and cache group names
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters: safe to echo into a status or a log line."""
+    if isinstance(value, str | bytes) and len(value) > 4 * limit:
+        value = value[:4 * limit]  # repr of a huge value is never built
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(value) if hasattr(value, '__len__') else '?'} long)"
+
+
+def check_name(value: object, pattern: re.Pattern, what: str, rule: str) -> str:
+    """``value`` if it is a str matching ``pattern`` whole; InvalidArgument naming ``what`` otherwise."""
+    if not isinstance(value, str) or pattern.fullmatch(value) is None:
+        raise InvalidArgument(f"{what} {shown(value)} must be {rule}")
+    return value
 
 
 def check_namespace(namespace: str) -> None:
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
-        raise InvalidArgument(
-            f"namespace {namespace!r} must be 1-128 characters of letters, digits and _.:/@+- "
-            "starting with a letter or digit"
-        )
+    check_name(namespace, NAMESPACE_RE, "namespace",
+               "1-128 characters of letters, digits and _.:/@+- starting with a letter or digit")
 
 
-def check_keys(keys: Sequence[bytes], *, unique: bool = True) -> None:
-    if len(keys) > MAX_BATCH_BLOCKS:
-        raise InvalidArgument(f"{len(keys)} keys in one request; at most {MAX_BATCH_BLOCKS}")
+def check_pool_id(pool_id: str, what: str = "pool id") -> str:
+    return check_name(pool_id, POOL_ID_RE, what, "1-64 letters, digits, '_', '.', '-'")
+
+
+def check_count(n: int, limit: int, what: str) -> None:
+    """Refuse a repeated field longer than ``limit`` before anything is built from it."""
+    if n > limit:
+        raise InvalidArgument(f"{n} {what} in one request; at most {limit}")
+
+
+def check_keys(keys: Sequence[bytes], *, unique: bool = True, limit: int = MAX_BATCH_BLOCKS) -> None:
+    check_count(len(keys), limit, "keys")
     # Fast path in C (map, set, min, max); the loop below only runs to name the bad key.
     if keys and (set(map(type, keys)) != {bytes} or min(map(len, keys)) < 1 or max(map(len, keys)) > MAX_KEY_BYTES):
         for i, key in enumerate(keys):
@@ -35,10 +63,9 @@ def check_keys(keys: Sequence[bytes], *, unique: bool = True) -> None:
         raise InvalidArgument("duplicate keys in one request")
 
 
-def check_slots(slots: Sequence[int], num_blocks: int) -> None:
+def check_slots(slots: Sequence[int], num_blocks: int, limit: int = MAX_BATCH_BLOCKS) -> None:
     """Slots must be distinct, in range, and never the null block."""
-    if len(slots) > MAX_BATCH_BLOCKS:
-        raise InvalidArgument(f"{len(slots)} slots in one request; at most {MAX_BATCH_BLOCKS}")
+    check_count(len(slots), limit, "slots")
     if not slots:
         return
     if set(map(type, slots)) != {int}:

@@ -25,7 +25,7 @@ OUTCOME_TO_STATUS = {
 STATUS_TO_OUTCOME = {status: outcome for outcome, status in OUTCOME_TO_STATUS.items()}
 TIER_TO_PB = {TierKind.HOST: pb.TIER_HOST}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
-MEDIUM_TO_PB = {Medium.SHM: pb.MEDIUM_SHM, Medium.CUDA: pb.MEDIUM_CUDA}
+MEDIUM_TO_PB = {Medium.SHM: pb.MEDIUM_SHM, Medium.CUDA: pb.MEDIUM_CUDA, Medium.MEMFD: pb.MEDIUM_MEMFD}
 PB_TO_MEDIUM = {v: k for k, v in MEDIUM_TO_PB.items()}
 
 
@@ -72,7 +72,7 @@ def pool_stats(desc: PoolDescriptor, stats: PoolStats, jobs: JobStats, cache_gro
 
 def handle_from_pb(msg: pb.PoolHandle) -> PoolHandle:
     if msg.medium not in PB_TO_MEDIUM:
-        raise InvalidArgument("pool handle needs a medium (MEDIUM_SHM or MEDIUM_CUDA)")
+        raise InvalidArgument("pool handle needs a medium (MEDIUM_SHM, MEDIUM_CUDA or MEDIUM_MEMFD)")
     return PoolHandle(PB_TO_MEDIUM[msg.medium], msg.path, bytes(msg.cuda_ipc_handle), msg.device, msg.offset)
 
 

@@ -15,8 +15,10 @@ import yaml
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.layout import KVSpec, Layout, parse_dtype
+from kvxfer.fdpass import SUFFIX
 from kvxfer.registry import Limits
 from kvxfer.shm import resolve_group
+from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
 
 MIB = 1 << 20
 
@@ -57,16 +59,17 @@ class Config:
     tls_cert: str = ""
     tls_key: str = ""
     token_file: str = ""
-    shm_dir: str = "/dev/shm"
-    shm_mode: int = 0o660
-    shm_group: str = ""
     max_concurrent_rpcs: int = 64
     workers: int = 16
     max_message_mib: int = 64
+    max_streams_per_connection: int = 128
+    max_batch_blocks: int = MAX_BATCH_BLOCKS
     grace_period_s: float = 10.0
     max_pools: int = 8
     max_cache_groups: int = 8
+    cache_group_retention_s: float = 300.0
     max_queued_jobs: int = 256
+    max_jobs_per_client: int = 64
     default_lease_s: float = 30.0
     max_lease_s: float = 600.0
     allow_register: bool = True
@@ -78,8 +81,8 @@ class Config:
     @property
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
-                      self.max_lease_s, self.shm_dir if self.allow_register else None,
-                      self.registered_host_capacity_mib)
+                      self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
+                      self.max_jobs_per_client, self.cache_group_retention_s)
 
     @property
     def token(self) -> str:
@@ -89,9 +92,10 @@ class Config:
 
 
 _SCALARS = {f.name: f for f in fields(Config) if f.name != "pools"}
-_MODES = {"socket_mode", "shm_mode"}
+_MODES = {"socket_mode"}
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _ENV_PREFIX = "KVXFER_"
-_LISTEN_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+_LISTEN_RE = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
 
 
 def _coerce(name: str, value) -> object:
@@ -117,8 +121,8 @@ def _coerce(name: str, value) -> object:
         if kind == "float":
             return float(value)
         return "" if value is None else str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: invalid value {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{name}: invalid value {shown(value)}") from None
 
 
 def _pool(raw: dict, index: int) -> PoolConfig:
@@ -130,11 +134,14 @@ def _pool(raw: dict, index: int) -> PoolConfig:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(DEFAULT_POOL)}")
     merged = {**DEFAULT_POOL, **raw, "spec": {**DEFAULT_POOL["spec"], **(raw.get("spec") or {})}}
     pool_id = str(merged["id"])
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", pool_id):
-        raise ConfigError(f"{where}.id: {pool_id!r} must be 1-64 letters, digits, '_', '.', '-'")
+    if not POOL_ID_RE.fullmatch(pool_id):
+        raise ConfigError(f"{where}.id: {shown(pool_id)} must be 1-64 letters, digits, '_', '.', '-'")
+    cache_group = str(merged["cache_group"] or "")
+    if cache_group and not POOL_ID_RE.fullmatch(cache_group):
+        raise ConfigError(f"{where}.cache_group: {shown(cache_group)} must be 1-64 letters, digits, '_', '.', '-'")
     device = str(merged["device"])
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise ConfigError(f"{where}.device: {device!r} must be auto, cpu, cuda or cuda:N")
+        raise ConfigError(f"{where}.device: {shown(device)} must be auto, cpu, cuda or cuda:N")
     try:
         spec_raw = dict(merged["spec"])
         unknown = set(spec_raw) - set(DEFAULT_POOL["spec"])
@@ -149,11 +156,11 @@ def _pool(raw: dict, index: int) -> PoolConfig:
         raise ConfigError(f"{where}: {exc}") from None
     capacity = merged["host_capacity_mib"]
     if isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0:
-        raise ConfigError(f"{where}.host_capacity_mib: must be a positive number, got {capacity!r}")
+        raise ConfigError(f"{where}.host_capacity_mib: must be a positive number, got {shown(capacity)}")
     blocks = int(capacity * MIB) // spec.block_bytes
     if blocks < 1:
         raise ConfigError(f"{where}.host_capacity_mib: {capacity} MiB holds no block of {spec.block_bytes} bytes")
-    return PoolConfig(pool_id, device, layout, spec, blocks, str(merged["cache_group"] or ""))
+    return PoolConfig(pool_id, device, layout, spec, blocks, cache_group)
 
 
 def load(path: str | None = None, env: dict[str, str] | None = None, overrides: dict | None = None) -> Config:
@@ -194,14 +201,20 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
 def validate(config: Config) -> Config:
     """Cross-field rules; returns the config unchanged when they hold."""
     if config.log_level.lower() not in {"debug", "info", "warning", "error"}:
-        raise ConfigError(f"log_level: {config.log_level!r} must be debug, info, warning or error")
+        raise ConfigError(f"log_level: {shown(config.log_level)} must be debug, info, warning or error")
     if config.log_format not in {"json", "text"}:
-        raise ConfigError(f"log_format: {config.log_format!r} must be json or text")
+        raise ConfigError(f"log_format: {shown(config.log_format)} must be json or text")
     for name in ("max_concurrent_rpcs", "workers", "max_message_mib", "max_pools", "max_cache_groups",
-                 "max_queued_jobs",
+                 "max_queued_jobs", "max_jobs_per_client", "max_batch_blocks", "max_streams_per_connection",
                  "registered_host_capacity_mib"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{name}: must be at least 1")
+    if config.max_batch_blocks > MAX_BATCH_BLOCKS:
+        raise ConfigError(f"max_batch_blocks: at most {MAX_BATCH_BLOCKS}")
+    if config.max_jobs_per_client > config.max_queued_jobs:
+        raise ConfigError("max_jobs_per_client: must be at most max_queued_jobs")
+    if config.cache_group_retention_s < 0:
+        raise ConfigError("cache_group_retention_s: must be >= 0")
     if not 0 < config.default_lease_s <= config.max_lease_s:
         raise ConfigError("default_lease_s: must be > 0 and at most max_lease_s")
     if len(config.pools) > config.max_pools:
@@ -210,18 +223,20 @@ def validate(config: Config) -> Config:
         raise ConfigError("grace_period_s: must be >= 0")
     if not config.socket and not config.listen:
         raise ConfigError("nothing to listen on: set socket and/or listen")
-    if config.socket and not Path(config.socket).parent.is_dir():
-        raise ConfigError(f"socket: directory {Path(config.socket).parent} does not exist")
-    for name in ("socket_group", "shm_group"):
-        try:
-            resolve_group(getattr(config, name) or None)
-        except InvalidArgument as exc:
-            raise ConfigError(f"{name}: {exc}") from None
-    if not Path(config.shm_dir).is_dir():
-        raise ConfigError(f"shm_dir: {config.shm_dir} is not a directory")
+    if config.socket:
+        longest = len(os.fsencode(config.socket + SUFFIX))
+        if longest > MAX_SOCKET_PATH:
+            raise ConfigError(f"socket: {shown(config.socket)} is too long: with its descriptor socket "
+                              f"({SUFFIX}) {longest} bytes; Unix sockets allow {MAX_SOCKET_PATH}")
+        if not Path(config.socket).parent.is_dir():
+            raise ConfigError(f"socket: directory {Path(config.socket).parent} does not exist")
+    try:
+        resolve_group(config.socket_group or None)
+    except InvalidArgument as exc:
+        raise ConfigError(f"socket_group: {exc}") from None
     if config.listen:
-        if not _LISTEN_RE.match(config.listen) or not 0 < int(config.listen.rsplit(":", 1)[1]) < 65536:
-            raise ConfigError(f"listen: {config.listen!r} must be HOST:PORT")
+        if not _LISTEN_RE.fullmatch(config.listen) or not 0 < int(config.listen.rsplit(":", 1)[1]) < 65536:
+            raise ConfigError(f"listen: {shown(config.listen)} must be HOST:PORT")
         if not (config.tls_cert and config.tls_key and config.token_file):
             raise ConfigError("listen: a TCP listener needs tls_cert, tls_key and token_file; refusing to "
                               "serve without TLS and a token (use the Unix socket inside the pod)")

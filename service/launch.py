@@ -21,12 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass
 class DaemonProcess:
-    """A ``kvxfer serve`` subprocess with its own socket directory and shm directory."""
+    """A ``kvxfer serve`` subprocess with its own socket directory, and a directory on
+    /dev/shm for the files of engines that register pools with it."""
 
     proc: subprocess.Popen
     dir: Path
     config: dict
     log: Path
+    shm_dir: Path
 
     @property
     def socket(self) -> str:
@@ -35,10 +37,6 @@ class DaemonProcess:
     @property
     def target(self) -> str:
         return f"unix:{self.socket}"
-
-    @property
-    def shm_dir(self) -> Path:
-        return Path(self.config["shm_dir"])
 
     def health(self) -> int:
         with grpc.insecure_channel(self.target) as channel:
@@ -75,20 +73,22 @@ class DaemonProcess:
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
-def spawn(config: dict, wait: bool = True) -> DaemonProcess:
+def spawn(config: dict, wait: bool = True, command: list[str] | None = None) -> DaemonProcess:
     """Start ``kvxfer serve`` with ``config`` over a short socket path (Unix sockets allow ~107
-    bytes) and a private shm directory, unless the config names its own."""
+    bytes). ``command`` replaces the Python command line before ``serve`` (tests start the
+    daemon under another user this way)."""
     workdir = Path(tempfile.mkdtemp(prefix="kx", dir="/tmp"))
-    shm_dir = config.get("shm_dir") or tempfile.mkdtemp(prefix="kx", dir="/dev/shm")
-    full = {"socket": str(workdir / "d.sock"), **config, "shm_dir": str(shm_dir)}
+    shm_dir = Path(tempfile.mkdtemp(prefix="kx", dir="/dev/shm"))
+    full = {"socket": str(workdir / "d.sock"), **config}
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(full))
     log = workdir / "daemon.log"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with log.open("w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "kvxfer.cli", "serve", "--config", str(config_path)],
+        argv = command or [sys.executable, "-m", "kvxfer.cli"]
+        proc = subprocess.Popen([*argv, "serve", "--config", str(config_path)],
                                 env=env, stdout=subprocess.DEVNULL, stderr=log_file, cwd=ROOT)
-    daemon = DaemonProcess(proc, workdir, full, log)
+    daemon = DaemonProcess(proc, workdir, full, log, shm_dir)
     if wait:
         try:
             daemon.wait_serving()

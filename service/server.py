@@ -1,20 +1,25 @@
 """Server lifecycle: pools, listeners, health, reflection, auth, graceful shutdown.
 
+The gRPC server is asyncio (``grpc.aio``): a request that waits (a long WaitJobs, a
+transfer queued behind others, a sender that stalls mid-message) costs a coroutine,
+not a thread, so health and other clients are always answered; copies run on
+``workers`` threads.
+
 Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, new RPCs are refused,
-in-flight RPCs get ``grace_period_s`` to finish, then pools are released (owned
-pool files removed), the socket file is removed, and the process exits 0.
+in-flight RPCs get ``grace_period_s`` to finish, then queued jobs as long again,
+then pools are released, the socket files are removed, and the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
 import signal
 import socket
 import stat
-import threading
-from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,41 +27,47 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvxfer.errors import FailedPrecondition
+from kvxfer.errors import FailedPrecondition, InvalidArgument
+from kvxfer.fdpass import SUFFIX
 from kvxfer.pool import Medium, Pool
 from kvxfer.registry import PoolRegistry
 from kvxfer.shm import resolve_group
 from kvxfer.transfer import ENGINES
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from service import logs
 from service.config import Config, PoolConfig
-from service.servicer import KVTransferServicer
+from service.fdsocket import DescriptorSocket
+from service.servicer import KVTransferServicer, RequestLimits, handlers
 
 log = logging.getLogger("kvxfer.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+SWEEP_S = 1.0  # how often idle cache groups past their retention are released
 
 
-class TokenAuth(grpc.ServerInterceptor):
+class TokenAuth(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer <token>`` on every RPC but health and reflection."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-    def intercept_service(self, continuation, details):
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
         if details.method.startswith(_OPEN_METHODS):
-            return continuation(details)
+            return await continuation(details)
         presented = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(presented.encode(), self._expected):
-            return continuation(details)
-        return grpc.unary_unary_rpc_method_handler(
-            lambda request, context: context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token"))
+        if isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._expected):
+            return await continuation(details)
+        return self._deny
 
 
 def resolve_device(device: str) -> str:
     """``auto`` is the GPU when there is one and a copy engine serves CUDA pools, else the CPU."""
-    cuda_served = any(medium is Medium.CUDA for medium, _ in ENGINES)
+    cuda_served = any(medium is Medium.CUDA for medium, _, _ in ENGINES)
     if device == "auto":
         return "cuda:0" if torch.cuda.is_available() and cuda_served else "cpu"
     if device.startswith("cuda"):
@@ -72,79 +83,97 @@ def create_pools(config: Config) -> PoolRegistry:
     registry = PoolRegistry(config.limits)
     try:
         for pc in config.pools:
-            _create_pool(registry, pc, config)
+            _create_pool(registry, pc)
     except BaseException:
         registry.close()
         raise
     return registry
 
 
-def _create_pool(registry: PoolRegistry, pc: PoolConfig, config: Config) -> None:
+def _create_pool(registry: PoolRegistry, pc: PoolConfig) -> None:
     device = resolve_device(pc.device)
-    pool = Pool.create(pc.id, pc.spec, pc.layout, device=device, shm_dir=config.shm_dir, mode=config.shm_mode,
-                       group=config.shm_group or None)
+    # On CPU, a sealed memfd: no client can shrink it under the daemon (SIGBUS).
+    pool = Pool.create(pc.id, pc.spec, pc.layout, device=device, shm_dir=None)
     registry.add(pool, pc.host_capacity_blocks, pc.cache_group)
     log.info("pool ready", extra={"pool": pc.id, "device": device, "layout": pc.layout.name,
                                   "block_bytes": pc.spec.block_bytes, "num_blocks": pc.spec.num_blocks,
                                   "host_capacity_blocks": pc.host_capacity_blocks, "epoch": pool.descriptor.epoch,
-                                  "path": pool.descriptor.handle.path})
+                                  "medium": pool.descriptor.handle.medium.value})
 
 
-def _claim_socket(path: str) -> None:
+def claim_socket(path: str) -> None:
     """Remove a socket file left by a dead daemon; refuse if a live one answers there."""
     p = Path(path)
-    if not p.exists():
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
         return
-    if not stat.S_ISSOCK(p.stat().st_mode):
-        raise FailedPrecondition(f"socket path {path} exists and is not a socket")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InvalidArgument(f"socket: {path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
-        p.unlink(missing_ok=True)
-        log.warning("removed a stale socket file", extra={"socket": path})
-        return
+        pass  # nobody serves there: stale
+    except OSError as exc:
+        raise InvalidArgument(f"socket: {path} exists (uid {st.st_uid}) and cannot be probed: {exc.strerror}; "
+                              "remove it or choose another socket path") from None
+    else:
+        raise FailedPrecondition(f"another daemon is serving on {path}")
     finally:
         probe.close()
-    raise FailedPrecondition(f"another daemon is serving on {path}")
+    try:
+        p.unlink(missing_ok=True)
+    except OSError as exc:
+        raise InvalidArgument(f"socket: {path} is a stale socket file of uid {st.st_uid} that this user cannot "
+                              f"remove ({exc.strerror}); remove it or choose another socket path") from None
+    log.warning("removed a stale socket file", extra={"socket": path})
 
 
 class Daemon:
-    """A started server and the pools it serves."""
+    """A started server and the pools it serves. Build, ``start`` and ``stop`` inside one event loop."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
         self.registry = create_pools(config)
-        self.health = health.HealthServicer()
-        options = [("grpc.max_receive_message_length", config.max_message_mib << 20),
-                   ("grpc.max_send_message_length", config.max_message_mib << 20),
-                   ("grpc.so_reuseport", 0)]
-        token = config.token
-        self.server = grpc.server(futures.ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc"),
-                                  interceptors=[TokenAuth(token)] if token else [], options=options,
-                                  maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-        pb_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.registry), self.server)
+        self.health = health.aio.HealthServicer()
+        c = config
+        options = [("grpc.max_receive_message_length", c.max_message_mib << 20),
+                   ("grpc.max_send_message_length", c.max_message_mib << 20),
+                   ("grpc.so_reuseport", 0),
+                   # A peer that stops answering pings (killed, stopped, cut off) is dropped.
+                   ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+                   ("grpc.max_connection_idle_ms", 600_000),
+                   ("grpc.max_concurrent_streams", c.max_streams_per_connection)]
+        token = c.token
+        self.server = grpc.aio.server(interceptors=[TokenAuth(token)] if token else [], options=options)
+        limits = RequestLimits(c.max_concurrent_rpcs, c.max_batch_blocks, c.max_pools, c.max_queued_jobs)
+        self.server.add_generic_rpc_handlers((handlers(KVTransferServicer(self.registry, limits, self.executor)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.server)
         self.addresses: list[str] = []
+        self.fd_socket: DescriptorSocket | None = None
+        self._sweeper: asyncio.Task | None = None
         try:
             self._listen()
         except BaseException:
-            self.server.stop(None).wait()
-            self.registry.close()
+            self._release()
             raise
 
     def _listen(self) -> None:
         c = self.config
         if c.socket:
-            _claim_socket(c.socket)
+            claim_socket(c.socket)
+            claim_socket(c.socket + SUFFIX)
             if not self.server.add_insecure_port(f"unix:{c.socket}"):
                 raise FailedPrecondition(f"cannot listen on unix:{c.socket}")
-            os.chmod(c.socket, c.socket_mode)
             gid = resolve_group(c.socket_group or None)
+            os.chmod(c.socket, c.socket_mode)
             if gid >= 0:
                 os.chown(c.socket, -1, gid)
+            self.fd_socket = DescriptorSocket(c.socket + SUFFIX, self.registry, c.socket_mode, gid)
             self.addresses.append(f"unix:{c.socket}")
         if c.listen:
             creds = grpc.ssl_server_credentials([(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())])
@@ -152,32 +181,54 @@ class Daemon:
                 raise FailedPrecondition(f"cannot listen on {c.listen}")
             self.addresses.append(c.listen)
 
-    def start(self) -> None:
-        self.server.start()
+    async def start(self) -> None:
+        await self.server.start()
+        if self.fd_socket is not None:
+            self.fd_socket.start()
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         log.info("listening", extra={"addresses": self.addresses, "pools": [d.pool_id for d in
                                                                           self.registry.descriptors()]})
 
-    def stop(self) -> None:
-        self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
         log.info("shutting down", extra={"grace_period_s": self.config.grace_period_s})
-        self.server.stop(self.config.grace_period_s).wait()
-        self.registry.close(drain_timeout=self.config.grace_period_s)  # queued jobs finish first
-        if self.config.socket:
-            Path(self.config.socket).unlink(missing_ok=True)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.server.stop(self.config.grace_period_s)
+        # Queued jobs finish first (on a thread: closing waits).
+        await asyncio.get_running_loop().run_in_executor(None, self.registry.close, self.config.grace_period_s)
+        self._release()
         log.info("stopped")
+
+    def _release(self) -> None:
+        if self.fd_socket is not None:
+            self.fd_socket.close()
+        self.registry.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.config.socket and self.addresses:
+            Path(self.config.socket).unlink(missing_ok=True)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.registry.sweep()
+
+
+async def _serve(config: Config) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    daemon = Daemon(config)
+    await daemon.start()
+    await stop.wait()
+    await daemon.stop()
+    return 0
 
 
 def serve(config: Config) -> int:
     """Run until SIGTERM or SIGINT; returns the exit code."""
     logs.setup(config.log_level, config.log_format)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    daemon = Daemon(config)
-    daemon.start()
-    while not stop.wait(0.5):
-        pass
-    daemon.stop()
-    return 0
+    return asyncio.run(_serve(config))

@@ -1,33 +1,49 @@
 """The KVTransfer servicer: decode a request, call the library, encode the answer.
 
-It holds no logic of its own; errors become statuses in ``service.status``.
+It runs on the asyncio server: nothing here blocks the event loop. Copies and
+anything O(batch) run on the worker threads; a synchronous transfer queued behind
+a pool's jobs and a WaitJobs long poll hold no thread while they wait. So health
+and every other RPC keep answering while requests are stuck or waiting. Every
+repeated field is counted against its limit before anything is built from it.
+Errors become statuses in ``service.status``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
 
 from kvxfer import wire
-from kvxfer.errors import InvalidArgument
-from kvxfer.jobs import JobKind
+from kvxfer.errors import InvalidArgument, ResourceExhausted
+from kvxfer.jobs import JobKind, JobRunner
 from kvxfer.layout import Layout
 from kvxfer.manager import TransferResult
 from kvxfer.registry import PoolRef, PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
-from service.status import rpc
+from kvxfer.validate import check_count, check_name
+from service.status import parser, rpc
 
 MAX_WAIT_S = 60.0
+POLL_S = 1.0  # a waiting WaitJobs looks again at least this often (and renews its leases)
+CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+MAX_LAYOUT_CHARS, MAX_DTYPE_CHARS, MAX_PATH_CHARS = 128, 32, 4096
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_concurrent_rpcs: int = 64
+    max_batch_blocks: int = 65536
+    max_pools: int = 8
+    max_job_ids: int = 256
 
 
 def _ref(msg: pb.PoolRef) -> PoolRef:
     return PoolRef(msg.pool_id, msg.epoch)
-
-
-def _paired(first: Sequence, second: Sequence, names: str) -> list[tuple]:
-    if len(first) != len(second):
-        raise InvalidArgument(f"{names} must have the same length ({len(first)} != {len(second)})")
-    return list(zip(first, second))
 
 
 def _statuses(result: TransferResult) -> dict:
@@ -35,65 +51,177 @@ def _statuses(result: TransferResult) -> dict:
             "seconds": result.seconds}
 
 
-class KVTransferServicer(pb_grpc.KVTransferServicer):
-    def __init__(self, registry: PoolRegistry) -> None:
+def _check_client_id(client_id: str) -> str:
+    return check_name(client_id, CLIENT_ID_RE, "client_id", "1-128 letters, digits, '_', '.', ':', '-'")
+
+
+def _check_length(value: str, limit: int, what: str) -> None:
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is {len(value)} characters long; at most {limit}")
+
+
+class KVTransferServicer:
+    """Async handlers of kvxfer.v1.KVTransfer over one registry."""
+
+    def __init__(self, registry: PoolRegistry, limits: RequestLimits, executor: ThreadPoolExecutor) -> None:
         self.registry = registry
+        self.limits = limits
+        self._executor = executor
+        self._in_flight = 0
 
-    def _transfer(self, kind: JobKind, request, pairs: list[tuple]) -> pb.TransferResponse:
+    # -- helpers -------------------------------------------------------------------
+    async def _blocking(self, fn: Callable, *args):
+        """Run ``fn`` on a worker thread, counted against max_concurrent_rpcs (refused beyond it)."""
+        if self._in_flight >= self.limits.max_concurrent_rpcs:
+            raise ResourceExhausted(f"{self._in_flight} requests in flight; at most "
+                                    f"{self.limits.max_concurrent_rpcs}")
+        self._in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._in_flight -= 1
+
+    def _pairs(self, first: Sequence, second: Sequence, names: str) -> list[tuple]:
+        check_count(len(first), self.limits.max_batch_blocks, names.split()[0])
+        check_count(len(second), self.limits.max_batch_blocks, names.split()[-1])
+        if len(first) != len(second):
+            raise InvalidArgument(f"{names} must have the same length ({len(first)} != {len(second)})")
+        return list(zip(first, second))
+
+    async def _transfer(self, kind: JobKind, request, first: Sequence, second: Sequence,
+                        names: str) -> pb.TransferResponse:
         jobs = self.registry.get(_ref(request.pool)).jobs
+        pairs = self._pairs(first, second, names)
         if request.HasField("wait") and not request.wait:
-            job_id = jobs.submit(kind, request.namespace, pairs, request.client_id, request.lease_ms / 1000)
+            client_id = _check_client_id(request.client_id)
+            job_id = await self._blocking(jobs.submit, kind, request.namespace, pairs, client_id,
+                                          request.lease_ms / 1000)
             return pb.TransferResponse(job_id=job_id)
-        return pb.TransferResponse(**_statuses(jobs.run(kind, request.namespace, pairs)))
+        job = await self._blocking(jobs.begin, kind, request.namespace, pairs)
+        if job is None:  # the pool was idle: run it now, on a worker thread
+            return pb.TransferResponse(**_statuses(await self._blocking(jobs.run_inline, kind, request.namespace,
+                                                                        pairs)))
+        return pb.TransferResponse(**_statuses(await _finished(jobs, job)))
 
+    # -- RPCs ------------------------------------------------------------------------
     @rpc
-    def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context) -> pb.GetPoolInfoResponse:
+    async def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context) -> pb.GetPoolInfoResponse:
         return pb.GetPoolInfoResponse(pools=[wire.pool_info(s.descriptor, s.cache_group)
                                              for s in self.registry.served(request.pool_id)])
 
     @rpc
-    def Offload(self, request: pb.OffloadRequest, context) -> pb.TransferResponse:
-        return self._transfer(JobKind.OFFLOAD, request, _paired(request.slots, request.keys, "slots and keys"))
+    async def Offload(self, request: pb.OffloadRequest, context) -> pb.TransferResponse:
+        return await self._transfer(JobKind.OFFLOAD, request, request.slots, request.keys, "slots and keys")
 
     @rpc
-    def Restore(self, request: pb.RestoreRequest, context) -> pb.TransferResponse:
-        return self._transfer(JobKind.RESTORE, request, _paired(request.keys, request.slots, "keys and slots"))
+    async def Restore(self, request: pb.RestoreRequest, context) -> pb.TransferResponse:
+        return await self._transfer(JobKind.RESTORE, request, request.keys, request.slots, "keys and slots")
 
     @rpc
-    def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:
+    async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:
         jobs = self.registry.get(_ref(request.pool)).jobs
+        check_count(len(request.job_ids), self.limits.max_job_ids, "job ids")
+        client_id = _check_client_id(request.client_id)
+        job_ids = list(request.job_ids)
         timeout = min(request.timeout_ms / 1000, MAX_WAIT_S)
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = max(0.0, min(timeout, remaining - 0.05))  # answer before the caller's deadline
-        finished, unknown = jobs.wait(request.client_id, list(request.job_ids), timeout, request.wait_all)
+        finished, unknown = await _wait_jobs(jobs, client_id, job_ids, request.wait_all, timeout)
         return pb.WaitJobsResponse(finished=[pb.JobResult(job_id=j.job_id, **_statuses(j.result)) for j in finished],
                                    unknown_job_ids=unknown)
 
     @rpc
-    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        result = self.registry.lookup([_ref(p) for p in request.pools], request.namespace, list(request.keys))
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        check_count(len(request.pools), self.limits.max_pools, "pools")
+        check_count(len(request.keys), self.limits.max_batch_blocks, "keys")
+        refs = [_ref(p) for p in request.pools]
+        result = await self._blocking(self.registry.lookup, refs, request.namespace, list(request.keys))
         return pb.LookupResponse(hits=result.hits,
                                  tiers=[wire.TIER_TO_PB[t] if t else pb.TIER_UNSPECIFIED for t in result.tiers])
 
     @rpc
-    def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
+    async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
+        check_count(len(request.keys), self.limits.max_batch_blocks, "keys")
         manager = self.registry.get(_ref(request.pool)).manager
-        return pb.DeleteResponse(deleted=manager.delete(request.namespace, list(request.keys)))
+        return pb.DeleteResponse(deleted=await self._blocking(manager.delete, request.namespace, list(request.keys)))
 
     @rpc
-    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         return pb.StatsResponse(pools=[wire.pool_stats(s.descriptor, s.manager.stats(), s.jobs.stats(), s.cache_group)
                                        for s in self.registry.served(request.pool_id)])
 
     @rpc
-    def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
-        served = self.registry.register(request.pool_id, wire.spec_from_pb(request.spec),
-                                        Layout.parse(request.layout), wire.handle_from_pb(request.handle),
-                                        request.host_capacity_mib, request.cache_group)
-        return pb.RegisterPoolResponse(pool=wire.pool_info(served.descriptor, served.cache_group))
+    async def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
+        _check_length(request.layout, MAX_LAYOUT_CHARS, "layout")
+        _check_length(request.spec.dtype, MAX_DTYPE_CHARS, "spec.dtype")
+        _check_length(request.handle.path, MAX_PATH_CHARS, "handle.path")
+        spec, layout = wire.spec_from_pb(request.spec), Layout.parse(request.layout)
+        handle = wire.handle_from_pb(request.handle)
+        served, token = await self._blocking(self.registry.register, request.pool_id, spec, layout, handle,
+                                             request.registration_token, request.host_capacity_mib,
+                                             request.cache_group)
+        return pb.RegisterPoolResponse(pool=wire.pool_info(served.descriptor, served.cache_group),
+                                       registration_token=token)
 
     @rpc
-    def UnregisterPool(self, request: pb.UnregisterPoolRequest, context) -> pb.UnregisterPoolResponse:
-        cancelled = self.registry.unregister(_ref(request.pool), (request.drain_timeout_ms or 10_000) / 1000)
+    async def UnregisterPool(self, request: pb.UnregisterPoolRequest, context) -> pb.UnregisterPoolResponse:
+        drain = (request.drain_timeout_ms or 10_000) / 1000
+        cancelled = await self._blocking(self.registry.unregister, _ref(request.pool), request.registration_token,
+                                         drain)
         return pb.UnregisterPoolResponse(cancelled_jobs=cancelled)
+
+
+async def _finished(jobs: JobRunner, job) -> TransferResult:
+    """Await a queued synchronous job without holding a thread."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    jobs.on_finish(job, lambda: _call_soon(loop, lambda: done.done() or done.set_result(None)))
+    try:
+        await done
+    except asyncio.CancelledError:  # the caller went away: collect the result when it comes
+        jobs.on_finish(job, lambda: jobs.collect(job))
+        raise
+    return jobs.collect(job)
+
+
+async def _wait_jobs(jobs: JobRunner, client_id: str, job_ids: list[int], wait_all: bool, timeout: float):
+    """WaitJobs as a coroutine: woken by every finished job of the pool, never blocking a thread."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    wake = asyncio.Event()
+    listener = lambda: _call_soon(loop, wake.set)  # noqa: E731
+    jobs.add_listener(listener)
+    try:
+        while True:
+            wake.clear()
+            answer = jobs.poll(client_id, job_ids, wait_all, final=loop.time() >= deadline)
+            if answer is not None:
+                return answer
+            try:
+                await asyncio.wait_for(wake.wait(), min(POLL_S, max(0.0, deadline - loop.time())))
+            except TimeoutError:
+                pass
+    finally:
+        jobs.remove_listener(listener)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """Schedule ``callback`` on the loop from a worker thread; a closed loop (shutdown) is ignored."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass
+
+
+def handlers(servicer: KVTransferServicer) -> grpc.GenericRpcHandler:
+    """The service's method handlers, with request parsers that turn bad bytes into
+    INVALID_ARGUMENT (the generated registration would answer INTERNAL)."""
+    service = pb.DESCRIPTOR.services_by_name["KVTransfer"]
+    methods = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name), request_deserializer=parser(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+        for m in service.methods
+    }
+    return grpc.method_handlers_generic_handler(service.full_name, methods)

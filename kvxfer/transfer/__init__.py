@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
 from kvxfer.errors import FailedPrecondition
-from kvxfer.layout import PoolLayout
-from kvxfer.pool import Medium
+from kvxfer.pool import Access, Medium, Pool
 from kvxfer.store import TierKind
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer.cpu import CpuCopyEngine
+from kvxfer.transfer.fdcopy import FdCopyEngine
 
-#: (pool medium, tier) -> engine class. The CUDA engine is added with the GPU path.
-ENGINES: dict[tuple[Medium, TierKind], type[CopyEngine]] = {
-    (Medium.SHM, TierKind.HOST): CpuCopyEngine,
+
+def _mapped(pool: Pool, host: HostTier) -> CopyEngine:
+    return CpuCopyEngine(pool.storage, pool.layout, host)
+
+
+def _through_fd(pool: Pool, host: HostTier) -> CopyEngine:
+    return FdCopyEngine(pool.fd, pool.descriptor.handle.offset, pool.layout, host)
+
+
+#: (pool medium, how this process reaches it, tier) -> engine factory. The CUDA engine
+#: is added with the GPU path.
+ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier], CopyEngine]] = {
+    (Medium.SHM, Access.MAPPED, TierKind.HOST): _mapped,
+    (Medium.MEMFD, Access.MAPPED, TierKind.HOST): _mapped,
+    (Medium.SHM, Access.FILE, TierKind.HOST): _through_fd,
+    (Medium.MEMFD, Access.FILE, TierKind.HOST): _through_fd,
 }
 
 
-def engine_for(medium: Medium, storage: torch.Tensor, layout: PoolLayout, host: HostTier) -> CopyEngine:
+def engine_for(pool: Pool, host: HostTier) -> CopyEngine:
+    medium = pool.descriptor.handle.medium
     try:
-        cls = ENGINES[(medium, TierKind.HOST)]
+        make = ENGINES[(medium, pool.access, TierKind.HOST)]
     except KeyError:
         raise FailedPrecondition(f"no copy engine between a {medium.value} pool and the host tier") from None
-    return cls(storage, layout, host)
+    return make(pool, host)
 
 
-__all__ = ["CompletedHandle", "CopyBatch", "CopyEngine", "CopyHandle", "Direction", "engine_for", "ENGINES"]
+__all__ = ["CompletedHandle", "CopyBatch", "CopyEngine", "CopyHandle", "Direction", "engine_for", "ENGINES", "FdCopyEngine"]

@@ -72,3 +72,8 @@ class CopyEngine(ABC):
     @abstractmethod
     def descriptors_per_block(self) -> int:
         """Contiguous byte runs one block costs (1 for block-major layouts)."""
+
+    @property
+    def hashes_pool(self) -> bool:
+        """Whether ``pool_checksums`` reads the pool cheaply (from this process's mapping)."""
+        return True

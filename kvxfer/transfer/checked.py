@@ -52,7 +52,7 @@ class CheckedCopier:
         """
         # Verify what landed where a block is one span of the pool (one hash call,
         # from cache); where it is many runs, verify the contiguous tier copy first.
-        verify_after = self.engine.descriptors_per_block == 1
+        verify_after = self.engine.descriptors_per_block == 1 and self.engine.hashes_pool
         c = self.chunk
         corrupt: set[int] = set()
         for a in range(0, len(slots), c):

@@ -12,6 +12,7 @@ class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEDIUM_UNSPECIFIED: _ClassVar[Medium]
     MEDIUM_SHM: _ClassVar[Medium]
     MEDIUM_CUDA: _ClassVar[Medium]
+    MEDIUM_MEMFD: _ClassVar[Medium]
 
 class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 MEDIUM_UNSPECIFIED: Medium
 MEDIUM_SHM: Medium
 MEDIUM_CUDA: Medium
+MEDIUM_MEMFD: Medium
 BLOCK_STATUS_UNSPECIFIED: BlockStatus
 BLOCK_STATUS_DONE: BlockStatus
 BLOCK_STATUS_ALREADY_PRESENT: BlockStatus
@@ -299,34 +301,40 @@ class StatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group")
+    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group", "registration_token")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     HOST_CAPACITY_MIB_FIELD_NUMBER: _ClassVar[int]
     CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     spec: KVSpec
     layout: str
     handle: PoolHandle
     host_capacity_mib: int
     cache_group: str
-    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ...) -> None: ...
+    registration_token: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ..., registration_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool",)
+    __slots__ = ("pool", "registration_token")
     POOL_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool: PoolInfo
-    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
+    registration_token: bytes
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., registration_token: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
-    __slots__ = ("pool", "drain_timeout_ms")
+    __slots__ = ("pool", "drain_timeout_ms", "registration_token")
     POOL_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     drain_timeout_ms: int
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., drain_timeout_ms: _Optional[int] = ...) -> None: ...
+    registration_token: bytes
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., drain_timeout_ms: _Optional[int] = ..., registration_token: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterPoolResponse(_message.Message):
     __slots__ = ("cancelled_jobs",)

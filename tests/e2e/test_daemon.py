@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from kvxfer.client import BlockFailures, Client
 from kvxfer.errors import InvalidArgument, NotFound, Unavailable
+from kvxfer.pool import Medium
 from kvxfer.store import Outcome
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -124,7 +125,6 @@ def test_client_fails_fast_when_no_daemon(tmp_path):
 
 def test_sigterm_mid_batch_exits_cleanly_and_never_showed_incomplete_keys(make_daemon):
     daemon = make_daemon({"grace_period_s": 20})
-    pool_file = Client(daemon.target).pool_info().handle.path
     progress = str(daemon.dir / "progress")
     writer = start_worker("offload_forever", daemon.target, "rank0", "term", 16, 60.0, progress)
     reader = start_worker("verify_present", daemon.target, "rank0", "term", 16, 60.0, progress)
@@ -135,7 +135,7 @@ def test_sigterm_mid_batch_exits_cleanly_and_never_showed_incomplete_keys(make_d
     written, read = (_result(w) for w in (writer, reader))
     assert written["acknowledged"] > 0 and read["checked"] > 0, (written, read)
     assert read["bad"] == []
-    assert not os.path.exists(daemon.socket) and not os.path.exists(pool_file)
+    assert not os.path.exists(daemon.socket) and not os.path.exists(daemon.socket + ".fd")
     log = daemon.log_text()
     assert '"shutting down"' in log and '"stopped"' in log
 
@@ -159,7 +159,7 @@ def test_excess_concurrent_rpcs_are_refused_not_queued(make_daemon):
 
 def test_second_daemon_on_the_same_socket_refuses(make_daemon):
     first = make_daemon()
-    second = make_daemon({"socket": first.socket, "shm_dir": str(first.shm_dir)}, wait=False)
+    second = make_daemon({"socket": first.socket}, wait=False)
     assert second.proc.wait(timeout=60) == 1
     assert "another daemon is serving" in second.log_text()
     assert first.health() == health_pb2.HealthCheckResponse.SERVING
@@ -169,7 +169,9 @@ def test_stale_socket_file_is_reclaimed(make_daemon):
     first = make_daemon()
     first.stop(signal.SIGKILL)
     assert os.path.exists(first.socket)  # SIGKILL left it
-    second = make_daemon({"socket": first.socket, "shm_dir": str(first.shm_dir)})
+    second = make_daemon({"socket": first.socket})
     assert second.health() == health_pb2.HealthCheckResponse.SERVING
     assert "removed a stale socket file" in second.log_text()
-    assert "removed stale pool file" in second.log_text()  # the killed daemon's pool, swept
+    # The killed daemon's pools were memfds: the kernel freed them with the process.
+    with Client(second.target) as client:
+        assert client.map_pool().descriptor.handle.medium is Medium.MEMFD

@@ -116,7 +116,7 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(make_daemon):
     assert "repeated uint32 slots" in grpcurl("describe", "kvxfer.v1.OffloadRequest")
     info = json.loads(grpcurl("kvxfer.v1.KVTransfer/GetPoolInfo", data="{}"))
     pool = info["pools"][0]
-    assert pool["layout_name"] == "BLHNC" and pool["handle"]["medium"] == "MEDIUM_SHM"
+    assert pool["layout_name"] == "BLHNC" and pool["handle"]["medium"] == "MEDIUM_MEMFD"
     offload = {"pool": {"pool_id": "rank0", "epoch": pool["epoch"]}, "namespace": "grpcurl", "slots": [3],
                "keys": ["a2V5"]}
     reply = json.loads(grpcurl("kvxfer.v1.KVTransfer/Offload", data=json.dumps(offload)))
@@ -126,15 +126,15 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(make_daemon):
     assert json.loads(grpcurl("grpc.health.v1.Health/Check"))["status"] == "SERVING"
 
 
-def test_socket_and_pool_file_get_the_configured_mode_and_group(make_daemon):
+def test_both_sockets_get_the_configured_mode_and_group(make_daemon):
     import grp
     import os
     import stat
 
     group = grp.getgrgid(os.getgid()).gr_name
-    daemon = make_daemon({"socket_mode": "0600", "socket_group": group, "shm_mode": "0640", "shm_group": group})
-    st = os.stat(daemon.socket)
-    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_gid == os.getgid()
-    with Client(daemon.target) as client:
-        pool_file = os.stat(client.pool_info().handle.path)
-    assert stat.S_IMODE(pool_file.st_mode) == 0o640 and pool_file.st_gid == os.getgid()
+    daemon = make_daemon({"socket_mode": "0600", "socket_group": group})
+    for path in (daemon.socket, daemon.socket + ".fd"):
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_gid == os.getgid()
+    with Client(daemon.target) as client:  # the pool is a sealed memfd: no file to mode
+        assert client.pool_info().handle.path == ""

@@ -1,0 +1,72 @@
+"""The descriptor socket: open files passed between a client and the daemon (SCM_RIGHTS).
+
+It sits beside the daemon's gRPC socket (``<socket>.fd``, same mode and group) and
+speaks one request and one answer per connection (SOCK_SEQPACKET):
+
+- ``REGISTER`` with one descriptor: the client hands over memory it opened itself;
+  answer ``OK <token hex>``, the one-use token RegisterPool presents.
+- ``MAP <pool_id> <epoch>``: answer ``OK`` with the descriptor of one of the daemon's
+  own (sealed memfd) pools, which the client maps.
+- Errors: ``ERR <STATUS_CODE> <message>``.
+
+This module is the client side and the wire format; the daemon's side is
+``service/fdsocket.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from kvxfer.errors import KvxferError, Unavailable, error_for_code
+
+SUFFIX = ".fd"
+MAX_MESSAGE = 512
+TIMEOUT_S = 5.0
+
+
+def socket_path_for(target: str) -> str:
+    """The descriptor socket beside a ``unix:`` gRPC target."""
+    if not target.startswith("unix:"):
+        raise KvxferError("descriptors pass only over a Unix socket: connect with a unix: target")
+    path = target[len("unix:"):]
+    if path.startswith("//"):
+        path = path[2:]
+    return path + SUFFIX
+
+
+def _exchange(path: str, message: bytes, fds: list[int]) -> tuple[bytes, list[int]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(TIMEOUT_S)
+        try:
+            sock.connect(path)
+            socket.send_fds(sock, [message], fds)
+            answer, received, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+        except OSError as exc:
+            raise Unavailable(f"descriptor socket {path}: {exc.strerror or exc}") from None
+    if answer.startswith(b"ERR "):
+        for fd in received:
+            os.close(fd)
+        _, code, text = (answer.decode(errors="replace").split(" ", 2) + [""])[:3]
+        raise error_for_code(code)(text)
+    if not answer.startswith(b"OK"):
+        for fd in received:
+            os.close(fd)
+        raise Unavailable(f"descriptor socket {path}: unexpected answer")
+    return answer[2:].strip(), received
+
+
+def hand_over(path: str, fd: int) -> bytes:
+    """Pass an open descriptor to the daemon; returns the registration token."""
+    answer, _ = _exchange(path, b"REGISTER", [fd])
+    return bytes.fromhex(answer.decode())
+
+
+def receive_pool(path: str, pool_id: str, epoch: int) -> int:
+    """The descriptor of the daemon's pool ``pool_id`` (the caller closes it)."""
+    _, fds = _exchange(path, f"MAP {pool_id} {epoch}".encode(), [])
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise Unavailable("the daemon answered MAP without a descriptor")
+    return fds[0]

@@ -1,0 +1,104 @@
+"""Descriptors clients hand over to register their memory: the proof of access.
+
+A client that registers shared memory opens the file itself and passes the open
+descriptor over the daemon's descriptor socket (SCM_RIGHTS, ``kvxfer.fdpass``). The
+daemon therefore maps or copies only memory the client could open read-write with
+its own credentials: it never opens a path a client names (no confused deputy, no
+link race). The socket also tells the peer's uid (SO_PEERCRED), the identity that
+admits a registration to a cache group. Each hand-off is answered with a one-use
+token that RegisterPool presents; unused hand-offs expire.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import secrets
+import stat
+import threading
+import time
+from dataclasses import dataclass
+
+from kvxfer.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+
+TOKEN_BYTES = 16
+EXPIRY_S = 60.0
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """A descriptor a client passed, who passed it, and which file it is."""
+
+    fd: int
+    uid: int
+    pid: int
+    dev: int
+    ino: int
+    size: int
+    expires: float
+
+
+def file_identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def token_digest(token: bytes) -> bytes:
+    """What the daemon keeps of a secret token: its hash, compared in constant time."""
+    return hashlib.sha256(token).digest()
+
+
+class HandOffs:
+    """Pending hand-offs by token; bounded, expiring, each taken once."""
+
+    def __init__(self, max_pending: int = 16, expiry_s: float = EXPIRY_S) -> None:
+        self.max_pending = max_pending
+        self.expiry_s = expiry_s
+        self._pending: dict[bytes, HandOff] = {}
+        self._lock = threading.Lock()
+
+    def accept(self, fd: int, uid: int, pid: int, served: set[tuple[int, int]]) -> bytes:
+        """Check a received descriptor and keep it under a new token (the caller's fd is
+        owned by this object from now on, accepted or not)."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidArgument("the descriptor handed over is not a regular file or memfd")
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+                raise PermissionDenied("the descriptor handed over is not open for reading and writing")
+            if (st.st_dev, st.st_ino) in served:
+                raise PermissionDenied("the descriptor handed over is memory this daemon already serves")
+            token = secrets.token_bytes(TOKEN_BYTES)
+            now = time.monotonic()
+            with self._lock:
+                self._expire(now)
+                if len(self._pending) >= self.max_pending:
+                    raise ResourceExhausted(f"{len(self._pending)} hand-offs are pending; at most "
+                                            f"{self.max_pending} (register or wait {self.expiry_s:.0f} s)")
+                self._pending[token_digest(token)] = HandOff(fd, uid, pid, st.st_dev, st.st_ino, st.st_size,
+                                                             now + self.expiry_s)
+            return token
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def take(self, token: bytes) -> HandOff:
+        """The hand-off of ``token``, removed; the caller now owns its descriptor."""
+        with self._lock:
+            self._expire(time.monotonic())
+            handoff = self._pending.pop(token_digest(bytes(token)), None)
+        if handoff is None:
+            raise PermissionDenied("unknown or expired registration token: hand the pool's descriptor over "
+                                   "the daemon's descriptor socket first (Client.register_pool does)")
+        return handoff
+
+    def close(self) -> None:
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for handoff in pending:
+            os.close(handoff.fd)
+
+    def _expire(self, now: float) -> None:
+        for digest in [d for d, h in self._pending.items() if h.expires < now]:
+            os.close(self._pending.pop(digest).fd)
