@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvxfer.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 
 TOKEN_BYTES = 16
-EXPIRY_S = 60.0
+EXPIRY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,9 @@ def token_digest(token: bytes) -> bytes:
 class HandOffs:
     """Pending hand-offs by token; bounded, expiring, each taken once."""
 
-    def __init__(self, max_pending: int = 16, expiry_s: float = EXPIRY_S) -> None:
+    def __init__(self, max_pending: int = 16, expiry_s: float = EXPIRY_S, max_per_uid: int = 4) -> None:
         self.max_pending = max_pending
+        self.max_per_uid = max_per_uid
         self.expiry_s = expiry_s
         self._pending: dict[bytes, HandOff] = {}
         self._lock = threading.Lock()
@@ -76,6 +77,10 @@ class HandOffs:
                 if len(self._pending) >= self.max_pending:
                     raise ResourceExhausted(f"{len(self._pending)} hand-offs are pending; at most "
                                             f"{self.max_pending} (register or wait {self.expiry_s:.0f} s)")
+                mine = sum(h.uid == uid for h in self._pending.values())
+                if mine >= self.max_per_uid:
+                    raise ResourceExhausted(f"uid {uid} has {mine} hand-offs pending; at most {self.max_per_uid} "
+                                            f"(register or wait {self.expiry_s:.0f} s)")
                 self._pending[token_digest(token)] = HandOff(fd, uid, pid, st.st_dev, st.st_ino, st.st_size,
                                                              now + self.expiry_s)
             return token

@@ -135,6 +135,9 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        if config.socket:  # before any memory is allocated: a socket problem fails fast
+            claim_socket(config.socket)
+            claim_socket(config.socket + SUFFIX)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
         self.registry = create_pools(config)
         self.health = health.aio.HealthServicer()
@@ -165,8 +168,6 @@ class Daemon:
     def _listen(self) -> None:
         c = self.config
         if c.socket:
-            claim_socket(c.socket)
-            claim_socket(c.socket + SUFFIX)
             if not self.server.add_insecure_port(f"unix:{c.socket}"):
                 raise FailedPrecondition(f"cannot listen on unix:{c.socket}")
             gid = resolve_group(c.socket_group or None)

@@ -216,11 +216,18 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) 
 
 def handlers(servicer: KVTransferServicer) -> grpc.GenericRpcHandler:
     """The service's method handlers, with request parsers that turn bad bytes into
-    INVALID_ARGUMENT (the generated registration would answer INTERNAL)."""
+    INVALID_ARGUMENT (the generated registration would answer INTERNAL) and count
+    repeated fields before anything is built from them."""
+    lim = servicer.limits
+    batch = lim.max_batch_blocks
+    repeated = {"OffloadRequest": {"slots": batch, "keys": batch}, "RestoreRequest": {"slots": batch, "keys": batch},
+                "LookupRequest": {"pools": lim.max_pools, "keys": batch}, "DeleteRequest": {"keys": batch},
+                "WaitJobsRequest": {"job_ids": lim.max_job_ids}}
     service = pb.DESCRIPTOR.services_by_name["KVTransfer"]
     methods = {
         m.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name), request_deserializer=parser(getattr(pb, m.input_type.name)),
+            getattr(servicer, m.name),
+            request_deserializer=parser(getattr(pb, m.input_type.name), repeated.get(m.input_type.name)),
             response_serializer=getattr(pb, m.output_type.name).SerializeToString)
         for m in service.methods
     }

@@ -25,25 +25,83 @@ log = logging.getLogger("kvxfer.rpc")
 MAX_DETAILS = 512  # characters of a status message or logged error
 
 
+SCAN_ABOVE = 64 << 10  # requests larger than this have their repeated fields counted before parsing
+_TERMINATORS = bytes(range(128))  # a varint ends with a byte below 0x80
+
+
 @dataclass(frozen=True)
 class Malformed:
-    """What a request deserializer returns for bytes that are not the message."""
+    """What a request deserializer returns for bytes it refuses, and why."""
 
-    type_name: str
-    error: str
+    reason: str
 
 
-def parser(message_class) -> Callable[[bytes], object]:
-    """A request deserializer that never raises: bad bytes become ``Malformed``."""
-    name = message_class.DESCRIPTOR.full_name
+def parser(message_class, limits: dict[str, int] | None = None) -> Callable[[bytes], object]:
+    """A request deserializer that never raises: bad bytes become ``Malformed``.
+
+    ``limits`` (repeated field name -> most elements): a large request's elements are
+    counted on the wire first, so that 3 million PoolRefs are refused before the
+    protobuf runtime allocates an object for each.
+    """
+    descriptor = message_class.DESCRIPTOR
+    name = descriptor.full_name
+    scalar = (descriptor.fields[0].TYPE_MESSAGE, descriptor.fields[0].TYPE_BYTES, descriptor.fields[0].TYPE_STRING)
+    watched = {descriptor.fields_by_name[f].number: (f, n) for f, n in (limits or {}).items()}
+    packed = {number for number, (f, _) in watched.items() if descriptor.fields_by_name[f].type not in scalar}
 
     def parse(data: bytes):
         try:
+            if watched and len(data) > SCAN_ABOVE:
+                too_many = _too_many(data, watched, packed)
+                if too_many:
+                    return Malformed(f"{name}: {too_many}")
             return message_class.FromString(data)
-        except (DecodeError, ValueError) as exc:
-            return Malformed(name, str(exc)[:200])
+        except (DecodeError, ValueError, IndexError) as exc:
+            return Malformed(f"the request is not a valid {name} (strings must be UTF-8): {str(exc)[:200]}")
 
     return parse
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i += 1
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _too_many(data: bytes, watched: dict[int, tuple[str, int]], packed: set[int]) -> str:
+    """Walk the top-level fields; name the first watched one over its limit ("" if none)."""
+    counts = dict.fromkeys(watched, 0)
+    i, end = 0, len(data)
+    while i < end:
+        tag, i = _varint(data, i)
+        number, wire = tag >> 3, tag & 7
+        start = i
+        if wire == 0:
+            _, i = _varint(data, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            length, start = _varint(data, i)
+            i = start + length
+        else:
+            return ""  # not a message: the parser says why
+        if number in counts:
+            if wire == 2 and number in packed:
+                chunk = data[start:i]
+                counts[number] += len(chunk) - len(chunk.translate(None, _TERMINATORS))
+            else:
+                counts[number] += 1
+            field, limit = watched[number]
+            if counts[number] > limit:
+                return f"more than {limit} {field} in one request"
+    return ""
 
 
 def status_of(exc: KvxferError) -> grpc.StatusCode:
@@ -61,8 +119,7 @@ def rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
         start = time.perf_counter()
         try:
             if isinstance(request, Malformed):
-                raise InvalidArgument(f"the request is not a valid {request.type_name} (strings must be UTF-8): "
-                                      f"{request.error}")
+                raise InvalidArgument(request.reason)
             response = await method(self, request, context)
         except KvxferError as exc:
             code, details = status_of(exc), str(exc)[:MAX_DETAILS]

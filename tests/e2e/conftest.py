@@ -53,3 +53,42 @@ def run_worker(function: str, *args, timeout: float = 120) -> dict:
 def start_worker(function: str, *args) -> subprocess.Popen:
     return subprocess.Popen([PYTHON, "-m", "tests.e2e.workers", function, json.dumps(args)], env=python_env(),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+SOCKET_GROUP, ATTACKER, VICTIM = "kvxsock", "kvxatk", "kvxvic"
+
+
+def _drop_users() -> None:
+    for user in (ATTACKER, VICTIM):
+        subprocess.run(["userdel", user], capture_output=True)
+    subprocess.run(["groupdel", SOCKET_GROUP], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def unix_users():
+    """A socket group and two users in it (an attacker and a victim), created as root and removed after."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("the attack tests create Unix users: run them as root (CI does)")
+    _drop_users()
+    subprocess.run(["groupadd", SOCKET_GROUP], check=True)
+    for user in (ATTACKER, VICTIM):
+        subprocess.run(["useradd", "-M", "-N", "-g", SOCKET_GROUP, "-s", "/usr/sbin/nologin", user], check=True)
+    yield SOCKET_GROUP, ATTACKER, VICTIM
+    _drop_users()
+
+
+def run_as(user: str, function: str, *args, timeout: float = 300) -> dict:
+    """Run ``tests/e2e/attacker.py:function(*args)`` as another user; return its JSON result."""
+    proc = subprocess.run([PYTHON, "-m", "tests.e2e.attacker", "--user", user, function, json.dumps(args)],
+                          env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{function} as {user} failed ({proc.returncode}):\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def start_as(user: str, function: str, *args) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, "-m", "tests.e2e.attacker", "--user", user, function, json.dumps(args)],
+                            env=python_env(), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
