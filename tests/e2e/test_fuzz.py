@@ -124,7 +124,7 @@ def test_any_request_gets_a_proper_status_and_changes_nothing(target):
     seen: dict[str, int] = {}
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(request=requests(epochs), utf8=st.booleans())
+    @given(request=requests(epochs), utf8=st.sampled_from([False, False, False, True]))
     def check(request, utf8):
         method, message = request
         data = message.SerializeToString()
