@@ -114,6 +114,12 @@ class JobRunner:
                 return None
             return self._enqueue(kind, namespace, pairs, "", self.max_lease_s)
 
+    def run_or_queue(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> TransferResult | Job:
+        """``begin`` and, when the pool is idle, ``run_inline`` in one call (one thread hop for
+        the caller): the result, or the queued job to wait for."""
+        job = self.begin(kind, namespace, pairs)
+        return self.run_inline(kind, namespace, pairs) if job is None else job
+
     def run_inline(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> TransferResult:
         """Run a transfer ``begin`` admitted inline; frees the pool for the next one."""
         try:

@@ -29,6 +29,7 @@ from kvxfer.validate import check_count, check_name
 from service.status import parser, rpc
 
 MAX_WAIT_S = 60.0
+INLINE_BYTES = 1 << 20  # a transfer this small runs on the event loop: cheaper than a thread hop
 POLL_S = 1.0  # a waiting WaitJobs looks again at least this often (and renews its leases)
 CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 MAX_LAYOUT_CHARS, MAX_DTYPE_CHARS, MAX_PATH_CHARS = 128, 32, 4096
@@ -90,18 +91,20 @@ class KVTransferServicer:
 
     async def _transfer(self, kind: JobKind, request, first: Sequence, second: Sequence,
                         names: str) -> pb.TransferResponse:
-        jobs = self.registry.get(_ref(request.pool)).jobs
+        served = self.registry.get(_ref(request.pool))
+        jobs = served.jobs
         pairs = self._pairs(first, second, names)
         if request.HasField("wait") and not request.wait:
             client_id = _check_client_id(request.client_id)
             job_id = await self._blocking(jobs.submit, kind, request.namespace, pairs, client_id,
                                           request.lease_ms / 1000)
             return pb.TransferResponse(job_id=job_id)
-        job = await self._blocking(jobs.begin, kind, request.namespace, pairs)
-        if job is None:  # the pool was idle: run it now, on a worker thread
-            return pb.TransferResponse(**_statuses(await self._blocking(jobs.run_inline, kind, request.namespace,
-                                                                        pairs)))
-        return pb.TransferResponse(**_statuses(await _finished(jobs, job)))
+        if len(pairs) * served.manager.pool.layout.block_bytes <= INLINE_BYTES:
+            done = jobs.run_or_queue(kind, request.namespace, pairs)
+        else:
+            done = await self._blocking(jobs.run_or_queue, kind, request.namespace, pairs)  # ran at once if idle
+        result = done if isinstance(done, TransferResult) else await _finished(jobs, done)
+        return pb.TransferResponse(**_statuses(result))
 
     # -- RPCs ------------------------------------------------------------------------
     @rpc
