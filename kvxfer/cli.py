@@ -1,14 +1,19 @@
-"""The ``kvxfer`` command: one subcommand per tool, each registered in COMMANDS."""
+"""The library's command-line tools: one subcommand per tool, each registered in COMMANDS.
+
+The ``kvxfer`` program (``service.cli``) adds the daemon's own subcommands
+(``serve``, ``bench daemon``) to these; the library never imports the daemon.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable
 
 from kvxfer.errors import InvalidArgument, KvxferError
-from kvxfer.layout import DTYPES, PRESETS, KVSpec, Layout, PoolLayout, parse_dtype
+from kvxfer.geometry.layout import DTYPES, PRESETS, KVSpec, Layout, PoolLayout, parse_dtype
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
@@ -58,45 +63,39 @@ def _layout_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_layout_command)
 
 
-def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvxfer.bench import daemon, kernels, store
-
-    p = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the same run")
-    benches = p.add_subparsers(dest="bench", required=True)
-    for name, module, text in (("store", store, "offload/restore throughput of the store core"),
-                               ("daemon", daemon, "throughput and latency through a real daemon"),
-                               ("kernels", kernels, "slot mapping and cache write (torch path)")):
-        b = benches.add_parser(name, help=text, description=module.__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(b)
-        b.set_defaults(func=module.run)
+#: ``kvxfer bench NAME``: (name, module, help); each module has ``add_arguments`` and ``run``.
+BENCHES: list[tuple[str, str, str]] = [
+    ("store", "kvxfer.bench.store", "offload/restore throughput of the store core"),
+    ("kernels", "kvxfer.bench.kernels", "slot mapping and cache write (torch path)"),
+]
 
 
-def _serve_command(args: argparse.Namespace) -> int:
-    from service import config, server  # the daemon's dependencies load only for `serve`
+def bench_parser(benches: list[tuple[str, str, str]]) -> Callable[[argparse._SubParsersAction], None]:
+    """A COMMANDS entry adding ``bench`` with one subcommand per benchmark module."""
 
-    overrides = {"socket": args.socket, "listen": args.listen, "log_level": args.log_level}
-    cfg = config.load(args.config, overrides=overrides)
-    return server.serve(cfg)
+    def register(sub: argparse._SubParsersAction) -> None:
+        p = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the same run")
+        subs = p.add_subparsers(dest="bench", required=True)
+        for name, module_name, text in benches:
+            module = importlib.import_module(module_name)
+            b = subs.add_parser(name, help=text, description=module.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+            module.add_arguments(b)
+            b.set_defaults(func=module.run)
 
-
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the daemon (defaults: one CPU pool of a small model's geometry)")
-    p.add_argument("--config", help="YAML config file (see README: Configuration)")
-    p.add_argument("--socket", help="Unix socket path (default /tmp/kvxfer.sock)")
-    p.add_argument("--listen", help="HOST:PORT for TCP; needs TLS and a token in the config")
-    p.add_argument("--log-level", help="debug, info, warning or error")
-    p.set_defaults(func=_serve_command)
+    return register
 
 
 #: Each entry adds one subcommand to the parser; later tools append here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser, _bench_parser, _serve_parser]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,
+         benches: list[tuple[str, str, str]] | None = None) -> int:
+    """Parse and run one subcommand; a bad input is one line on stderr and exit 2."""
     parser = argparse.ArgumentParser(prog="kvxfer", description="KV-cache offload and transfer daemon and tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    for register in COMMANDS:
+    for register in [*COMMANDS, *(commands or []), bench_parser(BENCHES + (benches or []))]:
         register(sub)
     args = parser.parse_args(argv)
     try:

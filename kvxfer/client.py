@@ -20,11 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvxfer import fdpass, wire
 from kvxfer.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, KvxferError, ResourceExhausted, Unavailable,
                            error_for_code)
-from kvxfer.keys import block_keys
-from kvxfer.layout import KVSpec, Layout
-from kvxfer.manager import LookupResult, TransferResult
-from kvxfer.pool import Medium, Pool, PoolDescriptor, PoolHandle
-from kvxfer.store import Outcome
+from kvxfer.geometry.keys import block_keys
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
+from kvxfer.records import LookupResult, Medium, Outcome, PoolStats, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
@@ -256,8 +255,10 @@ class Client:
         request = pb.DeleteRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace, keys=list(keys))
         return self._call(self._stub.Delete, request, timeout).deleted
 
-    def stats(self, pool_id: str = "", timeout: float | None = None) -> list[pb.PoolStats]:
-        return list(self._call(self._stub.Stats, pb.StatsRequest(pool_id=pool_id), timeout).pools)
+    def stats(self, pool_id: str = "", timeout: float | None = None) -> list[PoolStats]:
+        """Per pool (every pool, or the named one): tiers, bytes moved, outcomes, jobs."""
+        return [wire.pool_stats_from_pb(p) for p in self._call(self._stub.Stats, pb.StatsRequest(pool_id=pool_id),
+                                                                  timeout).pools]
 
     def health(self, timeout: float | None = None) -> str:
         """The daemon's health status on this channel: "SERVING", "NOT_SERVING", ..."""

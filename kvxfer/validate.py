@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.layout import NULL_BLOCK
+from kvxfer.geometry.layout import NULL_BLOCK
 
 MAX_KEY_BYTES = 256
 MAX_BATCH_BLOCKS = 65536

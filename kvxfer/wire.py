@@ -6,11 +6,9 @@ Shared by the daemon (service/) and the client, so both read the wire the same w
 from __future__ import annotations
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.jobs import JobStats
-from kvxfer.layout import KVSpec, Layout, parse_dtype
-from kvxfer.manager import PoolStats
-from kvxfer.pool import Medium, PoolDescriptor, PoolHandle
-from kvxfer.store import Outcome, TierKind
+from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
+from kvxfer.memory.pool import PoolDescriptor, PoolHandle
+from kvxfer.records import JobStats, Medium, Outcome, PoolStats, TierKind, TierStats, TransferStats
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 OUTCOME_TO_STATUS = {
@@ -53,21 +51,31 @@ def descriptor_from_pb(msg: pb.PoolInfo) -> PoolDescriptor:
                           msg.epoch, msg.owned)
 
 
-def pool_stats(desc: PoolDescriptor, stats: PoolStats, jobs: JobStats, cache_group: str) -> pb.PoolStats:
-    i = stats.index
+def _transfer_stats(t: TransferStats) -> pb.TransferStats:
+    return pb.TransferStats(blocks=t.blocks, bytes=t.bytes, seconds=t.seconds)
+
+
+def pool_stats_to_pb(s: PoolStats) -> pb.PoolStats:
     return pb.PoolStats(
-        pool_id=desc.pool_id, epoch=desc.epoch, cache_group=cache_group,
-        tiers=[pb.TierStats(tier=TIER_TO_PB[i.tier], capacity_blocks=i.capacity, used_blocks=i.used,
-                            ready_blocks=i.ready, pinned_blocks=i.pinned, evictions=i.evictions,
-                            slot_bytes=stats.slot_bytes)],
-        offloaded=pb.TransferStats(blocks=stats.offloaded.blocks, bytes=stats.offloaded.bytes,
-                                   seconds=stats.offloaded.seconds),
-        restored=pb.TransferStats(blocks=stats.restored.blocks, bytes=stats.restored.bytes,
-                                  seconds=stats.restored.seconds),
-        outcomes=stats.outcomes,
-        jobs=pb.JobStats(queued=jobs.queued, running=jobs.running, unclaimed=jobs.unclaimed,
-                         completed=jobs.completed, cancelled=jobs.cancelled, expired=jobs.expired),
+        pool_id=s.pool_id, epoch=s.epoch, cache_group=s.cache_group,
+        tiers=[pb.TierStats(tier=TIER_TO_PB[t.tier], capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,
+                            ready_blocks=t.ready_blocks, pinned_blocks=t.pinned_blocks, evictions=t.evictions,
+                            slot_bytes=t.slot_bytes) for t in s.tiers],
+        offloaded=_transfer_stats(s.offloaded), restored=_transfer_stats(s.restored), outcomes=s.outcomes,
+        jobs=pb.JobStats(queued=s.jobs.queued, running=s.jobs.running, unclaimed=s.jobs.unclaimed,
+                         completed=s.jobs.completed, cancelled=s.jobs.cancelled, expired=s.jobs.expired),
     )
+
+
+def pool_stats_from_pb(m: pb.PoolStats) -> PoolStats:
+    j = m.jobs
+    return PoolStats(
+        m.pool_id, m.epoch, m.cache_group,
+        [TierStats(PB_TO_TIER[t.tier], t.capacity_blocks, t.used_blocks, t.ready_blocks, t.pinned_blocks,
+                   t.evictions, t.slot_bytes) for t in m.tiers],
+        TransferStats(m.offloaded.blocks, m.offloaded.bytes, m.offloaded.seconds),
+        TransferStats(m.restored.blocks, m.restored.bytes, m.restored.seconds), dict(m.outcomes),
+        JobStats(j.queued, j.running, j.unclaimed, j.completed, j.cancelled, j.expired))
 
 
 def handle_from_pb(msg: pb.PoolHandle) -> PoolHandle:

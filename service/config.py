@@ -14,10 +14,10 @@ from pathlib import Path
 import yaml
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.layout import KVSpec, Layout, parse_dtype
+from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
-from kvxfer.registry import Limits
-from kvxfer.shm import resolve_group
+from kvxfer.serving.registry import Limits
+from kvxfer.memory.shm import resolve_group
 from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
 
 MIB = 1 << 20

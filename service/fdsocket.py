@@ -16,7 +16,7 @@ import uuid
 
 from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.fdpass import MAX_MESSAGE
-from kvxfer.registry import PoolRegistry
+from kvxfer.serving.registry import PoolRegistry
 from kvxfer.validate import shown
 
 TIMEOUT_S = 0.5

@@ -29,9 +29,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.fdpass import SUFFIX
-from kvxfer.pool import Medium, Pool
-from kvxfer.registry import PoolRegistry
-from kvxfer.shm import resolve_group
+from kvxfer.memory.pool import Pool
+from kvxfer.records import Medium
+from kvxfer.serving.registry import PoolRegistry
+from kvxfer.memory.shm import resolve_group
 from kvxfer.transfer import ENGINES
 from kvxfer.v1 import kvxfer_pb2 as pb
 from service import logs

@@ -20,10 +20,10 @@ import grpc
 
 from kvxfer import wire
 from kvxfer.errors import InvalidArgument, ResourceExhausted
-from kvxfer.jobs import JobKind, JobRunner
-from kvxfer.layout import Layout
-from kvxfer.manager import TransferResult
-from kvxfer.registry import PoolRef, PoolRegistry
+from kvxfer.serving.jobs import JobKind, JobRunner
+from kvxfer.geometry.layout import Layout
+from kvxfer.records import PoolRef, TransferResult
+from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_count, check_name
 from service.status import parser, rpc
@@ -151,8 +151,7 @@ class KVTransferServicer:
 
     @rpc
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        return pb.StatsResponse(pools=[wire.pool_stats(s.descriptor, s.manager.stats(), s.jobs.stats(), s.cache_group)
-                                       for s in self.registry.served(request.pool_id)])
+        return pb.StatsResponse(pools=[wire.pool_stats_to_pb(s.stats()) for s in self.registry.served(request.pool_id)])
 
     @rpc
     async def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:

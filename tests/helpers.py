@@ -2,7 +2,7 @@
 
 import torch
 
-from kvxfer.layout import PoolLayout
+from kvxfer.geometry.layout import PoolLayout
 
 
 def read_block(storage: torch.Tensor, layout: PoolLayout, block: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 import torch
 from hypothesis import strategies as st
 
-from kvxfer.layout import PRESETS, Axis, KVSpec, Layout
+from kvxfer.geometry.layout import PRESETS, Axis, KVSpec, Layout
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8]
 

@@ -19,9 +19,9 @@ import time
 import torch
 
 from kvxfer.bench.common import Progress, format_table
-from kvxfer.block_table import BlockTable, batch_metadata
-from kvxfer.kernels import cache_write_torch, slot_mapping_torch
-from kvxfer.layout import BLHNC, KVSpec, PoolLayout
+from kvxfer.engine.block_table import BlockTable, batch_metadata
+from kvxfer.engine.kernels import cache_write_torch, slot_mapping_torch
+from kvxfer.geometry.layout import BLHNC, KVSpec, PoolLayout
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 24, 2, 64, 16
 

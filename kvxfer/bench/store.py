@@ -26,10 +26,10 @@ import tempfile
 import torch
 
 from kvxfer.bench.common import GB, Progress, format_table, human_bytes, interleaved
-from kvxfer.checksum import rows_checksums
-from kvxfer.layout import KVSpec, Layout
-from kvxfer.manager import PoolManager
-from kvxfer.pool import Access, Pool
+from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.serving.manager import PoolManager
+from kvxfer.memory.pool import Access, Pool
 
 KIB = 1 << 10
 LAYERS, HEAD_SIZE = 16, 128  # bf16: one head, one token, one layer = 512 B of K and V
@@ -80,7 +80,7 @@ def measure(layout: Layout, span: int, batch: int, args: argparse.Namespace, shm
         seconds = interleaved({"copy": lambda: dst.copy_(src), "copy_hash": copy_hash, "offload": offload,
                                "restore": restore}, args.reps, setup={"offload": lambda: manager.delete(NS, keys)})
         stats = manager.stats()
-        assert stats.index.pinned == 0 and stats.outcomes["done"] >= n, stats
+        assert stats.tiers[0].pinned_blocks == 0 and stats.outcomes["done"] >= n, stats
         descriptors = manager.engine.descriptors_per_block
         if served is not pool:
             served.close()

@@ -1,6 +1,6 @@
 """The host tier: one buffer of fixed-size slots in host memory, allocated once.
 
-Bytes only: which slot holds what is the index's business (kvxfer.store).
+Bytes only: which slot holds what is the index's business (kvxfer.index.block_index).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvxfer.checksum import rows_checksums
+from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.errors import InvalidArgument
 
 
@@ -30,7 +30,7 @@ class HostTier:
         return self.capacity * self.slot_bytes
 
     def checksums(self, slots: list[int]) -> list[int]:
-        """The block checksum of each slot's bytes (kvxfer.checksum)."""
+        """The block checksum of each slot's bytes (kvxfer.geometry.checksum)."""
         rows: np.ndarray = self._rows
         return rows_checksums(rows[slot] for slot in slots)
 

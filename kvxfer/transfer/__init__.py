@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvxfer.errors import FailedPrecondition
-from kvxfer.pool import Access, Medium, Pool
-from kvxfer.store import TierKind
+from kvxfer.memory.pool import Access, Pool
+from kvxfer.records import Medium
+from kvxfer.records import TierKind
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer.cpu import CpuCopyEngine

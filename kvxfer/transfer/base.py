@@ -66,7 +66,7 @@ class CopyEngine(ABC):
 
     @abstractmethod
     def pool_checksums(self, blocks: list[int]) -> list[int]:
-        """The block checksum (kvxfer.checksum) of each pool block as it is now."""
+        """The block checksum (kvxfer.geometry.checksum) of each pool block as it is now."""
 
     @property
     @abstractmethod

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kvxfer.checksum import rows_checksums, runs_checksum
+from kvxfer.geometry.checksum import rows_checksums, runs_checksum
 from kvxfer.errors import Internal
-from kvxfer.layout import PoolLayout
+from kvxfer.geometry.layout import PoolLayout
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 

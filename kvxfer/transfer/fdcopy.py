@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 
 
-from kvxfer.checksum import rows_checksums
+from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.errors import Internal
-from kvxfer.layout import PoolLayout
+from kvxfer.geometry.layout import PoolLayout
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer.plan import file_calls, plan_copies

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.layout import PoolLayout
+from kvxfer.geometry.layout import PoolLayout
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ import grpc
 from kvxfer import fdpass
 from kvxfer.client import Client
 from kvxfer.errors import KvxferError
-from kvxfer.layout import Layout
-from kvxfer.pool import Medium, PoolHandle
+from kvxfer.geometry.layout import Layout
+from kvxfer.memory.pool import PoolHandle
+from kvxfer.records import Medium
 from kvxfer.wire import spec_from_pb
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc

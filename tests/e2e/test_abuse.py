@@ -10,12 +10,14 @@ import time
 import grpc
 import pytest
 
-from kvxfer import fdpass, shm
+from kvxfer import fdpass
+from kvxfer.memory import shm
 from kvxfer.client import Client
 from kvxfer.errors import ResourceExhausted
-from kvxfer.layout import KVSpec, Layout
-from kvxfer.pool import Medium, Pool, PoolHandle
-from kvxfer.store import Outcome
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory.pool import Pool, PoolHandle
+from kvxfer.records import Medium
+from kvxfer.records import Outcome
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from tests.conftest import PYTHON, ROOT, python_env
@@ -131,7 +133,7 @@ def test_one_client_cannot_take_every_job_place(make_daemon):
             for i in range(1000):
                 hog.submit_offload([(1 + i % 60, f"h{i}".encode())])
                 submitted += 1
-        assert submitted == 64
+        assert 64 <= submitted <= 65  # 64 waiting or uncollected, and at most one running
         job = fair.submit_offload([(2, b"fair")])
         assert list(fair.wait_jobs([job], wait_s=10, wait_all=True)) == [job]
         gone = fair.wait_jobs([job, 987654])

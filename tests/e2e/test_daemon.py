@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2
 
 from kvxfer.client import BlockFailures, Client
 from kvxfer.errors import InvalidArgument, NotFound, Unavailable
-from kvxfer.pool import Medium
-from kvxfer.store import Outcome
+from kvxfer.records import Medium
+from kvxfer.records import Outcome
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from tests.e2e.conftest import SMALL_POOL, run_worker, start_worker

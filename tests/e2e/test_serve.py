@@ -54,7 +54,7 @@ def test_bad_config_is_a_one_line_error(tmp_path, case):
     settings, message = BAD_CONFIGS[case]
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), **settings}))
-    proc = subprocess.run([PYTHON, "-m", "kvxfer.cli", "serve", "--config", str(path)], env=python_env(), cwd=ROOT,
+    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--config", str(path)], env=python_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -179,8 +179,9 @@ def submit_and_hang(target: str, pool_id: str, jobs: int, batch: int, lease_s: f
 
 def engine_pool(shm_dir: str, pool_id: str, spec: dict, layout: str) -> tuple:
     """What an engine does: allocate its own KV memory as a file under /dev/shm and map it."""
-    from kvxfer.layout import KVSpec, Layout, PoolLayout
-    from kvxfer.pool import Medium, Pool, PoolDescriptor, PoolHandle
+    from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
+    from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
+    from kvxfer.records import Medium
 
     kv_spec = KVSpec.from_dict(spec)
     kv_layout = Layout.parse(layout)
@@ -212,7 +213,7 @@ def registered_offload(target: str, shm_dir: str, pool_id: str, group: str, spec
 def registered_restore(target: str, shm_dir: str, pool_id: str, group: str, spec: dict, layout: str, seed: int,
                        keys_hex: list[str], slots: list[int]) -> dict:
     """Another engine process registers a new pool in the same cache group and restores the blocks."""
-    from kvxfer.layout import KVSpec, Layout, PoolLayout
+    from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
 
     pool, path = engine_pool(shm_dir, pool_id, spec, layout)
     with Client(target, "registered") as client:
@@ -249,8 +250,8 @@ def offload_until_error(target: str, pool_id: str, timeout: float) -> dict:
 
 def attention_roundtrip(target: str, pool_id: str, namespace: str, use_triton: bool) -> dict:
     """The engine's attention-side path around an offload and a restore into other slots."""
-    from kvxfer.block_table import BlockTable, batch_metadata, gather_kv
-    from kvxfer.kernels import cache_write_torch, cache_write_triton, compute_slot_mapping
+    from kvxfer.engine.block_table import BlockTable, batch_metadata, gather_kv
+    from kvxfer.engine.kernels import cache_write_torch, cache_write_triton, compute_slot_mapping
 
     write = cache_write_triton if use_triton else cache_write_torch
     with Client(target, namespace, pool_id=pool_id) as client:

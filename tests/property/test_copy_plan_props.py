@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.layout import PoolLayout
+from kvxfer.geometry.layout import PoolLayout
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import CopyBatch, Direction, FdCopyEngine
 from kvxfer.transfer.cpu import CpuCopyEngine

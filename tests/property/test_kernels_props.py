@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.block_table import BlockTable, batch_metadata, gather_kv
-from kvxfer.kernels import (PAD_SLOT_ID, cache_write_torch, cache_write_triton, slot_mapping_torch,
+from kvxfer.engine.block_table import BlockTable, batch_metadata, gather_kv
+from kvxfer.engine.kernels import (PAD_SLOT_ID, cache_write_torch, cache_write_triton, slot_mapping_torch,
                             slot_mapping_triton)
-from kvxfer.layout import KVSpec, PoolLayout
+from kvxfer.geometry.layout import KVSpec, PoolLayout
 from tests.strategies import layouts
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.layout import PoolLayout
+from kvxfer.geometry.layout import PoolLayout
 from tests.strategies import layouts, specs
 
 

@@ -14,10 +14,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvxfer.layout import PRESETS, KVSpec
-from kvxfer.manager import PoolManager
-from kvxfer.pool import Pool
-from kvxfer.store import Outcome
+from kvxfer.geometry.layout import PRESETS, KVSpec
+from kvxfer.serving.manager import PoolManager
+from kvxfer.memory.pool import Pool
+from kvxfer.records import Outcome
 from tests.helpers import read_block, write_block
 
 SPEC = KVSpec(num_layers=3, num_blocks=10, block_size=2, num_kv_heads=2, head_size=4, dtype=torch.bfloat16)
@@ -129,7 +129,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert torch.equal(self.pool.storage, self.expected_pool)
         lookup = self.m.lookup(NS, KEYS)
         assert [t is not None for t in lookup.tiers] == [k in self.stored for k in KEYS]
-        stats = self.m.stats().index
+        stats = self.m.index.stats()
         assert stats.pinned == 0 and stats.used == len(self.stored) <= CAPACITY
 
 

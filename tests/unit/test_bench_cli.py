@@ -2,7 +2,7 @@
 
 import json
 
-from kvxfer import cli
+from service import cli
 
 
 def test_bench_store_smoke(tmp_path, capsys):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kvxfer.block_table import BlockTable, batch_metadata, gather_kv
+from kvxfer.engine.block_table import BlockTable, batch_metadata, gather_kv
 from kvxfer.errors import InvalidArgument
-from kvxfer.kernels import USE_TRITON, compute_slot_mapping, write_kv
-from kvxfer.layout import PRESETS, KVSpec, PoolLayout
+from kvxfer.engine.kernels import USE_TRITON, compute_slot_mapping, write_kv
+from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 
 
 def test_rows_grow_by_append_and_moves_clear_the_source():

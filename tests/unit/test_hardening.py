@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from kvxfer.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from kvxfer.handoff import HandOffs
-from kvxfer.layout import KVSpec, Layout
-from kvxfer.pool import Medium, Pool, PoolHandle
-from kvxfer.registry import Limits, PoolRef, PoolRegistry
-from kvxfer.shm import FILE_PREFIX, create_sealed, sweep_stale
+from kvxfer.serving.handoff import HandOffs
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory.pool import Pool, PoolHandle
+from kvxfer.records import Medium
+from kvxfer.serving.registry import Limits, PoolRegistry
+from kvxfer.records import PoolRef
+from kvxfer.memory.shm import FILE_PREFIX, create_sealed, sweep_stale
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_namespace, check_pool_id, shown
 from service.status import Malformed, parser

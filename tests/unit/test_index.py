@@ -1,6 +1,7 @@
 """The index alone: LRU, pins, visibility, eviction. No tensors anywhere."""
 
-from kvxfer.store import BlockIndex, Outcome, TierKind
+from kvxfer.index.block_index import BlockIndex
+from kvxfer.records import Outcome, TierKind
 
 NS = "model-a"
 DONE, PRESENT, MISSING, FULL = Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_FOUND, Outcome.RESOURCE_EXHAUSTED

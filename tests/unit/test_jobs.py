@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvxfer.jobs import JobKind, JobRunner
-from kvxfer.layout import PRESETS, KVSpec
-from kvxfer.manager import PoolManager
-from kvxfer.pool import Pool
-from kvxfer.store import Outcome
+from kvxfer.serving.jobs import JobKind, JobRunner
+from kvxfer.geometry.layout import PRESETS, KVSpec
+from kvxfer.serving.manager import PoolManager
+from kvxfer.memory.pool import Pool
+from kvxfer.records import Outcome
 from tests.helpers import read_block
 
 # 64 KiB blocks: a 4 MiB chunk is 64 blocks
@@ -31,7 +31,7 @@ def test_cancelled_offload_publishes_nothing(manager):
     result = manager.offload(NS, [(1 + i, f"k{i}".encode()) for i in range(200)],
                              cancelled=lambda: calls.append(1) or len(calls) > 1)  # stop after one chunk
     assert result.outcomes == [Outcome.CANCELLED] * 200
-    stats = manager.stats().index
+    stats = manager.index.stats()
     assert (stats.used, stats.pinned, stats.ready) == (0, 0, 0)
 
 
@@ -43,7 +43,7 @@ def test_cancelled_restore_stops_writing_at_a_chunk(manager):
     result = manager.restore(NS, [(k, s) for s, k in pairs], cancelled=lambda: calls.append(1) or len(calls) > 1)
     chunk = manager.copier.chunk
     assert result.outcomes == [Outcome.DONE] * chunk + [Outcome.CANCELLED] * (200 - chunk)
-    assert manager.stats().index.pinned == 0
+    assert manager.index.stats().pinned == 0
     # restored into the slots they came from: bytes unchanged either way, and nothing else touched
     assert torch.equal(manager.pool.storage, before)
 
@@ -85,7 +85,7 @@ def test_expired_queued_jobs_are_cancelled_and_results_dropped(manager):
     assert stats.cancelled == 1 and stats.expired == 2
     assert runner.wait("gone", [first]) == ([], [first])
     assert manager.lookup(NS, [b"a", b"b"]).tiers == [None, None]  # the running one stopped before its copy
-    assert manager.stats().index.pinned == 0
+    assert manager.index.stats().pinned == 0
     runner.close()
 
 

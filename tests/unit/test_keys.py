@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.keys import block_keys
+from kvxfer.geometry.keys import block_keys
 from tests.conftest import PYTHON, python_env
 
 
@@ -39,7 +39,7 @@ def test_prefix_chaining_and_isolation():
 
 
 def test_same_keys_in_other_processes_whatever_the_hash_seed():
-    code = "from kvxfer.keys import block_keys; print(block_keys(list(range(64)), 16, salt=b's')[-1].hex())"
+    code = "from kvxfer.geometry.keys import block_keys; print(block_keys(list(range(64)), 16, salt=b's')[-1].hex())"
     outs = {subprocess.run([PYTHON, "-c", code], env={**python_env(), "PYTHONHASHSEED": seed}, capture_output=True,
                            text=True, check=True).stdout.strip() for seed in ("0", "1", "random")}
     assert outs == {block_keys(list(range(64)), 16, salt=b"s")[-1].hex()}

@@ -7,7 +7,7 @@ import torch
 
 from kvxfer import cli
 from kvxfer.errors import InvalidArgument
-from kvxfer.layout import PRESETS, Axis, KVSpec, Layout, PoolLayout, Run
+from kvxfer.geometry.layout import PRESETS, Axis, KVSpec, Layout, PoolLayout, Run
 
 GOLDEN = KVSpec(num_layers=4, num_blocks=4, block_size=4, num_kv_heads=2, head_size=2, dtype=torch.bfloat16)
 LBHNC = PoolLayout(GOLDEN, PRESETS["LBHNC"])

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from kvxfer.errors import Internal, InvalidArgument
-from kvxfer.layout import PRESETS, KVSpec, PoolLayout
-from kvxfer.manager import PoolManager
-from kvxfer.pool import Pool
-from kvxfer.store import Outcome
+from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
+from kvxfer.serving.manager import PoolManager
+from kvxfer.memory.pool import Pool
+from kvxfer.records import Outcome
 from kvxfer.transfer import CompletedHandle, CopyBatch, CopyEngine
 from kvxfer.transfer.cpu import CpuCopyEngine
 from tests.helpers import read_block
@@ -36,7 +36,7 @@ def test_roundtrip_and_already_present(pool):
     assert int(read_block(pool.storage, pool.layout, 5).count_nonzero()) == 0
     stats = m.stats()
     assert stats.offloaded.blocks == 3 and stats.offloaded.bytes == 3 * SPEC.block_bytes
-    assert stats.restored.blocks == 3 and stats.index.pinned == 0
+    assert stats.restored.blocks == 3 and m.index.stats().pinned == 0
 
 
 def test_checksum_mismatch_is_data_loss_and_drops_the_entry(pool):
@@ -50,7 +50,7 @@ def test_checksum_mismatch_is_data_loss_and_drops_the_entry(pool):
     assert torch.equal(read_block(pool.storage, pool.layout, 5), want_good)
     assert m.lookup(NS, [b"good", b"bad"]).tiers[1] is None  # dropped, never served again
     assert m.restore(NS, [(b"bad", 6)]).outcomes == [Outcome.NOT_FOUND]
-    assert m.stats().index.pinned == 0
+    assert m.index.stats().pinned == 0
 
 
 class BrokenEngine(CopyEngine):
@@ -74,14 +74,14 @@ def test_failed_copy_leaves_nothing_visible_and_no_pins(pool):
     m = PoolManager(pool, 4)
     m.copier.engine = BrokenEngine(CpuCopyEngine(pool.storage, pool.layout, m.host))
     assert m.offload(NS, [(1, b"a"), (2, b"b")]).outcomes == [Outcome.FAILED] * 2
-    stats = m.stats().index
+    stats = m.index.stats()
     assert (stats.used, stats.pinned, stats.ready) == (0, 0, 0)
     assert m.lookup(NS, [b"a"]).hits == 0
     m.copier.engine.fail = False
     assert m.offload(NS, [(1, b"a")]).outcomes == [Outcome.DONE]
     m.copier.engine.fail = True
     assert m.restore(NS, [(b"a", 3)]).outcomes == [Outcome.FAILED]
-    assert m.stats().index.pinned == 0 and m.lookup(NS, [b"a"]).hits == 1
+    assert m.index.stats().pinned == 0 and m.lookup(NS, [b"a"]).hits == 1
 
 
 def test_capacity_exhausted_and_eviction(pool):
@@ -114,7 +114,7 @@ def test_malformed_batches_are_refused_whole(pool, case):
     with pytest.raises(InvalidArgument):
         m.restore(NS, [(k, s) for s, k in BAD_OFFLOADS[case]])
     assert torch.equal(pool.storage, before_pool) and torch.equal(m.host.buffer, before_host)
-    stats = m.stats().index
+    stats = m.index.stats()
     assert (stats.used, stats.ready, stats.pinned) == (1, 1, 0)
 
 

@@ -11,10 +11,11 @@ import time
 import pytest
 import torch
 
-from kvxfer import shm
+from kvxfer.memory import shm
 from kvxfer.errors import FailedPrecondition, InvalidArgument
-from kvxfer.layout import PRESETS, KVSpec, PoolLayout
-from kvxfer.pool import Medium, Pool, PoolDescriptor, PoolHandle
+from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
+from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
+from kvxfer.records import Medium
 from tests.conftest import PYTHON, python_env
 
 SPEC = KVSpec(num_layers=3, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
@@ -33,7 +34,7 @@ def test_second_process_maps_and_sees_bytes(shm_dir, layout):
         v[5].fill_(-2.5)
         child = run_child("""
             import json, sys, torch
-            from kvxfer.pool import Pool, PoolDescriptor
+            from kvxfer.memory.pool import Pool, PoolDescriptor
             pool = Pool.attach(PoolDescriptor.from_dict(json.loads(sys.argv[1])))
             k, v = pool.views()[1]
             assert torch.equal(k[3].float().reshape(-1), torch.arange(k[3].numel(), dtype=torch.float32)), "K differs"
@@ -105,8 +106,8 @@ OWNER = """
     import sys, time
     from pathlib import Path
     import torch
-    from kvxfer.layout import PRESETS, KVSpec
-    from kvxfer.pool import Pool, exit_on_signals
+    from kvxfer.geometry.layout import PRESETS, KVSpec
+    from kvxfer.memory.pool import Pool, exit_on_signals
     exit_on_signals()
     pool = Pool.create("owner", KVSpec(2, 4, 4, 2, 8, torch.float16), PRESETS["BLHNC"], shm_dir=sys.argv[1])
     print(pool.descriptor.handle.path, flush=True)

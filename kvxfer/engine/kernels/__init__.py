@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.kernels.cache_write import cache_write_torch, cache_write_triton
-from kvxfer.kernels.slot_mapping import PAD_SLOT_ID, slot_mapping_torch, slot_mapping_triton
+from kvxfer.engine.kernels.cache_write import cache_write_torch, cache_write_triton
+from kvxfer.engine.kernels.slot_mapping import PAD_SLOT_ID, slot_mapping_torch, slot_mapping_triton
 
 USE_TRITON = torch.cuda.is_available()
 _SLOT_MAPPING = slot_mapping_triton if USE_TRITON else slot_mapping_torch

@@ -4,7 +4,7 @@ Each pool has its own manager (copies) and job runner (ordering, leases), so
 ranks never wait for each other; its tier and index belong to its cache group.
 
 Who may do what (docs/design.md, threat model): a registration maps only memory
-its client handed over as an open descriptor (``kvxfer.handoff``); a cache group is
+its client handed over as an open descriptor (``kvxfer.serving.handoff``); a cache group is
 joined only by the party that created it (the daemon for its own pools, else the
 registering uid); only the holder of a pool's registration token unregisters it.
 A group whose last pool is gone is released after ``cache_group_retention_s``.
@@ -26,26 +26,19 @@ import torch
 
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
-from kvxfer.group import CacheGroup
-from kvxfer.handoff import HandOffs, file_identity, token_digest
-from kvxfer.jobs import JobRunner
-from kvxfer.layout import KVSpec, Layout
-from kvxfer.manager import LookupResult, PoolManager
-from kvxfer.pool import Access, Medium, Pool, PoolDescriptor, PoolHandle, new_epoch
-from kvxfer.shm import size_sealed
+from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.handoff import HandOffs, file_identity, token_digest
+from kvxfer.serving.jobs import JobRunner
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.serving.manager import PoolManager
+from kvxfer.memory.pool import Access, Pool, PoolDescriptor, PoolHandle, new_epoch
+from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
+from kvxfer.memory.shm import size_sealed
 from kvxfer.validate import check_pool_id, shown
 
 MIB = 1 << 20
 DAEMON = "daemon"  # the owner of the daemon's own pools and their cache groups
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PoolRef:
-    """The pool a request addresses, and the epoch the client mapped."""
-
-    pool_id: str
-    epoch: int
 
 
 @dataclass(frozen=True)
@@ -77,6 +70,11 @@ class ServedPool:
     @property
     def cache_group(self) -> str:
         return self.manager.group.name
+
+    def stats(self) -> PoolStats:
+        store = self.manager.stats()
+        return PoolStats(self.descriptor.pool_id, self.descriptor.epoch, self.cache_group, store.tiers,
+                         store.offloaded, store.restored, store.outcomes, self.jobs.stats())
 
 
 @dataclass

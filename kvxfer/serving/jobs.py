@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvxfer.manager import PoolManager, TransferResult
-from kvxfer.store import Outcome
+from kvxfer.serving.manager import PoolManager
+from kvxfer.records import JobStats, Outcome, TransferResult
 
 SWEEP_S = 0.05  # how often leases are checked while the runner is idle
 log = logging.getLogger(__name__)
@@ -60,16 +60,6 @@ class Job:
 
     def renew(self, now: float) -> None:
         self.expires = now + self.lease_s
-
-
-@dataclass(frozen=True)
-class JobStats:
-    queued: int
-    running: int
-    unclaimed: int
-    completed: int
-    cancelled: int
-    expired: int
 
 
 class JobRunner:

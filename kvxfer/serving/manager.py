@@ -10,48 +10,32 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvxfer.errors import Cancelled, KvxferError
-from kvxfer.pool import Pool
-from kvxfer.group import CacheGroup
-from kvxfer.store import IndexStats, Outcome, TierKind
+from kvxfer.memory.pool import Pool
+from kvxfer.serving.group import CacheGroup
+from kvxfer.records import LookupResult, Outcome, TierStats, TransferResult, TransferStats
 from kvxfer.transfer import CopyEngine, engine_for
-from kvxfer.transfer.checked import CheckedCopier
+from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.validate import check_keys, check_namespace, check_slots
 
 
 @dataclass
-class TransferCounters:
-    """Measured totals: bytes and blocks moved and the seconds the moves took."""
-
+class _Counters:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0
 
 
-@dataclass
-class PoolStats:
-    index: IndexStats
-    slot_bytes: int
-    offloaded: TransferCounters = field(default_factory=TransferCounters)
-    restored: TransferCounters = field(default_factory=TransferCounters)
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
-class TransferResult:
-    """One request's outcomes (in request order) and what it measurably moved."""
+class StoreStats:
+    """One pool's store: its cache group's tiers, and what this pool moved."""
 
-    outcomes: list[Outcome]
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    hits: int  # how many leading keys are present
-    tiers: list[TierKind | None]  # where each key is, None if absent
+    tiers: list[TierStats]
+    offloaded: TransferStats
+    restored: TransferStats
+    outcomes: dict[str, int]
 
 
 class PoolManager:
@@ -69,8 +53,8 @@ class PoolManager:
         self.index = group.index
         self.engine = engine or engine_for(pool, self.host)
         self.copier = CheckedCopier(self.engine, self.host)
-        self._offloaded = TransferCounters()
-        self._restored = TransferCounters()
+        self._offloaded = _Counters()
+        self._restored = _Counters()
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
         self._lock = threading.Lock()
 
@@ -174,12 +158,14 @@ class PoolManager:
         check_keys(keys, unique=False)
         return self.index.delete(namespace, keys)
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> StoreStats:
+        i = self.index.stats()
+        tier = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes)
         with self._lock:
-            return PoolStats(self.index.stats(), self.host.slot_bytes, TransferCounters(**vars(self._offloaded)),
-                             TransferCounters(**vars(self._restored)), dict(self._outcomes))
+            return StoreStats([tier], TransferStats(**vars(self._offloaded)), TransferStats(**vars(self._restored)),
+                              dict(self._outcomes))
 
-    def _count(self, counters: TransferCounters, blocks: int, seconds: float) -> int:
+    def _count(self, counters: _Counters, blocks: int, seconds: float) -> int:
         moved = blocks * self.host.slot_bytes
         with self._lock:
             counters.blocks += blocks

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvxfer.errors import FailedPrecondition
-from kvxfer.layout import PoolLayout, dtype_name
-from kvxfer.store import BlockIndex, TierKind
+from kvxfer.geometry.layout import PoolLayout, dtype_name
+from kvxfer.index.block_index import BlockIndex
+from kvxfer.records import TierKind
 from kvxfer.tiers.host import HostTier
 
 

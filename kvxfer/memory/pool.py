@@ -19,17 +19,10 @@ from pathlib import Path
 
 import torch
 
-from kvxfer import cuda_mem, shm
+from kvxfer.memory import cuda_mem, shm
 from kvxfer.errors import InvalidArgument
-from kvxfer.layout import NULL_BLOCK, KVSpec, Layout, PoolLayout
-
-
-class Medium(enum.Enum):
-    """Where a pool's bytes live and how another process maps them."""
-
-    SHM = "shm"  # a file under a tmpfs directory, mapped MAP_SHARED
-    CUDA = "cuda"  # device memory, mapped through a CUDA IPC handle
-    MEMFD = "memfd"  # a sealed memfd of the daemon's; clients receive it over its descriptor socket
+from kvxfer.geometry.layout import NULL_BLOCK, KVSpec, Layout, PoolLayout
+from kvxfer.records import Medium
 
 
 class Access(enum.Enum):

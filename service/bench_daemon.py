@@ -25,7 +25,7 @@ import time
 import torch
 
 from kvxfer.bench.common import GB, Progress, format_table, interleaved
-from kvxfer.checksum import rows_checksums
+from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.client import Client
 from service import launch
 from service.config import DEFAULT_POOL, MIB

@@ -9,28 +9,12 @@ Every prepare must be followed by its complete, also on errors.
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvxfer.tiers.slots import SlotAllocator
-
-
-class Outcome(enum.Enum):
-    """What happened to one block of a well-formed request."""
-
-    DONE = "done"
-    ALREADY_PRESENT = "already_present"  # offload: the key is stored (or being stored); nothing copied
-    NOT_FOUND = "not_found"  # restore: no complete entry for the key
-    DATA_LOSS = "data_loss"  # restore: checksum mismatch; the entry was dropped, the slot not written
-    RESOURCE_EXHAUSTED = "resource_exhausted"  # offload: tier full of pinned entries
-    FAILED = "failed"  # the copy itself failed; nothing was stored
-    CANCELLED = "cancelled"  # the job's lease ran out (or its pool went away) before this block was done
-
-
-class TierKind(enum.Enum):
-    HOST = "host"
+from kvxfer.records import Outcome, TierKind
+from kvxfer.index.slots import SlotAllocator
 
 
 @dataclass(eq=False, slots=True)

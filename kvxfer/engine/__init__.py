@@ -1,0 +1,1 @@
+"""The engine-side toolkit: block tables and the attention-side kernels."""

@@ -1,0 +1,1 @@
+"""Geometry: layouts and addresses, the block checksum, block keys."""

@@ -1,0 +1,1 @@
+"""Memory: pools (shared memory files, sealed memfds, CUDA allocations) and their mapping."""

@@ -1,0 +1,36 @@
+"""The ``kvxfer`` program: the library's tools plus the daemon's own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvxfer import cli
+
+#: ``kvxfer bench daemon`` starts a real daemon, so it lives beside it.
+DAEMON_BENCHES = [("daemon", "service.bench_daemon", "throughput and latency through a real daemon")]
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    from service import config, server  # the daemon's dependencies load only for `serve`
+
+    overrides = {"socket": args.socket, "listen": args.listen, "log_level": args.log_level}
+    cfg = config.load(args.config, overrides=overrides)
+    return server.serve(cfg)
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the daemon (defaults: one CPU pool of a small model's geometry)")
+    p.add_argument("--config", help="YAML config file (see README: Configuration)")
+    p.add_argument("--socket", help="Unix socket path (default /tmp/kvxfer.sock)")
+    p.add_argument("--listen", help="HOST:PORT for TCP; needs TLS and a token in the config")
+    p.add_argument("--log-level", help="debug, info, warning or error")
+    p.set_defaults(func=_serve_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, commands=[_serve_parser], benches=DAEMON_BENCHES)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
