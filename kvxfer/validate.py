@@ -63,17 +63,17 @@ def check_keys(keys: Sequence[bytes], *, unique: bool = True, limit: int = MAX_B
         raise InvalidArgument("duplicate keys in one request")
 
 
-def check_slots(slots: Sequence[int], num_blocks: int, limit: int = MAX_BATCH_BLOCKS) -> None:
-    """Slots must be distinct, in range, and never the null block."""
-    check_count(len(slots), limit, "slots")
-    if not slots:
+def check_blocks(blocks: Sequence[int], num_blocks: int, limit: int = MAX_BATCH_BLOCKS) -> None:
+    """Pool blocks (the API's ``slots``) must be distinct, in range, and never the null block."""
+    check_count(len(blocks), limit, "slots")
+    if not blocks:
         return
-    if set(map(type, slots)) != {int}:
-        raise InvalidArgument(f"slots must be integers, got {sorted({type(s).__name__ for s in slots})}")
-    if NULL_BLOCK in slots:
+    if set(map(type, blocks)) != {int}:
+        raise InvalidArgument(f"slots must be integers, got {sorted({type(b).__name__ for b in blocks})}")
+    if NULL_BLOCK in blocks:
         raise InvalidArgument("slot 0 is the null block and is never offloaded or restored")
-    low, high = min(slots), max(slots)
+    low, high = min(blocks), max(blocks)
     if low < 0 or high >= num_blocks:
         raise InvalidArgument(f"slot {low if low < 0 else high} out of range [1, {num_blocks})")
-    if len(set(slots)) != len(slots):
+    if len(set(blocks)) != len(blocks):
         raise InvalidArgument("duplicate slots in one request")

@@ -20,7 +20,8 @@ import grpc
 
 from kvxfer import wire
 from kvxfer.errors import InvalidArgument, ResourceExhausted
-from kvxfer.serving.jobs import JobKind, JobRunner
+from kvxfer.serving.batch import TransferBatch, TransferKind
+from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import Layout
 from kvxfer.records import PoolRef, TransferResult
 from kvxfer.serving.registry import PoolRegistry
@@ -82,27 +83,24 @@ class KVTransferServicer:
         finally:
             self._in_flight -= 1
 
-    def _pairs(self, first: Sequence, second: Sequence, names: str) -> list[tuple]:
-        check_count(len(first), self.limits.max_batch_blocks, names.split()[0])
-        check_count(len(second), self.limits.max_batch_blocks, names.split()[-1])
-        if len(first) != len(second):
-            raise InvalidArgument(f"{names} must have the same length ({len(first)} != {len(second)})")
-        return list(zip(first, second))
-
-    async def _transfer(self, kind: JobKind, request, first: Sequence, second: Sequence,
-                        names: str) -> pb.TransferResponse:
+    async def _transfer(self, kind: TransferKind, request, blocks: Sequence[int],
+                        keys: Sequence[bytes]) -> pb.TransferResponse:
         served = self.registry.get(_ref(request.pool))
-        jobs = served.jobs
-        pairs = self._pairs(first, second, names)
+        jobs, limit = served.jobs, self.limits.max_batch_blocks
+        check_count(len(blocks), limit, "slots")
+        check_count(len(keys), limit, "keys")
+        num_blocks = served.manager.num_blocks
+
+        def batch() -> TransferBatch:  # the one validation of the request, where it enters
+            return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit)
+
         if request.HasField("wait") and not request.wait:
-            client_id = _check_client_id(request.client_id)
-            job_id = await self._blocking(jobs.submit, kind, request.namespace, pairs, client_id,
-                                          request.lease_ms / 1000)
-            return pb.TransferResponse(job_id=job_id)
-        if len(pairs) * served.manager.pool.layout.block_bytes <= INLINE_BYTES:
-            done = jobs.run_or_queue(kind, request.namespace, pairs)
+            client_id, lease_s = _check_client_id(request.client_id), request.lease_ms / 1000
+            return pb.TransferResponse(job_id=await self._blocking(lambda: jobs.submit(batch(), client_id, lease_s)))
+        if len(blocks) * served.manager.pool.layout.block_bytes <= INLINE_BYTES:
+            done = jobs.run_or_queue(batch())
         else:
-            done = await self._blocking(jobs.run_or_queue, kind, request.namespace, pairs)  # ran at once if idle
+            done = await self._blocking(lambda: jobs.run_or_queue(batch()))  # ran at once if the pool was idle
         result = done if isinstance(done, TransferResult) else await _finished(jobs, done)
         return pb.TransferResponse(**_statuses(result))
 
@@ -114,11 +112,11 @@ class KVTransferServicer:
 
     @rpc
     async def Offload(self, request: pb.OffloadRequest, context) -> pb.TransferResponse:
-        return await self._transfer(JobKind.OFFLOAD, request, request.slots, request.keys, "slots and keys")
+        return await self._transfer(TransferKind.OFFLOAD, request, request.slots, request.keys)
 
     @rpc
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.TransferResponse:
-        return await self._transfer(JobKind.RESTORE, request, request.keys, request.slots, "keys and slots")
+        return await self._transfer(TransferKind.RESTORE, request, request.slots, request.keys)
 
     @rpc
     async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:

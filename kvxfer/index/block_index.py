@@ -10,11 +10,11 @@ Every prepare must be followed by its complete, also on errors.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvxfer.records import Outcome, TierKind
+from kvxfer.index.eviction import LRU, EvictionPolicy
 from kvxfer.index.slots import SlotAllocator
+from kvxfer.records import Outcome, TierKind
 
 
 @dataclass(eq=False, slots=True)
@@ -32,9 +32,20 @@ class Entry:
 
 
 
+@dataclass(frozen=True)
+class Victim:
+    """An entry evicted to make room: what a lower tier would need to keep it."""
+
+    namespace: str
+    key: bytes
+    tier: TierKind
+    checksum: int
+
+
 @dataclass
 class Plan:
-    """The index's answer to a batch: one outcome per key, and the entries to move.
+    """The index's answer to a batch: one outcome per key, the entries to move, and the
+    entries evicted to make room (their slots are reused by this batch).
 
     ``outcomes[positions[j]]`` belongs to ``entries[j]``; it reads DONE until the
     caller changes it.
@@ -43,6 +54,7 @@ class Plan:
     outcomes: list[Outcome]
     entries: list[Entry]
     positions: list[int]
+    evicted: list[Victim] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -59,11 +71,12 @@ class BlockIndex:
     """The index of one tier. Thread-safe; every method is O(batch) with small constants,
     since it runs on the data path of every request."""
 
-    def __init__(self, tier: TierKind, capacity: int) -> None:
+    def __init__(self, tier: TierKind, slots: SlotAllocator | int, policy: EvictionPolicy | None = None) -> None:
+        """``slots``: the tier's free-slot bookkeeping (``Tier.slots``), or a capacity for one of its own."""
         self.tier = tier
-        self._slots = SlotAllocator(capacity)
+        self._slots = slots if isinstance(slots, SlotAllocator) else SlotAllocator(slots)
         self._spaces: dict[str, dict[bytes, Entry]] = {}  # namespace -> key -> entry
-        self._lru: OrderedDict[Entry, None] = OrderedDict()  # ready and unpinned, oldest first
+        self._lru = policy or LRU()  # the evictable entries: ready and unpinned
         self._lock = threading.Lock()
         self._pinned = 0
         self._ready = 0
@@ -80,12 +93,13 @@ class BlockIndex:
             lru = self._lru
             kept = [e for e in present if e is not None and e in lru]
             for e in kept:
-                del lru[e]
-            slots = self._reserve(present.count(None))
+                lru.discard(e)
+            evicted: list[Victim] = []
+            slots = self._reserve(present.count(None), evicted)
             for e in kept:
-                lru[e] = None
+                lru.add(e)
             self._pinned += len(slots)
-            plan = Plan([Outcome.ALREADY_PRESENT] * len(keys), [], [])
+            plan = Plan([Outcome.ALREADY_PRESENT] * len(keys), [], [], evicted)
             taken = iter(slots)
             tier = self.tier
             for i, (key, existing) in enumerate(zip(keys, present)):
@@ -113,7 +127,7 @@ class BlockIndex:
                 entry.ready = True
                 self._ready += 1
                 if entry.pins == 0:
-                    self._lru[entry] = None
+                    self._lru.add(entry)
             self._slots.release_many(free)
 
     # -- load ------------------------------------------------------------------
@@ -128,7 +142,7 @@ class BlockIndex:
                 if entry is None or not entry.ready:
                     continue
                 if entry.pins == 0:
-                    del lru[entry]
+                    lru.discard(entry)
                     self._pinned += 1
                 entry.pins += 1
                 plan.outcomes[i] = Outcome.DONE
@@ -145,14 +159,18 @@ class BlockIndex:
                 if j in corrupt:
                     self._drop(entry, free)
                 elif not entry.dropped and entry.pins == 0:
-                    self._lru[entry] = None  # most recently used
+                    self._lru.add(entry)  # most recently used
             self._slots.release_many(free)
 
     # -- queries ---------------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        return [t is not None for t in self.tiers_of(namespace, keys)]
+
+    def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
+        """Where each key's complete entry is, None where there is none."""
         with self._lock:
             space = self._spaces.get(namespace, {})
-            return [(e := space.get(k)) is not None and e.ready for k in keys]
+            return [e.tier if (e := space.get(k)) is not None and e.ready else None for k in keys]
 
     def locate(self, namespace: str, key: bytes) -> int | None:
         """The tier slot of a complete entry, or None (tools and tests)."""
@@ -180,13 +198,14 @@ class BlockIndex:
                               self._evictions)
 
     # -- internals (lock held) -------------------------------------------------
-    def _reserve(self, n: int) -> list[int]:
-        """Up to n free slots, evicting least recently used unpinned entries as needed."""
+    def _reserve(self, n: int, evicted: list[Victim]) -> list[int]:
+        """Up to n free slots, evicting what the policy names (unpinned, complete) as needed;
+        the victims are appended to ``evicted``."""
         if self._slots.free < n:
             free: list[int] = []
-            while self._slots.free + len(free) < n and self._lru:
-                victim, _ = self._lru.popitem(last=False)
+            while self._slots.free + len(free) < n and (victim := self._lru.victim()) is not None:
                 self._evictions += 1
+                evicted.append(Victim(victim.namespace, victim.key, victim.tier, victim.checksum))
                 self._drop(victim, free)
             self._slots.release_many(free)
         return self._slots.allocate(min(n, self._slots.free)) or []
@@ -209,6 +228,6 @@ class BlockIndex:
         if entry.ready:
             entry.ready = False
             self._ready -= 1
-            self._lru.pop(entry, None)
+            self._lru.discard(entry)
         if entry.pins == 0:
             free.append(entry.slot)

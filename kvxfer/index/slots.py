@@ -57,10 +57,6 @@ class SlotAllocator:
         self._free -= n
         return list(range(start, start + n))
 
-    def release(self, slot: int) -> None:
-        """Return one slot."""
-        self._release_extent(slot, 1)
-
     def release_many(self, slots: list[int]) -> None:
         """Return several slots; consecutive ones are merged first, so this is cheap per extent."""
         if not slots:

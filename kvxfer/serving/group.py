@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.index.block_index import BlockIndex
-from kvxfer.records import TierKind
 from kvxfer.tiers.host import HostTier
 
 
@@ -42,7 +41,7 @@ class CacheGroup:
         self.name = name
         self.format = BlockFormat.of(layout)
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_memory=pin_memory)
-        self.index = BlockIndex(TierKind.HOST, capacity_blocks)
+        self.index = BlockIndex(self.host.kind, self.host.slots)
 
     def check_joins(self, layout: PoolLayout) -> None:
         """Refuse a pool whose blocks are not byte-compatible with this group's."""

@@ -26,16 +26,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvxfer.serving.batch import TransferBatch
 from kvxfer.serving.manager import PoolManager
 from kvxfer.records import JobStats, Outcome, TransferResult
 
 SWEEP_S = 0.05  # how often leases are checked while the runner is idle
 log = logging.getLogger(__name__)
-
-
-class JobKind(enum.Enum):
-    OFFLOAD = "offload"
-    RESTORE = "restore"
 
 
 class JobState(enum.Enum):
@@ -47,9 +43,7 @@ class JobState(enum.Enum):
 @dataclass(eq=False)
 class Job:
     job_id: int
-    kind: JobKind
-    namespace: str
-    pairs: list
+    batch: TransferBatch
     client_id: str
     lease_s: float
     expires: float  # time.monotonic() when the lease runs out
@@ -85,35 +79,34 @@ class JobRunner:
         self._worker.start()
 
     # -- submitting --------------------------------------------------------------
-    def run(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> TransferResult:
+    def run(self, batch: TransferBatch) -> TransferResult:
         """A synchronous transfer, in order with the jobs submitted before it."""
-        job = self.begin(kind, namespace, pairs)
+        job = self.begin(batch)
         if job is None:
-            return self.run_inline(kind, namespace, pairs)
+            return self.run_inline(batch)
         job.finished.wait()
         return self.collect(job)
 
-    def begin(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> Job | None:
+    def begin(self, batch: TransferBatch) -> Job | None:
         """Start a synchronous transfer: None when the pool is idle and the caller now runs it
         (``run_inline``); else a queued job to wait for (``on_finish``) and ``collect``."""
-        self._validate(kind, namespace, pairs)
         with self._cond:
             self._check_open()
             if not self._busy and not self._queue:
                 self._busy = True
                 return None
-            return self._enqueue(kind, namespace, pairs, "", self.max_lease_s)
+            return self._enqueue(batch, "", self.max_lease_s)
 
-    def run_or_queue(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> TransferResult | Job:
+    def run_or_queue(self, batch: TransferBatch) -> TransferResult | Job:
         """``begin`` and, when the pool is idle, ``run_inline`` in one call (one thread hop for
         the caller): the result, or the queued job to wait for."""
-        job = self.begin(kind, namespace, pairs)
-        return self.run_inline(kind, namespace, pairs) if job is None else job
+        job = self.begin(batch)
+        return self.run_inline(batch) if job is None else job
 
-    def run_inline(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> TransferResult:
+    def run_inline(self, batch: TransferBatch) -> TransferResult:
         """Run a transfer ``begin`` admitted inline; frees the pool for the next one."""
         try:
-            return self._execute(kind, namespace, list(pairs))
+            return self.manager.run(batch)
         finally:
             with self._cond:
                 self._busy = False
@@ -142,17 +135,15 @@ class JobRunner:
         with self._cond:
             self._listeners.discard(callback)
 
-    def submit(self, kind: JobKind, namespace: str, pairs: Sequence[tuple], client_id: str,
-               lease_s: float = 0.0) -> int:
-        """Queue a job; returns its id at once. The request is validated now."""
+    def submit(self, batch: TransferBatch, client_id: str, lease_s: float = 0.0) -> int:
+        """Queue a job; returns its id at once."""
         if not client_id:
             raise InvalidArgument("an asynchronous request needs a client_id")
         if lease_s < 0 or lease_s > self.max_lease_s:
             raise InvalidArgument(f"lease must be in (0, {self.max_lease_s}] seconds, got {lease_s}")
-        self._validate(kind, namespace, pairs)
         with self._cond:
             self._check_open()
-            job = self._enqueue(kind, namespace, pairs, client_id, lease_s or self.default_lease_s)
+            job = self._enqueue(batch, client_id, lease_s or self.default_lease_s)
             return job.job_id
 
     def wait(self, client_id: str, job_ids: Sequence[int] = (), timeout: float = 0.0,
@@ -208,7 +199,7 @@ class JobRunner:
             cancelled = len(self._queue)
             callbacks: list[Callable[[], None]] = []
             for job in self._queue:  # never started: their slots were not touched
-                job.result = TransferResult([Outcome.CANCELLED] * len(job.pairs))
+                job.result = TransferResult([Outcome.CANCELLED] * len(job.batch))
                 job.state = JobState.FINISHED
                 job.finished.set()
                 callbacks += job.callbacks
@@ -230,12 +221,6 @@ class JobRunner:
                             self._expired)
 
     # -- internals ---------------------------------------------------------------
-    def _validate(self, kind: JobKind, namespace: str, pairs: Sequence[tuple]) -> None:
-        if kind is JobKind.OFFLOAD:
-            self.manager.check_offload(namespace, pairs)
-        else:
-            self.manager.check_restore(namespace, pairs)
-
     def _check_open(self) -> None:
         if self._closing:
             raise FailedPrecondition(f"pool {self.manager.pool.descriptor.pool_id} is being unregistered")
@@ -244,7 +229,7 @@ class JobRunner:
         """Finished asynchronous jobs whose results nobody collected yet (lock held)."""
         return sum(j.state is JobState.FINISHED and j.client_id != "" for j in self._jobs.values())
 
-    def _enqueue(self, kind: JobKind, namespace: str, pairs: Sequence[tuple], client_id: str, lease_s: float) -> Job:
+    def _enqueue(self, batch: TransferBatch, client_id: str, lease_s: float) -> Job:
         # Uncollected results hold memory until their lease runs out, so they count
         # against the bound too: a client that never calls WaitJobs is refused, not buffered.
         held = len(self._queue) + self._unclaimed()
@@ -257,17 +242,12 @@ class JobRunner:
                 raise ResourceExhausted(f"this client holds {own} jobs queued or not collected on pool "
                                         f"{self.manager.pool.descriptor.pool_id}; at most {self.max_per_client} "
                                         "per client (collect results with WaitJobs)")
-        job = Job(next(self._ids), kind, namespace, list(pairs), client_id, lease_s, time.monotonic() + lease_s)
+        job = Job(next(self._ids), batch, client_id, lease_s, time.monotonic() + lease_s)
         self._jobs[job.job_id] = job
         self._queue.append(job)
         self._cond.notify_all()
         return job
 
-    def _execute(self, kind: JobKind, namespace: str, pairs: list, job: Job | None = None) -> TransferResult:
-        cancelled = None if job is None else (lambda: time.monotonic() > job.expires)
-        if kind is JobKind.OFFLOAD:
-            return self.manager.offload(namespace, pairs, cancelled=cancelled)
-        return self.manager.restore(namespace, pairs, cancelled=cancelled)
 
     def _loop(self) -> None:
         while True:
@@ -282,10 +262,10 @@ class JobRunner:
                 job.state = JobState.RUNNING
                 self._busy = True
             try:
-                job.result = self._execute(job.kind, job.namespace, job.pairs, job)
+                job.result = self.manager.run(job.batch, lambda: time.monotonic() > job.expires)
             except Exception:  # a bug: report the job failed, keep the pool's queue running
-                log.exception("job failed", extra={"job_id": job.job_id, "kind": job.kind.value})
-                job.result = TransferResult([Outcome.FAILED] * len(job.pairs))
+                log.exception("job failed", extra={"job_id": job.job_id, "kind": job.batch.kind.value})
+                job.result = TransferResult([Outcome.FAILED] * len(job.batch))
             finally:
                 with self._cond:
                     job.state = JobState.FINISHED

@@ -1,8 +1,9 @@
-"""One pool's offload and restore: validation, the index, the host tier and a copy engine.
+"""One pool's offload and restore: the index, the host tier and a copy engine.
 
 The policy lives here (what to copy, what a failure means); the index keeps the
-books and the copy engine moves bytes. Every prepared entry is completed in a
-``finally``, so pins are released on success, failure and bugs alike.
+books and the copy engine moves bytes. Requests arrive as validated
+``TransferBatch``es. Every prepared entry is completed in a ``finally``, so pins
+are released on success, failure and bugs alike.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvxfer.errors import Cancelled, KvxferError
+from kvxfer.errors import KvxferError
 from kvxfer.memory.pool import Pool
-from kvxfer.serving.group import CacheGroup
 from kvxfer.records import LookupResult, Outcome, TierStats, TransferResult, TransferStats
+from kvxfer.serving.batch import TransferBatch, TransferKind
+from kvxfer.serving.group import CacheGroup
 from kvxfer.transfer import CopyEngine, engine_for
 from kvxfer.transfer.pipeline import CheckedCopier
-from kvxfer.validate import check_keys, check_namespace, check_slots
+from kvxfer.validate import check_keys, check_namespace
 
 
 @dataclass
@@ -53,8 +55,7 @@ class PoolManager:
         self.index = group.index
         self.engine = engine or engine_for(pool, self.host)
         self.copier = CheckedCopier(self.engine, self.host)
-        self._offloaded = _Counters()
-        self._restored = _Counters()
+        self._counters = {TransferKind.OFFLOAD: _Counters(), TransferKind.RESTORE: _Counters()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
         self._lock = threading.Lock()
 
@@ -62,85 +63,76 @@ class PoolManager:
     def num_blocks(self) -> int:
         return self.pool.layout.spec.num_blocks
 
-    def check_offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]]) -> tuple[list[int], list[bytes]]:
-        """Validate an offload request whole; returns its slots and keys."""
-        check_namespace(namespace)
-        slots, keys = [p[0] for p in pairs], [bytes(p[1]) for p in pairs]
-        check_slots(slots, self.num_blocks)
-        check_keys(keys)
-        return slots, keys
+    def run(self, batch: TransferBatch, cancelled: Callable[[], bool] | None = None) -> TransferResult:
+        """Carry out a validated batch; one outcome per block, in batch order.
 
-    def check_restore(self, namespace: str, pairs: Sequence[tuple[bytes, int]]) -> tuple[list[bytes], list[int]]:
-        """Validate a restore request whole; returns its keys and slots."""
-        check_namespace(namespace)
-        keys, slots = [bytes(p[0]) for p in pairs], [p[1] for p in pairs]
-        check_keys(keys)
-        check_slots(slots, self.num_blocks)
-        return keys, slots
+        ``cancelled`` (a job's lease) is asked between chunks: once it answers True no
+        further block is touched; an offload then publishes none of its keys, a
+        restore reports the blocks not done CANCELLED.
+        """
+        result = _RUN[batch.kind](self, batch, cancelled)
+        counts = [(o.value, result.outcomes.count(o)) for o in Outcome]  # list.count: no enum hashing
+        with self._lock:
+            for name, n in counts:
+                self._outcomes[name] += n
+        return result
 
     def offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]],
                 cancelled: Callable[[], bool] | None = None) -> TransferResult:
-        """Copy each slot's block into the host tier under its key; one outcome per pair.
+        """Copy each (block, key) into the host tier under its key (library callers; validates)."""
+        return self.run(TransferBatch.offload(namespace, pairs, self.num_blocks), cancelled)
 
-        ``cancelled`` (a job's lease) is asked between chunks; once it answers True
-        nothing more is copied and none of the request's keys become visible.
-        """
-        slots, keys = self.check_offload(namespace, pairs)
-        plan = self.index.prepare_store(namespace, keys)
+    def restore(self, namespace: str, pairs: Sequence[tuple[bytes, int]],
+                cancelled: Callable[[], bool] | None = None) -> TransferResult:
+        """Copy each (key, block) into the pool block and verify it (library callers; validates)."""
+        return self.run(TransferBatch.restore(namespace, pairs, self.num_blocks), cancelled)
+
+    def _offload(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
+        plan = self.index.prepare_store(batch.namespace, batch.keys)
         entries = plan.entries
         checksums: list[int | None] = [None] * len(entries)
         moved, seconds = 0, 0.0
         try:
             if entries:
                 start = time.perf_counter()
-                checksums = self.copier.to_host([slots[i] for i in plan.positions], [e.slot for e in entries],
-                                                cancelled)
+                done = self.copier.to_host([batch.blocks[i] for i in plan.positions], [e.slot for e in entries],
+                                           cancelled)
                 seconds = time.perf_counter() - start
-                moved = self._count(self._offloaded, len(entries), seconds)
-        except Cancelled:
-            for i in plan.positions:
-                plan.outcomes[i] = Outcome.CANCELLED
+                if done.cancelled:  # nothing of a cancelled offload becomes visible
+                    for i in plan.positions:
+                        plan.outcomes[i] = Outcome.CANCELLED
+                else:
+                    checksums = done.checksums
+                    moved = self._count(TransferKind.OFFLOAD, len(entries), seconds)
         except KvxferError:
             for i in plan.positions:
                 plan.outcomes[i] = Outcome.FAILED
         finally:
             self.index.complete_store(entries, checksums)  # None checksums: never visible
-        self._tally(plan.outcomes)
         return TransferResult(plan.outcomes, moved, seconds)
 
-    def restore(self, namespace: str, pairs: Sequence[tuple[bytes, int]],
-                cancelled: Callable[[], bool] | None = None) -> TransferResult:
-        """Copy each key's block into its slot and verify it there; one outcome per pair.
-
-        Once ``cancelled`` answers True no further slot is written; blocks not
-        done are reported CANCELLED.
-        """
-        keys, slots = self.check_restore(namespace, pairs)
-        plan = self.index.prepare_load(namespace, keys)
+    def _restore(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
+        plan = self.index.prepare_load(batch.namespace, batch.keys)
         entries, positions = plan.entries, plan.positions
-        corrupt: set[int] | frozenset[int] = set()
+        corrupt: set[int] = set()
         moved, seconds = 0, 0.0
         try:
             if entries:
                 start = time.perf_counter()
-                try:
-                    corrupt = self.copier.to_pool([e.slot for e in entries], [e.checksum for e in entries],
-                                                  [slots[i] for i in positions], cancelled)
-                    done = len(entries)
-                except Cancelled as exc:
-                    corrupt, done = exc.corrupt, exc.completed
-                    for j in range(done, len(entries)):
-                        plan.outcomes[positions[j]] = Outcome.CANCELLED
+                done = self.copier.to_pool([e.slot for e in entries], [e.checksum for e in entries],
+                                           [batch.blocks[i] for i in positions], cancelled)
+                corrupt = done.corrupt
+                for j in range(done.completed, len(entries)):
+                    plan.outcomes[positions[j]] = Outcome.CANCELLED
                 seconds = time.perf_counter() - start
-                moved = self._count(self._restored, done - len(corrupt), seconds)
+                moved = self._count(TransferKind.RESTORE, done.completed - len(corrupt), seconds)
         except KvxferError:
             for i in positions:
                 plan.outcomes[i] = Outcome.FAILED
         finally:
-            for j in corrupt:  # dropped at complete_load; the engine must not read their slots
+            for j in corrupt:  # dropped at complete_load; the engine must not read these blocks
                 plan.outcomes[positions[j]] = Outcome.DATA_LOSS
             self.index.complete_load(entries, corrupt)
-        self._tally(plan.outcomes)
         return TransferResult(plan.outcomes, moved, seconds)
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
@@ -148,9 +140,9 @@ class PoolManager:
         check_namespace(namespace)
         keys = [bytes(k) for k in keys]
         check_keys(keys, unique=False)
-        present = self.index.contains(namespace, keys)
-        hits = next((i for i, p in enumerate(present) if not p), len(present))
-        return LookupResult(hits, [self.index.tier if p else None for p in present])
+        tiers = self.index.tiers_of(namespace, keys)
+        hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        return LookupResult(hits, tiers)
 
     def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
         check_namespace(namespace)
@@ -162,19 +154,20 @@ class PoolManager:
         i = self.index.stats()
         tier = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes)
         with self._lock:
-            return StoreStats([tier], TransferStats(**vars(self._offloaded)), TransferStats(**vars(self._restored)),
-                              dict(self._outcomes))
+            c = self._counters
+            return StoreStats([tier], TransferStats(**vars(c[TransferKind.OFFLOAD])),
+                              TransferStats(**vars(c[TransferKind.RESTORE])), dict(self._outcomes))
 
-    def _count(self, counters: _Counters, blocks: int, seconds: float) -> int:
+    def _count(self, kind: TransferKind, blocks: int, seconds: float) -> int:
         moved = blocks * self.host.slot_bytes
         with self._lock:
+            counters = self._counters[kind]
             counters.blocks += blocks
             counters.bytes += moved
             counters.seconds += seconds
         return moved
 
-    def _tally(self, outcomes: list[Outcome]) -> None:
-        counts = [(o.value, outcomes.count(o)) for o in Outcome]  # list.count: no enum hashing
-        with self._lock:
-            for name, n in counts:
-                self._outcomes[name] += n
+
+#: The transfer each kind of batch runs (functions, not bound methods: no reference cycle,
+#: so a released cache group's memory returns as soon as its last pool is gone).
+_RUN = {TransferKind.OFFLOAD: PoolManager._offload, TransferKind.RESTORE: PoolManager._restore}

@@ -1,6 +1,6 @@
 """The host tier: one buffer of fixed-size slots in host memory, allocated once.
 
-Bytes only: which slot holds what is the index's business (kvxfer.index.block_index).
+Bytes only: which slot holds what is the index's business (kvxfer.index).
 """
 
 from __future__ import annotations
@@ -8,33 +8,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.errors import InvalidArgument
+from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.records import TierKind
+from kvxfer.tiers.base import Tier
 
 
-class HostTier:
+class HostTier(Tier):
     """``capacity`` slots of ``slot_bytes`` each; pinned when a GPU will copy into it."""
+
+    kind = TierKind.HOST
 
     def __init__(self, capacity: int, slot_bytes: int, pin_memory: bool = False) -> None:
         if capacity < 1:
             raise InvalidArgument(f"host tier capacity must be at least 1 block, got {capacity}")
-        self.capacity = capacity
-        self.slot_bytes = slot_bytes
+        super().__init__(capacity, slot_bytes)
         # Allocated once, up front: the tier never grows. Pages are touched now so
         # that the memory is really there (and counted) before the first offload.
         self.buffer = torch.zeros((capacity, slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
-        self._rows = self.buffer.numpy()
+        self._rows: np.ndarray = self.buffer.numpy()
 
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * self.slot_bytes
+    def write(self, slot: int, data: memoryview) -> None:
+        self._rows[slot] = np.frombuffer(data, dtype=np.uint8)
+
+    def read(self, slot: int) -> memoryview:
+        return memoryview(self._rows[slot])
 
     def checksums(self, slots: list[int]) -> list[int]:
-        """The block checksum of each slot's bytes (kvxfer.geometry.checksum)."""
-        rows: np.ndarray = self._rows
+        rows = self._rows
         return rows_checksums(rows[slot] for slot in slots)
-
-    def slot_view(self, slot: int) -> torch.Tensor:
-        """One slot's bytes (tests and tools)."""
-        return self.buffer[slot]
-

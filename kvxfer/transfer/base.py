@@ -12,6 +12,8 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from kvxfer.errors import KvxferError
+
 
 class Direction(enum.Enum):
     TO_HOST = "pool->host"  # offload
@@ -35,12 +37,15 @@ class CopyHandle(ABC):
     """Completion of one submitted batch."""
 
     @abstractmethod
-    def done(self) -> bool:
-        """True once the copy has finished, successfully or not (never blocks)."""
-
-    @abstractmethod
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self) -> None:
         """Block until the copy finished; raise the copy's error if it failed."""
+
+    def settle(self) -> None:
+        """Block until the copy finished, whatever its outcome (cleanup after another error)."""
+        try:
+            self.wait()
+        except KvxferError:
+            pass  # the first error is the one reported; this copy's outcome no longer matters
 
 
 class CompletedHandle(CopyHandle):
@@ -49,10 +54,7 @@ class CompletedHandle(CopyHandle):
     def __init__(self, error: BaseException | None = None) -> None:
         self._error = error
 
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self) -> None:
         if self._error is not None:
             raise self._error
 
@@ -72,6 +74,12 @@ class CopyEngine(ABC):
     @abstractmethod
     def descriptors_per_block(self) -> int:
         """Contiguous byte runs one block costs (1 for block-major layouts)."""
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether ``submit`` returns before the copy is done (a DMA engine): the pipeline then
+        keeps a second chunk in flight while it hashes the first."""
+        return False
 
     @property
     def hashes_pool(self) -> bool:

@@ -1,79 +1,125 @@
-"""Copies with checksums, chunked so that the hash pass reads from cache, not DRAM.
+"""Copies with checksums, in chunks, as a pipeline over the engine's completion handles.
 
-Offload copies a chunk into the tier and hashes the tier copy at once, while it
-is still in the last-level cache. Restore, in block-major layouts, copies a chunk
-into the pool and verifies the pool copy at once: that checks the copy too and
-measured about 29% faster here than verifying first; in layouts where a block is
-many runs, hashing the pool side costs a call per run, so the contiguous tier copy
-is verified before it is copied. On the 2-core dev machine 4 MiB chunks beat one
-whole-batch pass and a hashing thread overlapping the copy (the two then compete
-for the same cores and memory).
+Offload copies a chunk into the tier and hashes the tier copy; restore verifies a
+chunk and copies it into the pool. With an engine that copies asynchronously (a
+DMA engine, ``CopyEngine.overlaps``) the copy of chunk i+1 is in flight while chunk
+i is hashed on the host; with a synchronous engine (the CPU) each chunk is hashed
+right after its own copy, while its bytes are still in the last-level cache.
+
+Restore verifies what landed in the pool where a block is one span of a pool this
+process can read cheaply (one hash call per block, from cache); elsewhere it
+verifies the contiguous tier copy before copying. Chunk size and the choices
+above are measured in docs/benchmarks.md. Cancellation (a job's lease) is asked
+between chunks and comes back as data (``PipelineResult.cancelled``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from kvxfer.errors import Cancelled
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, CopyEngine, Direction
+from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction
 
 CHUNK_BYTES = 4 << 20
 
 
+@dataclass
+class PipelineResult:
+    """What a pipeline run did: ``completed`` leading blocks were moved (and checked)."""
+
+    completed: int = 0
+    checksums: list[int] = field(default_factory=list)  # offload: of each completed block's tier copy
+    corrupt: set[int] = field(default_factory=set)  # restore: indices whose bytes failed verification
+    cancelled: bool = False
+
+
+@dataclass
+class _Chunk:
+    start: int
+    blocks: list[int]
+    slots: list[int]
+    expected: list[int]
+    handle: CopyHandle | None
+
+
 class CheckedCopier:
-    """Offload and restore, each a copy followed by a checksum pass. Raises the copy's error."""
+    """Offload and restore with checksums over one engine and its host tier. Raises the copy's error
+    (after every chunk in flight has completed: no bytes move once it returns)."""
 
     def __init__(self, engine: CopyEngine, host: HostTier, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.engine = engine
         self.host = host
         self.chunk = max(1, chunk_bytes // host.slot_bytes)
+        self.depth = 2 if engine.overlaps else 1  # chunks in flight
 
-    def to_host(self, blocks: list[int], slots: list[int], cancelled: Callable[[], bool] | None = None) -> list[int]:
-        """Copy pool ``blocks`` into tier ``slots``; return the checksum of each slot.
+    def to_host(self, blocks: list[int], slots: list[int],
+                cancelled: Callable[[], bool] | None = None) -> PipelineResult:
+        """Copy pool ``blocks`` into tier ``slots``; the checksum of each slot's new bytes."""
+        result = PipelineResult()
 
-        ``cancelled`` is asked before each chunk; when it answers True, ``Cancelled`` is raised.
-        """
-        c = self.chunk
-        checksums: list[int] = []
-        for a in range(0, len(slots), c):
-            _check(cancelled, a)
-            self.engine.submit(CopyBatch(Direction.TO_HOST, blocks[a:a + c], slots[a:a + c])).wait()
-            checksums += self.host.checksums(slots[a:a + c])
-        return checksums
+        def finish(chunk: _Chunk) -> None:
+            chunk.handle.wait()
+            result.checksums += self.host.checksums(chunk.slots)
+            result.completed = chunk.start + len(chunk.slots)
+
+        def start(a: int, c: int) -> _Chunk:
+            handle = self.engine.submit(CopyBatch(Direction.TO_HOST, blocks[a:a + c], slots[a:a + c]))
+            return _Chunk(a, blocks[a:a + c], slots[a:a + c], [], handle)
+
+        self._run(len(slots), start, finish, cancelled, result)
+        return result
 
     def to_pool(self, slots: list[int], expected: list[int], blocks: list[int],
-                cancelled: Callable[[], bool] | None = None) -> set[int]:
+                cancelled: Callable[[], bool] | None = None) -> PipelineResult:
         """Copy tier ``slots`` into pool ``blocks``, verified against ``expected``.
 
-        Returns the indices whose bytes did not match. Their pool blocks hold
-        undefined bytes and must be reported failed, never read. ``Cancelled``
-        (with the count of leading blocks done) when ``cancelled`` answers True.
+        Blocks in ``corrupt`` hold undefined bytes and must be reported failed, never read.
         """
-        # Verify what landed where a block is one span of the pool (one hash call,
-        # from cache); where it is many runs, verify the contiguous tier copy first.
         verify_after = self.engine.descriptors_per_block == 1 and self.engine.hashes_pool
-        c = self.chunk
-        corrupt: set[int] = set()
-        for a in range(0, len(slots), c):
-            _check(cancelled, a, corrupt)
-            chunk_blocks, chunk_slots, want = blocks[a:a + c], slots[a:a + c], expected[a:a + c]
-            if not verify_after:
-                sums = self.host.checksums(chunk_slots)
-                if sums != want:
-                    bad = {j for j, (got, w) in enumerate(zip(sums, want)) if got != w}
-                    corrupt |= {a + j for j in bad}
-                    chunk_blocks = [b for j, b in enumerate(chunk_blocks) if j not in bad]
-                    chunk_slots = [s for j, s in enumerate(chunk_slots) if j not in bad]
-            if chunk_slots:
-                self.engine.submit(CopyBatch(Direction.TO_POOL, chunk_blocks, chunk_slots)).wait()
+        result = PipelineResult()
+
+        def start(a: int, c: int) -> _Chunk:
+            chunk = _Chunk(a, blocks[a:a + c], slots[a:a + c], expected[a:a + c], None)
+            if not verify_after:  # check the tier copy first; never copy bad bytes
+                bad = _mismatches(self.host.checksums(chunk.slots), chunk.expected)
+                result.corrupt |= {a + j for j in bad}
+                chunk.blocks = [b for j, b in enumerate(chunk.blocks) if j not in bad]
+                chunk.slots = [s for j, s in enumerate(chunk.slots) if j not in bad]
+            if chunk.slots:
+                chunk.handle = self.engine.submit(CopyBatch(Direction.TO_POOL, chunk.blocks, chunk.slots))
+            return chunk
+
+        def finish(chunk: _Chunk) -> None:
+            if chunk.handle is not None:
+                chunk.handle.wait()
             if verify_after:
-                sums = self.engine.pool_checksums(chunk_blocks)  # from cache: just written
-                if sums != want:
-                    corrupt |= {a + j for j, (got, w) in enumerate(zip(sums, want)) if got != w}
-        return corrupt
+                bad = _mismatches(self.engine.pool_checksums(chunk.blocks), chunk.expected)
+                result.corrupt |= {chunk.start + j for j in bad}
+            result.completed = chunk.start + len(chunk.expected)
+
+        self._run(len(slots), start, finish, cancelled, result)
+        return result
+
+    def _run(self, n: int, start: Callable[[int, int], _Chunk], finish: Callable[[_Chunk], None],
+             cancelled: Callable[[], bool] | None, result: PipelineResult) -> None:
+        in_flight: deque[_Chunk] = deque()
+        try:
+            for a in range(0, n, self.chunk):
+                if cancelled is not None and cancelled():
+                    result.cancelled = True
+                    break
+                in_flight.append(start(a, self.chunk))
+                if len(in_flight) >= self.depth:
+                    finish(in_flight.popleft())
+            while in_flight:
+                finish(in_flight.popleft())
+        finally:
+            for chunk in in_flight:  # an error left these in flight: let them land before returning
+                if chunk.handle is not None:
+                    chunk.handle.settle()
 
 
-def _check(cancelled: Callable[[], bool] | None, completed: int, corrupt: set[int] | None = None) -> None:
-    if cancelled is not None and cancelled():
-        raise Cancelled("lease expired", completed, frozenset(corrupt or ()))
+def _mismatches(got: list[int], expected: list[int]) -> set[int]:
+    return set() if got == expected else {j for j, (g, e) in enumerate(zip(got, expected)) if g != e}

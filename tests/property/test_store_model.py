@@ -119,7 +119,7 @@ class StoreMachine(RuleBasedStateMachine):
         k = data.draw(st.sampled_from([k for k in self.stored if k not in self.corrupted]))
         slot = self.m.index.locate(NS, k)
         byte = data.draw(st.integers(0, SPEC.block_bytes - 1))
-        self.m.host.slot_view(slot)[byte] ^= 1 << data.draw(st.integers(0, 7))
+        self.m.host.buffer[slot][byte] ^= 1 << data.draw(st.integers(0, 7))
         self.corrupted.add(k)
 
     @invariant()

@@ -7,16 +7,25 @@ import pytest
 import torch
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvxfer.serving.jobs import JobKind, JobRunner
+from kvxfer.serving.batch import TransferBatch
+from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import PRESETS, KVSpec
 from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
+from kvxfer.records import Outcome, TransferResult
 from tests.helpers import read_block
 
 # 64 KiB blocks: a 4 MiB chunk is 64 blocks
 SPEC = KVSpec(num_layers=4, num_blocks=300, block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float16)
 NS = "jobs"
+
+
+def offload(pairs):
+    return TransferBatch.offload(NS, pairs, SPEC.num_blocks)
+
+
+def restore(pairs):
+    return TransferBatch.restore(NS, pairs, SPEC.num_blocks)
 
 
 @pytest.fixture
@@ -51,10 +60,10 @@ def test_cancelled_restore_stops_writing_at_a_chunk(manager):
 def test_jobs_run_in_submission_order_and_sync_waits_its_turn(manager):
     runner = JobRunner(manager)
     src = read_block(manager.pool.storage, manager.pool.layout, 5)
-    ids = [runner.submit(JobKind.OFFLOAD, NS, [(1 + j, f"big{i}-{j}".encode()) for j in range(60)], "c")
+    ids = [runner.submit(offload([(1 + j, f"big{i}-{j}".encode()) for j in range(60)]), "c")
            for i in range(3)]
-    ids.append(runner.submit(JobKind.OFFLOAD, NS, [(5, b"five")], "c"))
-    result = runner.run(JobKind.RESTORE, NS, [(b"five", 250)])  # queued behind all of them
+    ids.append(runner.submit(offload([(5, b"five")]), "c"))
+    result = runner.run(restore([(b"five", 250)]))  # queued behind all of them
     assert result.outcomes == [Outcome.DONE]
     assert torch.equal(read_block(manager.pool.storage, manager.pool.layout, 250), src)
     done, unknown = runner.wait("c", ids, timeout=10)
@@ -66,15 +75,15 @@ def test_jobs_run_in_submission_order_and_sync_waits_its_turn(manager):
 def test_expired_queued_jobs_are_cancelled_and_results_dropped(manager):
     runner = JobRunner(manager)
     gate = threading.Event()
-    original = manager.offload
+    original = manager.run
 
     def slow_offload(*args, **kwargs):
         gate.wait(5)
         return original(*args, **kwargs)
 
-    manager.offload = slow_offload
-    first = runner.submit(JobKind.OFFLOAD, NS, [(1, b"a")], "gone", lease_s=0.05)
-    runner.submit(JobKind.OFFLOAD, NS, [(2, b"b")], "gone", lease_s=0.05)
+    manager.run = slow_offload
+    first = runner.submit(offload([(1, b"a")]), "gone", lease_s=0.05)
+    runner.submit(offload([(2, b"b")]), "gone", lease_s=0.05)
     time.sleep(0.3)  # both leases run out; the first is running, the second still queued
     gate.set()
     deadline = time.monotonic() + 5
@@ -92,32 +101,32 @@ def test_expired_queued_jobs_are_cancelled_and_results_dropped(manager):
 def test_queue_is_bounded_and_requests_are_validated_at_submit(manager):
     runner = JobRunner(manager, max_queued=2)
     gate = threading.Event()
-    manager.offload = lambda *a, **k: gate.wait(5) or manager.restore(NS, [])
-    runner.submit(JobKind.OFFLOAD, NS, [(1, b"a")], "c")
+    manager.run = lambda *a, **k: gate.wait(5) or TransferResult([])
+    runner.submit(offload([(1, b"a")]), "c")
     time.sleep(0.1)  # the first is running now
-    runner.submit(JobKind.OFFLOAD, NS, [(2, b"b")], "c")
-    runner.submit(JobKind.OFFLOAD, NS, [(3, b"c")], "c")
+    runner.submit(offload([(2, b"b")]), "c")
+    runner.submit(offload([(3, b"c")]), "c")
     with pytest.raises(ResourceExhausted):
-        runner.submit(JobKind.OFFLOAD, NS, [(4, b"d")], "c")
+        runner.submit(offload([(4, b"d")]), "c")
     for bad in ([(0, b"x")], [(1, b"")]):
         with pytest.raises(InvalidArgument):
-            runner.submit(JobKind.OFFLOAD, NS, bad, "c")
+            runner.submit(offload(bad), "c")
     with pytest.raises(InvalidArgument):
-        runner.submit(JobKind.OFFLOAD, NS, [(1, b"x")], "")  # no client id
+        runner.submit(offload([(1, b"x")]), "")  # no client id
     with pytest.raises(InvalidArgument):
-        runner.submit(JobKind.OFFLOAD, NS, [(1, b"x")], "c", lease_s=10_000)
+        runner.submit(offload([(1, b"x")]), "c", lease_s=10_000)
     gate.set()
     assert runner.close(drain_timeout=5) == 0
     with pytest.raises(FailedPrecondition):
-        runner.submit(JobKind.OFFLOAD, NS, [(1, b"x")], "c")
+        runner.submit(offload([(1, b"x")]), "c")
 
 
 def test_close_cancels_what_does_not_drain_in_time(manager):
     runner = JobRunner(manager)
     gate = threading.Event()
-    manager.offload = lambda *a, **k: gate.wait(5) or manager.restore(NS, [])
+    manager.run = lambda *a, **k: gate.wait(5) or TransferResult([])
     for i in range(4):
-        runner.submit(JobKind.OFFLOAD, NS, [(1 + i, b"k%d" % i)], "c")
+        runner.submit(offload([(1 + i, b"k%d" % i)]), "c")
     time.sleep(0.1)
     closer = threading.Thread(target=lambda: setattr(runner, "cancelled_on_close", runner.close(0.2)))
     closer.start()
@@ -129,7 +138,7 @@ def test_close_cancels_what_does_not_drain_in_time(manager):
 
 def test_wait_all_returns_when_every_named_job_finished(manager):
     runner = JobRunner(manager)
-    ids = [runner.submit(JobKind.OFFLOAD, NS, [(1 + 10 * i + j, f"w{i}-{j}".encode()) for j in range(10)], "c")
+    ids = [runner.submit(offload([(1 + 10 * i + j, f"w{i}-{j}".encode()) for j in range(10)]), "c")
            for i in range(5)]
     done, unknown = runner.wait("c", ids, timeout=10, wait_all=True)
     assert sorted(j.job_id for j in done) == sorted(ids) and unknown == []
@@ -140,13 +149,13 @@ def test_wait_all_returns_when_every_named_job_finished(manager):
 
 def test_a_job_that_breaks_fails_alone_and_the_queue_goes_on(manager):
     runner = JobRunner(manager)
-    original = manager.offload
-    manager.offload = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug"))
-    broken = runner.submit(JobKind.OFFLOAD, NS, [(1, b"a"), (2, b"b")], "c")
+    original = manager.run
+    manager.run = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug"))
+    broken = runner.submit(offload([(1, b"a"), (2, b"b")]), "c")
     done, _ = runner.wait("c", [broken], timeout=5, wait_all=True)
     assert done[0].result.outcomes == [Outcome.FAILED, Outcome.FAILED]
-    manager.offload = original
-    fine = runner.submit(JobKind.OFFLOAD, NS, [(3, b"c")], "c")
+    manager.run = original
+    fine = runner.submit(offload([(3, b"c")]), "c")
     done, _ = runner.wait("c", [fine], timeout=5, wait_all=True)
     assert done[0].result.outcomes == [Outcome.DONE]
     runner.close()
@@ -154,15 +163,15 @@ def test_a_job_that_breaks_fails_alone_and_the_queue_goes_on(manager):
 
 def test_uncollected_results_count_against_the_bound(manager):
     runner = JobRunner(manager, max_queued=2)
-    ids = [runner.submit(JobKind.OFFLOAD, NS, [(1 + i, f"u{i}".encode())], "lazy") for i in range(2)]
+    ids = [runner.submit(offload([(1 + i, f"u{i}".encode())]), "lazy") for i in range(2)]
     deadline = time.monotonic() + 5
     while runner.stats().unclaimed < 2:  # both finished, nobody collected them
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert runner.stats().queued == 0
     with pytest.raises(ResourceExhausted, match="not collected"):
-        runner.submit(JobKind.OFFLOAD, NS, [(5, b"more")], "lazy")
+        runner.submit(offload([(5, b"more")]), "lazy")
     done, _ = runner.wait("lazy", ids)
     assert len(done) == 2
-    runner.submit(JobKind.OFFLOAD, NS, [(5, b"more")], "lazy")  # collecting frees room
+    runner.submit(offload([(5, b"more")]), "lazy")  # collecting frees room
     runner.close()

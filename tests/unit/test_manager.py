@@ -44,7 +44,7 @@ def test_checksum_mismatch_is_data_loss_and_drops_the_entry(pool):
     m.offload(NS, [(3, b"good"), (4, b"bad")])
     want_good = read_block(pool.storage, pool.layout, 3)
     bad_slot = m.index.locate(NS, b"bad")
-    m.host.slot_view(bad_slot)[17] ^= 0x40  # one flipped bit in the stored copy
+    m.host.buffer[bad_slot][17] ^= 0x40  # one flipped bit in the stored copy
     pool.storage.zero_()
     assert m.restore(NS, [(b"good", 5), (b"bad", 6)]).outcomes == [Outcome.DONE, Outcome.DATA_LOSS]
     assert torch.equal(read_block(pool.storage, pool.layout, 5), want_good)

@@ -9,12 +9,12 @@ def test_contiguous_first_fit_and_merge():
     assert a.allocate(4) == [0, 1, 2, 3]
     assert a.allocate(3) == [4, 5, 6]
     for s in (1, 2, 5):
-        a.release(s)
+        a.release_many([s])
     assert a.free == 6
     assert a.allocate(3) == [7, 8, 9]  # the only extent of 3
     assert a.allocate(2) == [1, 2]
-    a.release(4)
-    a.release(6)  # 4, 5 (free already) and 6 merge into one extent
+    a.release_many([4])
+    a.release_many([6])  # 4, 5 (free already) and 6 merge into one extent
     assert a.allocate(3) == [4, 5, 6]
 
 
@@ -22,7 +22,7 @@ def test_fragmented_takes_largest_extents_first():
     a = SlotAllocator(8)
     a.allocate(8)
     for s in (0, 2, 3, 5, 6, 7):
-        a.release(s)
+        a.release_many([s])
     assert sorted(a.allocate(5)) == [2, 3, 5, 6, 7]
     assert a.allocate(2) is None  # only one free: nothing taken
     assert a.allocate(1) == [0]
@@ -32,10 +32,10 @@ def test_fragmented_takes_largest_extents_first():
 def test_bad_release():
     a = SlotAllocator(4)
     a.allocate(2)
-    a.release(0)
+    a.release_many([0])
     with pytest.raises(Internal):
-        a.release(0)
+        a.release_many([0])
     with pytest.raises(Internal):
-        a.release(3)  # never allocated: free already
+        a.release_many([3])  # never allocated: free already
     with pytest.raises(Internal):
-        a.release(4)
+        a.release_many([4])

@@ -1,0 +1,56 @@
+"""One validated transfer request: the shape every layer below the edge receives.
+
+Built once where a request enters (the servicer, or a library caller), validated
+whole there: a malformed batch is refused before anything is queued, reserved or
+copied, and nothing below validates it again.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvxfer.errors import InvalidArgument
+from kvxfer.validate import MAX_BATCH_BLOCKS, check_blocks, check_keys, check_namespace
+
+
+class TransferKind(enum.Enum):
+    OFFLOAD = "offload"  # pool blocks -> tier, under keys
+    RESTORE = "restore"  # tier -> pool blocks the engine chose
+
+
+@dataclass(frozen=True)
+class TransferBatch:
+    """Move pool block ``blocks[i]`` to or from the entry of ``keys[i]`` in ``namespace``, for every i."""
+
+    kind: TransferKind
+    namespace: str
+    blocks: list[int]
+    keys: list[bytes]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @classmethod
+    def build(cls, kind: TransferKind, namespace: str, blocks: Sequence[int], keys: Sequence[bytes],
+              num_blocks: int, limit: int = MAX_BATCH_BLOCKS) -> TransferBatch:
+        """Validate a request whole (namespace, blocks of a pool of ``num_blocks``, keys) and build it."""
+        check_namespace(namespace)
+        blocks, keys = list(blocks), [bytes(k) for k in keys]
+        if len(blocks) != len(keys):
+            raise InvalidArgument(f"slots and keys must have the same length ({len(blocks)} != {len(keys)})")
+        check_blocks(blocks, num_blocks, limit)
+        check_keys(keys, limit=limit)
+        return cls(kind, namespace, blocks, keys)
+
+    @classmethod
+    def offload(cls, namespace: str, pairs: Sequence[tuple[int, bytes]], num_blocks: int) -> TransferBatch:
+        """From (block, key) pairs."""
+        return cls.build(TransferKind.OFFLOAD, namespace, [p[0] for p in pairs], [p[1] for p in pairs], num_blocks)
+
+    @classmethod
+    def restore(cls, namespace: str, pairs: Sequence[tuple[bytes, int]], num_blocks: int) -> TransferBatch:
+        """From (key, block) pairs."""
+        return cls.build(TransferKind.RESTORE, namespace, [p[1] for p in pairs], [p[0] for p in pairs], num_blocks)
+
