@@ -131,7 +131,7 @@ class Client:
     def offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                 namespace: str | None = None, partial: bool = False, best_effort: bool = False,
                 timeout: float | None = None) -> TransferResult | None:
-        """Copy (slot, key) blocks into the daemon's tiers.
+        """Copy (block, key) pairs into the daemon's tiers (a block is the API's ``slot``).
 
         ``best_effort=True``: if the daemon is down, slow or full, return None instead of
         raising (the engine goes on; it loses a future cache hit, nothing else).
@@ -147,7 +147,7 @@ class Client:
 
     def restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
                 namespace: str | None = None, partial: bool = False, timeout: float | None = None) -> TransferResult:
-        """Copy stored (key, slot) blocks into the pool."""
+        """Copy stored (key, block) pairs into the pool blocks this engine chose."""
         ref = self._ref(pool_id)
         request = pb.RestoreRequest(pool=ref, namespace=namespace or self.namespace,
                                     keys=[p[0] for p in pairs], slots=[p[1] for p in pairs])
@@ -156,7 +156,7 @@ class Client:
     # -- asynchronous jobs -------------------------------------------------------
     def submit_offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                        namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None) -> int:
-        """Queue an offload; returns its job id at once. Do not write the slots until it is finished.
+        """Queue an offload; returns its job id at once. Do not write the blocks until it is finished.
 
         The job's lease (``lease_s``, 0: the daemon's default) is renewed by every
         ``wait_jobs`` call; if this client stops calling, the daemon cancels the job.
@@ -168,7 +168,7 @@ class Client:
 
     def submit_restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
                        namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None) -> int:
-        """Queue a restore; returns its job id at once. Do not read the slots until it is finished."""
+        """Queue a restore; returns its job id at once. Do not read the blocks until it is finished."""
         request = pb.RestoreRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     keys=[p[0] for p in pairs], slots=[p[1] for p in pairs], wait=False,
                                     lease_ms=int(lease_s * 1000), client_id=self.client_id)

@@ -52,12 +52,6 @@ class ResourceExhausted(KvxferError):
     code = "RESOURCE_EXHAUSTED"
 
 
-class DataLoss(KvxferError):
-    """Stored bytes failed verification; the entry was dropped."""
-
-    code = "DATA_LOSS"
-
-
 class Unavailable(KvxferError):
     """The daemon or a tier cannot be reached right now; retrying may succeed."""
 
@@ -77,15 +71,9 @@ class Unauthenticated(KvxferError):
 
 
 class Cancelled(KvxferError):
-    """The operation was stopped (a job's lease ran out). ``completed`` leading items were
-    done; ``corrupt`` lists those among them that failed verification."""
+    """The call was cancelled (the status a client sees when, say, the daemon stops mid-call)."""
 
     code = "CANCELLED"
-
-    def __init__(self, message: str, completed: int = 0, corrupt: frozenset[int] = frozenset()) -> None:
-        super().__init__(message)
-        self.completed = completed
-        self.corrupt = corrupt
 
 
 class Internal(KvxferError):
@@ -95,7 +83,7 @@ class Internal(KvxferError):
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, NotFound, AlreadyExists,
-                                      PermissionDenied, ResourceExhausted, DataLoss, Unavailable, DeadlineExceeded,
+                                      PermissionDenied, ResourceExhausted, Unavailable, DeadlineExceeded,
                                       Unauthenticated, Cancelled, Internal)}
 
 

@@ -28,7 +28,9 @@ from kvxfer.bench.common import GB, Progress, format_table, interleaved
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.client import Client
 from service import launch
-from service.config import DEFAULT_POOL, MIB
+from service.config import DEFAULT_POOL
+
+MIB = 1 << 20
 
 NS = "bench"
 

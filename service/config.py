@@ -16,11 +16,10 @@ import yaml
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
-from kvxfer.serving.registry import Limits
+from kvxfer.serving.registry import Limits, capacity_blocks
 from kvxfer.memory.shm import resolve_group
 from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
 
-MIB = 1 << 20
 
 
 class ConfigError(InvalidArgument):
@@ -46,7 +45,7 @@ class PoolConfig:
     device: str  # "cpu", "cuda", "cuda:N", or "auto" (cuda:0 when a GPU is present)
     layout: Layout
     spec: KVSpec
-    host_capacity_blocks: int
+    host_capacity_mib: float
     cache_group: str = ""
 
 
@@ -157,10 +156,11 @@ def _pool(raw: dict, index: int) -> PoolConfig:
     capacity = merged["host_capacity_mib"]
     if isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0:
         raise ConfigError(f"{where}.host_capacity_mib: must be a positive number, got {shown(capacity)}")
-    blocks = int(capacity * MIB) // spec.block_bytes
-    if blocks < 1:
-        raise ConfigError(f"{where}.host_capacity_mib: {capacity} MiB holds no block of {spec.block_bytes} bytes")
-    return PoolConfig(pool_id, device, layout, spec, blocks, cache_group)
+    try:
+        capacity_blocks(capacity, spec.block_bytes)
+    except InvalidArgument as exc:
+        raise ConfigError(f"{where}.host_capacity_mib: {exc}") from None
+    return PoolConfig(pool_id, device, layout, spec, capacity, cache_group)
 
 
 def load(path: str | None = None, env: dict[str, str] | None = None, overrides: dict | None = None) -> Config:

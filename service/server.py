@@ -23,20 +23,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.fdpass import SUFFIX
-from kvxfer.memory.pool import Pool
-from kvxfer.records import Medium
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.memory.shm import resolve_group
-from kvxfer.transfer import ENGINES
 from kvxfer.v1 import kvxfer_pb2 as pb
 from service import logs
-from service.config import Config, PoolConfig
+from service.config import Config
 from service.fdsocket import DescriptorSocket
 from service.servicer import KVTransferServicer, RequestLimits, handlers
 
@@ -66,40 +62,20 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return self._deny
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` is the GPU when there is one and a copy engine serves CUDA pools, else the CPU."""
-    cuda_served = any(medium is Medium.CUDA for medium, _, _ in ENGINES)
-    if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() and cuda_served else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise FailedPrecondition(f"pool device {device} asked for, but no CUDA device is available")
-        if not cuda_served:
-            raise FailedPrecondition(f"pool device {device}: this version has no copy engine for CUDA pools yet; "
-                                     "use device: cpu")
-    return device
-
-
 def create_pools(config: Config) -> PoolRegistry:
     registry = PoolRegistry(config.limits)
     try:
         for pc in config.pools:
-            _create_pool(registry, pc)
+            served = registry.create(pc.id, pc.spec, pc.layout, pc.device, pc.host_capacity_mib, pc.cache_group)
+            d = served.descriptor
+            log.info("pool ready", extra={"pool": pc.id, "device": pc.device, "layout": pc.layout.name,
+                                          "block_bytes": pc.spec.block_bytes, "num_blocks": pc.spec.num_blocks,
+                                          "host_capacity_mib": pc.host_capacity_mib, "epoch": d.epoch,
+                                          "medium": d.handle.medium.value, "cache_group": served.cache_group})
     except BaseException:
         registry.close()
         raise
     return registry
-
-
-def _create_pool(registry: PoolRegistry, pc: PoolConfig) -> None:
-    device = resolve_device(pc.device)
-    # On CPU, a sealed memfd: no client can shrink it under the daemon (SIGBUS).
-    pool = Pool.create(pc.id, pc.spec, pc.layout, device=device, shm_dir=None)
-    registry.add(pool, pc.host_capacity_blocks, pc.cache_group)
-    log.info("pool ready", extra={"pool": pc.id, "device": device, "layout": pc.layout.name,
-                                  "block_bytes": pc.spec.block_bytes, "num_blocks": pc.spec.num_blocks,
-                                  "host_capacity_blocks": pc.host_capacity_blocks, "epoch": pool.descriptor.epoch,
-                                  "medium": pool.descriptor.handle.medium.value})
 
 
 def claim_socket(path: str) -> None:

@@ -1,6 +1,6 @@
 """``kvxfer bench store``: offload and restore throughput of the store core.
 
-Method (DESIGN.md section 6): each measurement moves at least ``--min-mib`` MiB
+Method (docs/benchmarks.md): each measurement moves at least ``--min-mib`` MiB
 (256 by default) of random, non-adjacent blocks of a pool larger than the
 last-level cache, in batches of ``--batch`` blocks, through PoolManager (index,
 copy engine and checksums, integrity always on). The median of ``--reps`` runs is

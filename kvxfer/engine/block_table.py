@@ -1,6 +1,6 @@
 """Block tables: per request row, logical block -> physical block (slot ID), int32.
 
-The rules of the seeds (vLLM's BlockTable): rows grow by append; a row moved to
+The rules of vLLM's BlockTable (docs/design.md, engine side): rows grow by append; a row moved to
 another index has its source cleared (a stale row may be dereferenced later, for
 example by a dummy batch); clearing a row zeroes it; rows past the batch are the
 null block; the host copy is the authority and a device mirror is committed

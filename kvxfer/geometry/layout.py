@@ -4,7 +4,7 @@ A pool holds, for every layer L and physical block B, the K and V vectors (KV)
 of every KV head H and token N, each head_size (D) elements. A ``Layout`` is
 the order of those six axes in memory, outermost first, D innermost. Byte
 strides follow row-major order over that physical order, so the page of layer
-``l``, block ``p`` starts at ``l * s_L + p * s_B`` bytes (DESIGN.md section 2).
+``l``, block ``p`` starts at ``l * s_L + p * s_B`` bytes (docs/design.md, layouts).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def _letters(name: str) -> tuple[Axis, ...]:
 
 
 PRESETS: dict[str, Layout] = {
-    # The six names of the seeds (vLLM's KVCacheLayout): C = [K | V] innermost.
+    # The six names of vLLM's KVCacheLayout (docs/design.md, layouts): C = [K | V] innermost.
     **{n: Layout(_letters(n)) for n in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")},
     # Engine layouts with K/V as an axis of its own (layers stacked outermost).
     "flash_attn": Layout((Axis.L, Axis.KV, Axis.B, Axis.N, Axis.H, Axis.D)),  # per layer [2, B, N, H, D]

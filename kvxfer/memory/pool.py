@@ -41,19 +41,6 @@ class PoolHandle:
     device: int = 0
     offset: int = 0  # byte offset of the pool inside the file or allocation
 
-    def to_dict(self) -> dict:
-        return {"medium": self.medium.value, "path": self.path, "ipc_handle": self.ipc_handle.hex(),
-                "device": self.device, "offset": self.offset}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> PoolHandle:
-        try:
-            medium = Medium(data["medium"])
-        except (KeyError, ValueError):
-            raise InvalidArgument(f"pool handle medium must be one of {[m.value for m in Medium]}") from None
-        return cls(medium, str(data.get("path", "")), bytes.fromhex(data.get("ipc_handle", "")),
-                   int(data.get("device", 0)), int(data.get("offset", 0)))
-
 
 def new_epoch() -> int:
     """A fresh, nonzero 63-bit epoch: a new one each time a pool is created or registered."""
@@ -74,40 +61,6 @@ class PoolDescriptor:
     @property
     def pool_layout(self) -> PoolLayout:
         return PoolLayout(self.spec, self.layout)
-
-    def to_dict(self) -> dict:
-        pl = self.pool_layout
-        return {
-            "pool_id": self.pool_id,
-            "spec": self.spec.to_dict(),
-            "layout": self.layout.spelled,
-            "layout_name": self.layout.name,
-            "strides": {axis.value: stride for axis, stride in pl.strides.items()},
-            "nbytes": pl.nbytes,
-            "block_bytes": pl.block_bytes,
-            "epoch": self.epoch,
-            "owned": self.owned,
-            "handle": self.handle.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> PoolDescriptor:
-        try:
-            desc = cls(
-                pool_id=str(data["pool_id"]),
-                spec=KVSpec.from_dict(data["spec"]),
-                layout=Layout.parse(data["layout"]),
-                handle=PoolHandle.from_dict(data["handle"]),
-                epoch=int(data["epoch"]),
-                owned=bool(data.get("owned", True)),
-            )
-        except KeyError as exc:
-            raise InvalidArgument(f"pool descriptor lacks {exc}") from None
-        # A descriptor that states sizes must agree with what its geometry implies.
-        if "nbytes" in data and int(data["nbytes"]) != desc.pool_layout.nbytes:
-            raise InvalidArgument(f"pool descriptor says {data['nbytes']} bytes; its geometry needs "
-                                  f"{desc.pool_layout.nbytes}")
-        return desc
 
 
 class Pool:
@@ -137,7 +90,7 @@ class Pool:
 
     @classmethod
     def create(cls, pool_id: str, spec: KVSpec, layout: Layout, *, device: str = "cpu",
-               shm_dir: str | Path | None = "/dev/shm", mode: int = 0o600, group: str | int | None = None) -> Pool:
+               shm_dir: str | Path | None = "/dev/shm", mode: int = 0o600, unix_group: str | int | None = None) -> Pool:
         """Allocate a new zeroed pool with a fresh epoch; block 0 is the null block.
 
         On CPU: a file under ``shm_dir`` (others map it by path), or with ``shm_dir=None``
@@ -163,7 +116,7 @@ class Pool:
             return cls(PoolDescriptor(pool_id, spec, layout, PoolHandle(Medium.MEMFD), epoch=epoch), storage, fd=fd)
         shm.sweep_stale(shm_dir)
         epoch = new_epoch()
-        owned = shm.OwnedFile.create(shm_dir, f"{pool_id}-{epoch:016x}", nbytes, mode=mode, group=group)
+        owned = shm.OwnedFile.create(shm_dir, f"{pool_id}-{epoch:016x}", nbytes, mode=mode, unix_group=unix_group)
         try:
             storage = owned.map(nbytes)
         except BaseException:

@@ -40,16 +40,16 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def resolve_group(group: str | int | None) -> int:
-    """A gid from a group name or number; -1 (leave as is) for None."""
-    if group is None or group == "":
+def resolve_group(unix_group: str | int | None) -> int:
+    """A gid from a Unix group name or number; -1 (leave as is) for None."""
+    if unix_group is None or unix_group == "":
         return -1
-    if isinstance(group, int) or str(group).isdigit():
-        return int(group)
+    if isinstance(unix_group, int) or str(unix_group).isdigit():
+        return int(unix_group)
     try:
-        return grp.getgrnam(str(group)).gr_gid
+        return grp.getgrnam(str(unix_group)).gr_gid
     except KeyError:
-        raise InvalidArgument(f"unknown group {group!r}") from None
+        raise InvalidArgument(f"unknown group {shown(unix_group)}") from None
 
 
 class OwnedFile:
@@ -61,7 +61,7 @@ class OwnedFile:
 
     @classmethod
     def create(cls, directory: str | os.PathLike, name: str, nbytes: int, mode: int = 0o600,
-               group: str | int | None = None) -> OwnedFile:
+               unix_group: str | int | None = None) -> OwnedFile:
         """Create ``directory/kvxfer-pool-<name>`` of ``nbytes``, reserving its memory now.
 
         The tmpfs pages are reserved with posix_fallocate so that a full /dev/shm
@@ -71,7 +71,7 @@ class OwnedFile:
             raise InvalidArgument(f"pool file name {shown(name)} must match {_NAME_RE.pattern}")
         if not 0 <= mode <= 0o777:
             raise InvalidArgument(f"file mode {mode:o} out of range")
-        gid = resolve_group(group)
+        gid = resolve_group(unix_group)
         path = Path(directory) / f"{FILE_PREFIX}{name}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)

@@ -2,13 +2,13 @@
 
 Every Offload and Restore of a pool runs in the order it was submitted, whether
 the caller waits or not: a synchronous request runs inline when nothing is queued
-or running, else it queues behind the jobs before it. (Were a restore into slot S
-allowed to overtake an earlier queued offload of S, the offload would store the
+or running, else it queues behind the jobs before it. (Were a restore into block B
+allowed to overtake an earlier queued offload of B, the offload would store the
 restored bytes under the wrong key.)
 
 A job holds a lease that the client renews by waiting or polling. When the lease
 runs out (the client is gone), a queued job is cancelled without touching its
-slots, a running job stops at its next chunk (its pins are released, its slots no
+blocks, a running job stops at its next chunk (its pins are released, its blocks no
 longer touched), and a finished result nobody claimed is dropped. Results are
 reported once. Queued jobs plus uncollected results are bounded: excess
 submissions get RESOURCE_EXHAUSTED.
@@ -198,7 +198,7 @@ class JobRunner:
                 self._cond.wait(deadline - time.monotonic())
             cancelled = len(self._queue)
             callbacks: list[Callable[[], None]] = []
-            for job in self._queue:  # never started: their slots were not touched
+            for job in self._queue:  # never started: their blocks were not touched
                 job.result = TransferResult([Outcome.CANCELLED] * len(job.batch))
                 job.state = JobState.FINISHED
                 job.finished.set()

@@ -31,9 +31,10 @@ from kvxfer.serving.handoff import HandOffs, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
-from kvxfer.memory.pool import Access, Pool, PoolDescriptor, PoolHandle, new_epoch
+from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
 from kvxfer.memory.shm import size_sealed
+from kvxfer.transfer import ENGINES
 from kvxfer.validate import check_pool_id, shown
 
 MIB = 1 << 20
@@ -129,6 +130,19 @@ class PoolRegistry:
             served = self._pools[pool_id] = ServedPool(manager, jobs, owner, token_digest(token) if token else b"")
             return served
 
+    def create(self, pool_id: str, spec: KVSpec, layout: Layout, device: str = "auto",
+               host_capacity_mib: float = 512, cache_group: str = "") -> ServedPool:
+        """Allocate and serve one of the daemon's own pools (a sealed memfd on CPU: no client can
+        shrink it under the daemon) in its cache group (default: its own id)."""
+        check_pool_id(pool_id)
+        capacity = capacity_blocks(host_capacity_mib, spec.block_bytes)
+        pool = Pool.create(pool_id, spec, layout, device=resolve_device(device), shm_dir=None)
+        try:
+            return self.add(pool, capacity, cache_group)
+        except BaseException:
+            pool.close()
+            raise
+
     def register(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, token: bytes,
                  host_capacity_mib: int = 0, cache_group: str = "") -> tuple[ServedPool, bytes]:
         """Serve memory an engine allocated and handed over; returns the pool (with a fresh
@@ -139,10 +153,7 @@ class PoolRegistry:
         limit = self.limits.registered_host_capacity_mib
         if not 0 <= host_capacity_mib <= limit:
             raise InvalidArgument(f"host_capacity_mib {host_capacity_mib} out of range [1, {limit}] (0: {limit})")
-        capacity = (host_capacity_mib or limit) * MIB // spec.block_bytes
-        if capacity < 1:
-            raise InvalidArgument(f"a host tier of {host_capacity_mib or limit} MiB holds no block of "
-                                  f"{spec.block_bytes} bytes")
+        capacity = capacity_blocks(host_capacity_mib or limit, spec.block_bytes)
         if handle.medium is Medium.CUDA:
             if not torch.cuda.is_available():
                 raise FailedPrecondition("a CUDA pool was registered, but this daemon sees no CUDA device")
@@ -292,6 +303,28 @@ class PoolRegistry:
         return {file_identity(p.fd) for p in pools if p.fd is not None}
 
 
+def capacity_blocks(mib: float, block_bytes: int) -> int:
+    """How many blocks a host tier of ``mib`` MiB holds (at least one, or InvalidArgument)."""
+    blocks = int(mib * MIB) // block_bytes
+    if blocks < 1:
+        raise InvalidArgument(f"a host tier of {mib} MiB holds no block of {block_bytes} bytes")
+    return blocks
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` is the GPU when there is one and a copy engine serves CUDA pools, else the CPU."""
+    cuda_served = any(medium is Medium.CUDA for medium, _, _ in ENGINES)
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() and cuda_served else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise FailedPrecondition(f"pool device {device} asked for, but no CUDA device is available")
+        if not cuda_served:
+            raise FailedPrecondition(f"pool device {device}: this version has no copy engine for CUDA pools yet; "
+                                     "use device: cpu")
+    return device
+
+
 def _check_path_names(path: str, dev: int, ino: int) -> None:
     """A registered pool's published path (what other processes map) must name the file handed over."""
     if not path:
@@ -305,4 +338,4 @@ def _check_path_names(path: str, dev: int, ino: int) -> None:
         raise InvalidArgument(f"pool path {shown(path)} does not name the file whose descriptor was handed over")
 
 
-__all__ = ["Access", "DAEMON", "Limits", "PoolRef", "PoolRegistry", "ServedPool"]
+__all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool", "capacity_blocks", "resolve_device"]

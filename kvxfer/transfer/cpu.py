@@ -2,7 +2,7 @@
 
 A block is ``outer`` runs (1 for block-major layouts); a run is moved as one row
 of the widest integer type that divides it (int64 where the run is a multiple of
-8 bytes: on this CPU, index_select on int64 rows runs 5-10x faster than on uint8).
+8 bytes: index_select on wide rows is much faster than on uint8; docs/benchmarks.md).
 A host slot holds a block's runs back to back, in ascending pool offset order.
 """
 

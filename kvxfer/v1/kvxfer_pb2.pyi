@@ -23,7 +23,6 @@ class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_STATUS_DATA_LOSS: _ClassVar[BlockStatus]
     BLOCK_STATUS_RESOURCE_EXHAUSTED: _ClassVar[BlockStatus]
     BLOCK_STATUS_FAILED: _ClassVar[BlockStatus]
-    BLOCK_STATUS_PENDING: _ClassVar[BlockStatus]
     BLOCK_STATUS_CANCELLED: _ClassVar[BlockStatus]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -43,7 +42,6 @@ BLOCK_STATUS_NOT_FOUND: BlockStatus
 BLOCK_STATUS_DATA_LOSS: BlockStatus
 BLOCK_STATUS_RESOURCE_EXHAUSTED: BlockStatus
 BLOCK_STATUS_FAILED: BlockStatus
-BLOCK_STATUS_PENDING: BlockStatus
 BLOCK_STATUS_CANCELLED: BlockStatus
 TIER_UNSPECIFIED: Tier
 TIER_HOST: Tier

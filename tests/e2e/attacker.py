@@ -99,7 +99,7 @@ def link_race(target: str, secret: str, own_dir: str, tries: int) -> dict:
 
     threading.Thread(target=swap, daemon=True).start()
     counts = {"registered": 0, "refused": 0, "open_failed": 0, "secret_bytes_seen": 0, "checked": 0}
-    with Client(target, "race") as client, grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.KVTransferStub(channel)
         for i in range(tries):
             try:
@@ -134,7 +134,7 @@ def link_race(target: str, secret: str, own_dir: str, tries: int) -> dict:
 
 def join_and_unregister(target: str, own_dir: str, victim_pool: str, victim_group: str) -> dict:
     """Join another party's cache group; unregister another party's pool."""
-    with Client(target, "attacker") as client, grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.KVTransferStub(channel)
         fds = fdpass.socket_path_for(target)
         own = os.open(_own_file(own_dir, "joiner", 3), os.O_RDWR)

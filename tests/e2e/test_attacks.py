@@ -7,9 +7,7 @@ the daemon's or other users' files. Run as root: the tests create the users.
 import json
 import os
 import shutil
-import signal
 import time
-from pathlib import Path
 
 import pytest
 

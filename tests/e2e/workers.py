@@ -251,9 +251,9 @@ def offload_until_error(target: str, pool_id: str, timeout: float) -> dict:
 def attention_roundtrip(target: str, pool_id: str, namespace: str, use_triton: bool) -> dict:
     """The engine's attention-side path around an offload and a restore into other slots."""
     from kvxfer.engine.block_table import BlockTable, batch_metadata, gather_kv
-    from kvxfer.engine.kernels import cache_write_torch, cache_write_triton, compute_slot_mapping
+    from kvxfer.engine.kernels import Kernel, compute_slot_mapping, write_kv
 
-    write = cache_write_triton if use_triton else cache_write_torch
+    kernel = Kernel.TRITON if use_triton else Kernel.TORCH
     with Client(target, namespace, pool_id=pool_id) as client:
         views = client.kv_views()
         spec = client.pool_info().spec
@@ -268,12 +268,12 @@ def attention_roundtrip(target: str, pool_id: str, namespace: str, use_triton: b
         def step(requests):
             qsl, positions, num_tokens = batch_metadata(requests)
             slots = compute_slot_mapping(qsl, positions, table.commit(len(requests), len(requests) + 1), n,
-                                         num_tokens, max_num_tokens=num_tokens + 5)
+                                         num_tokens, max_num_tokens=num_tokens + 5, kernel=kernel)
             new = [(torch.randn((num_tokens, spec.num_kv_heads, spec.head_size), generator=g).to(spec.dtype),
                     torch.randn((num_tokens, spec.num_kv_heads, spec.head_size), generator=g).to(spec.dtype))
                    for _ in range(layers)]
             for (k_cache, v_cache), (key, value) in zip(views, new):
-                write(key, value, k_cache, v_cache, slots)
+                write_kv(key, value, k_cache, v_cache, slots, kernel=kernel)
             return new
 
         prefill = step([(0, lengths[0]), (0, lengths[1])])

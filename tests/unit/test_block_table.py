@@ -1,11 +1,11 @@
-"""Block-table rules of the seeds, batch metadata, and kernel argument checks."""
+"""Block-table rules (vLLM's BlockTable), batch metadata, and kernel argument checks."""
 
 import pytest
 import torch
 
 from kvxfer.engine.block_table import BlockTable, batch_metadata, gather_kv
 from kvxfer.errors import InvalidArgument
-from kvxfer.engine.kernels import USE_TRITON, compute_slot_mapping, write_kv
+from kvxfer.engine.kernels import Kernel, compute_slot_mapping, default_kernel, write_kv
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 
 
@@ -53,7 +53,7 @@ def test_batch_metadata_mixes_prefills_and_decodes():
 
 
 def test_chosen_path_and_argument_checks():
-    assert USE_TRITON == torch.cuda.is_available()
+    assert default_kernel(torch.zeros(1)) is Kernel.TORCH  # chosen by where the data is, per call
     pl = PoolLayout(KVSpec(1, 8, 4, 2, 8, torch.float16), PRESETS["BLHNC"])
     k_cache, v_cache = pl.views(torch.zeros(pl.nbytes, dtype=torch.uint8))[0]
     t = BlockTable(2, 4)

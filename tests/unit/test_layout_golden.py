@@ -1,4 +1,4 @@
-"""The seeds' hand-checkable example (DESIGN.md section 2), row by row."""
+"""The hand-checkable layout example of docs/design.md (layouts), row by row."""
 
 import json
 

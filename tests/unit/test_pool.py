@@ -1,6 +1,5 @@
 """Pool storage: zero-copy mapping from another process, permissions, and cleanup on every exit path."""
 
-import json
 import os
 import signal
 import stat
@@ -11,11 +10,13 @@ import time
 import pytest
 import torch
 
+from kvxfer import wire
 from kvxfer.memory import shm
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.records import Medium
+from kvxfer.v1 import kvxfer_pb2 as pb
 from tests.conftest import PYTHON, python_env
 
 SPEC = KVSpec(num_layers=3, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
@@ -33,28 +34,30 @@ def test_second_process_maps_and_sees_bytes(shm_dir, layout):
         k[3].copy_(torch.arange(k[3].numel(), dtype=torch.float32).reshape(k[3].shape))
         v[5].fill_(-2.5)
         child = run_child("""
-            import json, sys, torch
-            from kvxfer.memory.pool import Pool, PoolDescriptor
-            pool = Pool.attach(PoolDescriptor.from_dict(json.loads(sys.argv[1])))
+            import sys, torch
+            from kvxfer import wire
+            from kvxfer.memory.pool import Pool
+            from kvxfer.v1 import kvxfer_pb2 as pb
+            pool = Pool.attach(wire.descriptor_from_pb(pb.PoolInfo.FromString(bytes.fromhex(sys.argv[1]))))
             k, v = pool.views()[1]
             assert torch.equal(k[3].float().reshape(-1), torch.arange(k[3].numel(), dtype=torch.float32)), "K differs"
             assert bool((v[5] == -2.5).all()), "V differs"
             pool.views()[2][0][7].fill_(1.0)   # and write back
             print("ok")
-        """, json.dumps(pool.descriptor.to_dict()))
+        """, wire.pool_info(pool.descriptor).SerializeToString().hex())
         assert child.returncode == 0, child.stderr
         assert bool((pool.views()[2][0][7] == 1.0).all())
     assert list(shm_dir.iterdir()) == []
 
 
 def test_mode_and_descriptor(shm_dir):
-    pool = Pool.create("p1", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir, mode=0o640, group=os.getgid())
+    pool = Pool.create("p1", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir, mode=0o640, unix_group=os.getgid())
     path = pool.descriptor.handle.path
     st = os.stat(path)
     assert stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
     assert st.st_size == SPEC.nbytes
     assert pool.descriptor.handle.medium is Medium.SHM
-    desc = PoolDescriptor.from_dict(json.loads(json.dumps(pool.descriptor.to_dict())))
+    desc = wire.descriptor_from_pb(pb.PoolInfo.FromString(wire.pool_info(pool.descriptor).SerializeToString()))
     assert desc == pool.descriptor
     assert pool.storage.eq(0).all()  # a new pool is zeroed, the null block included
     other = Pool.create("p1", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir)
@@ -70,7 +73,7 @@ def test_bad_inputs(shm_dir):
     with pytest.raises(InvalidArgument):
         Pool.create("bad/name", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir)
     with pytest.raises(InvalidArgument):
-        Pool.create("p", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir, group="no-such-group-kvxfer")
+        Pool.create("p", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir, unix_group="no-such-group-kvxfer")
     with pytest.raises(InvalidArgument):
         Pool.create("p", SPEC, PRESETS["BLHNC"], device="meta")
     with pytest.raises(FailedPrecondition):
@@ -98,8 +101,6 @@ def test_registered_pool_maps_someone_elses_file(shm_dir):
         Pool.attach(too_big)
     with pytest.raises(FailedPrecondition):
         Pool.attach(PoolDescriptor("x", SPEC, PRESETS["LBHNC"], PoolHandle(Medium.SHM, str(shm_dir / "nope"))))
-    with pytest.raises(InvalidArgument):
-        PoolDescriptor.from_dict(desc.to_dict() | {"nbytes": 12})
 
 
 OWNER = """

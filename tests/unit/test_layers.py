@@ -1,0 +1,47 @@
+"""The import rules of the layers (docs/design.md): checked, not hoped for."""
+
+import ast
+import json
+import subprocess
+from pathlib import Path
+
+from tests.conftest import PYTHON, ROOT, python_env
+
+SERVER_SIDE = ("kvxfer.index", "kvxfer.serving", "kvxfer.transfer", "kvxfer.tiers", "service")
+
+
+def _loaded_after(statement: str) -> list[str]:
+    code = f"import sys, json; {statement}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([PYTHON, "-c", code], env=python_env(), cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out)
+
+
+def test_the_client_imports_no_server_internals():
+    loaded = _loaded_after("import kvxfer.client")
+    assert [m for m in loaded if m.startswith(SERVER_SIDE)] == []
+    assert "kvxfer.records" in loaded and "kvxfer.wire" in loaded
+
+
+def test_from_kvxfer_import_client_works_and_records_stay_light():
+    loaded = _loaded_after("from kvxfer import Client; assert Client.__name__ == 'Client'")
+    assert "kvxfer.client" in loaded
+    light = _loaded_after("import kvxfer.records")
+    assert "torch" not in light and "grpc" not in light
+
+
+def test_the_library_never_imports_the_daemon():
+    offenders = []
+    for path in (ROOT / "kvxfer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "service" or
+                          n.startswith("service.")]
+    assert offenders == []
+
+
+def test_modules_stay_small():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in Path(ROOT).glob("[ks]*/**/*.py")
+             if "v1" not in p.parts}
+    assert {p: n for p, n in sizes.items() if n > 400} == {}
