@@ -76,7 +76,7 @@ class BlockIndex:
         self.tier = tier
         self._slots = slots if isinstance(slots, SlotAllocator) else SlotAllocator(slots)
         self._spaces: dict[str, dict[bytes, Entry]] = {}  # namespace -> key -> entry
-        self._lru = policy or LRU()  # the evictable entries: ready and unpinned
+        self._lru = policy if policy is not None else LRU()  # the evictable entries: ready and unpinned
         self._lock = threading.Lock()
         self._pinned = 0
         self._ready = 0
