@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench proto clean
+.PHONY: install test serve bench proto devcheck clean
 
 # (Re)install when the project's metadata changes; torch is pinned to the local CPU build.
 $(STAMP): pyproject.toml constraints.txt
@@ -23,6 +23,11 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvxfer bench $(BENCH_ARGS)
+
+# On a GPU machine: everything only a GPU can show, results in devcheck-out/devcheck.json.
+# Needs no install and no gRPC (the lent machines have neither): it runs from the checkout.
+devcheck:
+	PYTHONPATH=. $(PYTHON) -m kvxfer.devcheck --out devcheck-out $(DEVCHECK_ARGS)
 
 # Regenerate kvxfer/v1 from protos/ (committed; tests/unit/test_proto_current.py checks it).
 proto: $(STAMP)

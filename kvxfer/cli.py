@@ -87,7 +87,16 @@ def bench_parser(benches: list[tuple[str, str, str]]) -> Callable[[argparse._Sub
 
 
 #: Each entry adds one subcommand to the parser; later tools append here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser]
+def _devcheck_parser(sub: argparse._SubParsersAction) -> None:
+    from kvxfer.devcheck import __main__ as devcheck
+
+    p = sub.add_parser("devcheck", help="on a GPU machine: check the GPU path (exit 3 without a GPU)",
+                       description=devcheck.__doc__)
+    devcheck.add_arguments(p)
+    p.set_defaults(func=devcheck.run)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser, _devcheck_parser]
 
 
 def main(argv: list[str] | None = None, commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,

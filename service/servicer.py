@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import grpc
 
 from kvxfer import wire
-from kvxfer.errors import InvalidArgument, ResourceExhausted
+from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import Layout
 from kvxfer.records import PoolRef, TransferResult
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_count, check_name
+from kvxfer.validate import check_count, check_name, shown
 from service.status import parser, rpc
 
 MAX_WAIT_S = 60.0
@@ -91,8 +91,13 @@ class KVTransferServicer:
         check_count(len(keys), limit, "keys")
         num_blocks = served.manager.num_blocks
 
+        ready_event = request.cuda_event_handle if kind is TransferKind.OFFLOAD else b""
+        if ready_event and not served.manager.pool.is_cuda:
+            raise FailedPrecondition(f"pool {shown(served.descriptor.pool_id)} is not a CUDA pool: a "
+                                     "cuda_event_handle goes with CUDA pools only")
+
         def batch() -> TransferBatch:  # the one validation of the request, where it enters
-            return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit)
+            return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit, ready_event)
 
         if request.HasField("wait") and not request.wait:
             client_id, lease_s = _check_client_id(request.client_id), request.lease_ms / 1000

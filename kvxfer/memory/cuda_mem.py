@@ -62,6 +62,25 @@ def _as_tensor(memory: _DeviceMemory) -> torch.Tensor:
     return tensor
 
 
+def why_unusable(device: int = 0) -> str | None:
+    """Why a CUDA pool cannot be served on ``device`` here, or None when it can."""
+    try:
+        import cuda.bindings  # noqa: F401  (cuda-python: allocation and IPC)
+    except ImportError:
+        return "cuda-python is not installed (pip install cuda-python, major version = torch's CUDA)"
+    from kvxfer.memory.cuda_driver import load_library
+
+    try:
+        load_library()
+    except FailedPrecondition as exc:
+        return str(exc)
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    if device >= torch.cuda.device_count():
+        return f"no CUDA device {device} (this machine has {torch.cuda.device_count()})"
+    return None
+
+
 def allocate(nbytes: int, device: int) -> tuple[torch.Tensor, bytes]:
     """A zeroed flat uint8 tensor of ``nbytes`` on ``device`` and its IPC handle."""
     rt = _runtime()

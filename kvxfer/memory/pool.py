@@ -160,6 +160,11 @@ class Pool:
     def is_cuda(self) -> bool:
         return self.descriptor.handle.medium is Medium.CUDA
 
+    @property
+    def cuda_device(self) -> int | None:
+        """The GPU a CUDA pool lives on (its host tier is pinned for it); None on the CPU."""
+        return self.descriptor.handle.device if self.is_cuda else None
+
     def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_size]``, zero-copy."""
         return self.layout.views(self._live_storage())

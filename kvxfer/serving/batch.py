@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvxfer.errors import InvalidArgument
+from kvxfer.memory.cuda_driver import IPC_EVENT_HANDLE_BYTES
 from kvxfer.validate import MAX_BATCH_BLOCKS, check_blocks, check_keys, check_namespace
 
 
@@ -28,13 +29,14 @@ class TransferBatch:
     namespace: str
     blocks: list[int]
     keys: list[bytes]
+    ready_event: bytes = b""  # offload of a CUDA pool: the engine's IPC event to wait for
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     @classmethod
     def build(cls, kind: TransferKind, namespace: str, blocks: Sequence[int], keys: Sequence[bytes],
-              num_blocks: int, limit: int = MAX_BATCH_BLOCKS) -> TransferBatch:
+              num_blocks: int, limit: int = MAX_BATCH_BLOCKS, ready_event: bytes = b"") -> TransferBatch:
         """Validate a request whole (namespace, blocks of a pool of ``num_blocks``, keys) and build it."""
         check_namespace(namespace)
         blocks, keys = list(blocks), [bytes(k) for k in keys]
@@ -42,7 +44,9 @@ class TransferBatch:
             raise InvalidArgument(f"slots and keys must have the same length ({len(blocks)} != {len(keys)})")
         check_blocks(blocks, num_blocks, limit)
         check_keys(keys, limit=limit)
-        return cls(kind, namespace, blocks, keys)
+        if ready_event and (kind is not TransferKind.OFFLOAD or len(ready_event) != IPC_EVENT_HANDLE_BYTES):
+            raise InvalidArgument(f"a CUDA event handle has {IPC_EVENT_HANDLE_BYTES} bytes and goes with an offload")
+        return cls(kind, namespace, blocks, keys, bytes(ready_event))
 
     @classmethod
     def offload(cls, namespace: str, pairs: Sequence[tuple[int, bytes]], num_blocks: int) -> TransferBatch:

@@ -37,10 +37,10 @@ class BlockFormat:
 class CacheGroup:
     """One host tier and the index over it."""
 
-    def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_memory: bool = False) -> None:
+    def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None) -> None:
         self.name = name
         self.format = BlockFormat.of(layout)
-        self.host = HostTier(capacity_blocks, layout.block_bytes, pin_memory=pin_memory)
+        self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
         self.index = BlockIndex(self.host.kind, self.host.slots)
 
     def check_joins(self, layout: PoolLayout) -> None:

@@ -48,7 +48,7 @@ class PoolManager:
         self.pool = pool
         layout = pool.layout
         if isinstance(group, int):
-            group = CacheGroup(pool.descriptor.pool_id, layout, group, pin_memory=pool.is_cuda)
+            group = CacheGroup(pool.descriptor.pool_id, layout, group, pin_device=pool.cuda_device)
         group.check_joins(layout)
         self.group = group
         self.host = group.host
@@ -96,7 +96,7 @@ class PoolManager:
             if entries:
                 start = time.perf_counter()
                 done = self.copier.to_host([batch.blocks[i] for i in plan.positions], [e.slot for e in entries],
-                                           cancelled)
+                                           cancelled, batch.ready_event)
                 seconds = time.perf_counter() - start
                 if done.cancelled:  # nothing of a cancelled offload becomes visible
                     for i in plan.positions:

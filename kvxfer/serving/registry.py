@@ -33,8 +33,8 @@ from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
+from kvxfer.memory import cuda_mem
 from kvxfer.memory.shm import size_sealed
-from kvxfer.transfer import ENGINES
 from kvxfer.validate import check_pool_id, shown
 
 MIB = 1 << 20
@@ -120,7 +120,7 @@ class PoolRegistry:
                 if len(self._groups) >= self.limits.max_cache_groups:
                     raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
                                             f"{self.limits.max_cache_groups}")
-                entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_memory=pool.is_cuda), owner)
+                entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device), owner)
             manager = PoolManager(pool, entry.group)  # refuses a pool whose block format differs from the group's
             self._groups[name] = entry
             entry.pools.add(pool_id)
@@ -312,16 +312,15 @@ def capacity_blocks(mib: float, block_bytes: int) -> int:
 
 
 def resolve_device(device: str) -> str:
-    """``auto`` is the GPU when there is one and a copy engine serves CUDA pools, else the CPU."""
-    cuda_served = any(medium is Medium.CUDA for medium, _, _ in ENGINES)
+    """``auto`` is the GPU when one is usable (a device, its driver, cuda-python), else the CPU;
+    ``cuda[:N]`` where none is usable is a one-line error saying why."""
     if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() and cuda_served else "cpu"
+        return "cuda:0" if cuda_mem.why_unusable(0) is None else "cpu"
     if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise FailedPrecondition(f"pool device {device} asked for, but no CUDA device is available")
-        if not cuda_served:
-            raise FailedPrecondition(f"pool device {device}: this version has no copy engine for CUDA pools yet; "
-                                     "use device: cpu")
+        index = int(device.partition(":")[2] or 0)
+        reason = cuda_mem.why_unusable(index)
+        if reason is not None:
+            raise FailedPrecondition(f"pool device {device}: {reason}")
     return device
 
 

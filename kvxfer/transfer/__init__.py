@@ -10,7 +10,9 @@ from kvxfer.records import Medium
 from kvxfer.records import TierKind
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.memory import cuda_driver
 from kvxfer.transfer.cpu import CpuCopyEngine
+from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.fdcopy import FdCopyEngine
 
 
@@ -22,13 +24,17 @@ def _through_fd(pool: Pool, host: HostTier) -> CopyEngine:
     return FdCopyEngine(pool.fd, pool.descriptor.handle.offset, pool.layout, host)
 
 
-#: (pool medium, how this process reaches it, tier) -> engine factory. The CUDA engine
-#: is added with the GPU path.
+def _cuda(pool: Pool, host: HostTier) -> CopyEngine:
+    return CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(pool.cuda_device))
+
+
+#: (pool medium, how this process reaches it, tier) -> engine factory.
 ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier], CopyEngine]] = {
     (Medium.SHM, Access.MAPPED, TierKind.HOST): _mapped,
     (Medium.MEMFD, Access.MAPPED, TierKind.HOST): _mapped,
     (Medium.SHM, Access.FILE, TierKind.HOST): _through_fd,
     (Medium.MEMFD, Access.FILE, TierKind.HOST): _through_fd,
+    (Medium.CUDA, Access.MAPPED, TierKind.HOST): _cuda,
 }
 
 

@@ -27,6 +27,7 @@ class CopyBatch:
     direction: Direction
     blocks: list[int]
     slots: list[int]
+    ready_event: bytes = b""  # a CUDA IPC event handle the copy waits for (CUDA engines only)
 
     def __post_init__(self) -> None:
         if len(self.blocks) != len(self.slots):

@@ -76,6 +76,8 @@ class CpuCopyEngine(CopyEngine):
         return self._outer
 
     def submit(self, batch: CopyBatch) -> CopyHandle:
+        if batch.ready_event:
+            return CompletedHandle(Internal("a CUDA event handle reached the CPU copy engine"))
         try:
             rows = self._pool_row_index(batch.blocks)
             if batch.direction is Direction.TO_HOST:

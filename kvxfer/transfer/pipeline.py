@@ -54,9 +54,12 @@ class CheckedCopier:
         self.chunk = max(1, chunk_bytes // host.slot_bytes)
         self.depth = 2 if engine.overlaps else 1  # chunks in flight
 
-    def to_host(self, blocks: list[int], slots: list[int],
-                cancelled: Callable[[], bool] | None = None) -> PipelineResult:
-        """Copy pool ``blocks`` into tier ``slots``; the checksum of each slot's new bytes."""
+    def to_host(self, blocks: list[int], slots: list[int], cancelled: Callable[[], bool] | None = None,
+                ready_event: bytes = b"") -> PipelineResult:
+        """Copy pool ``blocks`` into tier ``slots``; the checksum of each slot's new bytes.
+
+        ``ready_event``: the engine's event the first chunk waits for (later chunks follow it
+        on the same stream)."""
         result = PipelineResult()
 
         def finish(chunk: _Chunk) -> None:
@@ -65,7 +68,8 @@ class CheckedCopier:
             result.completed = chunk.start + len(chunk.slots)
 
         def start(a: int, c: int) -> _Chunk:
-            handle = self.engine.submit(CopyBatch(Direction.TO_HOST, blocks[a:a + c], slots[a:a + c]))
+            handle = self.engine.submit(CopyBatch(Direction.TO_HOST, blocks[a:a + c], slots[a:a + c],
+                                                  ready_event if a == 0 else b""))
             return _Chunk(a, blocks[a:a + c], slots[a:a + c], [], handle)
 
         self._run(len(slots), start, finish, cancelled, result)

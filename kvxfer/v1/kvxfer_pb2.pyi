@@ -134,7 +134,7 @@ class GetPoolInfoResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id")
+    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id", "cuda_event_handle")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class OffloadRequest(_message.Message):
     WAIT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -149,7 +150,8 @@ class OffloadRequest(_message.Message):
     wait: bool
     lease_ms: int
     client_id: str
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
+    cuda_event_handle: bytes
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., cuda_event_handle: _Optional[bytes] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms", "client_id")

@@ -175,3 +175,15 @@ def test_stale_socket_file_is_reclaimed(make_daemon):
     # The killed daemon's pools were memfds: the kernel freed them with the process.
     with Client(second.target) as client:
         assert client.map_pool().descriptor.handle.medium is Medium.MEMFD
+
+
+def test_a_cuda_event_handle_is_refused_cleanly_for_a_cpu_pool(daemon):
+    with Client(daemon.target, "ev") as client, grpc.insecure_channel(daemon.target) as channel:
+        epoch = client.pool_info("rank0").epoch
+        stub = pb_grpc.KVTransferStub(channel)
+        request = pb.OffloadRequest(pool=pb.PoolRef(pool_id="rank0", epoch=epoch), namespace="ev", slots=[3],
+                                    keys=[b"e"], cuda_event_handle=bytes(64))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Offload(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "CUDA pool" in err.value.details()
+        assert client.lookup([b"e"], pool_ids=["rank0"]).hits == 0  # nothing changed

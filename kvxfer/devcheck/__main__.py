@@ -1,0 +1,37 @@
+"""``python -m kvxfer.devcheck --out DIR`` (``make devcheck``; ``kvxfer devcheck`` where installed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvxfer.devcheck.report import run_stages
+
+NO_GPU_EXIT = 3
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="devcheck-out", help="directory for devcheck.json")
+    p.add_argument("--quick", action="store_true", help="smaller bandwidth measurements (a first look)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kvxfer devcheck: no GPU here (torch sees no CUDA device); nothing to check, see README for what "
+              "has not run on a GPU")
+        return NO_GPU_EXIT
+    from kvxfer.devcheck import stages
+
+    return run_stages(args.out, stages.STAGES, quick=args.quick)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvxfer devcheck", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The device check's bandwidth stage: the CUDA engine beside one contiguous pinned copy.
+
+For BLHNC and LBHNC (32 layers) at 64 KiB, 512 KiB (16 KiB pages) and 1 MiB spans,
+consecutive and scattered blocks, batched (cuMemcpyBatchAsync) and looped
+(cudaMemcpyAsync per descriptor) submission: GB/s each way, descriptors per job and
+submit time per descriptor; then, for scattered batched jobs, the same through the
+checked pipeline (checksums on). The baseline is one contiguous copy of the same
+bytes between the same device memory and the same pinned buffer, in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
+from kvxfer.memory import cuda_driver
+from kvxfer.memory.pool import Pool
+from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.manager import PoolManager
+from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.transfer.cuda import CudaCopyEngine
+from kvxfer.transfer.plan import plan_copies
+
+KIB, MIB = 1 << 10, 1 << 20
+LAYERS, HEAD = 32, 128
+#: span -> (block_size, kv heads): span = 32 layers x 2 x N x H x 128 x 2 bytes
+GEOMETRY = {64 * KIB: (4, 1), 512 * KIB: (16, 2), 1024 * KIB: (16, 4)}
+REPS = 3
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 2)
+
+
+def _timed(fn) -> float:
+    times = []
+    for _ in range(REPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _case(pl: PoolLayout, pool: torch.Tensor, host, n: int, scattered: bool, driver) -> dict:
+    engine = CudaCopyEngine(pool.data_ptr(), pl, host, driver)
+    if scattered:
+        g = torch.Generator().manual_seed(n)
+        blocks = (torch.randperm(pl.spec.num_blocks // 2 - 1, generator=g)[:n] * 2 + 1).tolist()
+        slots = torch.randperm(n, generator=g).tolist()
+    else:
+        blocks, slots = list(range(1, n + 1)), list(range(n))
+    out = {"descriptors_per_job": len(plan_copies(pl, blocks, slots))}
+    for direction in (Direction.TO_HOST, Direction.TO_POOL):
+        submits = []
+
+        def move() -> None:
+            start = time.perf_counter()
+            handle = engine.submit(CopyBatch(direction, blocks, slots))
+            submits.append(time.perf_counter() - start)
+            handle.wait()
+
+        seconds = _timed(move)
+        key = "d2h" if direction is Direction.TO_HOST else "h2d"
+        out[f"{key}_gbps"] = _gbps(n * pl.block_bytes, seconds)
+        out[f"{key}_submit_us_per_descriptor"] = round(statistics.median(submits) / out["descriptors_per_job"] * 1e6,
+                                                       3)
+    return out
+
+
+def bandwidth(ctx: dict) -> dict:
+    measure = (128 if ctx.get("quick") else 512) * MIB
+    batched, looped = cuda_driver.driver(0), cuda_driver.Driver(cuda_driver.load_library(), 0, use_batch=False)
+    rows = []
+    for span, (block_size, heads) in GEOMETRY.items():
+        n = measure // span
+        for name in ("BLHNC", "LBHNC"):
+            spec = KVSpec(LAYERS, 2 * n + 2, block_size, heads, HEAD, torch.bfloat16)
+            with Pool.create("bw", spec, PRESETS[name], device="cuda:0") as pool:
+                pool.storage.view(torch.int64).random_()
+                group = CacheGroup("bw", pool.layout, n, pin_device=0)
+                host = group.host
+                flat = host.buffer.view(-1)[:n * span]
+                src = pool.storage[:n * span]
+                base = {"d2h": _gbps(n * span, _timed(lambda: flat.copy_(src, non_blocking=True))),
+                        "h2d": _gbps(n * span, _timed(lambda: src.copy_(flat, non_blocking=True)))}
+                for scattered in (False, True):
+                    for label, driver in (("batched", batched), ("looped", looped)):
+                        r = _case(pool.layout, pool.storage, host, n, scattered, driver)
+                        rows.append({"layout": name, "span_kib": span // KIB, "blocks": n,
+                                     "placement": "scattered" if scattered else "consecutive", "submission": label,
+                                     **r, "baseline_d2h_gbps": base["d2h"], "baseline_h2d_gbps": base["h2d"],
+                                     "d2h_vs_baseline": round(r["d2h_gbps"] / base["d2h"], 3),
+                                     "h2d_vs_baseline": round(r["h2d_gbps"] / base["h2d"], 3)})
+                rows.append({"layout": name, "span_kib": span // KIB, "checksums": True,
+                             **_checked(pool, group, n, base)})
+                del group, host, flat
+    return {"rows": rows, "measured_bytes": measure}
+
+
+def _checked(pool: Pool, group: CacheGroup, n: int, base: dict) -> dict:
+    """Offload and restore of n scattered blocks through PoolManager: copies, checksums, index."""
+    manager = PoolManager(pool, group)
+    g = torch.Generator().manual_seed(3)
+    blocks = (torch.randperm(pool.layout.spec.num_blocks // 2 - 1, generator=g)[:n] * 2 + 1).tolist()
+    keys = [b"c%d" % i for i in range(n)]
+    stored = manager.offload("bw", list(zip(blocks, keys)))
+    restored = manager.restore("bw", list(zip(keys, blocks)))
+    assert all(o.value == "done" for o in stored.outcomes + restored.outcomes)
+    off, res = _gbps(stored.bytes, stored.seconds), _gbps(restored.bytes, restored.seconds)
+    return {"offload_gbps": off, "restore_gbps": res, "offload_vs_baseline": round(off / base["d2h"], 3),
+            "restore_vs_baseline": round(res / base["h2d"], 3)}

@@ -1,0 +1,147 @@
+"""The CUDA copy engine's logic on a CPU: marshalling, polling, errors, cancellation.
+
+The driver is FakeCudaLibrary (tests/fake_cuda.py), a ctypes stand-in that performs
+the copies on host memory; what only a GPU can show runs in ``kvxfer devcheck``.
+"""
+
+import subprocess
+
+import pytest
+import torch
+
+from kvxfer.errors import DeadlineExceeded, FailedPrecondition
+from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
+from kvxfer.memory.cuda_driver import (CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                                       CU_STREAM_NON_BLOCKING, CudaError, Driver, load_library)
+from kvxfer.memory.pool import Pool
+from kvxfer.records import Outcome
+from kvxfer.serving.batch import TransferBatch
+from kvxfer.serving.manager import PoolManager
+from kvxfer.tiers.host import HostTier
+from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.transfer.cpu import CpuCopyEngine
+from kvxfer.transfer.cuda import CudaCopyEngine
+from kvxfer.transfer.plan import plan_copies
+from tests.conftest import PYTHON, ROOT, python_env
+from tests.fake_cuda import FakeCudaLibrary
+
+SPEC = KVSpec(3, 24, 4, 2, 8, torch.float16)  # 768 B blocks
+
+
+def _engine(layout: str, lib: FakeCudaLibrary, capacity: int = 16, **kw):
+    pl = PoolLayout(SPEC, PRESETS[layout])
+    pool = torch.randint(0, 256, (pl.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    host = HostTier(capacity, pl.block_bytes)
+    return pl, pool, host, CudaCopyEngine(pool.data_ptr(), pl, host, Driver(lib), **kw)
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "LHBNC"])
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "looped"])
+def test_the_plan_reaches_the_driver_whole_and_moves_the_same_bytes(layout, batched):
+    lib = FakeCudaLibrary(batched=batched)
+    pl, pool, host, engine = _engine(layout, lib)
+    blocks, slots = [7, 3, 4, 5, 20], [2, 9, 10, 11, 0]
+    handle = engine.submit(CopyBatch(Direction.TO_HOST, blocks, slots))
+    handle.wait()
+    reference = HostTier(16, pl.block_bytes)
+    CpuCopyEngine(pool.clone(), pl, reference).submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
+    assert torch.equal(host.buffer, reference.buffer)
+    descriptors = len(plan_copies(pl, blocks, slots))
+    copies = [c for c in lib.calls if c[0] in ("cuMemcpyBatchAsync", "cuMemcpyAsync")]
+    if batched:  # one call carrying every descriptor, in stream order for live KV
+        assert handle.calls == 1 and copies == [("cuMemcpyBatchAsync", copies[0][1], descriptors,
+                                                 (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,) * descriptors)]
+    else:
+        assert handle.calls == descriptors == len(copies)
+    back = list(reversed(blocks))
+    engine.submit(CopyBatch(Direction.TO_POOL, back, slots)).wait()
+    expected = pool.clone()
+    CpuCopyEngine(expected, pl, reference).submit(CopyBatch(Direction.TO_POOL, back, slots)).wait()
+    assert torch.equal(pool, expected)
+    streams = {c[1] for c in lib.calls if c[0] in ("cuMemcpyBatchAsync", "cuMemcpyAsync")}
+    assert len(streams) == 2 and all(lib.streams[s] == CU_STREAM_NON_BLOCKING for s in streams)
+    if batched:
+        restored = len(plan_copies(pl, back, slots))
+        assert lib.calls[-1][3] == (CU_MEMCPY_SRC_ACCESS_ORDER_ANY,) * restored  # the tier bytes are stable
+
+
+def test_completion_is_polled_and_bounded_by_a_deadline():
+    lib = FakeCudaLibrary(not_ready_polls=5)
+    _, _, host, engine = _engine("BLHNC", lib)
+    engine.submit(CopyBatch(Direction.TO_HOST, [1, 2], [0, 1])).wait()  # five NOT_READY, then done
+    lib.not_ready_polls = 10**9
+    _, _, _, slow = _engine("BLHNC", lib, deadline_s=0.05)
+    with pytest.raises(DeadlineExceeded):
+        slow.submit(CopyBatch(Direction.TO_HOST, [1], [0])).wait()
+
+
+def test_a_sticky_error_takes_the_pool_out_of_service_and_never_hangs():
+    lib = FakeCudaLibrary()
+    _, _, _, engine = _engine("BLHNC", lib)
+    handle = engine.submit(CopyBatch(Direction.TO_HOST, [1], [0]))
+    lib.query_error = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(CudaError, match="ILLEGAL_ADDRESS"):
+        handle.wait()
+    lib.query_error = 0
+    with pytest.raises(FailedPrecondition, match="out of service"):
+        engine.submit(CopyBatch(Direction.TO_HOST, [2], [1]))
+    lib2 = FakeCudaLibrary()
+    _, _, _, other = _engine("BLHNC", lib2)
+    lib2.batch_error = 1  # invalid value: this batch fails, the engine stays usable
+    with pytest.raises(CudaError, match="INVALID_VALUE"):
+        other.submit(CopyBatch(Direction.TO_HOST, [1], [0]))
+    lib2.batch_error = 0
+    other.submit(CopyBatch(Direction.TO_HOST, [1], [0])).wait()
+
+
+def test_offload_waits_for_the_engines_event_and_cancels_between_chunks(shm_dir):
+    lib = FakeCudaLibrary(not_ready_polls=1)
+    with Pool.create("g", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir) as pool:
+        pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
+        host = HostTier(20, pool.layout.block_bytes)
+        from kvxfer.serving.group import CacheGroup
+
+        group = CacheGroup("g", pool.layout, 20)
+        group.host = host
+        manager = PoolManager(pool, group, engine=CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host,
+                                                                  Driver(lib)))
+        manager.copier.chunk = 2  # blocks per chunk
+        event = bytes(range(64))
+        batch = TransferBatch.build(TransferBatch.offload("ns", [(1, b"a")], 24).kind, "ns", [1, 2, 3, 4, 5],
+                                    [b"a", b"b", b"c", b"d", b"e"], 24, ready_event=event)
+        assert manager.run(batch).outcomes == [Outcome.DONE] * 5
+        opened = [c for c in lib.calls if c[0] == "cuIpcOpenEventHandle"]
+        assert opened == [("cuIpcOpenEventHandle", event)]  # once: later chunks follow on the same stream
+        waits = [i for i, c in enumerate(lib.calls) if c[0] == "cuStreamWaitEvent"]
+        first_copy = next(i for i, c in enumerate(lib.calls) if c[0] == "cuMemcpyBatchAsync")
+        assert waits and waits[0] < first_copy
+        answers = iter([False, True, True, True])
+        cancelled = manager.offload("ns", [(6, b"f"), (7, b"g"), (8, b"h"), (9, b"i"), (10, b"j")],
+                                    cancelled=lambda: next(answers))
+        assert cancelled.outcomes == [Outcome.CANCELLED] * 5 and manager.lookup("ns", [b"f"]).hits == 0
+        assert manager.index.stats().pinned == 0
+        restored = manager.restore("ns", [(b"c", 20), (b"d", 21)])
+        assert restored.outcomes == [Outcome.DONE] * 2
+        assert torch.equal(pool.storage[20 * 768:22 * 768], pool.storage[3 * 768:5 * 768])
+
+
+def test_pinning_registers_in_place_and_checks_the_memory_type():
+    lib = FakeCudaLibrary()
+    driver = Driver(lib)
+    buffer = torch.zeros(1000, dtype=torch.uint8)
+    driver.pin(buffer.data_ptr(), 1000)
+    assert lib.registered == {buffer.data_ptr(): 1000}  # exactly the size asked for: no rounding up
+    driver.unpin(buffer.data_ptr())
+    assert lib.registered == {}
+
+
+def test_no_driver_no_device_is_a_clear_error():
+    with pytest.raises(FailedPrecondition, match="no CUDA driver"):
+        load_library("libcuda-not-here.so.1")
+
+
+def test_devcheck_without_a_gpu_says_so_and_exits_3(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "kvxfer.devcheck", "--out", str(tmp_path)], env=python_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert len(proc.stdout.strip().splitlines()) == 1 and "no GPU" in proc.stdout
