@@ -98,7 +98,6 @@ def bandwidth(ctx: dict) -> dict:
                                      "h2d_vs_baseline": round(r["h2d_gbps"] / base["h2d"], 3)})
                 rows.append({"layout": name, "span_kib": span // KIB, "checksums": True,
                              **_checked(pool, group, n, base)})
-                del group, host, flat
     return {"rows": rows, "measured_bytes": measure}
 
 
