@@ -8,9 +8,10 @@ reported beside two baselines measured in the same process on the same number of
 bytes: a plain contiguous ``copy_`` from the pool into the host tier buffer, and
 that copy followed by the checksum pass over the destination, span by span. The
 four are interleaved in every repetition; ratios are medians of per-repetition
-ratios. ``--access file`` moves the blocks with the descriptor engine (preadv /
-pwritev on the pool's file, what the daemon uses for a registered file that is not
-a sealed memfd) instead of through the mapping.
+ratios. ``--engine`` picks the copy engine: ``gather`` (the CPU engine, default),
+``plan`` (the host executor of copy plans, one memmove per descriptor) or ``file``
+(preadv / pwritev on the pool's file, what the daemon uses for a registered file
+that is not a sealed memfd).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from kvxfer.bench.common import GB, Progress, format_table, human_bytes, interle
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
-from kvxfer.memory.pool import Access, Pool
+from kvxfer.memory.pool import Pool
+from kvxfer.transfer.host_plan import HostPlanEngine
 
 KIB = 1 << 10
 LAYERS, HEAD_SIZE = 16, 128  # bf16: one head, one token, one layer = 512 B of K and V
@@ -55,10 +57,12 @@ def measure(layout: Layout, span: int, batch: int, args: argparse.Namespace, shm
     keys = [f"{layout.name}-{span}-{i}".encode() for i in range(n)]
     with Pool.create("bench", spec, layout, shm_dir=shm_dir) as pool:
         pool.storage.view(torch.int64).copy_(torch.arange(pool.storage.numel() // 8))  # touch every page
-        served = pool
-        if args.access == Access.FILE.value:
+        served, engine = pool, None
+        if args.engine == "file":
             served = Pool.from_fd(pool.descriptor, os.open(pool.descriptor.handle.path, os.O_RDWR), mapped=False)
         manager = PoolManager(served, n)
+        if args.engine == "plan":
+            manager = PoolManager(pool, manager.group, engine=HostPlanEngine(pool.storage, pool.layout, manager.host))
         nbytes = n * span
         src, dst = pool.storage[:nbytes], manager.host.buffer.view(-1)[:nbytes]
         rows = manager.host.buffer.numpy()[:n]
@@ -167,7 +171,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-mib", type=int, default=256, help="bytes moved per measurement")
     p.add_argument("--reps", type=int, default=5, help="repetitions; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--access", default=Access.MAPPED.value, choices=[a.value for a in Access],
-                   help="copy through the mapping, or through the file descriptor")
+    p.add_argument("--engine", default="gather", choices=["gather", "plan", "file"],
+                   help="the CPU gather engine, the host plan executor, or the file-descriptor engine")
     p.add_argument("--json", help="also write the results as JSON here")
     p.add_argument("--plot", help="also write a PNG plot here (needs matplotlib)")

@@ -145,3 +145,17 @@ def test_both_sockets_get_the_configured_mode_and_group(make_daemon):
         assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_gid == os.getgid()
     with Client(daemon.target) as client:  # the pool is a sealed memfd: no file to mode
         assert client.pool_info().handle.path == ""
+
+
+def test_a_cuda_pool_without_a_gpu_is_a_one_line_error_naming_why(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "pools": [{**SMALL_POOL, "device": "cuda:0"}]}))
+    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--config", str(path)], env=python_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "cuda:0" in lines[0] and ("driver" in lines[0] or "device" in lines[0] or "cuda-python" in lines[0])

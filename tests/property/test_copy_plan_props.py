@@ -15,6 +15,7 @@ from kvxfer.geometry.layout import PoolLayout
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import CopyBatch, Direction, FdCopyEngine
 from kvxfer.transfer.cpu import CpuCopyEngine
+from kvxfer.transfer.host_plan import HostPlanEngine
 from kvxfer.transfer.plan import file_calls, plan_copies
 from tests.strategies import layouts, specs
 
@@ -83,3 +84,20 @@ def test_descriptor_engine_moves_the_same_bytes_as_the_mapped_engine(spec, layou
     finally:
         os.close(fd)
         shutil.rmtree(path.parent)
+
+
+@settings(max_examples=80, deadline=None)
+@given(spec=specs(), layout=layouts(), data=st.data())
+def test_the_host_plan_executor_equals_the_gather_engine(spec, layout, data):
+    pl = PoolLayout(spec, layout)
+    blocks, slots = data.draw(batches(spec.num_blocks, spec.num_blocks))
+    content = torch.randint(0, 256, (pl.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    gathered, planned = content.clone(), content.clone()
+    gather_host, plan_host = HostTier(spec.num_blocks, pl.block_bytes), HostTier(spec.num_blocks, pl.block_bytes)
+    CpuCopyEngine(gathered, pl, gather_host).submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
+    HostPlanEngine(planned, pl, plan_host).submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
+    assert torch.equal(gather_host.buffer, plan_host.buffer)
+    back = list(reversed(blocks))
+    CpuCopyEngine(gathered, pl, gather_host).submit(CopyBatch(Direction.TO_POOL, back, slots)).wait()
+    HostPlanEngine(planned, pl, plan_host).submit(CopyBatch(Direction.TO_POOL, back, slots)).wait()
+    assert torch.equal(gathered, planned)
