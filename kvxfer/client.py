@@ -206,8 +206,9 @@ class Client:
         (a group admits only the user that created it); never put two tensor-parallel
         ranks in one group.
         """
-        token = b""
-        if handle.medium is not Medium.CUDA:
+        if handle.medium is Medium.CUDA:  # named by its IPC handle: the hand-off only says who registers
+            token = fdpass.hand_over(fdpass.socket_path_for(self._target), None)
+        else:
             token = self._hand_over(handle.path, fd)
         request = pb.RegisterPoolRequest(pool_id=pool_id, spec=wire.spec_to_pb(spec), layout=layout.spelled,
                                          handle=wire.handle_to_pb(handle), host_capacity_mib=host_capacity_mib,
@@ -217,6 +218,19 @@ class Client:
         self._descriptors[pool_id] = desc
         self._registrations[pool_id] = response.registration_token
         return desc
+
+    def register_cuda_tensor(self, pool_id: str, spec: KVSpec, layout: Layout, tensor: torch.Tensor,
+                             **kwargs) -> PoolDescriptor:
+        """Register an engine's own CUDA KV tensor (its caching allocator's segment and the
+        tensor's byte offset in it, as torch shares CUDA storage). Keep the tensor, and so its
+        segment, alive until ``unregister_pool`` returns: the daemon maps that memory."""
+        _device, ipc, _size, storage_offset, *_ = tensor.untyped_storage()._share_cuda_()
+        offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+        from kvxfer.memory import cuda_mem
+
+        handle = PoolHandle(Medium.CUDA, ipc_handle=bytes(ipc), device=tensor.device.index or 0, offset=offset,
+                            device_uuid=cuda_mem.device_uuid(tensor.device.index or 0))
+        return self.register_pool(pool_id, spec, layout, handle, **kwargs)
 
     def _hand_over(self, path: str, fd: int | None) -> bytes:
         """Open the pool's file as this process (unless given ``fd``) and pass it to the daemon."""

@@ -4,7 +4,8 @@ It sits beside the daemon's gRPC socket (``<socket>.fd``, same mode and group) a
 speaks one request and one answer per connection (SOCK_SEQPACKET):
 
 - ``REGISTER`` with one descriptor: the client hands over memory it opened itself;
-  answer ``OK <token hex>``, the one-use token RegisterPool presents.
+  answer ``OK <token hex>``, the one-use token RegisterPool presents. Without a
+  descriptor (a CUDA pool, named by its IPC handle) it proves only the client's uid.
 - ``MAP <pool_id> <epoch>``: answer ``OK`` with the descriptor of one of the daemon's
   own (sealed memfd) pools, which the client maps.
 - Errors: ``ERR <STATUS_CODE> <message>``.
@@ -56,9 +57,9 @@ def _exchange(path: str, message: bytes, fds: list[int]) -> tuple[bytes, list[in
     return answer[2:].strip(), received
 
 
-def hand_over(path: str, fd: int) -> bytes:
-    """Pass an open descriptor to the daemon; returns the registration token."""
-    answer, _ = _exchange(path, b"REGISTER", [fd])
+def hand_over(path: str, fd: int | None) -> bytes:
+    """Pass an open descriptor (or, for a CUDA pool, none) to the daemon; returns the registration token."""
+    answer, _ = _exchange(path, b"REGISTER", [] if fd is None else [fd])
     return bytes.fromhex(answer.decode())
 
 

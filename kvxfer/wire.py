@@ -81,9 +81,10 @@ def pool_stats_from_pb(m: pb.PoolStats) -> PoolStats:
 def handle_from_pb(msg: pb.PoolHandle) -> PoolHandle:
     if msg.medium not in PB_TO_MEDIUM:
         raise InvalidArgument("pool handle needs a medium (MEDIUM_SHM, MEDIUM_CUDA or MEDIUM_MEMFD)")
-    return PoolHandle(PB_TO_MEDIUM[msg.medium], msg.path, bytes(msg.cuda_ipc_handle), msg.device, msg.offset)
+    return PoolHandle(PB_TO_MEDIUM[msg.medium], msg.path, bytes(msg.cuda_ipc_handle), msg.device, msg.offset,
+                      msg.device_uuid)
 
 
 def handle_to_pb(h: PoolHandle) -> pb.PoolHandle:
     return pb.PoolHandle(medium=MEDIUM_TO_PB[h.medium], path=h.path, cuda_ipc_handle=h.ipc_handle, device=h.device,
-                         offset=h.offset)
+                         offset=h.offset, device_uuid=h.device_uuid)

@@ -73,6 +73,7 @@ class Config:
     max_lease_s: float = 600.0
     allow_register: bool = True
     registered_host_capacity_mib: int = 512
+    verify_on_device: bool = False
     log_level: str = "info"
     log_format: str = "json"
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
@@ -81,7 +82,7 @@ class Config:
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
-                      self.max_jobs_per_client, self.cache_group_retention_s)
+                      self.max_jobs_per_client, self.cache_group_retention_s, self.verify_on_device)
 
     @property
     def token(self) -> str:

@@ -98,6 +98,8 @@ class DescriptorSocket:
         if verb == b"REGISTER" and len(words) == 1 and len(fds) == 1:
             token = self.registry.accept_handoff(fds[0], uid, pid)
             return b"OK " + token.hex().encode(), []
+        if verb == b"REGISTER" and len(words) == 1 and not fds:  # a CUDA registration: who, not what
+            return b"OK " + self.registry.handoffs.accept_identity(uid, pid).hex().encode(), []
         for fd in fds:
             os.close(fd)
         if verb == b"MAP" and len(words) == 3 and not fds:

@@ -57,7 +57,7 @@ def measure(layout: Layout, span: int, batch: int, args: argparse.Namespace, shm
     keys = [f"{layout.name}-{span}-{i}".encode() for i in range(n)]
     with Pool.create("bench", spec, layout, shm_dir=shm_dir) as pool:
         pool.storage.view(torch.int64).copy_(torch.arange(pool.storage.numel() // 8))  # touch every page
-        served, engine = pool, None
+        served = pool
         if args.engine == "file":
             served = Pool.from_fd(pool.descriptor, os.open(pool.descriptor.handle.path, os.O_RDWR), mapped=False)
         manager = PoolManager(served, n)

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from kvxfer.devcheck import gpu_stages
 from kvxfer.devcheck.bandwidth import bandwidth
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.geometry.layout import PRESETS, KVSpec
@@ -113,4 +114,4 @@ def gpu_tests(ctx: dict) -> dict:
 
 
 STAGES = [("environment", environment), ("pool_allocation", pool_allocation), ("round_trip", round_trip),
-          ("corruption", corruption), ("bandwidth", bandwidth), ("gpu_tests", gpu_tests)]
+          ("corruption", corruption), *gpu_stages.STAGES, ("bandwidth", bandwidth), ("gpu_tests", gpu_tests)]

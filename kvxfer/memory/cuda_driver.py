@@ -187,6 +187,14 @@ class Driver:
             return None  # an older driver: loop over cuMemcpyAsync
         return BatchFn(pfn.value)
 
+    def allocation_size(self, ptr: int) -> int:
+        """Bytes of the allocation that contains device pointer ``ptr``, from ``ptr`` on."""
+        self.current()
+        base, size = c_uint64(), c_size_t()
+        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.pointer(base), ctypes.pointer(size), c_uint64(ptr)),
+                    "cuMemGetAddressRange")
+        return base.value + size.value - ptr
+
     # -- host memory -------------------------------------------------------------------
     def pin(self, ptr: int, nbytes: int) -> None:
         """Page-lock an ordinary allocation for DMA (no power-of-two rounding, unlike torch's pinned

@@ -81,6 +81,24 @@ def why_unusable(device: int = 0) -> str | None:
     return None
 
 
+def device_uuid(device: int) -> str:
+    """The GPU's UUID as nvidia-smi spells it ("GPU-xxxxxxxx-...")."""
+    text = str(torch.cuda.get_device_properties(device).uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+def device_by_uuid(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid``; FailedPrecondition if it sees no such GPU
+    (a container given another GPU than the daemon's)."""
+    if not torch.cuda.is_available():
+        raise FailedPrecondition(f"the pool lives on GPU {uuid!r}, and this process sees no GPU")
+    seen = [device_uuid(i) for i in range(torch.cuda.device_count())]
+    if uuid not in seen:
+        raise FailedPrecondition(f"the pool lives on GPU {uuid!r}; this process sees only {seen}: run the engine "
+                                 "and the daemon on the same GPU (see README: containers)")
+    return seen.index(uuid)
+
+
 def allocate(nbytes: int, device: int) -> tuple[torch.Tensor, bytes]:
     """A zeroed flat uint8 tensor of ``nbytes`` on ``device`` and its IPC handle."""
     rt = _runtime()
@@ -103,5 +121,12 @@ def open_handle(raw: bytes, nbytes: int, device: int, offset: int = 0) -> torch.
     with torch.cuda.device(device):
         ptr = int(_check(rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
     memory = _DeviceMemory(ptr, offset + nbytes, device, opened_by_ipc=True)
+    from kvxfer.memory.cuda_driver import driver
+
+    size = driver(device).allocation_size(ptr)
+    if offset + nbytes > size:  # the memory must hold the declared geometry
+        del memory  # closes the handle
+        raise InvalidArgument(f"the shared allocation holds {size} bytes; [{offset}, {offset + nbytes}) does not "
+                              "fit")
     whole = _as_tensor(memory)
     return whole[offset:] if offset else whole

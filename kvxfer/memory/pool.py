@@ -40,6 +40,7 @@ class PoolHandle:
     ipc_handle: bytes = b""
     device: int = 0
     offset: int = 0  # byte offset of the pool inside the file or allocation
+    device_uuid: str = ""  # CUDA: the GPU, by UUID (indices differ between containers)
 
 
 def new_epoch() -> int:
@@ -101,7 +102,7 @@ class Pool:
         if dev.type == "cuda":
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             storage, raw = cuda_mem.allocate(nbytes, index)
-            handle = PoolHandle(Medium.CUDA, ipc_handle=raw, device=index)
+            handle = PoolHandle(Medium.CUDA, ipc_handle=raw, device=index, device_uuid=cuda_mem.device_uuid(index))
             return cls(PoolDescriptor(pool_id, spec, layout, handle), storage)
         if dev.type != "cpu":
             raise InvalidArgument(f"pool device must be cpu or cuda[:N], got {device!r}")
@@ -135,7 +136,8 @@ class Pool:
         if handle.medium is Medium.SHM:
             storage = shm.map_file(handle.path, nbytes, handle.offset)
         elif handle.medium is Medium.CUDA:
-            storage = cuda_mem.open_handle(handle.ipc_handle, nbytes, handle.device, handle.offset)
+            device = cuda_mem.device_by_uuid(handle.device_uuid) if handle.device_uuid else handle.device
+            storage = cuda_mem.open_handle(handle.ipc_handle, nbytes, device, handle.offset)
         else:
             raise InvalidArgument("a memfd pool is mapped from its descriptor (Pool.from_fd)")
         return cls(descriptor, storage)
@@ -162,8 +164,11 @@ class Pool:
 
     @property
     def cuda_device(self) -> int | None:
-        """The GPU a CUDA pool lives on (its host tier is pinned for it); None on the CPU."""
-        return self.descriptor.handle.device if self.is_cuda else None
+        """This process's index of the GPU a CUDA pool lives on (its host tier is pinned for it);
+        None on the CPU."""
+        if not self.is_cuda:
+            return None
+        return self.storage.device.index if self.storage is not None else self.descriptor.handle.device
 
     def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_size]``, zero-copy."""

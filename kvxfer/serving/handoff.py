@@ -70,23 +70,30 @@ class HandOffs:
                 raise PermissionDenied("the descriptor handed over is not open for reading and writing")
             if (st.st_dev, st.st_ino) in served:
                 raise PermissionDenied("the descriptor handed over is memory this daemon already serves")
-            token = secrets.token_bytes(TOKEN_BYTES)
-            now = time.monotonic()
-            with self._lock:
-                self._expire(now)
-                if len(self._pending) >= self.max_pending:
-                    raise ResourceExhausted(f"{len(self._pending)} hand-offs are pending; at most "
-                                            f"{self.max_pending} (register or wait {self.expiry_s:.0f} s)")
-                mine = sum(h.uid == uid for h in self._pending.values())
-                if mine >= self.max_per_uid:
-                    raise ResourceExhausted(f"uid {uid} has {mine} hand-offs pending; at most {self.max_per_uid} "
-                                            f"(register or wait {self.expiry_s:.0f} s)")
-                self._pending[token_digest(token)] = HandOff(fd, uid, pid, st.st_dev, st.st_ino, st.st_size,
-                                                             now + self.expiry_s)
-            return token
+            return self._keep(HandOff(fd, uid, pid, st.st_dev, st.st_ino, st.st_size,
+                                      time.monotonic() + self.expiry_s))
         except BaseException:
             os.close(fd)
             raise
+
+    def _keep(self, handoff: HandOff) -> bytes:
+        token = secrets.token_bytes(TOKEN_BYTES)
+        with self._lock:
+            self._expire(time.monotonic())
+            if len(self._pending) >= self.max_pending:
+                raise ResourceExhausted(f"{len(self._pending)} hand-offs are pending; at most "
+                                        f"{self.max_pending} (register or wait {self.expiry_s:.0f} s)")
+            mine = sum(h.uid == handoff.uid for h in self._pending.values())
+            if mine >= self.max_per_uid:
+                raise ResourceExhausted(f"uid {handoff.uid} has {mine} hand-offs pending; at most {self.max_per_uid} "
+                                        f"(register or wait {self.expiry_s:.0f} s)")
+            self._pending[token_digest(token)] = handoff
+        return token
+
+    def accept_identity(self, uid: int, pid: int) -> bytes:
+        """A hand-off without a descriptor (a CUDA registration: the memory is named by its IPC
+        handle): it proves only who is registering."""
+        return self._keep(HandOff(-1, uid, pid, 0, 0, 0, time.monotonic() + self.expiry_s))
 
     def take(self, token: bytes) -> HandOff:
         """The hand-off of ``token``, removed; the caller now owns its descriptor."""
@@ -102,8 +109,13 @@ class HandOffs:
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
         for handoff in pending:
-            os.close(handoff.fd)
+            _close(handoff)
 
     def _expire(self, now: float) -> None:
         for digest in [d for d, h in self._pending.items() if h.expires < now]:
-            os.close(self._pending.pop(digest).fd)
+            _close(self._pending.pop(digest))
+
+
+def _close(handoff: HandOff) -> None:
+    if handoff.fd >= 0:
+        os.close(handoff.fd)

@@ -43,8 +43,10 @@ class StoreStats:
 class PoolManager:
     """Offload, restore, lookup and delete for one pool, over its cache group's tier."""
 
-    def __init__(self, pool: Pool, group: CacheGroup | int, engine: CopyEngine | None = None) -> None:
-        """``group``: the cache group the pool joins, or a capacity in blocks for a group of its own."""
+    def __init__(self, pool: Pool, group: CacheGroup | int, engine: CopyEngine | None = None,
+                 verify_on_device: bool = False) -> None:
+        """``group``: the cache group the pool joins, or a capacity in blocks for a group of its own.
+        ``verify_on_device``: a GPU pool verifies restored blocks where they landed (device XXH3)."""
         self.pool = pool
         layout = pool.layout
         if isinstance(group, int):
@@ -53,7 +55,7 @@ class PoolManager:
         self.group = group
         self.host = group.host
         self.index = group.index
-        self.engine = engine or engine_for(pool, self.host)
+        self.engine = engine or engine_for(pool, self.host, verify_on_device)
         self.copier = CheckedCopier(self.engine, self.host)
         self._counters = {TransferKind.OFFLOAD: _Counters(), TransferKind.RESTORE: _Counters()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}

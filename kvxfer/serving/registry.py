@@ -22,12 +22,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.handoff import HandOffs, file_identity, token_digest
+from kvxfer.serving.handoff import HandOff, HandOffs, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
@@ -55,6 +54,7 @@ class Limits:
     registered_host_capacity_mib: int = 512  # default and maximum host tier of a registered pool
     max_jobs_per_client: int = 64  # queued + uncollected jobs of one client_id on one pool
     cache_group_retention_s: float = 300.0  # a group without pools keeps its blocks this long
+    verify_on_device: bool = False  # GPU pools: verify restores where they land (device XXH3)
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,8 @@ class PoolRegistry:
                     raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
                                             f"{self.limits.max_cache_groups}")
                 entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device), owner)
-            manager = PoolManager(pool, entry.group)  # refuses a pool whose block format differs from the group's
+            # PoolManager refuses a pool whose block format differs from the group's.
+            manager = PoolManager(pool, entry.group, verify_on_device=self.limits.verify_on_device)
             self._groups[name] = entry
             entry.pools.add(pool_id)
             entry.idle_since = None
@@ -146,32 +147,16 @@ class PoolRegistry:
     def register(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, token: bytes,
                  host_capacity_mib: int = 0, cache_group: str = "") -> tuple[ServedPool, bytes]:
         """Serve memory an engine allocated and handed over; returns the pool (with a fresh
-        epoch) and the registration token that unregisters it."""
+        epoch) and the registration token that unregisters it. The hand-off is used up
+        whether the registration succeeds or not."""
         if not self.limits.allow_register:
             raise FailedPrecondition("this daemon does not accept registered pools (allow_register: false)")
-        check_pool_id(pool_id)
-        limit = self.limits.registered_host_capacity_mib
-        if not 0 <= host_capacity_mib <= limit:
-            raise InvalidArgument(f"host_capacity_mib {host_capacity_mib} out of range [1, {limit}] (0: {limit})")
-        capacity = capacity_blocks(host_capacity_mib or limit, spec.block_bytes)
-        if handle.medium is Medium.CUDA:
-            if not torch.cuda.is_available():
-                raise FailedPrecondition("a CUDA pool was registered, but this daemon sees no CUDA device")
-            raise FailedPrecondition("CUDA pools cannot be registered until the CUDA copy engine exists")
-        if handle.medium is not Medium.SHM:
-            raise InvalidArgument("a registered host pool has medium MEDIUM_SHM (its descriptor handed over)")
-        with self._lock:
-            if pool_id in self._pools:
-                raise AlreadyExists(f"pool {shown(pool_id)} exists")
         handoff = self.handoffs.take(token)
         try:
-            _check_path_names(handle.path, handoff.dev, handoff.ino)
-            descriptor = PoolDescriptor(pool_id, spec, layout, handle, epoch=new_epoch(), owned=False)
-            # A sealed memfd cannot shrink: map it and copy at memory speed. Any other file
-            # may be shrunk under us: reach it through its descriptor only (no SIGBUS).
-            pool = Pool.from_fd(descriptor, handoff.fd, mapped=size_sealed(handoff.fd))
+            pool, capacity = self._map_registered(pool_id, spec, layout, handle, handoff, host_capacity_mib)
         except BaseException:
-            os.close(handoff.fd)
+            if handoff.fd >= 0:
+                os.close(handoff.fd)
             raise
         unregister_token = secrets.token_bytes(16)
         try:
@@ -182,6 +167,35 @@ class PoolRegistry:
         log.info("pool registered", extra={"pool": pool_id, "uid": handoff.uid, "pid": handoff.pid,
                                            "access": pool.access.value, "cache_group": served.cache_group})
         return served, unregister_token
+
+    def _map_registered(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, handoff: HandOff,
+                        host_capacity_mib: int) -> tuple[Pool, int]:
+        """Check a registration and map its memory (the pool then owns the hand-off's descriptor)."""
+        check_pool_id(pool_id)
+        limit = self.limits.registered_host_capacity_mib
+        if not 0 <= host_capacity_mib <= limit:
+            raise InvalidArgument(f"host_capacity_mib {host_capacity_mib} out of range [1, {limit}] (0: {limit})")
+        capacity = capacity_blocks(host_capacity_mib or limit, spec.block_bytes)
+        with self._lock:
+            if pool_id in self._pools:
+                raise AlreadyExists(f"pool {shown(pool_id)} exists")
+        descriptor = PoolDescriptor(pool_id, spec, layout, handle, epoch=new_epoch(), owned=False)
+        if handle.medium is Medium.CUDA:
+            reason = cuda_mem.why_unusable(0)
+            if reason is not None:
+                raise FailedPrecondition(f"a CUDA pool was registered, but this daemon cannot serve one: {reason}")
+            if handoff.fd >= 0:
+                raise InvalidArgument("a CUDA pool is named by its IPC handle: hand over no descriptor")
+            return Pool.attach(descriptor), capacity  # opens the handle; the allocation must hold the geometry
+        if handle.medium is not Medium.SHM:
+            raise InvalidArgument("a registered pool has medium MEDIUM_SHM (its descriptor handed over) or "
+                                  "MEDIUM_CUDA (its IPC handle)")
+        if handoff.fd < 0:
+            raise InvalidArgument("a shared-memory pool needs its descriptor handed over")
+        _check_path_names(handle.path, handoff.dev, handoff.ino)
+        # A sealed memfd cannot shrink: map it and copy at memory speed. Any other file
+        # may be shrunk under us: reach it through its descriptor only (no SIGBUS).
+        return Pool.from_fd(descriptor, handoff.fd, mapped=size_sealed(handoff.fd)), capacity
 
     def unregister(self, ref: PoolRef, token: bytes, drain_timeout: float = 10.0) -> int:
         """Stop serving a registered pool: its queued jobs get ``drain_timeout`` to finish, the

@@ -16,20 +16,21 @@ from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.fdcopy import FdCopyEngine
 
 
-def _mapped(pool: Pool, host: HostTier) -> CopyEngine:
+def _mapped(pool: Pool, host: HostTier, verify_on_device: bool) -> CopyEngine:
     return CpuCopyEngine(pool.storage, pool.layout, host)
 
 
-def _through_fd(pool: Pool, host: HostTier) -> CopyEngine:
+def _through_fd(pool: Pool, host: HostTier, verify_on_device: bool) -> CopyEngine:
     return FdCopyEngine(pool.fd, pool.descriptor.handle.offset, pool.layout, host)
 
 
-def _cuda(pool: Pool, host: HostTier) -> CopyEngine:
-    return CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(pool.cuda_device))
+def _cuda(pool: Pool, host: HostTier, verify_on_device: bool) -> CopyEngine:
+    return CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(pool.cuda_device),
+                          pool=pool.storage if verify_on_device else None)
 
 
 #: (pool medium, how this process reaches it, tier) -> engine factory.
-ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier], CopyEngine]] = {
+ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier, bool], CopyEngine]] = {
     (Medium.SHM, Access.MAPPED, TierKind.HOST): _mapped,
     (Medium.MEMFD, Access.MAPPED, TierKind.HOST): _mapped,
     (Medium.SHM, Access.FILE, TierKind.HOST): _through_fd,
@@ -38,13 +39,14 @@ ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier], CopyEn
 }
 
 
-def engine_for(pool: Pool, host: HostTier) -> CopyEngine:
+def engine_for(pool: Pool, host: HostTier, verify_on_device: bool = False) -> CopyEngine:
+    """The engine for a pool and tier; ``verify_on_device``: GPU pools hash restored blocks in place."""
     medium = pool.descriptor.handle.medium
     try:
         make = ENGINES[(medium, pool.access, TierKind.HOST)]
     except KeyError:
         raise FailedPrecondition(f"no copy engine between a {medium.value} pool and the host tier") from None
-    return make(pool, host)
+    return make(pool, host, verify_on_device)
 
 
 __all__ = ["CompletedHandle", "CopyBatch", "CopyEngine", "CopyHandle", "Direction", "engine_for", "ENGINES", "FdCopyEngine"]

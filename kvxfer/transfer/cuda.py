@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from kvxfer.errors import DeadlineExceeded, FailedPrecondition, Internal
 from kvxfer.geometry.checksum import rows_checksums
@@ -25,6 +26,7 @@ from kvxfer.memory.cuda_driver import (CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY
                                        Driver)
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.transfer import device_checksum
 from kvxfer.transfer.plan import plan_copies
 
 POLL_S = (0.00002, 0.0005)  # first and longest sleep between event polls
@@ -57,7 +59,9 @@ class CudaCopyEngine(CopyEngine):
     """Moves blocks between a pool in device memory and a pinned host tier."""
 
     def __init__(self, pool_ptr: int, layout: PoolLayout, host: HostTier, driver: Driver,
-                 deadline_s: float = DEADLINE_S) -> None:
+                 deadline_s: float = DEADLINE_S, pool: torch.Tensor | None = None) -> None:
+        """``pool``: the pool's device tensor, given to verify restores where they land with the
+        device XXH3 (block-major layouts: a block is one span) instead of the tier copy first."""
         if host.slot_bytes != layout.block_bytes:
             raise Internal(f"host slots of {host.slot_bytes} B cannot hold blocks of {layout.block_bytes} B")
         self.driver, self.layout, self.host, self.deadline_s = driver, layout, host, deadline_s
@@ -65,6 +69,7 @@ class CudaCopyEngine(CopyEngine):
         self._host_ptr = host.buffer.data_ptr()
         self._streams = {Direction.TO_HOST: driver.stream(), Direction.TO_POOL: driver.stream()}
         self._broken: CudaError | None = None
+        self._device_pool = pool if pool is not None and layout.runs_per_block == 1 else None
 
     @property
     def overlaps(self) -> bool:
@@ -72,7 +77,9 @@ class CudaCopyEngine(CopyEngine):
 
     @property
     def hashes_pool(self) -> bool:
-        return False  # reading the pool back costs a device-to-host copy: verify the tier copy instead
+        # With the device XXH3 the landed bytes are hashed where they are; without it,
+        # reading them back would cost another copy: verify the tier copy instead.
+        return self._device_pool is not None
 
     @property
     def descriptors_per_block(self) -> int:
@@ -110,7 +117,11 @@ class CudaCopyEngine(CopyEngine):
             raise
 
     def pool_checksums(self, blocks: list[int]) -> list[int]:
-        """Copy the blocks back into a scratch host buffer and hash them (tools and tests)."""
+        """The blocks' checksums: on the device where it can (after the restore stream's copies),
+        else copied back into a scratch host buffer and hashed there."""
+        if self._device_pool is not None:
+            span = self.layout.block_bytes
+            return device_checksum.checksums(self._device_pool, [b * span for b in blocks], [span] * len(blocks))
         scratch = np.zeros((len(blocks), self.layout.block_bytes), dtype=np.uint8)
         plan = plan_copies(self.layout, blocks, list(range(len(blocks))))
         stream = self._streams[Direction.TO_HOST]

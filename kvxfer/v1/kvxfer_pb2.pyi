@@ -73,18 +73,20 @@ class KVSpec(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("medium", "path", "cuda_ipc_handle", "device", "offset")
+    __slots__ = ("medium", "path", "cuda_ipc_handle", "device", "offset", "device_uuid")
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     medium: Medium
     path: str
     cuda_ipc_handle: bytes
     device: int
     offset: int
-    def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device: _Optional[int] = ..., offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("pool_id", "epoch", "spec", "layout", "layout_name", "strides", "nbytes", "block_bytes", "owned", "handle", "runs_per_block", "cache_group")

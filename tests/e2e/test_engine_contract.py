@@ -164,7 +164,8 @@ def test_bad_registrations_are_refused(make_daemon, tmp_path):
             (InvalidArgument, "pool id", dict(pool_id="bad/id", handle=shm(good))),
             (InvalidArgument, "host_capacity_mib", dict(pool_id="x", handle=shm(good), host_capacity_mib=9)),
             (PermissionDenied, "another party", dict(pool_id="x", handle=shm(good), cache_group="rank0")),
-            (FailedPrecondition, "no CUDA device", dict(pool_id="x", handle=PoolHandle(Medium.CUDA, ipc_handle=b"\0" * 64))),
+            (FailedPrecondition, "cannot serve one", dict(pool_id="x", handle=PoolHandle(Medium.CUDA, ipc_handle=b"\0" * 64,
+                                                                                          device_uuid="GPU-0"))),
         ]
         for error, text, kwargs in cases:
             with pytest.raises(error, match=text):

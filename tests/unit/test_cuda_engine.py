@@ -145,3 +145,28 @@ def test_devcheck_without_a_gpu_says_so_and_exits_3(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert len(proc.stdout.strip().splitlines()) == 1 and "no GPU" in proc.stdout
+
+
+def test_a_cuda_handle_and_its_gpu_uuid_survive_the_wire():
+    from kvxfer import wire
+    from kvxfer.memory.pool import PoolDescriptor, PoolHandle
+    from kvxfer.records import Medium
+
+    handle = PoolHandle(Medium.CUDA, ipc_handle=bytes(range(64)), device=3, offset=4096,
+                        device_uuid="GPU-6f1d2c3b-0000-1111-2222-333344445555")
+    desc = PoolDescriptor("gpu0", SPEC, PRESETS["BLHNC"], handle, epoch=77, owned=False)
+    back = wire.descriptor_from_pb(wire.pb.PoolInfo.FromString(wire.pool_info(desc).SerializeToString()))
+    assert back == desc and back.handle.device_uuid.startswith("GPU-")
+
+
+@pytest.mark.parametrize("layout", sorted(PRESETS))
+def test_gpu_views_have_the_cpu_views_strides_and_offsets(layout):
+    """The views an engine builds over a CUDA pool (checked on the meta device: same code path,
+    no memory) have exactly the shapes, strides and offsets of the CPU pool's views."""
+    pl = PoolLayout(SPEC, PRESETS[layout])
+    cpu = pl.views(torch.zeros(pl.nbytes, dtype=torch.uint8))
+    meta = pl.views(torch.empty(pl.nbytes, dtype=torch.uint8, device="meta"))
+    for (kc, vc), (km, vm) in zip(cpu, meta):
+        for c, m in ((kc, km), (vc, vm)):
+            assert (c.shape, c.stride(), c.storage_offset(), c.dtype) == (m.shape, m.stride(), m.storage_offset(),
+                                                                        m.dtype)
