@@ -23,13 +23,6 @@ from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.validate import check_keys, check_namespace
 
 
-@dataclass
-class _Counters:
-    blocks: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
 @dataclass(frozen=True)
 class StoreStats:
     """One pool's store: its cache group's tiers, and what this pool moved."""
@@ -57,7 +50,7 @@ class PoolManager:
         self.index = group.index
         self.engine = engine or engine_for(pool, self.host, verify_on_device)
         self.copier = CheckedCopier(self.engine, self.host)
-        self._counters = {TransferKind.OFFLOAD: _Counters(), TransferKind.RESTORE: _Counters()}
+        self._totals = {TransferKind.OFFLOAD: TransferStats(), TransferKind.RESTORE: TransferStats()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
         self._lock = threading.Lock()
 
@@ -156,17 +149,14 @@ class PoolManager:
         i = self.index.stats()
         tier = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes)
         with self._lock:
-            c = self._counters
-            return StoreStats([tier], TransferStats(**vars(c[TransferKind.OFFLOAD])),
-                              TransferStats(**vars(c[TransferKind.RESTORE])), dict(self._outcomes))
+            return StoreStats([tier], self._totals[TransferKind.OFFLOAD], self._totals[TransferKind.RESTORE],
+                              dict(self._outcomes))
 
     def _count(self, kind: TransferKind, blocks: int, seconds: float) -> int:
         moved = blocks * self.host.slot_bytes
         with self._lock:
-            counters = self._counters[kind]
-            counters.blocks += blocks
-            counters.bytes += moved
-            counters.seconds += seconds
+            t = self._totals[kind]
+            self._totals[kind] = TransferStats(t.blocks + blocks, t.bytes + moved, t.seconds + seconds)
         return moved
 
 
