@@ -102,7 +102,8 @@ class KVTransferServicer:
         if request.HasField("wait") and not request.wait:
             client_id, lease_s = _check_client_id(request.client_id), request.lease_ms / 1000
             return pb.TransferResponse(job_id=await self._blocking(lambda: jobs.submit(batch(), client_id, lease_s)))
-        if len(blocks) * served.manager.pool.layout.block_bytes <= INLINE_BYTES:
+        pool = served.manager.pool
+        if len(blocks) * pool.layout.block_bytes <= INLINE_BYTES and not pool.is_cuda:  # a GPU may stall: thread
             done = jobs.run_or_queue(batch())
         else:
             done = await self._blocking(lambda: jobs.run_or_queue(batch()))  # ran at once if the pool was idle

@@ -147,7 +147,11 @@ def map_fd(fd: int, nbytes: int, offset: int = 0) -> torch.Tensor:
     size = os.fstat(fd).st_size
     if offset < 0 or offset + nbytes > size:
         raise InvalidArgument(f"the pool's memory holds {size} bytes; [{offset}, {offset + nbytes}) does not fit")
-    whole = torch.frombuffer(mmap.mmap(fd, offset + nbytes, mmap.MAP_SHARED), dtype=torch.uint8)
+    try:
+        mapping = mmap.mmap(fd, offset + nbytes, mmap.MAP_SHARED)
+    except (OSError, ValueError) as exc:  # e.g. a memfd sealed against writes
+        raise FailedPrecondition(f"cannot map the pool's memory read-write: {exc}") from None
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
     return whole[offset:] if offset else whole
 
 
