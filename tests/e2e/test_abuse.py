@@ -1,5 +1,6 @@
 """Clients that try to stop, crash or exhaust the daemon; each against a real daemon subprocess."""
 
+import fcntl
 import json
 import os
 import socket
@@ -13,7 +14,7 @@ import pytest
 from kvxfer import fdpass
 from kvxfer.memory import shm
 from kvxfer.client import Client
-from kvxfer.errors import ResourceExhausted
+from kvxfer.errors import FailedPrecondition, ResourceExhausted
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool, PoolHandle
 from kvxfer.records import Medium
@@ -182,6 +183,12 @@ def test_a_shrunk_pool_file_fails_its_pool_and_nothing_else(make_daemon):
                                                  fd=sealed), sealed)
         with pytest.raises(PermissionError):
             os.ftruncate(sealed, 0)
+        frozen = os.memfd_create("frozen", os.MFD_ALLOW_SEALING)
+        os.ftruncate(frozen, SPEC.nbytes)
+        fcntl.fcntl(frozen, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK)
+        with pytest.raises(FailedPrecondition, match="read-write"):  # a clean refusal, never INTERNAL
+            client.register_pool("frozen", SPEC, Layout.parse("BLHNC"), PoolHandle(Medium.SHM), fd=frozen)
+        os.close(frozen)
         pool.views()[0][0][4].fill_(3)
         assert client.offload([(4, b"m")], pool_id="eng2").outcomes == [Outcome.DONE]
         assert client.restore([(b"m", 5)], pool_id="eng2").outcomes == [Outcome.DONE]
