@@ -22,6 +22,7 @@ from kvxfer.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument
                            error_for_code)
 from kvxfer.geometry.keys import block_keys
 from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory import cuda_mem
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.records import LookupResult, Medium, Outcome, PoolStats, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -226,8 +227,6 @@ class Client:
         segment, alive until ``unregister_pool`` returns: the daemon maps that memory."""
         _device, ipc, _size, storage_offset, *_ = tensor.untyped_storage()._share_cuda_()
         offset = storage_offset + tensor.storage_offset() * tensor.element_size()
-        from kvxfer.memory import cuda_mem
-
         handle = PoolHandle(Medium.CUDA, ipc_handle=bytes(ipc), device=tensor.device.index or 0, offset=offset,
                             device_uuid=cuda_mem.device_uuid(tensor.device.index or 0))
         return self.register_pool(pool_id, spec, layout, handle, **kwargs)

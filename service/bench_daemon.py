@@ -31,7 +31,6 @@ from service import launch
 from service.config import DEFAULT_POOL
 
 MIB = 1 << 20
-
 NS = "bench"
 
 

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from kvxfer.errors import InvalidArgument, KvxferError
@@ -45,9 +46,9 @@ def parser(message_class, limits: dict[str, int] | None = None) -> Callable[[byt
     """
     descriptor = message_class.DESCRIPTOR
     name = descriptor.full_name
-    scalar = (descriptor.fields[0].TYPE_MESSAGE, descriptor.fields[0].TYPE_BYTES, descriptor.fields[0].TYPE_STRING)
+    length_delimited = (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_STRING)
     watched = {descriptor.fields_by_name[f].number: (f, n) for f, n in (limits or {}).items()}
-    packed = {number for number, (f, _) in watched.items() if descriptor.fields_by_name[f].type not in scalar}
+    packed = {number for number, (f, _) in watched.items() if descriptor.fields_by_name[f].type not in length_delimited}
 
     def parse(data: bytes):
         try:

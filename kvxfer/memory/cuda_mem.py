@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from kvxfer.errors import FailedPrecondition, Internal, InvalidArgument
+from kvxfer.memory.cuda_driver import driver, load_library
 
 IPC_HANDLE_BYTES = 64
 
@@ -68,8 +69,6 @@ def why_unusable(device: int = 0) -> str | None:
         import cuda.bindings  # noqa: F401  (cuda-python: allocation and IPC)
     except ImportError:
         return "cuda-python is not installed (pip install cuda-python, major version = torch's CUDA)"
-    from kvxfer.memory.cuda_driver import load_library
-
     try:
         load_library()
     except FailedPrecondition as exc:
@@ -121,8 +120,6 @@ def open_handle(raw: bytes, nbytes: int, device: int, offset: int = 0) -> torch.
     with torch.cuda.device(device):
         ptr = int(_check(rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
     memory = _DeviceMemory(ptr, offset + nbytes, device, opened_by_ipc=True)
-    from kvxfer.memory.cuda_driver import driver
-
     size = driver(device).allocation_size(ptr)
     if offset + nbytes > size:  # the memory must hold the declared geometry
         del memory  # closes the handle

@@ -35,7 +35,6 @@ class HandOff:
     pid: int
     dev: int
     ino: int
-    size: int
     expires: float
 
 
@@ -70,8 +69,7 @@ class HandOffs:
                 raise PermissionDenied("the descriptor handed over is not open for reading and writing")
             if (st.st_dev, st.st_ino) in served:
                 raise PermissionDenied("the descriptor handed over is memory this daemon already serves")
-            return self._keep(HandOff(fd, uid, pid, st.st_dev, st.st_ino, st.st_size,
-                                      time.monotonic() + self.expiry_s))
+            return self._keep(HandOff(fd, uid, pid, st.st_dev, st.st_ino, time.monotonic() + self.expiry_s))
         except BaseException:
             os.close(fd)
             raise
@@ -93,7 +91,7 @@ class HandOffs:
     def accept_identity(self, uid: int, pid: int) -> bytes:
         """A hand-off without a descriptor (a CUDA registration: the memory is named by its IPC
         handle): it proves only who is registering."""
-        return self._keep(HandOff(-1, uid, pid, 0, 0, 0, time.monotonic() + self.expiry_s))
+        return self._keep(HandOff(-1, uid, pid, 0, 0, time.monotonic() + self.expiry_s))
 
     def take(self, token: bytes) -> HandOff:
         """The hand-off of ``token``, removed; the caller now owns its descriptor."""

@@ -248,7 +248,6 @@ class JobRunner:
         self._cond.notify_all()
         return job
 
-
     def _loop(self) -> None:
         while True:
             with self._cond:

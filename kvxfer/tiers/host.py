@@ -12,6 +12,7 @@ import torch
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.memory.cuda_driver import driver
 from kvxfer.records import TierKind
 from kvxfer.tiers.base import Tier
 
@@ -32,8 +33,6 @@ class HostTier(Tier):
         self._rows: np.ndarray = self.buffer.numpy()
         if pin_device is not None:
             # Registered in place: torch's pinned allocator would round 100 GB up to 128 GB.
-            from kvxfer.memory.cuda_driver import driver
-
             gpu = driver(pin_device)
             gpu.pin(self.buffer.data_ptr(), capacity * slot_bytes)
             weakref.finalize(self, gpu.unpin, self.buffer.data_ptr())

@@ -11,6 +11,8 @@ tests check it under Triton's interpreter, every length class, on every CI run.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -101,6 +103,16 @@ def merge(lanes: list[int], length: int) -> int:
     return _avalanche(result)
 
 
+def _u64(values: list[int], device: torch.device) -> torch.Tensor:
+    """Unsigned 64-bit values as the int64 tensor a kernel reads bit for bit."""
+    return torch.tensor(np.array(values, dtype=np.uint64).view(np.int64), device=device)
+
+
+@functools.cache
+def _secret(device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(SECRET), dtype=torch.uint8, device=device)
+
+
 def checksums(data: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
     """XXH3-64 (seed 0) of each span ``data[starts[i]:starts[i] + lengths[i]]`` of a flat uint8
     tensor, computed on ``data``'s device (spans over 240 bytes) or on the host."""
@@ -111,13 +123,10 @@ def checksums(data: torch.Tensor, starts: list[int], lengths: list[int]) -> list
             out[j] = xxhash.xxh3_64_intdigest(data[starts[j]:starts[j] + n].cpu().numpy().tobytes())
     if long:
         device = data.device
-        as_int64 = lambda values: torch.tensor(np.array(values, dtype=np.uint64).view(np.int64), device=device)  # noqa
         lanes = torch.empty((len(long), 8), dtype=torch.int64, device=device)
-        secret = torch.tensor(list(SECRET), dtype=torch.uint8, device=device)
-        _xxh3_lanes_kernel[(len(long),)](data, as_int64([starts[j] for j in long]),
-                                         as_int64([lengths[j] for j in long]),
-                                         as_int64(INIT_LANES),
-                                         secret, lanes)
+        _xxh3_lanes_kernel[(len(long),)](data, _u64([starts[j] for j in long], device),
+                                         _u64([lengths[j] for j in long], device), _u64(INIT_LANES, device),
+                                         _secret(device), lanes)
         for row, j in zip(lanes.cpu().numpy().view(np.uint64).tolist(), long):
             out[j] = merge(row, lengths[j])
     return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.errors import Internal
 from kvxfer.geometry.layout import PoolLayout
