@@ -5,7 +5,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench proto devcheck clean
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: install test test-vllm serve bench proto devcheck clean
 
 # (Re)install when the project's metadata changes; torch is pinned to the local CPU build.
 $(STAMP): pyproject.toml constraints.txt
@@ -17,6 +21,18 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# vLLM 0.33 in an environment of its own, on the same CPU torch: vLLM declares torch==2.14.0
+# and CUDA-only packages, so it goes in with --no-deps after its pure-Python requirements.
+$(VLLM_STAMP): pyproject.toml constraints.txt tests/vllm/requirements.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q -c constraints.txt -e '.[test]' -r tests/vllm/requirements.txt
+	$(VLLM_PY) -m pip install -q --no-deps vllm==0.33.0
+	touch $(VLLM_STAMP)
+
+# The kvxfer backend under vLLM's real scheduler and connector, against real daemons.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/kvxfer serve $(SERVE_ARGS)
@@ -34,4 +50,4 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/kvxfer/v1/kvxfer.proto
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis *.egg-info

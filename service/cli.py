@@ -8,7 +8,8 @@ import sys
 from kvxfer import cli
 
 #: ``kvxfer bench daemon`` starts a real daemon, so it lives beside it.
-DAEMON_BENCHES = [("daemon", "service.bench_daemon", "throughput and latency through a real daemon")]
+DAEMON_BENCHES = [("daemon", "service.bench_daemon", "throughput and latency through a real daemon"),
+                  ("vllm", "service.bench_vllm", "vLLM's scheduler loading 1,024 blocks through the kvxfer backend")]
 
 
 def _serve_command(args: argparse.Namespace) -> int:

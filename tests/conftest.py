@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import shutil
 import sys
@@ -13,6 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# tests/vllm needs vLLM, installed only into its own environment (make test-vllm).
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 
 @pytest.fixture

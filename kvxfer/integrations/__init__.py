@@ -1,0 +1,1 @@
+"""Backends that plug kvxfer into inference engines (each imports its engine; nothing else imports them)."""

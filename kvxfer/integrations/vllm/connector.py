@@ -1,0 +1,96 @@
+"""``KvxferConnector``: vLLM's OffloadingConnector with kvxfer as its offloading backend.
+
+Enable it with one ``--kv-transfer-config`` (README, "vLLM"). It reuses vLLM's own
+offloading scheduler and worker logic whole and adds the three things an
+``OffloadingSpec`` alone cannot do:
+
+- the geometry and layout of the KV cache (for the pool and the namespaces), which
+  vLLM's OffloadingConfig leaves out;
+- ``get_mem_pool_context()``: vLLM's KV cache allocated in shared memory, so that the
+  daemon serves it with zero copy (on a GPU, CUDA IPC needs no such context);
+- per-block load failures (``get_block_ids_with_load_errors``), so that vLLM recomputes
+  exactly the blocks that did not come back, and the tenant (``cache_salt``) in the
+  namespace.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.request import Request
+
+from kvxfer.geometry.layout import KVSpec
+from kvxfer.integrations.vllm.manager import KvxferManager
+from kvxfer.integrations.vllm.naming import EngineNames, kvxfer_layout
+from kvxfer.integrations.vllm.spec import KvxferOffloadingSpec, Settings
+
+
+def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineNames:
+    """The engine's pool geometry and names; a cache kvxfer cannot describe stops vLLM here."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        raise ValueError("kvxfer serves models with one group of full-attention layers; this model has "
+                         f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+    spec = groups[0].kv_cache_spec
+    if spec.head_size_v != spec.head_size or spec.sliding_window is not None or spec.kv_quant_mode.value != 0:
+        raise ValueError("kvxfer needs K and V of one head size, no sliding window and no per-token KV quantisation")
+    tensors = kv_cache_config.kv_cache_tensors
+    if len(tensors) > 1:
+        raise ValueError(f"kvxfer serves one KV allocation per rank; vLLM planned {len(tensors)}")
+    num_layers = len(tensors[0].layers) if tensors else len(groups[0].layer_names)
+    layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+    if layout is None:
+        raise ValueError("kvxfer: vLLM's KV-cache layout is not resolved yet")
+    transfer = vllm_config.kv_transfer_config
+    return EngineNames(
+        engine_id=transfer.engine_id or "", model=vllm_config.model_config.model,
+        spec=KVSpec(num_layers, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
+                    spec.dtype),
+        layout=kvxfer_layout(layout), world_size=vllm_config.parallel_config.world_size,
+        group_prefix=Settings.parse(transfer.kv_connector_extra_config).cache_group)
+
+
+class KvxferConnector(OffloadingConnector):
+    """vLLM's offloading connector, backed by the kvxfer sidecar."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        # OffloadingConnector.__init__, with the spec built here: it needs the geometry.
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+            raise ValueError('kvxfer: set "kv_load_failure_policy": "recompute" in --kv-transfer-config, so '
+                             "that a block the daemon cannot return is recomputed instead of failing the request")
+        offloading_config = build_offloading_config(vllm_config, kv_cache_config)
+        self._canonical_layout = offloading_config.canonical_layout
+        self.spec = KvxferOffloadingSpec(offloading_config, engine_names(vllm_config, kv_cache_config))
+        self.connector_scheduler = None
+        self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = OffloadingConnectorScheduler(self.spec, vllm_config, kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = OffloadingConnectorWorker(self.spec, vllm_config, kv_cache_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "BLHNC"  # one contiguous span per block: one copy per block, whatever the layer count
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        if self.connector_worker is None or self._vllm_config.device_config.device_type != "cpu":
+            return None  # on a GPU the daemon opens vLLM's own allocation through CUDA IPC
+        return self.spec.allocation
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.spec.take_load_errors()
+
+    def on_new_request(self, request: Request) -> None:
+        manager = self.scheduler.manager
+        assert isinstance(manager, KvxferManager)
+        manager.set_tenant(request.request_id, request.cache_salt)
+        super().on_new_request(request)
+

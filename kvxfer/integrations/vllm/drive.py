@@ -1,0 +1,301 @@
+"""vLLM's real scheduler and KV connector driven in one process, with a stand-in forward pass.
+
+Used by the backend's tests and by ``kvxfer bench vllm``. Everything that decides what
+is looked up, loaded, stored, recomputed or fenced is vLLM's own code (Scheduler,
+the connector in both roles, allocate_kv_cache); only the model is replaced: its
+"forward pass" writes, for every scheduled token, KV bytes that are a function of the
+token's prefix (so a block's right content is known) and samples a token from it. The
+order of the worker-side calls is that of vLLM's KVConnectorModelRunnerMixin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import tempfile
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                         VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+EOS = 2
+
+
+@dataclass(frozen=True)
+class Model:
+    """A tiny Llama: its config.json is all vLLM needs (no weights are loaded)."""
+
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    def write_config(self, directory: Path) -> Path:
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                  "hidden_size": self.num_kv_heads * 2 * self.head_size, "intermediate_size": 128,
+                  "num_attention_heads": self.num_kv_heads * 2, "num_key_value_heads": self.num_kv_heads,
+                  "head_dim": self.head_size, "num_hidden_layers": self.num_layers, "vocab_size": 1000,
+                  "max_position_embeddings": 1 << 16, "rms_norm_eps": 1e-5,
+                  "torch_dtype": str(self.dtype).removeprefix("torch."), "bos_token_id": 1, "eos_token_id": EOS}
+        (directory / "config.json").write_text(json.dumps(config))
+        return directory
+
+
+@dataclass
+class StepReport:
+    scheduled: dict[str, int]  # req id -> tokens computed this step
+    external_hits: dict[str, int] = field(default_factory=dict)  # req id -> tokens to load
+    loaded: set[str] = field(default_factory=set)  # requests whose loads finished this step
+    load_errors: set[int] = field(default_factory=set)
+
+
+def _token_of(kv: torch.Tensor) -> int:
+    return 3 + zlib.crc32(kv.contiguous().numpy().tobytes()) % 900
+
+
+def prefix_hashes(tokens: list[int]) -> list[int]:
+    """A rolling hash of each token's prefix: the stand-in model's KV is a function of it."""
+    out, h = [], 1469598103934665603
+    for t in tokens:
+        h = (h * 1000003 + t + 1) % (1 << 61)
+        out.append(h)
+    return out
+
+
+class Rank:
+    """One worker: its connector (worker role), its KV cache and the KV heads it holds."""
+
+    def __init__(self, config: VllmConfig, kv_cache_config, layout: str, layer_names: list[str], rank: int,
+                 num_heads: int) -> None:
+        self.connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+        context = self.connector.get_mem_pool_context() or contextlib.nullcontext()
+        with context:  # what vLLM's Worker.initialize_from_config does
+            kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout])
+        self.connector.register_kv_caches(kv_caches)
+        self.layers = [kv_caches[name].view(torch.uint8) for name in layer_names]  # [B, H, N, C bytes] each
+        self.heads = slice(rank * num_heads, (rank + 1) * num_heads)
+
+
+class Engine:
+    """One engine: its scheduler and ``tensor_parallel`` workers in this process, the connector
+    named by ``kv_transfer``."""
+
+    def __init__(self, kv_transfer: KVTransferConfig, *, num_blocks: int, model: Model = Model(),
+                 block_size: int = 16, max_batched_tokens: int = 8192, layout: str = "BLHNC",
+                 tensor_parallel: int = 1) -> None:
+        self.model, self.block_size = model, block_size
+        self._dir = tempfile.TemporaryDirectory(prefix="kvx-vllm-")
+        kv_transfer.engine_id = kv_transfer.engine_id or uuid.uuid4().hex
+        max_len = block_size * (num_blocks - 1)  # one request may fill the whole cache
+        self.config = VllmConfig(
+            model_config=ModelConfig(model=str(model.write_config(Path(self._dir.name))), dtype=model.dtype,
+                                     seed=0, max_model_len=max_len, skip_tokenizer_init=True),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched_tokens,
+                                             max_model_len=max_len, is_encoder_decoder=False),
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
+            kv_transfer_config=kv_transfer, device_config=DeviceConfig("cpu"))
+        self.config.cache_config.kv_cache_layout = layout  # what the engine core resolves (BLHNC: the connector's)
+        heads = model.num_kv_heads // tensor_parallel
+        specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+            block_size=block_size, num_kv_heads=heads, head_size=model.head_size, dtype=model.dtype)
+            for i in range(model.num_layers)}
+        page = next(iter(specs.values())).page_size_bytes * model.num_layers
+        groups = get_global_kv_cache_groups(self.config, [specs])
+        self.kv_cache_config = get_kv_cache_configs(self.config, [specs], [page * num_blocks], groups)[0]
+        self.kv_cache_config.kv_cache_layout = layout
+        self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(block_size, hash_fn)
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.config),
+                                   block_size=block_size, log_stats=True)
+        self.ranks = []
+        for rank in range(tensor_parallel):
+            config = copy.deepcopy(self.config)
+            config.parallel_config.rank = rank
+            self.ranks.append(Rank(config, self.kv_cache_config, layout, list(specs), rank, heads))
+        self.worker = self.ranks[0].connector
+        self._aggregator = KVOutputAggregator.from_connector(self.worker, tensor_parallel)
+        self.finished: set[str] = set()
+        self.block_tables: dict[str, list[int]] = {}  # req id -> its blocks when last computed
+        self.outputs: dict[str, list[int]] = {}  # req id -> tokens it produced
+
+    # -- requests ---------------------------------------------------------------------
+    def add(self, req_id: str, tokens: list[int], *, cache_salt: str | None = None, max_tokens: int = 1) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add_request(Request(req_id, tokens, params, None, cache_salt=cache_salt,
+                                           block_hasher=self._hasher))
+
+    def offload_keys(self, tokens: list[int], cache_salt: str | None = None) -> list[bytes]:
+        """The keys vLLM's offloading scheduler gives the full blocks of a request with ``tokens``."""
+        request = Request("keys", tokens, SamplingParams(max_tokens=1), None, cache_salt=cache_salt,
+                          block_hasher=self._hasher)
+        return [make_offload_key(h, 0) for h in request.block_hashes]
+
+    def blocks(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def block_bytes(self, blocks: list[int], rank: int | None = None) -> torch.Tensor:
+        """The bytes of whole blocks [L, blocks, H, N, C bytes] over every layer and head (a copy),
+        or over one rank's heads."""
+        ranks = self.ranks if rank is None else [self.ranks[rank]]
+        return torch.cat([torch.stack([layer[blocks] for layer in r.layers]) for r in ranks], dim=2)
+
+    def expected_block_bytes(self, tokens: list[int], count: int) -> torch.Tensor:
+        """What the first ``count`` blocks of a request with ``tokens`` must hold."""
+        n = count * self.block_size
+        payload = self._payload(prefix_hashes(tokens)[:n])  # [L, n, H, C]
+        layers, _, heads, width = payload.shape
+        blocks = payload.view(layers, count, self.block_size, heads, width).transpose(2, 3)
+        return blocks.contiguous()
+
+    def zero_kv(self) -> None:
+        for rank in self.ranks:
+            for layer in rank.layers:
+                layer.zero_()
+
+    def reset_prefix_cache(self) -> None:
+        assert self.scheduler.reset_prefix_cache(reset_connector=True)
+
+    # -- stepping ---------------------------------------------------------------------
+    def step(self) -> StepReport:
+        output = self.scheduler.schedule()
+        report = StepReport(dict(output.num_scheduled_tokens))
+        meta = output.kv_connector_metadata
+        for job in getattr(meta, "load_jobs", {}).values():
+            report.external_hits[job.req_id] = len(job.dst_spec.block_ids) * self.block_size
+        positions = self._positions(output.num_scheduled_tokens)
+        for rank in self.ranks:  # every worker's forward pass writes its heads ...
+            self._before_forward(rank, output)
+            self._forward(rank, positions)
+        sampled = self._sample(positions)  # ... and attention reads them all
+        runner_outputs = [self._after_forward(rank, output, sampled) for rank in self.ranks]
+        for runner_output in runner_outputs:
+            report.load_errors |= runner_output.kv_connector_output.invalid_block_ids
+        merged = self._aggregator.aggregate(runner_outputs)
+        report.loaded = set(merged.kv_connector_output.finished_recving or ())
+        for outputs in self.scheduler.update_from_output(output, merged).values():
+            for out in outputs.outputs:
+                self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    self.finished.add(out.request_id)
+        return report
+
+    @staticmethod
+    def _before_forward(rank: Rank, output) -> None:
+        """A worker's execute_model up to the forward pass (vLLM's KVConnectorModelRunnerMixin order)."""
+        rank.connector.handle_preemptions(output.kv_connector_metadata)
+        rank.connector.bind_connector_metadata(output.kv_connector_metadata)
+        if output.has_sync_kv_loads:
+            rank.connector.start_load_kv(None)
+
+    @staticmethod
+    def _after_forward(rank: Rank, output, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
+        connector = rank.connector
+        if not output.has_sync_kv_loads:
+            connector.start_load_kv(None)
+        connector.wait_for_save()
+        results = connector.get_transfer_results(output.finished_req_ids)
+        connector_output = KVConnectorOutput(
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            invalid_block_ids=connector.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=connector.build_connector_worker_meta())
+        connector.clear_connector_metadata()
+        req_ids = list(output.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+                                 kv_connector_output=connector_output)
+
+    def busy(self) -> bool:
+        """What makes vLLM's engine loop step: requests, or stores of finished ones still in flight."""
+        connector = self.scheduler.connector
+        return self.scheduler.has_requests() or bool(connector and connector.has_pending_push_work())
+
+    def run(self, req_ids: set[str], max_steps: int = 2000, idle_sleep_s: float = 0.001) -> list[StepReport]:
+        """Step until every named request finished and, like vLLM's engine loop, until idle."""
+        reports = []
+        for _ in range(max_steps):
+            if req_ids <= self.finished and not self.busy():
+                return reports
+            reports.append(self.step())
+            if not reports[-1].scheduled:
+                time.sleep(idle_sleep_s)  # waiting on transfers, not on compute
+        raise AssertionError(f"not done in {max_steps} steps: unfinished {sorted(req_ids - self.finished)}")
+
+    def _positions(self, scheduled: dict[str, int]) -> dict[str, torch.Tensor]:
+        """The token positions each request computes this step (and the blocks they land in)."""
+        positions = {}
+        for req_id, count in scheduled.items():
+            end = self.scheduler.requests[req_id].num_computed_tokens  # schedule() counted this step already
+            positions[req_id] = torch.arange(end - count, end)
+            self.block_tables[req_id] = self.blocks(req_id)
+        return positions
+
+    def _forward(self, rank: Rank, positions: dict[str, torch.Tensor]) -> None:
+        """Write the KV of the scheduled tokens (this rank's heads)."""
+        for req_id, where in positions.items():
+            tokens = list(self.scheduler.requests[req_id].all_token_ids)[:int(where[-1]) + 1]
+            payload = self._payload(prefix_hashes(tokens)[int(where[0]):])[:, :, rank.heads]  # [L, n, H, C bytes]
+            blocks = torch.tensor(self.block_tables[req_id])[where // self.block_size]
+            for layer, values in zip(rank.layers, payload):
+                layer[blocks, :, where % self.block_size, :] = values
+
+    def _sample(self, positions: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        """One token for each request whose known tokens are all computed now."""
+        sampled = {}
+        for req_id, where in positions.items():
+            num_tokens = self.scheduler.requests[req_id].num_tokens
+            if int(where[-1]) + 1 >= num_tokens:
+                sampled[req_id] = [self._attend(req_id, num_tokens)]
+        return sampled
+
+    def _attend(self, req_id: str, num_tokens: int) -> int:
+        """The next token, from the KV of every prior token as the caches hold it: wrong KV, wrong token."""
+        positions = torch.arange(num_tokens)
+        blocks = torch.tensor(self.block_tables[req_id])[positions // self.block_size]
+        kv = torch.cat([torch.stack([layer[blocks, :, positions % self.block_size, :] for layer in rank.layers])
+                        for rank in self.ranks], dim=2)
+        return _token_of(kv)
+
+    def expected_token(self, tokens: list[int]) -> int:
+        """The token a request with ``tokens`` must produce when its KV is right."""
+        return _token_of(self._payload(prefix_hashes(tokens)))
+
+    def _payload(self, hashes: list[int]) -> torch.Tensor:
+        """KV bytes [L, tokens, H, C bytes] of tokens whose prefixes hash to ``hashes``."""
+        heads = self.model.num_kv_heads
+        width = 2 * self.model.head_size * torch.empty((), dtype=self.model.dtype).element_size()
+        h = (torch.tensor(hashes, dtype=torch.int64) >> 3).remainder(251).to(torch.int16).view(1, -1, 1, 1)
+        layer = (torch.arange(self.model.num_layers) * 7919).remainder(251).to(torch.int16).view(-1, 1, 1, 1)
+        cell = (torch.arange(heads * width) * 131).remainder(251).to(torch.int16).view(1, 1, heads, width)
+        return (h + layer + cell).remainder(251).to(torch.uint8)
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.connector.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+        self._dir.cleanup()

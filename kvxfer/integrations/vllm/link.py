@@ -1,0 +1,117 @@
+"""One engine process's connection to its kvxfer sidecar, built so that the daemon can never hurt the engine.
+
+Every call has a short deadline. A daemon that is gone (``UNAVAILABLE``; or restarted,
+which makes the epoch the engine holds stale: ``FAILED_PRECONDITION``) or slow
+(``DEADLINE_EXCEEDED``) turns the link *down*: callers get ``LinkDown`` at once, without
+an RPC, until ``retry_s`` has passed; then one call tries again, re-running ``on_connect``
+(register the pool again, learn the new epochs) if the daemon was gone. Each change of
+state is logged once.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvxfer.client import Client
+from kvxfer.errors import DeadlineExceeded, FailedPrecondition, KvxferError, NotFound, Unavailable
+
+log = logging.getLogger("kvxfer.vllm")
+T = TypeVar("T")
+
+#: Errors after which the daemon no longer knows this engine's pools or jobs.
+GONE = (Unavailable, FailedPrecondition, NotFound)
+
+
+class LinkState(enum.Enum):
+    UP = "up"
+    SLOW = "slow"  # the daemon may still run our jobs: keep the session, retry later
+    GONE = "gone"  # the daemon lost our pools and jobs: reconnect and register again
+
+
+class LinkDown(Exception):
+    """The daemon is not reachable now. ``gone``: it lost this engine's pools and jobs.
+    ``unsure``: this call was sent and timed out, so the daemon may still carry it out."""
+
+    def __init__(self, gone: bool, unsure: bool = False) -> None:
+        super().__init__("kvxfer daemon gone" if gone else "kvxfer daemon slow")
+        self.gone = gone
+        self.unsure = unsure
+
+
+class DaemonLink:
+    """A Client that is rebuilt after the daemon went away, and calls that never wait on a dead daemon."""
+
+    def __init__(self, target: str, *, timeout_s: float, retry_s: float, role: str,
+                 on_connect: Callable[[Client], None] | None = None) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.role = role
+        self._on_connect = on_connect
+        self._client: Client | None = None
+        self.state = LinkState.GONE
+        self._next_try = 0.0
+        self.connects = 0
+
+    def call(self, fn: Callable[[Client], T]) -> T:
+        """Run ``fn(client)``; raises ``LinkDown`` if the daemon is down (now or recently), or the
+        ``KvxferError`` of a refusal (the daemon is up but said no: full, invalid)."""
+        if self.resting:
+            raise LinkDown(self.state is LinkState.GONE)
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            result = fn(self._client)
+        except GONE as exc:
+            self._down(LinkState.GONE, exc)
+            raise LinkDown(True) from None
+        except DeadlineExceeded as exc:
+            self._down(LinkState.SLOW, exc)
+            raise LinkDown(False, unsure=True) from None
+        if self.state is not LinkState.UP:
+            log.warning("kvxfer %s: daemon at %s is serving; offloading on", self.role, self.target)
+            self.state = LinkState.UP
+        return result
+
+    def _connect(self) -> Client:
+        """A new session: a fresh Client, and ``on_connect`` (registration) run on it."""
+        client = Client(self.target, timeout=self.timeout_s)
+        try:
+            if self._on_connect is not None:
+                self._on_connect(client)
+        except KvxferError as exc:
+            client.close()
+            if isinstance(exc, (*GONE, DeadlineExceeded)):
+                raise
+            self._down(LinkState.GONE, exc)  # refused (e.g. too many pools): try the whole session again later
+            raise LinkDown(True) from None
+        self.connects += 1
+        return client
+
+    def _down(self, state: LinkState, exc: KvxferError) -> None:
+        if state is LinkState.GONE and self._client is not None:
+            self._client.close()
+            self._client = None
+        if self.state is not state:
+            log.warning("kvxfer %s: daemon at %s is %s (%s); vLLM goes on without it and retries every %.1f s",
+                        self.role, self.target, state.value, exc, self.retry_s)
+        self.state = state
+        self._next_try = time.monotonic() + self.retry_s
+
+    @property
+    def resting(self) -> bool:
+        """True while the link is down and not yet due to try again (a call would raise LinkDown)."""
+        return self.state is not LinkState.UP and time.monotonic() < self._next_try
+
+    @property
+    def client(self) -> Client | None:
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

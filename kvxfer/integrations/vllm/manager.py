@@ -1,0 +1,110 @@
+"""The scheduler side: which blocks the daemon holds, asked in one Lookup per request.
+
+vLLM's offloading scheduler asks ``lookup`` one key at a time. The first time it asks
+about a request, this manager answers RETRY for each key (the scheduler goes on asking
+until a miss, so it names them all) and sends one Lookup for all of them, across every
+rank's pool, at the end of the scheduling step; from the next step on the answers are
+known. A block counts only if every rank holds it (the daemon takes that minimum). No
+state about blocks is kept here: the daemon's tiers are the truth, a load of a block
+evicted meanwhile fails per block and vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingManager, OffloadKey, PrepareStoreOutput,
+                                     ReqContext, RequestOffloadingContext, ScheduleEndContext)
+
+from kvxfer.errors import KvxferError
+from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
+from kvxfer.integrations.vllm.naming import EngineNames
+
+log = logging.getLogger("kvxfer.vllm")
+
+
+class KvxferBlocks(LoadStoreSpec):
+    """Blocks at the daemon: their keys, inside the request's namespace."""
+
+    def __init__(self, keys: list[OffloadKey], namespace: str) -> None:
+        self.keys = keys
+        self.namespace = namespace
+
+    def __repr__(self) -> str:
+        return f"KvxferBlocks({len(self.keys)} keys in {self.namespace})"
+
+
+class KvxferManager(OffloadingManager):
+    """Answers vLLM's offloading scheduler from the daemon; keeps no copy of its index."""
+
+    def __init__(self, link: DaemonLink, names: EngineNames) -> None:
+        self._link = link
+        self._names = names
+        self._pool_ids = names.pool_ids()
+        self._salts: dict[str, str | None] = {}  # req id -> cache_salt (set by the connector)
+        self._answers: dict[str, dict[OffloadKey, bool]] = {}  # req id -> key -> present
+        self._asked: dict[str, list[OffloadKey]] = {}  # req id -> keys to look up this step
+        self.lookups = 0
+
+    def set_tenant(self, req_id: str, cache_salt: str | None) -> None:
+        self._salts[req_id] = cache_salt
+
+    def namespace(self, req_context: ReqContext) -> str:
+        return self._names.namespace(self._salts.get(req_context.req_id))
+
+    # -- lookups -------------------------------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        answers = self._answers.get(req_context.req_id)
+        if answers is not None and key in answers:
+            return LookupResult.HIT if answers[key] else LookupResult.MISS
+        if self._link.resting:
+            return LookupResult.MISS  # the daemon is down: no hits, and no step spent waiting
+        asked = self._asked.setdefault(req_context.req_id, [])
+        if key not in asked:
+            asked.append(key)
+        return LookupResult.RETRY
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        asked, self._asked = self._asked, {}
+        for req_id, keys in asked.items():
+            namespace = self._names.namespace(self._salts.get(req_id))
+            try:
+                found = self._link.call(lambda c: c.lookup(keys, pool_ids=self._pool_ids, namespace=namespace))
+                hits = found.hits
+                self.lookups += 1
+            except LinkDown:
+                hits = 0  # the daemon is down: no hits, no delay beyond this step
+            except KvxferError as exc:  # refused (e.g. more keys than the daemon takes): no hits
+                log.warning("kvxfer: lookup of %d keys refused: %s", len(keys), exc)
+                hits = 0
+            answers = self._answers.setdefault(req_id, {})
+            answers.update((key, i < hits) for i, key in enumerate(keys))
+
+    def has_pending_work(self) -> bool:
+        return bool(self._asked)
+
+    # -- loads and stores ------------------------------------------------------------
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        # The answers are spent: if this load fails and vLLM reschedules the request, ask the daemon again.
+        self._answers.pop(req_context.req_id, None)
+        return KvxferBlocks(list(keys), self.namespace(req_context))
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        # The daemon evicts on its own and skips keys it holds already (ALREADY_PRESENT).
+        keys = list(keys)
+        return PrepareStoreOutput(keys_to_store=keys, store_spec=KvxferBlocks(keys, self.namespace(req_context)),
+                                  evicted_keys=[])
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        for table in (self._salts, self._answers, self._asked):
+            table.pop(req_context.req_id, None)
+
+    def reset_cache(self) -> None:
+        self._answers.clear()  # the daemon's tiers are shared: a reset of vLLM's cache does not empty them
+
+    def shutdown(self) -> None:
+        self._link.close()

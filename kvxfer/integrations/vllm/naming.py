@@ -1,0 +1,73 @@
+"""What a vLLM engine's blocks are called in kvxfer: pool ids, cache groups, namespaces, geometry.
+
+Pure functions of the engine's configuration, shared by the scheduler process and every
+worker so that they agree without talking to each other. A namespace binds the model,
+the per-rank geometry, the memory layout and the tenant (vLLM's ``cache_salt``): another
+model, another tensor-parallel split, another layout or another tenant never matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from kvxfer.errors import InvalidArgument
+from kvxfer.geometry.layout import KVSpec, Layout, dtype_name
+
+#: vLLM's KV-cache layouts (vllm.v1.kv_cache_layout) in kvxfer's axes. vLLM's content axis C
+#: holds a token's K then its V vector, which is kvxfer's KV,D.
+VLLM_LAYOUTS: dict[str, str] = {
+    "BLHNC": "B,L,H,N,KV,D", "BLNHC": "B,L,N,H,KV,D", "BHLNC": "B,H,L,N,KV,D",
+    "LBHNC": "L,B,H,N,KV,D", "LBNHC": "L,B,N,H,KV,D", "LHBNC": "L,H,B,N,KV,D",
+}
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _digest(*parts: object, size: int = 16) -> str:
+    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:size]
+
+
+def kvxfer_layout(vllm_layout: str) -> Layout:
+    """kvxfer's Layout for a vLLM layout name; a layout kvxfer cannot address is refused."""
+    try:
+        return Layout.parse(VLLM_LAYOUTS[vllm_layout])
+    except KeyError:
+        raise InvalidArgument(f"vLLM KV-cache layout {vllm_layout!r} is not supported; "
+                              f"use one of {', '.join(VLLM_LAYOUTS)} (BLHNC recommended)") from None
+
+
+@dataclass(frozen=True)
+class EngineNames:
+    """The names of one vLLM engine's pools and blocks at the daemon."""
+
+    engine_id: str
+    model: str
+    spec: KVSpec
+    layout: Layout
+    world_size: int
+    group_prefix: str = ""  # kv_connector_extra_config "cache_group": share a host tier across engines
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever a block's bytes would mean something else (not with num_blocks)."""
+        s = self.spec
+        return _digest(self.model, self.layout.spelled, s.num_layers, s.block_size, s.num_kv_heads, s.head_size,
+                       dtype_name(s.dtype), self.world_size)
+
+    def pool_id(self, rank: int) -> str:
+        """Unique to this engine instance and rank (a restarted engine registers anew)."""
+        return f"vllm-{_digest(self.engine_id, size=12)}-r{rank}"
+
+    def pool_ids(self) -> list[str]:
+        return [self.pool_id(rank) for rank in range(self.world_size)]
+
+    def cache_group(self, rank: int) -> str:
+        """Stable across engine restarts and shared by engines of the same model and split on one node."""
+        prefix = _UNSAFE.sub("-", self.group_prefix)[:24] or "vllm"
+        return f"{prefix}-{self.fingerprint}-r{rank}"
+
+    def namespace(self, cache_salt: str | None) -> str:
+        tenant = _digest(cache_salt) if cache_salt else "shared"
+        return f"vllm:{self.fingerprint}:{tenant}"

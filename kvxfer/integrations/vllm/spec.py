@@ -1,0 +1,97 @@
+"""kvxfer as a vLLM ``OffloadingSpec``: vLLM's offloading scheduler logic, kvxfer's tiers and copies.
+
+The settings come from ``kv_connector_extra_config`` and are validated here: a wrong
+value stops vLLM at start-up with a message that names it, never later.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvxfer.geometry.layout import PoolLayout
+from kvxfer.integrations.vllm.allocation import SharedKVAllocation
+from kvxfer.errors import KvxferError
+from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
+from kvxfer.integrations.vllm.manager import KvxferManager
+from kvxfer.integrations.vllm.naming import EngineNames
+from kvxfer.integrations.vllm.registration import check_memory, register_rank
+from kvxfer.integrations.vllm.worker import KvxferWorker
+
+log = logging.getLogger("kvxfer.vllm")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The backend's knobs (``kv_connector_extra_config``), with their defaults."""
+
+    socket: str = "/tmp/kvxfer.sock"  # the sidecar's gRPC socket; its descriptor socket is <socket>.fd
+    timeout_s: float = 1.0  # deadline of every call (submits, polls, lookups)
+    retry_s: float = 2.0  # after a failure, no call to the daemon for this long
+    lease_s: float = 30.0  # the daemon cancels a job whose engine went silent this long
+    flush_wait_s: float = 30.0  # log (and keep waiting) when a flush of stores takes longer
+    cache_group: str = ""  # prefix of the cache groups; engines that share it share a host tier
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any]) -> Settings:
+        known = {name for name in cls.__dataclass_fields__}
+        ours = {k: v for k, v in extra.items() if k in known}
+        for name, value in ours.items():
+            default = getattr(cls, name)
+            if isinstance(default, float):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+                    raise ValueError(f"kv_connector_extra_config.{name}: a number of seconds in (0, 3600], "
+                                     f"got {value!r}")
+                ours[name] = float(value)
+            elif not isinstance(value, str) or (name == "socket" and not value):
+                raise ValueError(f"kv_connector_extra_config.{name}: a string, got {value!r}")
+        return cls(**ours)
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.socket}"
+
+
+class KvxferOffloadingSpec(OffloadingSpec):
+    """Built by ``KvxferConnector``, which knows the geometry vLLM's OffloadingConfig leaves out."""
+
+    def __init__(self, config: OffloadingConfig, names: EngineNames) -> None:
+        super().__init__(config)
+        self.settings = Settings.parse(dict(self.extra_config))
+        self.names = names
+        self.rank = config.parallel.rank
+        self.allocation = SharedKVAllocation(names.pool_id(self.rank))
+        self.worker: KvxferWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
+                          role="scheduler")
+        return KvxferManager(link, self.names)
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        kv = kv_caches.tensors[0].tensor
+        expected = PoolLayout(self.names.spec, self.names.layout)
+        check_memory(kv, expected, self.allocation)  # a mismatch stops vLLM here, with the reason
+        pool_id = self.names.pool_id(self.rank)
+
+        def on_connect(client) -> None:
+            register_rank(client, self.names, self.rank, kv, self.allocation)
+
+        link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
+                          role=f"worker rank {self.rank}", on_connect=on_connect)
+        log.info("kvxfer: rank %d serves its KV cache (%d blocks of %d bytes, %s) as pool %s",
+                 self.rank, self.names.spec.num_blocks, expected.block_bytes, self.names.layout.spelled, pool_id)
+        self.worker = KvxferWorker(link, pool_id, lease_s=self.settings.lease_s,
+                                    flush_wait_s=self.settings.flush_wait_s)
+        try:
+            link.call(lambda client: None)  # register now if the daemon is up; later otherwise
+        except (LinkDown, KvxferError) as exc:  # vLLM starts anyway and registers when the daemon is there
+            log.warning("kvxfer: rank %d not registered yet: %s", self.rank, exc)
+        return self.worker
+
+    def take_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()

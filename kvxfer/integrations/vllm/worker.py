@@ -1,0 +1,203 @@
+"""The worker side: vLLM's offloads and loads as the daemon's asynchronous jobs on this rank's pool.
+
+A store is an Offload job and a load a Restore job (``wait=False``); ``get_finished``
+collects them with one non-blocking WaitJobs. vLLM's connector treats every job as a
+success, so failures are reported the way vLLM recomputes them: a load's blocks that
+did not come back DONE (NOT_FOUND, DATA_LOSS, FAILED, CANCELLED) are returned by
+``take_load_errors`` and vLLM recomputes exactly those blocks. A store the daemon
+refused or lost is simply not there later (a future miss).
+
+A job is reported finished only when the daemon says so, or when the daemon is gone
+(its process exited or restarted: nothing of it can touch the pool any more), never
+on a timeout alone: vLLM may reuse a block as soon as its job is reported, and a
+daemon that is only slow may still be copying it. A submission that timed out is
+*uncertain* (the daemon may have queued it or not). The daemon runs a pool's jobs in
+submission order, so a *fence* settles it: a one-block restore of a key nobody stores
+(it writes nothing), submitted after it. When the fence finishes, every uncertain job
+the daemon had queued has finished before it and its result came back with it (as an
+id this worker never learnt); one result per uncertain job matches them in order,
+otherwise they all count as failed, which is safe: none of them can run any more.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
+
+from kvxfer.client import SUCCESS, Client
+from kvxfer.errors import KvxferError
+from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
+from kvxfer.integrations.vllm.manager import KvxferBlocks
+from kvxfer.records import Outcome
+
+log = logging.getLogger("kvxfer.vllm")
+
+
+class Direction(enum.Enum):
+    STORE = "store"
+    LOAD = "load"
+
+
+@dataclass
+class _Job:
+    job_id: int  # vLLM's
+    direction: Direction
+    blocks: list[int]
+
+
+FENCE_NAMESPACE = "kvxfer-fence"
+FENCE_KEY = b"kvxfer-fence"  # never stored: its restore finds nothing and writes nothing
+
+
+class KvxferWorker(OffloadingWorker):
+    """Submits this rank's transfers to the daemon and reports them as vLLM expects."""
+
+    def __init__(self, link: DaemonLink, pool_id: str, *, lease_s: float, flush_wait_s: float) -> None:
+        self._link = link
+        self._pool_id = pool_id
+        self._lease_s = lease_s
+        self._flush_wait_s = flush_wait_s
+        self._running: dict[int, _Job] = {}  # the daemon's job id -> the job
+        self._uncertain: list[_Job] = []  # submissions that timed out, oldest first
+        self._fence: int | None = None  # the daemon's id of the fence settling them
+        self._strays: dict[int, list[Outcome]] = {}  # results of ids we never learnt (uncertain jobs that ran)
+        self._finished: list[TransferResult] = []
+        self._load_errors: set[int] = set()
+        self.dropped_stores = 0
+        self.failed_load_blocks = 0
+
+    # -- submitting ----------------------------------------------------------------
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KvxferBlocks)
+        blocks = src_spec.block_ids.tolist()
+        self._submit(_Job(job_id, Direction.STORE, blocks),
+                     lambda c: c.submit_offload(list(zip(blocks, dst_spec.keys)), pool_id=self._pool_id,
+                                                namespace=dst_spec.namespace, lease_s=self._lease_s))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        assert isinstance(src_spec, KvxferBlocks)
+        blocks = dst_spec.block_ids.tolist()
+        # A chunk's first blocks may be ones vLLM holds already: the last len(blocks) keys are to load.
+        keys = src_spec.keys[len(src_spec.keys) - len(blocks):]
+        self._submit(_Job(job_id, Direction.LOAD, blocks),
+                     lambda c: c.submit_restore(list(zip(keys, blocks)), pool_id=self._pool_id,
+                                                namespace=src_spec.namespace, lease_s=self._lease_s))
+        return True
+
+    def _submit(self, job: _Job, submit) -> None:
+        try:
+            self._running[self._link.call(submit)] = job
+        except LinkDown as down:
+            if down.unsure:
+                self._uncertain.append(job)  # it timed out: the daemon may have queued it
+            else:
+                self._end(job, None)  # never sent, or the daemon is gone: it never runs
+        except KvxferError as exc:  # refused (full, invalid): it never runs
+            log.warning("kvxfer: %s of %d blocks refused: %s", job.direction.value, len(job.blocks), exc)
+            self._end(job, None)
+
+    # -- collecting ----------------------------------------------------------------
+    def get_finished(self) -> list[TransferResult]:
+        if self._running or self._uncertain:
+            self._collect(wait_s=0.0)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int], give_up_s: float | None = None) -> None:
+        """Until the named jobs finished (vLLM is about to reuse their blocks) or the daemon is gone
+        (or ``give_up_s`` passed: only at shutdown, when no block will be reused)."""
+        started = first = time.monotonic()
+        while give_up_s is None or time.monotonic() - first < give_up_s:
+            mine = [daemon_id for daemon_id, job in self._running.items() if job.job_id in job_ids]
+            unsure = any(job.job_id in job_ids for job in self._uncertain)
+            if not mine and not unsure:
+                return
+            self._collect(None if unsure else mine, wait_s=1.0)
+            if time.monotonic() - started > self._flush_wait_s:
+                log.error("kvxfer: still waiting for %d jobs after %.0f s; the daemon is alive but not answering",
+                          len(mine), time.monotonic() - started)
+                started = time.monotonic()
+
+    def _collect(self, daemon_ids: list[int] | None = None, wait_s: float = 0.0) -> None:
+        """One WaitJobs: the named jobs (all of them), or any finished job of this worker."""
+        if self._uncertain and self._fence is None:
+            self._submit_fence()
+        try:
+            finished = self._link.call(lambda c: c.wait_jobs(daemon_ids or (), wait_s=wait_s,
+                                                             wait_all=bool(daemon_ids), pool_id=self._pool_id))
+        except LinkDown as down:
+            if down.gone:  # nothing of that daemon can touch the pool any more: every job ends, failed
+                self._settle_all_failed()
+            elif daemon_ids or self._uncertain:
+                time.sleep(min(wait_s, self._link.retry_s))  # slow: the caller tries again, no busy loop
+            return
+        except KvxferError as exc:  # a refusal of the poll itself: the jobs stay in flight, asked again
+            log.warning("kvxfer: WaitJobs refused: %s", exc)
+            time.sleep(min(wait_s, self._link.retry_s))
+            return
+        for daemon_id, result in finished.items():
+            if daemon_id in self._running:
+                self._end(self._running.pop(daemon_id), result.outcomes, result.bytes, result.seconds)
+            elif daemon_id != self._fence:
+                self._strays[daemon_id] = result.outcomes
+        for daemon_id in finished.unknown:  # expired at the daemon: it ran or never will
+            if daemon_id in self._running:
+                self._end(self._running.pop(daemon_id), None)
+        if self._fence is not None and (self._fence in finished or self._fence in finished.unknown):
+            self._settle_uncertain()
+
+    def _submit_fence(self) -> None:
+        try:
+            self._fence = self._link.call(lambda c: c.submit_restore([(FENCE_KEY, 1)], pool_id=self._pool_id,
+                                                                     namespace=FENCE_NAMESPACE,
+                                                                     lease_s=self._lease_s))
+        except (LinkDown, KvxferError):
+            self._fence = None  # tried again at the next collection
+
+    def _settle_uncertain(self) -> None:
+        """The fence finished: every uncertain job that was queued has finished and reported."""
+        strays = [self._strays[i] for i in sorted(self._strays)]
+        matched = len(strays) == len(self._uncertain) and all(
+            len(outcomes) == len(job.blocks) for outcomes, job in zip(strays, self._uncertain))
+        for i, job in enumerate(self._uncertain):
+            self._end(job, strays[i] if matched else None)
+        self._uncertain, self._strays, self._fence = [], {}, None
+
+    def _settle_all_failed(self) -> None:
+        for daemon_id in list(self._running):
+            self._end(self._running.pop(daemon_id), None)
+        for job in self._uncertain:
+            self._end(job, None)
+        self._uncertain, self._strays, self._fence = [], {}, None
+
+    def _end(self, job: _Job, outcomes: list[Outcome] | None, nbytes: int = 0, seconds: float = 0.0) -> None:
+        failed = job.blocks if outcomes is None else [b for b, o in zip(job.blocks, outcomes) if o not in SUCCESS]
+        if job.direction is Direction.LOAD:
+            self._load_errors.update(failed)
+            self.failed_load_blocks += len(failed)
+        elif failed:
+            self.dropped_stores += len(failed)
+        # vLLM's connector supports no failed jobs: failures travel as load errors instead.
+        self._finished.append(TransferResult(job.job_id, True, nbytes or None, seconds or None))
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        client: Client | None = self._link.client
+        if client is not None:
+            try:
+                pending = {job.job_id for job in [*self._running.values(), *self._uncertain]}
+                if pending:
+                    self.wait(pending, give_up_s=self._flush_wait_s)
+                client.unregister_pool(self._pool_id, drain_s=1.0)
+            except (LinkDown, KvxferError) as exc:
+                log.warning("kvxfer: could not unregister pool %s: %s", self._pool_id, exc)
+        self._link.close()

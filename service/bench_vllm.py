@@ -1,0 +1,122 @@
+"""``kvxfer bench vllm``: vLLM's scheduler loading a long prefix through the kvxfer backend.
+
+vLLM 0.33's real Scheduler and connector (kvxfer.integrations.vllm.drive, a stand-in
+forward pass) run in this process against a real daemon. Each repetition stores a
+fresh prompt of ``--blocks`` blocks, empties vLLM's prefix cache and KV, and submits
+the prompt again with a few more tokens: timed is the span from the scheduler step
+that schedules the load (a hit of every block) to the step whose get_finished reports
+the blocks loaded. Beside it, in the same process and run, on the same bytes: a plain
+gather copy of those blocks from one tensor into another, and that copy plus the
+checksum pass a restore verifies. Needs vLLM (``make test-vllm`` installs it).
+
+vLLM's own CPU offloading backend is not run beside it on a CPU machine: its worker
+asserts CUDA or XPU KV tensors and copies with vllm._C's swap_blocks_batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from kvxfer.bench.common import GB, Progress, format_table, human_bytes
+from kvxfer.geometry.checksum import rows_checksums
+from service import launch
+from service.config import DEFAULT_POOL
+
+
+def _load_once(engine, prompt: list[int], tag: str) -> tuple[float, float]:
+    """Store ``prompt``, forget it locally, then time the load of all its blocks: (lookup s, load s)."""
+    engine.add(f"{tag}-store", prompt)
+    engine.run({f"{tag}-store"})
+    engine.reset_prefix_cache()
+    engine.zero_kv()
+    req = f"{tag}-load"
+    engine.add(req, prompt + [7, 8, 9])
+    lookup_start = time.perf_counter()
+    engine.step()  # vLLM asks about every block; the backend sends one Lookup at the step's end
+    lookup = time.perf_counter() - lookup_start
+    start = None
+    while True:
+        step_start = time.perf_counter()
+        report = engine.step()
+        if req in report.external_hits:
+            start = step_start
+            if report.external_hits[req] != len(prompt):
+                raise SystemExit(f"expected a hit of {len(prompt)} tokens, got {report.external_hits[req]}")
+        if req in report.loaded:
+            loaded = time.perf_counter() - start
+            break
+    engine.run({req})
+    return lookup, loaded
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from kvxfer.integrations.vllm.drive import Engine, Model
+        from vllm.config import KVTransferConfig
+    except ImportError as exc:
+        raise SystemExit(f"kvxfer bench vllm needs vLLM (make test-vllm installs it into .venv-vllm): {exc}")
+    model = Model(num_layers=args.layers, num_kv_heads=args.heads, head_size=args.head_size)
+    progress = Progress(args.reps + 1)
+    small = {**DEFAULT_POOL, "spec": {**DEFAULT_POOL["spec"], "num_blocks": 16}, "host_capacity_mib": 4}
+    daemon = launch.spawn({"pools": [small], "log_level": "warning",
+                           "registered_host_capacity_mib": args.host_mib})
+    config = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm",
+                              kv_role="kv_both", kv_load_failure_policy="recompute",
+                              kv_connector_extra_config={"socket": daemon.config["socket"]})
+    engine = Engine(config, num_blocks=args.blocks + 64, model=model, max_batched_tokens=4096)
+    try:
+        progress.step("engine up")
+        block = engine.worker.spec.names.spec.block_bytes
+        memory = engine.ranks[0].layers[0]
+        flat = torch.empty(0, dtype=torch.uint8).set_(memory.untyped_storage(), 0,
+                                                      (args.blocks + 64, block), (block, 1))
+        gen = torch.Generator().manual_seed(0)
+        src = torch.randperm(args.blocks + 63, generator=gen)[:args.blocks].add(1)  # scattered, like vLLM's
+        buffer = torch.empty(args.blocks, block, dtype=torch.uint8)
+        rows = []
+        for rep in range(args.reps):
+            prompt = [1000 + rep] + torch.randint(3, 999, (args.blocks * 16 - 1,), generator=gen).tolist()
+            lookup, loaded = _load_once(engine, prompt, f"r{rep}")
+            t0 = time.perf_counter()
+            torch.index_select(flat, 0, src, out=buffer)  # the same bytes, gathered by a plain copy
+            copy = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            torch.index_select(flat, 0, src, out=buffer)
+            rows_checksums(buffer.numpy())
+            copy_hash = time.perf_counter() - t0
+            rows.append((lookup, loaded, copy, copy_hash))
+            progress.step(f"rep {rep}: loaded in {loaded * 1e3:.1f} ms, plain copy {copy * 1e3:.1f} ms")
+        nbytes = args.blocks * block
+        lookup, loaded, copy, copy_hash = (statistics.median(col) for col in zip(*rows))
+        table = [["kvxfer backend: scheduled -> loaded", loaded * 1e3, nbytes / loaded / GB, 1.0],
+                 ["plain gather copy, same bytes", copy * 1e3, nbytes / copy / GB, loaded / copy],
+                 ["copy + checksum, same bytes", copy_hash * 1e3, nbytes / copy_hash / GB, loaded / copy_hash]]
+        print(f"{args.blocks} blocks of {human_bytes(block)} ({nbytes / (1 << 20):.0f} MiB), "
+              f"median of {args.reps}; the Lookup step before: {lookup * 1e3:.1f} ms")
+        print(format_table(["path", "ms", "GB/s", "kvxfer time / this"], table))
+        print("vLLM's CPU offloading backend: not run here (its worker needs CUDA or XPU KV tensors)")
+        if args.json:
+            print(json.dumps({"blocks": args.blocks, "block_bytes": block, "lookup_s": lookup, "loaded_s": loaded,
+                              "copy_s": copy, "copy_hash_s": copy_hash}))
+    finally:
+        engine.close()
+        daemon.cleanup()
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--blocks", type=int, default=1024, help="blocks loaded per request")
+    # The embedded default pool's geometry (Qwen2.5-0.5B, 192 KiB blocks), as in ``bench daemon``.
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--heads", type=int, default=2, help="KV heads")
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--host-mib", type=int, default=1024, help="the daemon's host tier for the engine's pool")
+    p.add_argument("--json", action="store_true")

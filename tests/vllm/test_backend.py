@@ -1,0 +1,260 @@
+"""The kvxfer backend under vLLM's own scheduler and connector, against a real daemon subprocess."""
+
+import signal
+import time
+
+import pytest
+import torch
+
+from kvxfer import Client
+from service import launch
+from kvxfer.integrations.vllm.drive import Engine
+from kvxfer.integrations.vllm.link import LinkDown
+from tests.vllm.conftest import DAEMON, RETRY_S, kv_transfer
+from tests.vllm.tiermem import flip_byte
+
+PROMPT = list(range(10, 74))  # 64 tokens: 4 blocks of 16
+TAIL = [900, 901, 902, 903, 904, 905, 906, 907]
+
+
+def run_alone(engine, req_id, tokens, **kwargs):
+    engine.add(req_id, tokens, **kwargs)
+    return engine.run({req_id})
+
+
+def external_hits(reports, req_id):
+    return sum(r.external_hits.get(req_id, 0) for r in reports)
+
+
+def computed(reports, req_id):
+    return sum(r.scheduled.get(req_id, 0) for r in reports)
+
+
+def pool_stats(daemon, engine):
+    pool_id = engine.worker.spec.names.pool_id(0)
+    with Client(daemon.target) as client:
+        return client.stats(pool_id)[0]
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "LBHNC"])  # the connector's, and vLLM's default
+def test_a_prefix_stored_by_one_request_is_loaded_bit_exact_by_the_next(daemon, make_engine, layout):
+    engine = make_engine(daemon.config["socket"], layout=layout)
+    run_alone(engine, "A", PROMPT)
+    stored = engine.block_bytes(engine.block_tables["A"][:4])
+    assert torch.equal(stored, engine.expected_block_bytes(PROMPT, 4))
+    assert engine.outputs["A"] == [engine.expected_token(PROMPT)]
+    stats = pool_stats(daemon, engine)
+    assert stats.tiers[0].ready_blocks == 4 and stats.outcomes.get("done") == 4
+
+    engine.reset_prefix_cache()
+    engine.zero_kv()
+    reports = run_alone(engine, "B", PROMPT + TAIL)
+    assert external_hits(reports, "B") == 64  # the whole prefix came from the daemon
+    assert computed(reports, "B") == len(TAIL)  # vLLM computed only the new tokens
+    assert not any(r.load_errors for r in reports)
+    assert torch.equal(engine.block_bytes(engine.block_tables["B"][:4]), stored)  # bit-exact, in vLLM's memory
+    assert engine.outputs["B"] == [engine.expected_token(PROMPT + TAIL)]
+
+
+def test_tenants_with_the_same_prompt_never_hit_each_other(daemon, make_engine):
+    engine = make_engine(daemon.config["socket"])
+    run_alone(engine, "alice-1", PROMPT, cache_salt="alice")
+    engine.reset_prefix_cache()
+    reports = run_alone(engine, "bob-1", PROMPT + TAIL, cache_salt="bob")
+    assert external_hits(reports, "bob-1") == 0 and computed(reports, "bob-1") == len(PROMPT + TAIL)
+    engine.reset_prefix_cache()
+    reports = run_alone(engine, "alice-2", PROMPT + TAIL, cache_salt="alice")
+    assert external_hits(reports, "alice-2") == 64
+    names = engine.worker.spec.names
+    assert names.namespace("alice") != names.namespace("bob") != names.namespace(None)
+    bob_keys = engine.offload_keys(PROMPT, "bob")
+    with Client(daemon.target) as client:  # bob's blocks sit in bob's namespace only
+        pools = names.pool_ids()
+        assert client.lookup(bob_keys, pool_ids=pools, namespace=names.namespace("bob")).hits == 4
+        assert client.lookup(bob_keys, pool_ids=pools, namespace=names.namespace("alice")).hits == 0
+
+
+def test_a_corrupted_stored_block_is_recomputed_and_the_others_loaded(daemon, make_engine):
+    engine = make_engine(daemon.config["socket"])
+    run_alone(engine, "A", PROMPT)
+    last_block = engine.block_bytes(engine.block_tables["A"][3:4]).contiguous().numpy().tobytes()
+    engine.reset_prefix_cache()
+    engine.zero_kv()  # now the daemon's host tier holds the only copy
+    assert flip_byte(daemon.proc.pid, last_block) == 1
+
+    reports = run_alone(engine, "B", PROMPT + TAIL)
+    assert sum(len(r.load_errors) for r in reports) == 1  # exactly the corrupted block failed
+    assert computed(reports, "B") == 16 + len(TAIL)  # it was recomputed; the other three were loaded
+    assert torch.equal(engine.block_bytes(engine.block_tables["B"][:4]), engine.expected_block_bytes(PROMPT, 4))
+    assert engine.outputs["B"] == [engine.expected_token(PROMPT + TAIL)]  # no wrong token
+    stats = pool_stats(daemon, engine)
+    assert stats.outcomes.get("data_loss") == 1 and stats.tiers[0].ready_blocks == 3  # the entry was dropped
+
+
+def test_a_daemon_killed_mid_run_costs_hits_never_requests(daemon, make_engine):
+    engine = make_engine(daemon.config["socket"], num_blocks=128)
+    run_alone(engine, "warm", PROMPT)
+    engine.reset_prefix_cache()
+    prompts = {f"r{i}": [i + 1] * 16 + PROMPT + [i] * 20 for i in range(4)}
+    prompts["hit"] = PROMPT + TAIL
+    for req_id, tokens in prompts.items():
+        engine.add(req_id, tokens)
+    while not any(r for r in engine.step().external_hits):  # the load of "hit" is scheduled ...
+        pass
+    daemon.proc.send_signal(signal.SIGKILL)  # ... and the daemon dies under it
+    daemon.proc.wait()
+    engine.run(set(prompts))
+    for req_id, tokens in prompts.items():  # every request finished with the right token
+        assert engine.outputs[req_id] == [engine.expected_token(tokens)], req_id
+
+    restarted = launch.spawn({**DAEMON, "socket": daemon.config["socket"]})
+    try:
+        engine.reset_prefix_cache()
+        run_alone(engine, "again", PROMPT)  # stored through the new daemon once the link is back
+        engine.reset_prefix_cache()
+        time.sleep(RETRY_S)  # the scheduler asked before the worker registered: it asks again after retry_s
+        reports = run_alone(engine, "again-hit", PROMPT + TAIL)
+        assert external_hits(reports, "again-hit") == 64
+        assert engine.outputs["again-hit"] == [engine.expected_token(PROMPT + TAIL)]
+    finally:
+        restarted.cleanup()
+
+
+def test_no_daemon_at_start_then_one_arrives(tmp_path, make_engine):
+    socket = str(tmp_path / "late.sock")
+    engine = make_engine(socket)
+    reports = run_alone(engine, "A", PROMPT)
+    assert engine.outputs["A"] == [engine.expected_token(PROMPT)] and external_hits(reports, "A") == 0
+    daemon = launch.spawn({**DAEMON, "socket": socket})
+    try:
+        engine.reset_prefix_cache()
+        run_alone(engine, "B", PROMPT)
+        engine.reset_prefix_cache()
+        time.sleep(RETRY_S)
+        reports = run_alone(engine, "C", PROMPT + TAIL)
+        assert external_hits(reports, "C") == 64
+    finally:
+        daemon.cleanup()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"timeout_s": -1}, "timeout_s"), ({"retry_s": "soon"}, "retry_s"), ({"socket": ""}, "socket"),
+    ({"lease_s": True}, "lease_s"), ({"cache_group": 7}, "cache_group")])
+def test_bad_settings_stop_vllm_at_start_with_the_setting_named(daemon, make_engine, extra, message):
+    with pytest.raises(ValueError, match=message):
+        make_engine(daemon.config["socket"], settings=extra)
+
+
+def test_recompute_is_required_so_a_lost_block_never_fails_a_request(daemon):
+    config = kv_transfer({"socket": daemon.config["socket"]})
+    config.kv_load_failure_policy = "fail"
+    with pytest.raises(ValueError, match="recompute"):
+        Engine(config, num_blocks=64)
+
+
+def test_tensor_parallel_ranks_each_serve_a_pool_and_a_block_counts_only_if_every_rank_has_it(daemon):
+    engine = Engine(kv_transfer({"socket": daemon.config["socket"], "retry_s": RETRY_S}), num_blocks=64,
+                    tensor_parallel=2)
+    try:
+        names = engine.worker.spec.names
+        with Client(daemon.target) as client:
+            assert {p.pool_id for p in client.pools()} >= set(names.pool_ids())  # one pool per rank
+        run_alone(engine, "A", PROMPT)
+        stored = engine.block_bytes(engine.block_tables["A"][:4])
+        engine.reset_prefix_cache()
+        engine.zero_kv()
+        reports = run_alone(engine, "B", PROMPT + TAIL)
+        assert external_hits(reports, "B") == 64
+        for rank in (0, 1):  # each rank restored its own heads
+            assert torch.equal(engine.block_bytes(engine.block_tables["B"][:4], rank), stored[:, :, rank:rank + 1])
+
+        with Client(daemon.target) as client:  # rank 1 loses the last two blocks
+            keys = engine.offload_keys(PROMPT)
+            assert client.delete(keys[2:], pool_id=names.pool_id(1), namespace=names.namespace(None)) == 2
+        engine.reset_prefix_cache()
+        reports = run_alone(engine, "C", PROMPT + TAIL)
+        assert external_hits(reports, "C") == 32  # the minimum over the ranks
+        assert engine.outputs["C"] == [engine.expected_token(PROMPT + TAIL)]
+    finally:
+        engine.close()
+
+
+def test_a_stalled_daemon_delays_no_step_beyond_the_deadline(daemon, make_engine):
+    engine = make_engine(daemon.config["socket"], settings={"timeout_s": 0.3, "retry_s": 0.5})
+    run_alone(engine, "A", PROMPT)
+    engine.reset_prefix_cache()
+    daemon.proc.send_signal(signal.SIGSTOP)  # alive, holding its socket, answering nothing
+    try:
+        for i, tokens in enumerate([PROMPT + TAIL, [5] * 40 + PROMPT]):
+            engine.add(f"s{i}", tokens)
+        slowest = 0.0
+        while not {"s0", "s1"} <= engine.finished:
+            start = time.monotonic()
+            engine.step()
+            slowest = max(slowest, time.monotonic() - start)
+        assert slowest < 0.3 * 2 + 0.2  # at most one deadline per call that was tried, never a hang
+        assert engine.outputs["s0"] == [engine.expected_token(PROMPT + TAIL)]
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    engine.run(set())  # the stores submitted before the stall (if any) are collected
+    time.sleep(0.5)
+    engine.reset_prefix_cache()
+    reports = run_alone(engine, "after", PROMPT + TAIL)
+    assert external_hits(reports, "after") == 64
+
+
+def test_a_daemon_refusing_jobs_costs_hits_never_requests(make_engine):
+    busy = launch.spawn({**DAEMON, "max_jobs_per_client": 1})
+    try:
+        engine = make_engine(busy.config["socket"], num_blocks=256)
+        prompts = {f"q{i}": [i + 1] * 16 + PROMPT for i in range(8)}
+        for req_id, tokens in prompts.items():
+            engine.add(req_id, tokens)
+        engine.run(set(prompts))
+        for req_id, tokens in prompts.items():
+            assert engine.outputs[req_id] == [engine.expected_token(tokens)]
+        assert engine.worker.spec.worker.dropped_stores > 0  # some stores were refused: dropped, counted
+    finally:
+        busy.cleanup()
+
+
+def test_a_submission_whose_answer_was_lost_is_settled_by_a_fence(daemon, make_engine):
+    """The daemon queued a job but its answer never came: the worker must not report it finished
+    (vLLM would reuse its blocks under a running copy) until a fence job proves it ran."""
+    engine = make_engine(daemon.config["socket"])
+    worker = engine.worker.spec.worker
+    real_call, lost = worker._link.call, []
+
+    def lose_the_first_answer(fn):
+        result = real_call(fn)
+        if not lost and isinstance(result, int):  # a submission's job id: drop the answer
+            lost.append(result)
+            raise LinkDown(False, unsure=True)
+        return result
+
+    worker._link.call = lose_the_first_answer
+    run_alone(engine, "A", PROMPT)
+    assert lost and worker.dropped_stores == 0  # settled with the job's own outcome: stored
+    engine.reset_prefix_cache()
+    engine.zero_kv()
+    reports = run_alone(engine, "B", PROMPT + TAIL)
+    assert external_hits(reports, "B") == 64
+    assert engine.outputs["B"] == [engine.expected_token(PROMPT + TAIL)]
+
+
+def test_blocks_evicted_between_lookup_and_load_are_recomputed(daemon, make_engine):
+    engine = make_engine(daemon.config["socket"])
+    run_alone(engine, "A", PROMPT)
+    engine.reset_prefix_cache()
+    engine.zero_kv()
+    engine.add("B", PROMPT + TAIL)
+    engine.step()  # the Lookup: all four blocks are there
+    names = engine.worker.spec.names
+    with Client(daemon.target) as client:  # ... and two are gone before the load runs
+        assert client.delete(engine.offload_keys(PROMPT)[2:], pool_id=names.pool_id(0),
+                             namespace=names.namespace(None)) == 2
+    reports = engine.run({"B"})
+    assert external_hits(reports, "B") == 64 and sum(len(r.load_errors) for r in reports) == 2
+    assert computed(reports, "B") == 32 + len(TAIL)  # exactly the two NOT_FOUND blocks were recomputed
+    assert engine.outputs["B"] == [engine.expected_token(PROMPT + TAIL)]
+    assert pool_stats(daemon, engine).outcomes.get("not_found") == 2
