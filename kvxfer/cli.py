@@ -96,7 +96,23 @@ def _devcheck_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=devcheck.run)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_layout_parser, _devcheck_parser]
+def _client_tool(name: str, text: str) -> Callable[[argparse._SubParsersAction], None]:
+    """A COMMANDS entry for a tool module ``kvxfer.<name>`` that talks to a daemon."""
+
+    def register(sub: argparse._SubParsersAction) -> None:
+        module = importlib.import_module(f"kvxfer.{name}")
+        p = sub.add_parser(name, help=text, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+
+    return register
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _layout_parser, _devcheck_parser,
+    _client_tool("status", "the daemon at a glance: pools, tiers, hit ratio, bandwidth, jobs"),
+    _client_tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)")]
 
 
 def main(argv: list[str] | None = None, commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,

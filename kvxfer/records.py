@@ -75,6 +75,14 @@ class TransferStats:
 
 
 @dataclass(frozen=True)
+class LookupStats:
+    """Keys asked about by Lookup and keys found (leading hits): hit ratio = hits / keys."""
+
+    keys: int = 0
+    hits: int = 0
+
+
+@dataclass(frozen=True)
 class TierStats:
     tier: TierKind
     capacity_blocks: int
@@ -107,3 +115,4 @@ class PoolStats:
     restored: TransferStats
     outcomes: dict[str, int] = field(default_factory=dict)  # per Outcome value: "done", "data_loss", ...
     jobs: JobStats = JobStats()
+    lookups: LookupStats = LookupStats()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.memory.pool import PoolDescriptor, PoolHandle
-from kvxfer.records import JobStats, Medium, Outcome, PoolStats, TierKind, TierStats, TransferStats
+from kvxfer.records import JobStats, LookupStats, Medium, Outcome, PoolStats, TierKind, TierStats, TransferStats
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 OUTCOME_TO_STATUS = {
@@ -64,6 +64,7 @@ def pool_stats_to_pb(s: PoolStats) -> pb.PoolStats:
         offloaded=_transfer_stats(s.offloaded), restored=_transfer_stats(s.restored), outcomes=s.outcomes,
         jobs=pb.JobStats(queued=s.jobs.queued, running=s.jobs.running, unclaimed=s.jobs.unclaimed,
                          completed=s.jobs.completed, cancelled=s.jobs.cancelled, expired=s.jobs.expired),
+        lookup_keys=s.lookups.keys, lookup_hits=s.lookups.hits,
     )
 
 
@@ -75,7 +76,8 @@ def pool_stats_from_pb(m: pb.PoolStats) -> PoolStats:
                    t.evictions, t.slot_bytes) for t in m.tiers],
         TransferStats(m.offloaded.blocks, m.offloaded.bytes, m.offloaded.seconds),
         TransferStats(m.restored.blocks, m.restored.bytes, m.restored.seconds), dict(m.outcomes),
-        JobStats(j.queued, j.running, j.unclaimed, j.completed, j.cancelled, j.expired))
+        JobStats(j.queued, j.running, j.unclaimed, j.completed, j.cancelled, j.expired),
+        LookupStats(m.lookup_keys, m.lookup_hits))
 
 
 def handle_from_pb(msg: pb.PoolHandle) -> PoolHandle:

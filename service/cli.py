@@ -15,7 +15,8 @@ DAEMON_BENCHES = [("daemon", "service.bench_daemon", "throughput and latency thr
 def _serve_command(args: argparse.Namespace) -> int:
     from service import config, server  # the daemon's dependencies load only for `serve`
 
-    overrides = {"socket": args.socket, "listen": args.listen, "log_level": args.log_level}
+    overrides = {"socket": args.socket, "listen": args.listen, "metrics_listen": args.metrics_listen,
+                 "log_level": args.log_level}
     cfg = config.load(args.config, overrides=overrides)
     return server.serve(cfg)
 
@@ -25,6 +26,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="YAML config file (see README: Configuration)")
     p.add_argument("--socket", help="Unix socket path (default /tmp/kvxfer.sock)")
     p.add_argument("--listen", help="HOST:PORT for TCP; needs TLS and a token in the config")
+    p.add_argument("--metrics-listen", help="HOST:PORT of /metrics (default 127.0.0.1:9400; '' turns it off)")
     p.add_argument("--log-level", help="debug, info, warning or error")
     p.set_defaults(func=_serve_command)
 

@@ -55,6 +55,7 @@ class Config:
     socket_mode: int = 0o660
     socket_group: str = ""
     listen: str = ""  # HOST:PORT; needs tls_cert, tls_key and a token
+    metrics_listen: str = "127.0.0.1:9400"  # HOST:PORT of /metrics (Prometheus); "" turns it off
     tls_cert: str = ""
     tls_key: str = ""
     token_file: str = ""
@@ -235,9 +236,11 @@ def validate(config: Config) -> Config:
         resolve_group(config.socket_group or None)
     except InvalidArgument as exc:
         raise ConfigError(f"socket_group: {exc}") from None
+    for name in ("listen", "metrics_listen"):
+        value = getattr(config, name)
+        if value and (not _LISTEN_RE.fullmatch(value) or not 0 < int(value.rsplit(":", 1)[1]) < 65536):
+            raise ConfigError(f"{name}: {shown(value)} must be HOST:PORT (port 1-65535)")
     if config.listen:
-        if not _LISTEN_RE.fullmatch(config.listen) or not 0 < int(config.listen.rsplit(":", 1)[1]) < 65536:
-            raise ConfigError(f"listen: {shown(config.listen)} must be HOST:PORT")
         if not (config.tls_cert and config.tls_key and config.token_file):
             raise ConfigError("listen: a TCP listener needs tls_cert, tls_key and token_file; refusing to "
                               "serve without TLS and a token (use the Unix socket inside the pod)")

@@ -79,7 +79,8 @@ def spawn(config: dict, wait: bool = True, command: list[str] | None = None) -> 
     daemon under another user this way)."""
     workdir = Path(tempfile.mkdtemp(prefix="kx", dir="/tmp"))
     shm_dir = Path(tempfile.mkdtemp(prefix="kx", dir="/dev/shm"))
-    full = {"socket": str(workdir / "d.sock"), **config}
+    # No metrics port unless asked: daemons started side by side would contend for the default one.
+    full = {"socket": str(workdir / "d.sock"), "metrics_listen": "", **config}
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(full))
     log = workdir / "daemon.log"

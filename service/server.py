@@ -21,6 +21,7 @@ import socket
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,12 +29,14 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.fdpass import SUFFIX
+from kvxfer.serving.manager import TransferObserver
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.memory.shm import resolve_group
 from kvxfer.v1 import kvxfer_pb2 as pb
 from service import logs
 from service.config import Config
 from service.fdsocket import DescriptorSocket
+from service.metrics import Metrics
 from service.servicer import KVTransferServicer, RequestLimits, handlers
 
 log = logging.getLogger("kvxfer.server")
@@ -62,8 +65,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return self._deny
 
 
-def create_pools(config: Config) -> PoolRegistry:
-    registry = PoolRegistry(config.limits)
+def create_pools(config: Config, observer: TransferObserver | None = None) -> PoolRegistry:
+    registry = PoolRegistry(config.limits, observer)
     try:
         for pc in config.pools:
             served = registry.create(pc.id, pc.spec, pc.layout, pc.device, pc.host_capacity_mib, pc.cache_group)
@@ -116,7 +119,10 @@ class Daemon:
             claim_socket(config.socket)
             claim_socket(config.socket + SUFFIX)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
-        self.registry = create_pools(config)
+        self.metrics = Metrics()
+        self.registry = create_pools(config, self.metrics.transfers)
+        self.metrics.watch(self.registry)
+        self.metrics_server: WSGIServer | None = None
         self.health = health.aio.HealthServicer()
         c = config
         options = [("grpc.max_receive_message_length", c.max_message_mib << 20),
@@ -127,7 +133,8 @@ class Daemon:
                    ("grpc.max_connection_idle_ms", 600_000),
                    ("grpc.max_concurrent_streams", c.max_streams_per_connection)]
         token = c.token
-        self.server = grpc.aio.server(interceptors=[TokenAuth(token)] if token else [], options=options)
+        interceptors = [self.metrics.grpc, *([TokenAuth(token)] if token else [])]  # metrics see refusals too
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         limits = RequestLimits(c.max_concurrent_rpcs, c.max_batch_blocks, c.max_pools, c.max_queued_jobs)
         self.server.add_generic_rpc_handlers((handlers(KVTransferServicer(self.registry, limits, self.executor)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -158,6 +165,12 @@ class Daemon:
             if not self.server.add_secure_port(c.listen, creds):
                 raise FailedPrecondition(f"cannot listen on {c.listen}")
             self.addresses.append(c.listen)
+        if c.metrics_listen:
+            try:
+                self.metrics_server = self.metrics.serve(c.metrics_listen)
+            except OSError as exc:
+                raise FailedPrecondition(f"metrics_listen: cannot listen on {c.metrics_listen}: {exc.strerror}") \
+                    from None
 
     async def start(self) -> None:
         await self.server.start()
@@ -165,12 +178,14 @@ class Daemon:
             self.fd_socket.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.metrics.serving.set(1)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        log.info("listening", extra={"addresses": self.addresses, "pools": [d.pool_id for d in
-                                                                          self.registry.descriptors()]})
+        log.info("listening", extra={"addresses": self.addresses, "metrics": self.config.metrics_listen or None,
+                                     "pools": [d.pool_id for d in self.registry.descriptors()]})
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
+        self.metrics.serving.set(0)
         log.info("shutting down", extra={"grace_period_s": self.config.grace_period_s})
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -181,6 +196,9 @@ class Daemon:
         log.info("stopped")
 
     def _release(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         if self.fd_socket is not None:
             self.fd_socket.close()
         self.registry.close()

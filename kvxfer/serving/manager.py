@@ -15,12 +15,16 @@ from dataclasses import dataclass
 
 from kvxfer.errors import KvxferError
 from kvxfer.memory.pool import Pool
-from kvxfer.records import LookupResult, Outcome, TierStats, TransferResult, TransferStats
+from kvxfer.records import LookupResult, LookupStats, Outcome, TierStats, TransferResult, TransferStats
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.group import CacheGroup
 from kvxfer.transfer import CopyEngine, engine_for
 from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.validate import check_keys, check_namespace
+
+
+#: Told of each transfer as it ends: its kind and result (bytes, seconds, outcomes).
+TransferObserver = Callable[[TransferKind, TransferResult], None]
 
 
 @dataclass(frozen=True)
@@ -31,15 +35,17 @@ class StoreStats:
     offloaded: TransferStats
     restored: TransferStats
     outcomes: dict[str, int]
+    lookups: LookupStats
 
 
 class PoolManager:
     """Offload, restore, lookup and delete for one pool, over its cache group's tier."""
 
     def __init__(self, pool: Pool, group: CacheGroup | int, engine: CopyEngine | None = None,
-                 verify_on_device: bool = False) -> None:
+                 verify_on_device: bool = False, observer: TransferObserver | None = None) -> None:
         """``group``: the cache group the pool joins, or a capacity in blocks for a group of its own.
-        ``verify_on_device``: a GPU pool verifies restored blocks where they landed (device XXH3)."""
+        ``verify_on_device``: a GPU pool verifies restored blocks where they landed (device XXH3).
+        ``observer``: told of every transfer as it ends (the daemon's metrics)."""
         self.pool = pool
         layout = pool.layout
         if isinstance(group, int):
@@ -52,6 +58,8 @@ class PoolManager:
         self.copier = CheckedCopier(self.engine, self.host)
         self._totals = {TransferKind.OFFLOAD: TransferStats(), TransferKind.RESTORE: TransferStats()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
+        self._lookups = LookupStats()
+        self.observer = observer
         self._lock = threading.Lock()
 
     @property
@@ -70,6 +78,8 @@ class PoolManager:
         with self._lock:
             for name, n in counts:
                 self._outcomes[name] += n
+        if self.observer is not None:
+            self.observer(batch.kind, result)
         return result
 
     def offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]],
@@ -137,6 +147,8 @@ class PoolManager:
         check_keys(keys, unique=False)
         tiers = self.index.tiers_of(namespace, keys)
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        with self._lock:
+            self._lookups = LookupStats(self._lookups.keys + len(keys), self._lookups.hits + hits)
         return LookupResult(hits, tiers)
 
     def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
@@ -150,7 +162,7 @@ class PoolManager:
         tier = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes)
         with self._lock:
             return StoreStats([tier], self._totals[TransferKind.OFFLOAD], self._totals[TransferKind.RESTORE],
-                              dict(self._outcomes))
+                              dict(self._outcomes), self._lookups)
 
     def _count(self, kind: TransferKind, blocks: int, seconds: float) -> int:
         moved = blocks * self.host.slot_bytes

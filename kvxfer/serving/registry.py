@@ -29,7 +29,7 @@ from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.handoff import HandOff, HandOffs, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import KVSpec, Layout
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.manager import PoolManager, TransferObserver
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
 from kvxfer.memory import cuda_mem
@@ -75,7 +75,7 @@ class ServedPool:
     def stats(self) -> PoolStats:
         store = self.manager.stats()
         return PoolStats(self.descriptor.pool_id, self.descriptor.epoch, self.cache_group, store.tiers,
-                         store.offloaded, store.restored, store.outcomes, self.jobs.stats())
+                         store.offloaded, store.restored, store.outcomes, self.jobs.stats(), store.lookups)
 
 
 @dataclass
@@ -89,8 +89,9 @@ class _Group:
 class PoolRegistry:
     """Thread-safe map of pool id -> served pool."""
 
-    def __init__(self, limits: Limits = Limits()) -> None:
+    def __init__(self, limits: Limits = Limits(), observer: TransferObserver | None = None) -> None:
         self.limits = limits
+        self.observer = observer  # told of every transfer of every pool (the daemon's metrics)
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
         self._pools: dict[str, ServedPool] = {}
         self._groups: dict[str, _Group] = {}
@@ -122,7 +123,8 @@ class PoolRegistry:
                                             f"{self.limits.max_cache_groups}")
                 entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
-            manager = PoolManager(pool, entry.group, verify_on_device=self.limits.verify_on_device)
+            manager = PoolManager(pool, entry.group, verify_on_device=self.limits.verify_on_device,
+                                  observer=self.observer)
             self._groups[name] = entry
             entry.pools.add(pool_id)
             entry.idle_since = None

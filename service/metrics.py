@@ -1,0 +1,230 @@
+"""Prometheus metrics on ``metrics_listen`` (``/metrics``): every figure measured, labels bounded.
+
+The daemon's own counters (bytes and blocks as they moved, seconds from the clock
+around each copy and checksum, outcomes, lookups, tier occupancy, jobs) are read at
+scrape time by one collector, so that a scrape and a Stats call can never disagree.
+Per-request histograms (durations, sizes) are observed as each transfer ends; the
+gRPC figures use the names and labels of the Go and Python gRPC interceptors
+(``grpc_server_started_total``, ``grpc_server_handled_total``,
+``grpc_server_handling_seconds``), so existing dashboards work. Labels come only from
+fixed sets: pool, cache_group, tier, direction, outcome, and the gRPC ones
+(grpc_type, grpc_service, grpc_method: the served methods; grpc_code): never a key,
+a namespace or a client id.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Iterator
+from importlib import metadata
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from kvxfer.records import PoolStats, TransferResult
+from kvxfer.serving.batch import TransferKind
+from kvxfer.serving.registry import PoolRegistry
+
+log = logging.getLogger("kvxfer.metrics")
+
+#: Transfer kinds as the ``direction`` label (demote/promote join when lower tiers exist).
+DIRECTION = {TransferKind.OFFLOAD: "offload", TransferKind.RESTORE: "restore"}
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BYTES_BUCKETS = tuple(float(1 << n) for n in range(12, 35, 2))  # 4 KiB .. 16 GiB
+
+
+class TransferObserver:
+    """Per-request histograms, observed when each Offload or Restore (synchronous or a job) ends."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram("kvxfer_transfer_duration_seconds",
+                                  "Seconds one transfer request's copies and checksums took.",
+                                  ["direction"], buckets=SECONDS_BUCKETS, registry=registry)
+        self.size = Histogram("kvxfer_transfer_request_bytes", "Bytes one transfer request moved.",
+                              ["direction"], buckets=BYTES_BUCKETS, registry=registry)
+
+    def __call__(self, kind: TransferKind, result: TransferResult) -> None:
+        direction = DIRECTION[kind]
+        self.duration.labels(direction).observe(result.seconds)
+        self.size.labels(direction).observe(result.bytes)
+
+
+class DaemonCollector(Collector):
+    """The daemon's measured counters, read from its pools at scrape time."""
+
+    def __init__(self, pools: PoolRegistry) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        served = self.pools.served()
+        stats = [s.stats() for s in served]
+        yield from _transfers(stats)
+        yield from _outcomes_and_lookups(stats)
+        yield from _tiers(stats)
+        yield from _jobs(stats)
+        limit = GaugeMetricFamily("kvxfer_jobs_max_queued", "Jobs a pool holds queued or uncollected at most "
+                                  "(max_queued_jobs): beyond it submissions are refused.", labels=["pool"])
+        for s in stats:
+            limit.add_metric([s.pool_id], self.pools.limits.max_queued_jobs)
+        yield limit
+        info = InfoMetricFamily("kvxfer_pool", "Each served pool's geometry, layout and device.",
+                                labels=["pool", "cache_group", "layout", "device", "dtype", "num_layers", "num_blocks",
+                                        "block_size", "num_kv_heads", "head_size", "block_bytes", "registered"])
+        for s in served:
+            d, pool = s.descriptor, s.manager.pool
+            spec = d.spec
+            device = f"cuda:{pool.cuda_device}" if pool.is_cuda else "cpu"
+            info.add_metric([d.pool_id, s.cache_group, d.layout.spelled, device,
+                             str(spec.dtype).removeprefix("torch."), str(spec.num_layers), str(spec.num_blocks),
+                             str(spec.block_size), str(spec.num_kv_heads), str(spec.head_size),
+                             str(spec.block_bytes), str(not d.owned).lower()], {})
+        yield info
+
+
+def _transfers(stats: list[PoolStats]) -> Iterator[Metric]:
+    labels = ["pool", "cache_group", "direction", "tier"]
+    moved = CounterMetricFamily("kvxfer_transfer_bytes", "Bytes copied between a pool and a tier, counted as "
+                                "they moved.", labels=labels)
+    blocks = CounterMetricFamily("kvxfer_transfer_blocks", "Blocks copied between a pool and a tier.", labels=labels)
+    seconds = CounterMetricFamily("kvxfer_transfer_seconds", "Seconds the copies and checksums took (rate(bytes) / "
+                                  "rate(seconds) is the bandwidth while moving).", labels=labels)
+    for s in stats:
+        for direction, t in (("offload", s.offloaded), ("restore", s.restored)):
+            values = [s.pool_id, s.cache_group, direction, "host"]
+            moved.add_metric(values, t.bytes)
+            blocks.add_metric(values, t.blocks)
+            seconds.add_metric(values, t.seconds)
+    yield from (moved, blocks, seconds)
+
+
+def _outcomes_and_lookups(stats: list[PoolStats]) -> Iterator[Metric]:
+    outcomes = CounterMetricFamily("kvxfer_block_outcomes", "Blocks of Offload and Restore requests, by outcome.",
+                                   labels=["pool", "outcome"])
+    asked = CounterMetricFamily("kvxfer_lookup_keys", "Keys asked about by Lookup.", labels=["pool"])
+    hits = CounterMetricFamily("kvxfer_lookup_hits", "Keys Lookup found (leading hits; hit ratio = hits / keys).",
+                               labels=["pool"])
+    for s in stats:
+        for outcome, count in sorted(s.outcomes.items()):
+            outcomes.add_metric([s.pool_id, outcome], count)
+        asked.add_metric([s.pool_id], s.lookups.keys)
+        hits.add_metric([s.pool_id], s.lookups.hits)
+    yield from (outcomes, asked, hits)
+
+
+def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
+    labels = ["cache_group", "tier"]
+    families = {name: GaugeMetricFamily(f"kvxfer_tier_{name}_blocks", text, labels=labels) for name, text in (
+        ("capacity", "Blocks the tier can hold."), ("used", "Tier slots holding a block or being written."),
+        ("ready", "Blocks a restore can read."), ("pinned", "Blocks held by transfers in flight."))}
+    slot = GaugeMetricFamily("kvxfer_tier_slot_bytes", "Bytes of one tier slot (one block).", labels=labels)
+    evictions = CounterMetricFamily("kvxfer_tier_evictions", "Blocks evicted to make room.", labels=labels)
+    seen = set()
+    for s in stats:  # a group's tiers are shared by its pools: once per group
+        for t in s.tiers:
+            if (s.cache_group, t.tier) in seen:
+                continue
+            seen.add((s.cache_group, t.tier))
+            values = [s.cache_group, t.tier.value]
+            for name, value in (("capacity", t.capacity_blocks), ("used", t.used_blocks), ("ready", t.ready_blocks),
+                                ("pinned", t.pinned_blocks)):
+                families[name].add_metric(values, value)
+            slot.add_metric(values, t.slot_bytes)
+            evictions.add_metric(values, t.evictions)
+    yield from (*families.values(), slot, evictions)
+
+
+def _jobs(stats: list[PoolStats]) -> Iterator[Metric]:
+    gauges = {name: GaugeMetricFamily(f"kvxfer_jobs_{name}", text, labels=["pool"]) for name, text in (
+        ("queued", "Asynchronous jobs waiting to run."), ("running", "Jobs running."),
+        ("unclaimed", "Finished jobs not yet collected with WaitJobs."))}
+    counters = {name: CounterMetricFamily(f"kvxfer_jobs_{name}", text, labels=["pool"]) for name, text in (
+        ("completed", "Jobs that ran to the end."), ("cancelled", "Queued jobs cancelled (lease out, pool gone)."),
+        ("leases_expired", "Jobs or results dropped because their client's lease ran out."))}
+    for s in stats:
+        j = s.jobs
+        for name, value in (("queued", j.queued), ("running", j.running), ("unclaimed", j.unclaimed)):
+            gauges[name].add_metric([s.pool_id], value)
+        for name, value in (("completed", j.completed), ("cancelled", j.cancelled), ("leases_expired", j.expired)):
+            counters[name].add_metric([s.pool_id], value)
+    yield from (*gauges.values(), *counters.values())
+
+
+class GrpcMetrics(grpc.aio.ServerInterceptor):
+    """``grpc_server_*`` for every unary RPC the daemon serves (unknown methods are not counted)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.started = Counter("grpc_server_started", "RPCs started on the server.", labels, registry=registry)
+        self.handled = Counter("grpc_server_handled", "RPCs completed on the server, by status code.",
+                               [*labels, "grpc_code"], registry=registry)
+        self.seconds = Histogram("grpc_server_handling_seconds", "Seconds from an RPC's start to its status.",
+                                 labels, buckets=SECONDS_BUCKETS, registry=registry)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        service, _, method = details.method.lstrip("/").partition("/")
+        labels = ("unary", service, method)
+        inner = handler.unary_unary
+
+        async def observed(request, context):
+            self.started.labels(*labels).inc()
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await inner(request, context)
+            except BaseException:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                self.handled.labels(*labels, code.name).inc()
+                self.seconds.labels(*labels).observe(time.perf_counter() - start)
+
+        return grpc.unary_unary_rpc_method_handler(observed, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+class Metrics:
+    """What ``/metrics`` serves: the daemon's figures (once ``watch`` names its pools), the gRPC
+    and per-transfer figures, build information and the process's own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.transfers = TransferObserver(self.registry)
+        self.grpc = GrpcMetrics(self.registry)
+        self.serving = Gauge("kvxfer_serving", "1 while the daemon serves (health SERVING), 0 once it is shutting "
+                             "down.", registry=self.registry)
+        build = InfoMetricFamily("kvxfer_build", "The running build.", labels=[])
+        build.add_metric([], {"version": metadata.version("kvxfer"), "python": platform.python_version(),
+                              "torch": torch.__version__, "grpc": grpc.__version__})
+        self.registry.register(_Static([build]))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+
+    def watch(self, pools: PoolRegistry) -> None:
+        self.registry.register(DaemonCollector(pools))
+
+    def serve(self, listen: str) -> WSGIServer:
+        """Serve ``/metrics`` on ``HOST:PORT`` in a thread; returns the server (``shutdown()`` it)."""
+        host, _, port = listen.rpartition(":")
+        server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        return server
+
+
+class _Static(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._metrics
