@@ -1,0 +1,53 @@
+# kvxfer images (README "Containers and GPUs"). Not built in this repository's CI: no container
+# engine runs there; hadolint checks this file.
+#
+#   docker build --build-arg VARIANT=cpu  -t ghcr.io/kvxfer/kvxfer:0.1.0-cpu  .
+#   docker build --build-arg VARIANT=cuda -t ghcr.io/kvxfer/kvxfer:0.1.0-cuda .
+#   docker build --target vllm-engine     -t ghcr.io/kvxfer/vllm-openai-kvxfer:v0.33.0 .
+ARG VARIANT=cpu
+
+# -- bases: where Python and torch come from ------------------------------------------------
+FROM python:3.11-slim-bookworm AS base-cpu
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+    KVXFER_EXTRAS=""
+
+FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+    KVXFER_EXTRAS="[cu12]"
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+
+# -- the daemon: only kvxfer, its dependencies and an unprivileged user -----------------------
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS kvxfer
+ARG TORCH_VERSION=2.13.0
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvxfer ./kvxfer
+COPY service ./service
+RUN python3 -m venv /opt/kvxfer \
+ && /opt/kvxfer/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+ && /opt/kvxfer/bin/pip install --no-cache-dir "/src${KVXFER_EXTRAS}" \
+ && rm -rf /src \
+ && groupadd --gid 2000 kvxfer \
+ && useradd --uid 1000 --gid 2000 --no-create-home --shell /usr/sbin/nologin kvxfer
+WORKDIR /
+ENV PATH=/opt/kvxfer/bin:${PATH} \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 1000:2000
+# The config (a ConfigMap) and the socket directory (an emptyDir shared with the engine).
+VOLUME ["/etc/kvxfer", "/run/kvxfer"]
+EXPOSE 9400
+ENTRYPOINT ["kvxfer"]
+CMD ["serve", "--config", "/etc/kvxfer/config/kvxfer.yaml"]
+
+# -- vLLM with the kvxfer backend installed (the chart's default engine image) ---------------
+FROM vllm/vllm-openai:v0.33.0 AS vllm-engine
+COPY pyproject.toml README.md /tmp/kvxfer/
+COPY kvxfer /tmp/kvxfer/kvxfer
+COPY service /tmp/kvxfer/service
+# vLLM's own torch stays: kvxfer asks only for torch>=2.4.
+RUN pip install --no-cache-dir /tmp/kvxfer && rm -rf /tmp/kvxfer

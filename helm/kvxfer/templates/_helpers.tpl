@@ -1,0 +1,82 @@
+{{/* Names and labels. */}}
+{{- define "kvxfer.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvxfer.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "kvxfer.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvxfer.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvxfer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvxfer.labels" -}}
+{{ include "kvxfer.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvxfer.socketPath" -}}
+{{- printf "%s/kvxfer.sock" .Values.kvxfer.socketDir -}}
+{{- end -}}
+
+{{- define "kvxfer.secretName" -}}
+{{- printf "%s-secret" (include "kvxfer.fullname" .) -}}
+{{- end -}}
+
+{{/* The daemon's config file: the values' config plus what the chart decides (socket, TLS, token). */}}
+{{- define "kvxfer.config" -}}
+{{- $c := deepCopy .Values.kvxfer.config -}}
+{{- $_ := set $c "socket" (include "kvxfer.socketPath" .) -}}
+{{- $_ := set $c "socket_mode" "0660" -}}
+{{- $_ := set $c "socket_group" (toString .Values.kvxfer.fsGroup) -}}
+{{- if .Values.kvxfer.tcp.enabled -}}
+{{- $_ := set $c "listen" (printf "0.0.0.0:%d" (int .Values.kvxfer.tcp.port)) -}}
+{{- $_ := set $c "tls_cert" "/etc/kvxfer/tls/tls.crt" -}}
+{{- $_ := set $c "tls_key" "/etc/kvxfer/tls/tls.key" -}}
+{{- end -}}
+{{- if or .Values.kvxfer.tcp.enabled .Values.kvxfer.token.existingSecret .Values.kvxfer.token.value -}}
+{{- $_ := set $c "token_file" "/etc/kvxfer/token/token" -}}
+{{- end -}}
+{{- toYaml $c -}}
+{{- end -}}
+
+{{/* MiB of /dev/shm: every pool's bytes and host tier, the registered pools' tiers, a margin. */}}
+{{- define "kvxfer.shmSizeMiB" -}}
+{{- $sizes := dict "float16" 2 "bfloat16" 2 "float32" 4 "float8_e4m3fn" 1 "float8_e5m2" 1 "int8" 1 "uint8" 1 -}}
+{{- $total := int .Values.kvxfer.shmMarginMiB -}}
+{{- range .Values.kvxfer.config.pools -}}
+{{- $s := .spec -}}
+{{- $bytes := mul $s.num_layers $s.num_blocks $s.block_size $s.num_kv_heads $s.head_size 2 (get $sizes $s.dtype) -}}
+{{- $total = add $total (div (add $bytes 1048575) 1048576) (int (ceil .host_capacity_mib)) -}}
+{{- end -}}
+{{- $registered := int (default 512 .Values.kvxfer.config.registered_host_capacity_mib) -}}
+{{- $total = add $total (mul $registered (int .Values.kvxfer.registeredPools)) -}}
+{{- $total -}}
+{{- end -}}
+
+{{- define "kvxfer.image" -}}
+{{- $i := .Values.kvxfer.image -}}
+{{- $variant := ternary $i.variant "cuda" (eq .Values.gpu.mode "none") -}}
+{{- printf "%s:%s-%s" $i.repository $i.tag $variant -}}
+{{- end -}}
+
+{{/* The --kv-transfer-config vLLM needs for this sidecar (README "vLLM"). */}}
+{{- define "kvxfer.kvTransferConfig" -}}
+{{- dict "kv_connector" "KvxferConnector" "kv_connector_module_path" "kvxfer.integrations.vllm" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" (dict "socket" (include "kvxfer.socketPath" .)) | toJson -}}
+{{- end -}}
+
+{{/* The GPU claim a container joins (gpu.mode dra). */}}
+{{- define "kvxfer.draClaims" -}}
+{{- if eq .Values.gpu.mode "dra" }}
+claims:
+  - name: gpu
+{{- end }}
+{{- end -}}

