@@ -32,6 +32,7 @@ class TierKind(enum.Enum):
     """Where a stored block lives."""
 
     HOST = "host"
+    DISK = "disk"
 
 
 class Medium(enum.Enum):
@@ -91,6 +92,8 @@ class TierStats:
     pinned_blocks: int
     evictions: int
     slot_bytes: int
+    degraded: bool = False  # an I/O error: the tier skips what fails and the host path goes on
+    events: dict[str, int] = field(default_factory=dict)  # lower tiers: demoted, promoted, corrupt, ...
 
 
 @dataclass(frozen=True)

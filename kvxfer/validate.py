@@ -18,7 +18,8 @@ MAX_KEY_BYTES = 256
 MAX_BATCH_BLOCKS = 65536
 SHOWN_CHARS = 48
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}")
-POOL_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # pool ids and cache group names
+# Pool ids and cache group names (a group's disk tier is a directory of that name: never . or ..).
+POOL_ID_RE = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,64}")
 
 
 def shown(value: object, limit: int = SHOWN_CHARS) -> str:

@@ -16,6 +16,7 @@ import yaml
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
+from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.registry import Limits, capacity_blocks
 from kvxfer.memory.shm import resolve_group
 from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
@@ -78,12 +79,13 @@ class Config:
     log_level: str = "info"
     log_format: str = "json"
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
+    disk: DiskSettings | None = None  # every cache group's disk tier; absent: none
 
     @property
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
-                      self.max_jobs_per_client, self.cache_group_retention_s, self.verify_on_device)
+                      self.max_jobs_per_client, self.cache_group_retention_s, self.verify_on_device, self.disk)
 
     @property
     def token(self) -> str:
@@ -92,7 +94,8 @@ class Config:
         return Path(self.token_file).read_text().strip()
 
 
-_SCALARS = {f.name: f for f in fields(Config) if f.name != "pools"}
+_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("pools", "disk")}
+_DISK_KEYS = {"path", "capacity_gib", "queue_blocks", "workers"}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _ENV_PREFIX = "KVXFER_"
@@ -178,9 +181,9 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: must be a mapping")
         raw = dict(loaded or {})
-    unknown = set(raw) - set(_SCALARS) - {"pools"}
+    unknown = set(raw) - set(_SCALARS) - {"pools", "disk"}
     if unknown:
-        raise ConfigError(f"unknown settings {sorted(unknown)}; allowed: {sorted([*_SCALARS, 'pools'])}")
+        raise ConfigError(f"unknown settings {sorted(unknown)}; allowed: {sorted([*_SCALARS, 'pools', 'disk'])}")
     env = os.environ if env is None else env
     for name in _SCALARS:
         if _ENV_PREFIX + name.upper() in env:
@@ -197,7 +200,38 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     pools = tuple(_pool(p, i) for i, p in enumerate(pools_raw))
     if len({p.id for p in pools}) != len(pools):
         raise ConfigError("pools: ids must be unique")
-    return validate(replace(Config(), **values, pools=pools))
+    return validate(replace(Config(), **values, pools=pools, disk=_disk(raw.get("disk"))))
+
+
+def _disk(raw) -> DiskSettings | None:
+    """The ``disk`` section: one directory per cache group under ``path``, ``capacity_gib`` each."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError("disk: must be a mapping with path and capacity_gib")
+    unknown = set(raw) - _DISK_KEYS
+    if unknown:
+        raise ConfigError(f"disk: unknown keys {sorted(unknown)}; allowed: {sorted(_DISK_KEYS)}")
+    path = raw.get("path")
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ConfigError(f"disk.path: must be an absolute path, got {shown(path)}")
+    capacity = raw.get("capacity_gib")
+    if isinstance(capacity, bool) or not isinstance(capacity, int | float) or not 0 < capacity <= 1 << 20:
+        raise ConfigError(f"disk.capacity_gib: must be a positive number (per cache group), got {shown(capacity)}")
+    bounded = {}
+    for key, default, top in (("queue_blocks", 256, 65536), ("workers", 4, 64)):
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise ConfigError(f"disk.{key}: must be an integer in [1, {top}], got {shown(value)}")
+        bounded[key] = value
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / f".kvxfer-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"disk.path: {shown(path)} is not a writable directory ({exc.strerror})") from None
+    return DiskSettings(path, int(capacity * (1 << 30)), bounded["queue_blocks"], bounded["workers"])
 
 
 def validate(config: Config) -> Config:

@@ -125,8 +125,14 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
     families = {name: GaugeMetricFamily(f"kvxfer_tier_{name}_blocks", text, labels=labels) for name, text in (
         ("capacity", "Blocks the tier can hold."), ("used", "Tier slots holding a block or being written."),
         ("ready", "Blocks a restore can read."), ("pinned", "Blocks held by transfers in flight."))}
-    slot = GaugeMetricFamily("kvxfer_tier_slot_bytes", "Bytes of one tier slot (one block).", labels=labels)
+    slot = GaugeMetricFamily("kvxfer_tier_slot_bytes", "Bytes of one tier slot (one block; on disk, its header "
+                             "included).", labels=labels)
     evictions = CounterMetricFamily("kvxfer_tier_evictions", "Blocks evicted to make room.", labels=labels)
+    degraded = GaugeMetricFamily("kvxfer_tier_degraded", "1 once the tier hit an I/O error (it skips what fails).",
+                                 labels=labels)
+    events = CounterMetricFamily("kvxfer_tier_events", "Lower-tier events: demoted, demotions_dropped, promoted, "
+                                 "corrupt, read_errors, write_errors, dropped_at_start_<reason>, ...",
+                                 labels=[*labels, "event"])
     seen = set()
     for s in stats:  # a group's tiers are shared by its pools: once per group
         for t in s.tiers:
@@ -139,7 +145,10 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
                 families[name].add_metric(values, value)
             slot.add_metric(values, t.slot_bytes)
             evictions.add_metric(values, t.evictions)
-    yield from (*families.values(), slot, evictions)
+            degraded.add_metric(values, int(t.degraded))
+            for event, n in sorted(t.events.items()):
+                events.add_metric([*values, event], n)
+    yield from (*families.values(), slot, evictions, degraded, events)
 
 
 def _jobs(stats: list[PoolStats]) -> Iterator[Metric]:

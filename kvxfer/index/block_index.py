@@ -40,6 +40,7 @@ class Victim:
     key: bytes
     tier: TierKind
     checksum: int
+    slot: int  # the tier slot it held (reused by the batch that evicted it: copy its bytes first)
 
 
 @dataclass
@@ -162,6 +163,36 @@ class BlockIndex:
                     self._lru.add(entry)  # most recently used
             self._slots.release_many(free)
 
+    # -- rebuilding and trimming -------------------------------------------------
+    def adopt(self, namespace: str, key: bytes, slot: int, checksum: int) -> bool:
+        """A complete entry for a block the tier holds already (an index rebuilt at start;
+        the slot is claimed already), most recent last. False if the key is there already."""
+        with self._lock:
+            space = self._spaces.setdefault(namespace, {})
+            if key in space:
+                return False
+            entry = space[key] = Entry(namespace, key, self.tier, slot, checksum, True, 0, False)
+            self._ready += 1
+            self._lru.add(entry)
+            return True
+
+    def evict(self, n: int) -> list[Victim]:
+        """Drop up to ``n`` least recently used unpinned entries (a full device); returns them."""
+        with self._lock:
+            victims: list[Victim] = []
+            free: list[int] = []
+            while len(victims) < n and (victim := self._lru.victim()) is not None:
+                self._evictions += 1
+                victims.append(Victim(victim.namespace, victim.key, victim.tier, victim.checksum, victim.slot))
+                self._drop(victim, free)
+            self._slots.release_many(free)
+            return victims
+
+    def entries(self) -> list[tuple[str, bytes, int, int]]:
+        """(namespace, key, slot, checksum) of every complete entry, least recently used first."""
+        with self._lock:
+            return [(e.namespace, e.key, e.slot, e.checksum) for e in self._lru.ordered()]
+
     # -- queries ---------------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
         return [t is not None for t in self.tiers_of(namespace, keys)]
@@ -205,7 +236,7 @@ class BlockIndex:
             free: list[int] = []
             while self._slots.free + len(free) < n and (victim := self._lru.victim()) is not None:
                 self._evictions += 1
-                evicted.append(Victim(victim.namespace, victim.key, victim.tier, victim.checksum))
+                evicted.append(Victim(victim.namespace, victim.key, victim.tier, victim.checksum, victim.slot))
                 self._drop(victim, free)
             self._slots.release_many(free)
         return self._slots.allocate(min(n, self._slots.free)) or []

@@ -27,6 +27,10 @@ class EvictionPolicy(ABC):
         """Remove and return the entry to evict next, or None if there is none."""
 
     @abstractmethod
+    def ordered(self) -> list[Hashable]:
+        """Every entry, the next victim first."""
+
+    @abstractmethod
     def __contains__(self, entry: Hashable) -> bool: ...
 
     @abstractmethod
@@ -48,6 +52,9 @@ class LRU(EvictionPolicy):
 
     def victim(self) -> Hashable | None:
         return self._order.popitem(last=False)[0] if self._order else None
+
+    def ordered(self) -> list[Hashable]:
+        return list(self._order)
 
     def __contains__(self, entry: Hashable) -> bool:
         return entry in self._order

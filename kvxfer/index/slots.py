@@ -47,6 +47,21 @@ class SlotAllocator:
             slots += self._take(i, min(self._lengths[i], n - len(slots)))
         return slots
 
+    def claim(self, slots: list[int]) -> None:
+        """Mark ``slots`` used on a fresh allocator (an index rebuilt from what a tier holds)."""
+        if self._free != self.capacity:
+            raise Internal("claim is for a fresh allocator")
+        taken = sorted(set(slots))
+        if taken and not (0 <= taken[0] and taken[-1] < self.capacity):
+            raise Internal(f"claimed slots out of range [0, {self.capacity})")
+        self._starts, self._lengths, start = [], [], 0
+        for slot in [*taken, self.capacity]:
+            if slot > start:
+                self._starts.append(start)
+                self._lengths.append(slot - start)
+            start = slot + 1
+        self._free = self.capacity - len(taken)
+
     def _take(self, i: int, n: int) -> list[int]:
         start = self._starts[i]
         if self._lengths[i] == n:

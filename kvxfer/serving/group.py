@@ -9,11 +9,15 @@ Pools join a group only if their blocks have the same format byte for byte.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PoolLayout, dtype_name
-from kvxfer.index.block_index import BlockIndex
+from kvxfer.index.block_index import BlockIndex, Plan
+from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.serving.disk_store import DiskSettings, DiskStore
 from kvxfer.tiers.host import HostTier
 
 
@@ -35,13 +39,74 @@ class BlockFormat:
 
 
 class CacheGroup:
-    """One host tier and the index over it."""
+    """One host tier and the index over it, and the disk tier below it when there is one."""
 
-    def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None) -> None:
+    def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
+                 disk: DiskSettings | None = None) -> None:
         self.name = name
         self.format = BlockFormat.of(layout)
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
         self.index = BlockIndex(self.host.kind, self.host.slots)
+        # Held from a batch's slot reservation until the blocks it evicted are copied out of
+        # their slots (demotion): no other batch may write those slots before.
+        self.store_lock = threading.Lock()
+        self.disk = DiskStore(disk, name, self.format, layout.block_bytes) if disk is not None else None
+
+    def prepare_store(self, namespace: str, keys: list[bytes]) -> Plan:
+        """Host slots for new keys; the blocks evicted to make room go to the disk tier."""
+        with self.store_lock:
+            plan = self.index.prepare_store(namespace, keys)
+            if self.disk is not None and plan.evicted:
+                self.disk.stage(plan.evicted, self.host)
+            return plan
+
+    def promote(self, namespace: str, keys: list[bytes]) -> dict[bytes, Outcome]:
+        """Bring the named keys up from disk; returns those that failed (DATA_LOSS or FAILED)."""
+        if self.disk is None:
+            return {}
+        return self.disk.promote(namespace, keys, self.host, self.index, self.store_lock)
+
+    def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
+        tiers = self.index.tiers_of(namespace, keys)
+        if self.disk is None or all(tiers):
+            return tiers
+        lower = self.disk.tiers_of(namespace, keys)
+        return [t or d for t, d in zip(tiers, lower)]
+
+    def delete(self, namespace: str, keys: list[bytes]) -> int:
+        removed = self.index.delete(namespace, keys)
+        return removed + (self.disk.delete(namespace, keys) if self.disk is not None else 0)
+
+    def tier_stats(self) -> list[TierStats]:
+        i = self.index.stats()
+        host = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes)
+        return [host] + ([self.disk.stats()] if self.disk is not None else [])
+
+    def demote_all(self, timeout: float) -> int:
+        """Write the host tier's blocks that are not on disk yet, most recent first, for up
+        to ``timeout`` seconds (a rolling restart keeps the cache warm); returns how many."""
+        if self.disk is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        written = 0
+        pending = [e for e in reversed(self.index.entries())]
+        while pending and time.monotonic() < deadline:
+            batch, pending = pending[:64], pending[64:]
+            by_ns: dict[str, list] = {}
+            for namespace, key, slot, checksum in batch:
+                by_ns.setdefault(namespace, []).append((key, slot, checksum))
+            for namespace, items in by_ns.items():
+                plan = self.index.prepare_load(namespace, [k for k, _, _ in items])  # pinned: not reused meanwhile
+                try:
+                    written += self.disk.write_now(namespace, [(e.key, e.checksum, self.host.buffer[e.slot])
+                                                               for e in plan.entries])
+                finally:
+                    self.index.complete_load(plan.entries)
+        return written
+
+    def close(self, timeout: float = 0.0) -> None:
+        if self.disk is not None:
+            self.disk.close(timeout)
 
     def check_joins(self, layout: PoolLayout) -> None:
         """Refuse a pool whose blocks are not byte-compatible with this group's."""

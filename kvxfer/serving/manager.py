@@ -17,6 +17,7 @@ from kvxfer.errors import KvxferError
 from kvxfer.memory.pool import Pool
 from kvxfer.records import LookupResult, LookupStats, Outcome, TierStats, TransferResult, TransferStats
 from kvxfer.serving.batch import TransferBatch, TransferKind
+from kvxfer.index.block_index import Plan
 from kvxfer.serving.group import CacheGroup
 from kvxfer.transfer import CopyEngine, engine_for
 from kvxfer.transfer.pipeline import CheckedCopier
@@ -93,7 +94,7 @@ class PoolManager:
         return self.run(TransferBatch.restore(namespace, pairs, self.num_blocks), cancelled)
 
     def _offload(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
-        plan = self.index.prepare_store(batch.namespace, batch.keys)
+        plan = self.group.prepare_store(batch.namespace, batch.keys)
         entries = plan.entries
         checksums: list[int | None] = [None] * len(entries)
         moved, seconds = 0, 0.0
@@ -116,8 +117,22 @@ class PoolManager:
             self.index.complete_store(entries, checksums)  # None checksums: never visible
         return TransferResult(plan.outcomes, moved, seconds)
 
+    def _prepare_load(self, namespace: str, keys: list[bytes]) -> Plan:
+        """Pin the host tier's blocks of the batch, then bring the others up from disk and pin them too."""
+        plan = self.index.prepare_load(namespace, keys)
+        missing = [i for i, o in enumerate(plan.outcomes) if o is Outcome.NOT_FOUND]
+        if not missing or self.group.disk is None:
+            return plan
+        lost = self.group.promote(namespace, [keys[i] for i in missing])  # may evict: ours are pinned
+        more = self.index.prepare_load(namespace, [keys[i] for i in missing])
+        for j, i in enumerate(missing):
+            plan.outcomes[i] = lost.get(keys[i], more.outcomes[j])
+        plan.entries += more.entries
+        plan.positions += [missing[j] for j in more.positions]
+        return plan
+
     def _restore(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
-        plan = self.index.prepare_load(batch.namespace, batch.keys)
+        plan = self._prepare_load(batch.namespace, batch.keys)
         entries, positions = plan.entries, plan.positions
         corrupt: set[int] = set()
         moved, seconds = 0, 0.0
@@ -145,7 +160,7 @@ class PoolManager:
         check_namespace(namespace)
         keys = [bytes(k) for k in keys]
         check_keys(keys, unique=False)
-        tiers = self.index.tiers_of(namespace, keys)
+        tiers = self.group.tiers_of(namespace, keys)
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         with self._lock:
             self._lookups = LookupStats(self._lookups.keys + len(keys), self._lookups.hits + hits)
@@ -155,13 +170,12 @@ class PoolManager:
         check_namespace(namespace)
         keys = [bytes(k) for k in keys]
         check_keys(keys, unique=False)
-        return self.index.delete(namespace, keys)
+        return self.group.delete(namespace, keys)
 
     def stats(self) -> StoreStats:
-        i = self.index.stats()
-        tier = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes)
+        tiers = self.group.tier_stats()
         with self._lock:
-            return StoreStats([tier], self._totals[TransferKind.OFFLOAD], self._totals[TransferKind.RESTORE],
+            return StoreStats(tiers, self._totals[TransferKind.OFFLOAD], self._totals[TransferKind.RESTORE],
                               dict(self._outcomes), self._lookups)
 
     def _count(self, kind: TransferKind, blocks: int, seconds: float) -> int:

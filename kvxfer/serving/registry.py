@@ -29,6 +29,7 @@ from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.handoff import HandOff, HandOffs, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.manager import PoolManager, TransferObserver
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
@@ -55,6 +56,7 @@ class Limits:
     max_jobs_per_client: int = 64  # queued + uncollected jobs of one client_id on one pool
     cache_group_retention_s: float = 300.0  # a group without pools keeps its blocks this long
     verify_on_device: bool = False  # GPU pools: verify restores where they land (device XXH3)
+    disk: DiskSettings | None = None  # every cache group's disk tier (None: no disk tier)
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class PoolRegistry:
                 if len(self._groups) >= self.limits.max_cache_groups:
                     raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
                                             f"{self.limits.max_cache_groups}")
-                entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device), owner)
+                entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device,
+                                          disk=self.limits.disk), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
             manager = PoolManager(pool, entry.group, verify_on_device=self.limits.verify_on_device,
                                   observer=self.observer)
@@ -280,12 +283,21 @@ class PoolRegistry:
             return self._sweep(time.monotonic())
 
     def close(self, drain_timeout: float = 0.0) -> None:
-        """Stop every pool's jobs and release every pool (owned pool files are removed)."""
+        """Stop every pool's jobs, write the host tiers to their disk tiers (for up to
+        ``drain_timeout``), and release every pool (owned pool files are removed)."""
         with self._lock:
             served, self._pools = list(self._pools.values()), {}
+            groups = [e.group for e in self._groups.values()]
             self._groups.clear()
         for s in served:
             s.jobs.close(drain_timeout)
+        deadline = time.monotonic() + drain_timeout
+        for group in groups:
+            demoted = group.demote_all(max(0.0, deadline - time.monotonic()))
+            group.close(max(0.0, deadline - time.monotonic()))
+            if group.disk is not None:
+                log.info("host tier written to disk", extra={"cache_group": group.name, "blocks": demoted})
+        for s in served:
             s.manager.pool.close()
         self.handoffs.close()
 
@@ -308,7 +320,7 @@ class PoolRegistry:
         if force_room and len(self._groups) - len(gone) >= self.limits.max_cache_groups:
             gone += [name for _, name in idle if name not in gone][:1]
         for name in gone:
-            del self._groups[name]  # its host tier is freed with the last reference
+            self._groups.pop(name).group.close()  # its host tier is freed with the last reference
         if gone:
             log.info("cache groups released", extra={"cache_groups": gone})
         return gone

@@ -38,11 +38,14 @@ class HostTier(Tier):
             weakref.finalize(self, gpu.unpin, self.buffer.data_ptr())
 
     def write(self, slot: int, data: memoryview) -> None:
+        """Store one block's bytes (``slot_bytes`` of them) in ``slot``."""
         self._rows[slot] = np.frombuffer(data, dtype=np.uint8)
 
     def read(self, slot: int) -> memoryview:
+        """One slot's bytes (valid until the slot is freed)."""
         return memoryview(self._rows[slot])
 
     def checksums(self, slots: list[int]) -> list[int]:
+        """The block checksum (kvxfer.geometry.checksum) of each slot's bytes."""
         rows = self._rows
         return rows_checksums(rows[slot] for slot in slots)

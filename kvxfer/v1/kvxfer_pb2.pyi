@@ -226,7 +226,14 @@ class StatsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_blocks", "used_blocks", "ready_blocks", "pinned_blocks", "evictions", "slot_bytes")
+    __slots__ = ("tier", "capacity_blocks", "used_blocks", "ready_blocks", "pinned_blocks", "evictions", "slot_bytes", "degraded", "events")
+    class EventsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +241,8 @@ class TierStats(_message.Message):
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_blocks: int
     used_blocks: int
@@ -241,7 +250,9 @@ class TierStats(_message.Message):
     pinned_blocks: int
     evictions: int
     slot_bytes: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., ready_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    degraded: bool
+    events: _containers.ScalarMap[str, int]
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., ready_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., degraded: _Optional[bool] = ..., events: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("blocks", "bytes", "seconds")

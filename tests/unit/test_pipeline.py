@@ -82,6 +82,9 @@ class MostRecentFirst(EvictionPolicy):
     def victim(self):
         return self.order.pop() if self.order else None
 
+    def ordered(self):
+        return self.order[::-1]
+
     def __contains__(self, entry):
         return entry in self.order
 

@@ -1,0 +1,283 @@
+"""A cache group's disk tier: demotion on its own thread, promotion on restore, the index rebuilt at start.
+
+Demotion. A block the host tier evicts is copied out of its host slot into a staging
+buffer at once (the slot is reused by the very batch that evicted it) and queued; a
+writer thread makes it durable (``DiskTier.write_batch``) and only then publishes it
+in the disk index. The queue is bounded (``queue_blocks``): when it is full the block
+is dropped and counted, so an offload never waits on the disk. A full device (ENOSPC)
+evicts the disk's least recently used blocks and retries once; any other I/O error
+skips the block, counts it and marks the tier degraded; the host path goes on.
+
+Promotion. A restore of keys the host tier does not hold asks here: the disk blocks
+are pinned, host slots reserved (evicting, and so demoting, others), the files read
+straight into those host slots on the reader threads and checked against their
+checksum; good blocks are published in the host tier (the restore then copies them as
+any host block), a block whose bytes are wrong is DATA_LOSS: its file is removed.
+Reads in flight are bounded too: past the bound, keys are left to the host tier alone
+(NOT_FOUND).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvxfer.errors import FailedPrecondition, InvalidArgument
+from kvxfer.index.block_index import BlockIndex, Victim
+from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskCorrupt, DiskTier
+from kvxfer.tiers.host import HostTier
+
+log = logging.getLogger(__name__)
+BATCH = 64  # blocks made durable per directory fsync
+
+
+@dataclass(frozen=True)
+class DiskSettings:
+    """The disk tier of every cache group: ``<path>/<cache group>/``, ``capacity_bytes`` each."""
+
+    path: str
+    capacity_bytes: int  # per cache group, headers included
+    queue_blocks: int = 256  # demotions staged in memory (and promotion reads in flight) at most
+    workers: int = 4  # threads reading blocks for restores
+
+
+@dataclass
+class _Staged:
+    namespace: str
+    key: bytes
+    checksum: int
+    data: torch.Tensor  # a copy of the block: the host slot it came from is reused
+
+
+class DiskStore:
+    """One cache group's disk tier, its index and its workers."""
+
+    def __init__(self, settings: DiskSettings, group: str, block_format: object, slot_bytes: int) -> None:
+        capacity = settings.capacity_bytes // (HEADER_BYTES + slot_bytes)
+        if capacity < 1:
+            raise InvalidArgument(f"disk capacity {settings.capacity_bytes} bytes holds no block of "
+                                  f"{HEADER_BYTES + slot_bytes} bytes")
+        fingerprint = hashlib.sha256(repr(block_format).encode()).digest()
+        self.tier = DiskTier(Path(settings.path) / group, capacity, slot_bytes, fingerprint)
+        self._lock_fd = _lock_directory(self.tier.directory)  # one store per directory, in any process
+        self.index = BlockIndex(TierKind.DISK, self.tier.slots)
+        self.events: Counter = Counter()
+        self._events_lock = threading.Lock()
+        self.degraded = False
+        self.index_seconds = self._rebuild()
+        self._reads = threading.BoundedSemaphore(settings.queue_blocks)
+        self._queue: queue.Queue[_Staged | None] = queue.Queue(settings.queue_blocks)
+        self._readers = ThreadPoolExecutor(settings.workers, thread_name_prefix=f"kvxfer-disk-read-{group}")
+        self._writer = threading.Thread(target=self._write_loop, name=f"kvxfer-disk-write-{group}", daemon=True)
+        self._writer.start()
+
+    def _rebuild(self) -> float:
+        """The index from the files there, oldest first; invalid files are removed and counted."""
+        start = time.perf_counter()
+        found, dropped = self.tier.scan()
+        self.tier.slots.claim([s.slot for s in found])
+        for reason, n in dropped.items():
+            self._count(f"dropped_at_start_{reason}", n)
+        for stored in found:
+            if not self.index.adopt(stored.namespace, stored.key, stored.slot, stored.checksum):
+                self.tier.discard(stored.slot)  # a second file of one key: keep the older
+                self.tier.slots.release_many([stored.slot])
+                self._count("dropped_at_start_duplicate", 1)
+        self._count("found_at_start", len(found))
+        return time.perf_counter() - start
+
+    # -- demotion ----------------------------------------------------------------
+    def stage(self, victims: list[Victim], host: HostTier) -> None:
+        """Copy blocks the host tier evicted out of their slots and queue them for the disk.
+        Call before the slots are written again (the group's store lock held)."""
+        for victim in victims:
+            if self.index.contains(victim.namespace, [victim.key])[0]:
+                continue  # on disk already
+            try:
+                self._queue.put_nowait(_Staged(victim.namespace, victim.key, victim.checksum,
+                                               host.buffer[victim.slot].clone()))
+            except queue.Full:
+                self._count("demotions_dropped", 1)
+
+    def _write_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                self._queue.task_done()
+                os.close(self._lock_fd)  # the directory is free for the next store
+                return
+            batch = [first]
+            while len(batch) < BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)  # stop after this batch
+                    break
+                batch.append(item)
+            try:
+                self.write(batch)
+            except Exception:  # a bug: the writer must not die (and silently stop demoting)
+                log.exception("disk write batch failed")
+                self._count("write_errors", len(batch))
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def write_now(self, namespace: str, blocks: list[tuple[bytes, int, torch.Tensor]]) -> int:
+        """Write (key, checksum, bytes) blocks not on disk yet, on this thread; returns how many were."""
+        present = self.index.contains(namespace, [k for k, _, _ in blocks])
+        staged = [_Staged(namespace, k, c, data) for (k, c, data), there in zip(blocks, present) if not there]
+        return self.write(staged)
+
+    def write(self, staged: list[_Staged]) -> int:
+        """Make blocks durable and publish them in the disk index; returns how many were."""
+        written = 0
+        for namespace in dict.fromkeys(s.namespace for s in staged):
+            items = {s.key: s for s in staged if s.namespace == namespace}
+            plan = self.index.prepare_store(namespace, list(items))
+            self._count("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
+            blocks = [Block(e.slot, namespace, e.key, items[e.key].checksum,
+                            memoryview(items[e.key].data.numpy())) for e in plan.entries]
+            errors = self.tier.write_batch(blocks)
+            full = [i for i, err in enumerate(errors) if err is not None and err.errno == errno.ENOSPC]
+            if full:  # the device is fuller than the quota: make room, try once more
+                for victim in self.index.evict(len(full)):
+                    self.tier.discard(victim.slot)
+                self._count("evicted_for_space", len(full))
+                for i, err in zip(full, self.tier.write_batch([blocks[i] for i in full])):
+                    errors[i] = err
+            checksums = []
+            for block, err in zip(blocks, errors):
+                if err is None:
+                    checksums.append(block.checksum)
+                    self._count("demoted", 1)
+                    written += 1
+                else:
+                    checksums.append(None)
+                    self._count("write_errors", 1)
+                    if err.errno != errno.ENOSPC:
+                        self._degrade("write", err)
+            self.index.complete_store(plan.entries, checksums)
+        return written
+
+    # -- promotion ---------------------------------------------------------------
+    def promote(self, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
+                store_lock: threading.Lock) -> dict[bytes, Outcome]:
+        """Move the named blocks the disk holds into the host tier; returns the keys that
+        failed: DATA_LOSS (wrong bytes: the file is removed) or FAILED (the device failed)."""
+        plan = self.index.prepare_load(namespace, keys)
+        if not plan.entries:
+            return {}
+        with store_lock:
+            host_plan = host_index.prepare_store(namespace, [e.key for e in plan.entries])
+            self.stage(host_plan.evicted, host)
+        targets = {e.key: e for e in host_plan.entries}
+        reads = []
+        for j, entry in enumerate(plan.entries):
+            target = targets.get(entry.key)
+            if target is None or not self._reads.acquire(blocking=False):
+                continue  # in the host tier meanwhile, or too many reads in flight: left to the host tier
+            out = memoryview(host.buffer[target.slot].numpy())
+            reads.append((j, entry, target, self._readers.submit(self._read, entry, out)))
+        failed: dict[bytes, Outcome] = {}
+        corrupt: set[int] = set()
+        checksums: dict[int, int] = {}
+        for j, entry, target, future in reads:
+            verdict = future.result()
+            if verdict is Outcome.DONE:
+                checksums[id(target)] = entry.checksum
+                self._count("promoted", 1)
+            else:
+                failed[entry.key] = verdict
+                if verdict is Outcome.DATA_LOSS:
+                    corrupt.add(j)
+        host_index.complete_store(host_plan.entries, [checksums.get(id(e)) for e in host_plan.entries])
+        self.index.complete_load(plan.entries, corrupt)
+        return failed
+
+    def _read(self, entry, out: memoryview) -> Outcome:
+        try:
+            self.tier.read_into(entry.slot, entry.namespace, entry.key, entry.checksum, out)
+            return Outcome.DONE
+        except DiskCorrupt:
+            self._count("corrupt", 1)
+            self.tier.discard(entry.slot)  # before complete_load frees the slot for another block
+            return Outcome.DATA_LOSS
+        except OSError as exc:
+            self._count("read_errors", 1)
+            self._degrade("read", exc)
+            return Outcome.FAILED
+        finally:
+            self._reads.release()
+
+    # -- the rest ------------------------------------------------------------------
+    def delete(self, namespace: str, keys: list[bytes]) -> int:
+        plan = self.index.prepare_load(namespace, keys)
+        for entry in plan.entries:
+            self.tier.discard(entry.slot)  # a deleted key must not come back after a restart
+        self.index.complete_load(plan.entries, set(range(len(plan.entries))))
+        return len(plan.entries)
+
+    def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
+        return self.index.tiers_of(namespace, keys)
+
+    def stats(self) -> TierStats:
+        i = self.index.stats()
+        return TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.tier.file_bytes,
+                         self.degraded, dict(self.events))
+
+    def _count(self, event: str, n: int = 1) -> None:
+        with self._events_lock:
+            self.events[event] += n
+
+    def _degrade(self, what: str, exc: OSError) -> None:
+        if not self.degraded:
+            log.error("disk tier degraded", extra={"op": what, "path": str(self.tier.directory), "error": str(exc)})
+        self.degraded = True
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the staged demotions to be written; True if they were."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    def close(self, timeout: float = 0.0) -> None:
+        self.flush(timeout)
+        try:
+            self._queue.put(None, timeout=max(timeout, 0.1))
+        except queue.Full:
+            pass  # the writer is stuck on a dead device: it is a daemon thread
+        self._writer.join(timeout)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+
+
+def _lock_directory(directory: Path, wait_s: float = 10.0) -> int:
+    """An exclusive lock on the tier's directory: another daemon (or a store of this one not
+    yet finished writing) using it makes this one wait, then refuse."""
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise FailedPrecondition(f"disk tier directory {directory} is in use by another daemon") from None
+            time.sleep(0.05)

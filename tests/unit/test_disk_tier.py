@@ -1,0 +1,158 @@
+"""The disk tier with real files: demotion and promotion bit-exact, the index rebuilt, bad files dropped."""
+
+import os
+import stat
+
+import pytest
+import torch
+
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory.pool import Pool
+from kvxfer.records import Outcome, TierKind
+from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.manager import PoolManager
+from kvxfer.tiers.disk import HEADER_BYTES, DiskCorrupt, decode_header, encode_header
+
+SPEC = KVSpec(2, 64, 16, 2, 32, torch.float16)  # 8 KiB blocks
+HOST_BLOCKS = 8
+
+
+def fill(pool: Pool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for k, v in pool.views():
+        k.copy_(torch.randn(k.shape, generator=gen).half())
+        v.copy_(torch.randn(v.shape, generator=gen).half())
+
+
+def block(pool: Pool, b: int) -> torch.Tensor:
+    return torch.stack([torch.stack([k[b], v[b]]) for k, v in pool.views()]).clone()
+
+
+def store(tmp_path, layout="BLHNC", capacity_mib=1.0, **disk):
+    pool = Pool.create("p", SPEC, Layout.parse(layout))
+    group = CacheGroup("g", pool.layout, HOST_BLOCKS,
+                       disk=DiskSettings(str(tmp_path), int(capacity_mib * (1 << 20)), **disk))
+    return pool, group, PoolManager(pool, group)
+
+
+def offload_all(manager: PoolManager, blocks: range) -> None:
+    for start in range(blocks.start, blocks.stop, 4):  # batches smaller than the host tier
+        pairs = [(b, b"k%d" % b) for b in range(start, min(start + 4, blocks.stop))]
+        assert manager.offload("ns", pairs).outcomes == [Outcome.DONE] * len(pairs)
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "L,KV,B,N,H,D"])
+def test_evicted_blocks_go_to_disk_and_come_back_bit_exact(tmp_path, layout):
+    pool, group, manager = store(tmp_path, layout)
+    fill(pool, 1)
+    original = {b: block(pool, b) for b in range(1, 41)}
+    offload_all(manager, range(1, 41))
+    assert group.disk.flush(10)
+    tiers = manager.lookup("ns", [b"k%d" % b for b in range(1, 41)]).tiers
+    assert tiers.count(TierKind.DISK) == 40 - HOST_BLOCKS and tiers.count(TierKind.HOST) == HOST_BLOCKS
+    for k, v in pool.views():
+        k.zero_()
+        v.zero_()
+    for start in range(1, 41, 4):  # host blocks and disk blocks in one restore, into other blocks
+        # Promotions evict host blocks; until written, a block on its way down is found in neither tier.
+        assert group.disk.flush(10)
+        pairs = [(b"k%d" % b, b + 20) for b in range(start, start + 4)]
+        assert manager.restore("ns", pairs).outcomes == [Outcome.DONE] * 4
+        for b in range(start, start + 4):
+            assert torch.equal(block(pool, b + 20), original[b])
+    disk = group.disk.stats()
+    assert disk.events["demoted"] >= 32 and disk.events["promoted"] >= 32 and not disk.degraded
+    group.close(5)
+
+
+def test_a_restart_rebuilds_the_index_and_drops_every_bad_file(tmp_path):
+    pool, group, manager = store(tmp_path)
+    fill(pool, 2)
+    original = {b: block(pool, b) for b in range(1, 25)}
+    offload_all(manager, range(1, 25))
+    assert group.demote_all(10) == HOST_BLOCKS  # what SIGTERM does
+    group.close(5)
+    files = sorted((tmp_path / "g").rglob("*.kvb"))
+    assert len(files) == 24
+    os.truncate(files[0], 100)  # truncated
+    with open(files[1], "r+b") as f:  # a header byte flipped
+        f.seek(40)
+        f.write(bytes([f.read(1)[0] ^ 1]))
+    with open(files[2], "r+b") as f:  # a data byte flipped: caught when read
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([f.read(1)[0] ^ 1]))
+    (files[3].parent / "00000003.tmp").write_bytes(b"half")  # a crash mid-write
+    _, group2, manager2 = store(tmp_path)
+    disk = group2.disk.stats()
+    assert disk.events["found_at_start"] == 22 and disk.ready_blocks == 22
+    assert disk.events["dropped_at_start_truncated"] == 1 and disk.events["dropped_at_start_bad_header"] == 1
+    assert disk.events["dropped_at_start_incomplete"] == 1
+    keys = [b"k%d" % b for b in range(1, 25)]
+    results = []
+    for start in range(0, 24, 4):
+        results += manager2.restore("ns", [(keys[i], i + 1) for i in range(start, start + 4)]).outcomes
+    assert results.count(Outcome.DATA_LOSS) == 1 and results.count(Outcome.NOT_FOUND) == 2
+    for i, outcome in enumerate(results):
+        if outcome is Outcome.DONE:
+            assert torch.equal(block(manager2.pool, i + 1), original[i + 1])
+    assert manager2.lookup("ns", keys).tiers.count(None) == 3  # the bad ones are gone for good
+    group2.close(5)
+
+
+def test_a_foreign_block_format_is_never_served(tmp_path):
+    _, group, manager = store(tmp_path)
+    fill(manager.pool, 3)
+    offload_all(manager, range(1, 13))
+    group.demote_all(10)
+    group.close(5)
+    other = Pool.create("q", KVSpec(2, 64, 16, 2, 32, torch.bfloat16), Layout.parse("BLHNC"))  # same size
+    group2 = CacheGroup("g", other.layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20))
+    assert group2.disk.stats().events["dropped_at_start_foreign_format"] == 12
+    group2.close(5)
+
+
+def test_a_failing_device_fails_the_block_and_marks_the_tier_degraded(tmp_path):
+    pool, group, manager = store(tmp_path)
+    fill(pool, 4)
+    offload_all(manager, range(1, 17))
+    assert group.disk.flush(10)
+    victim = group.disk.index.entries()[0]
+    path = group.disk.tier.path(victim[2])
+    path.unlink()
+    path.mkdir()  # reads of it fail with an OS error, as a dead sector would
+    result = manager.restore("ns", [(victim[1], 40), (b"k16", 41)])
+    assert result.outcomes == [Outcome.FAILED, Outcome.DONE]
+    stats = group.disk.stats()
+    assert stats.degraded and stats.events["read_errors"] == 1
+    assert manager.offload("ns", [(2, b"new")]).outcomes == [Outcome.DONE]  # the host path goes on
+    group.close(5)
+
+
+def test_a_full_demotion_queue_drops_and_counts_instead_of_waiting(tmp_path):
+    pool, group, manager = store(tmp_path, queue_blocks=1)
+    fill(pool, 5)
+    offload_all(manager, range(1, 41))
+    group.disk.flush(10)
+    events = group.disk.stats().events
+    assert events["demotions_dropped"] > 0 and events["demoted"] + events["demotions_dropped"] == 32
+    group.close(5)
+
+
+def test_the_header_names_its_block_and_format():
+    header = encode_header(b"f" * 32, "ns:x", b"key\x00\xff", 1234, 8192)
+    assert len(header) == HEADER_BYTES and decode_header(header, b"f" * 32, 8192) == ("ns:x", b"key\x00\xff", 1234)
+    for fingerprint, nbytes in ((b"g" * 32, 8192), (b"f" * 32, 4096)):
+        with pytest.raises(DiskCorrupt, match="foreign_format"):
+            decode_header(header, fingerprint, nbytes)
+    with pytest.raises(DiskCorrupt, match="truncated"):
+        decode_header(header[:100], b"f" * 32, 8192)
+
+
+def test_files_are_private_to_the_daemon(tmp_path):
+    _, group, manager = store(tmp_path)
+    offload_all(manager, range(1, 13))
+    group.demote_all(10)
+    group.close(5)
+    for path in (tmp_path / "g").rglob("*.kvb"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
