@@ -33,6 +33,7 @@ class TierKind(enum.Enum):
 
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 class Medium(enum.Enum):

@@ -17,6 +17,7 @@ from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
 from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.serving.remote_store import RemoteSettings
 from kvxfer.serving.registry import Limits, capacity_blocks
 from kvxfer.memory.shm import resolve_group
 from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
@@ -80,12 +81,14 @@ class Config:
     log_format: str = "json"
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
     disk: DiskSettings | None = None  # every cache group's disk tier; absent: none
+    remote: RemoteSettings | None = None  # every cache group's remote tier (Redis); absent: none
 
     @property
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
-                      self.max_jobs_per_client, self.cache_group_retention_s, self.verify_on_device, self.disk)
+                      self.max_jobs_per_client, self.cache_group_retention_s, self.verify_on_device, self.disk,
+                      self.remote)
 
     @property
     def token(self) -> str:
@@ -94,7 +97,8 @@ class Config:
         return Path(self.token_file).read_text().strip()
 
 
-_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("pools", "disk")}
+_SECTIONS = ("pools", "disk", "remote")
+_SCALARS = {f.name: f for f in fields(Config) if f.name not in _SECTIONS}
 _DISK_KEYS = {"path", "capacity_gib", "queue_blocks", "workers"}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -181,9 +185,9 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: must be a mapping")
         raw = dict(loaded or {})
-    unknown = set(raw) - set(_SCALARS) - {"pools", "disk"}
+    unknown = set(raw) - set(_SCALARS) - set(_SECTIONS)
     if unknown:
-        raise ConfigError(f"unknown settings {sorted(unknown)}; allowed: {sorted([*_SCALARS, 'pools', 'disk'])}")
+        raise ConfigError(f"unknown settings {sorted(unknown)}; allowed: {sorted([*_SCALARS, *_SECTIONS])}")
     env = os.environ if env is None else env
     for name in _SCALARS:
         if _ENV_PREFIX + name.upper() in env:
@@ -200,7 +204,53 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     pools = tuple(_pool(p, i) for i, p in enumerate(pools_raw))
     if len({p.id for p in pools}) != len(pools):
         raise ConfigError("pools: ids must be unique")
-    return validate(replace(Config(), **values, pools=pools, disk=_disk(raw.get("disk"))))
+    return validate(replace(Config(), **values, pools=pools, disk=_disk(raw.get("disk")),
+                            remote=_remote(raw.get("remote"))))
+
+
+_REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+
+
+def _remote(raw) -> RemoteSettings | None:
+    """The ``remote`` section: Redis or Redis Cluster, the password from a file (never in the config)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError("remote: must be a mapping with a url")
+    allowed = {"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
+               "write_through", "max_inflight"}
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ConfigError(f"remote: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    url = raw.get("url")
+    scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else ""
+    if scheme not in _REMOTE_SCHEMES:
+        raise ConfigError(f"remote.url: must start with one of {', '.join(s + '://' for s in _REMOTE_SCHEMES)}")
+    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        raise ConfigError("remote.url: no credentials in the url; use username and password_file")
+    text = {}
+    for key in ("username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix"):
+        value = raw.get(key, "kvxfer:" if key == "key_prefix" else "")
+        if not isinstance(value, str) or len(value) > 4096:
+            raise ConfigError(f"remote.{key}: must be a string")
+        text[key] = value
+    for key in ("password_file", "tls_ca", "tls_cert", "tls_key"):
+        if text[key] and not Path(text[key]).is_file():
+            raise ConfigError(f"remote.{key}: {shown(text[key])} is not a readable file")
+    if (text["tls_ca"] or text["tls_cert"]) and not scheme.startswith("rediss"):
+        raise ConfigError("remote: TLS files given but the url is not rediss:// (refusing to send in the clear)")
+    password = Path(text["password_file"]).read_text().strip() if text["password_file"] else ""
+    timeout = raw.get("timeout_ms", 200)
+    inflight = raw.get("max_inflight", 256)
+    write_through = raw.get("write_through", False)
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or not 1 <= timeout <= 60_000:
+        raise ConfigError(f"remote.timeout_ms: an integer in [1, 60000], got {shown(timeout)}")
+    if isinstance(inflight, bool) or not isinstance(inflight, int) or not 1 <= inflight <= 65536:
+        raise ConfigError(f"remote.max_inflight: an integer in [1, 65536], got {shown(inflight)}")
+    if not isinstance(write_through, bool):
+        raise ConfigError(f"remote.write_through: true or false, got {shown(write_through)}")
+    return RemoteSettings(url, text["username"], password, text["tls_ca"], text["tls_cert"], text["tls_key"],
+                          text["key_prefix"], timeout / 1000, write_through, inflight)
 
 
 def _disk(raw) -> DiskSettings | None:

@@ -61,3 +61,12 @@ def human_bytes(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size} {unit}"
     return f"{n} B"
+
+
+def add_block_arguments(p, blocks: int = 1024, reps: int = 3) -> None:
+    """--blocks, the block geometry (default: the embedded pool's, 192 KiB blocks) and --reps."""
+    p.add_argument("--blocks", type=int, default=blocks)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--heads", type=int, default=2, help="KV heads")
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--reps", type=int, default=reps)

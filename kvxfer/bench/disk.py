@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from kvxfer.bench.common import GB, Progress, format_table, human_bytes
+from kvxfer.bench.common import GB, Progress, add_block_arguments, format_table, human_bytes
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
-from kvxfer.tiers.disk import HEADER_BYTES, encode_header
+from kvxfer.tiers.disk import HEADER_BYTES
+from kvxfer.tiers.record import encode_header
 
 BATCH = 64
 
@@ -107,7 +108,7 @@ def index_time(root: Path, pool: Pool, n: int) -> tuple[float, int]:
     for slot in range(n):  # files as the tier writes them (no fsync: only the indexing is timed)
         path = tier.path(slot)
         path.parent.mkdir(exist_ok=True)
-        path.write_bytes(encode_header(tier.fingerprint, "ns", b"key%d" % slot, 0, len(block)) + block)
+        path.write_bytes(encode_header(tier.fingerprint, "ns", b"key%d" % slot, 0, len(block), HEADER_BYTES) + block)
     group.close(5)
     tracemalloc.start()
     group = CacheGroup("index", pool.layout, 1, disk=settings)
@@ -168,10 +169,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--blocks", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=24)  # 192 KiB blocks, the default pool's geometry
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--head-size", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3)
+    add_block_arguments(p)
     p.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the device to measure")
     p.add_argument("--index-blocks", type=int, default=100_000, help="0: skip the index rebuild timing")

@@ -28,16 +28,20 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.index.block_index import BlockIndex, Victim
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskCorrupt, DiskTier
+from kvxfer.serving.staging import StagingBuffers, take_batch
+from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
+from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -59,7 +63,8 @@ class _Staged:
     namespace: str
     key: bytes
     checksum: int
-    data: torch.Tensor  # a copy of the block: the host slot it came from is reused
+    data: np.ndarray  # the block's bytes: a staging buffer's (the host slot is reused) or a pinned slot's
+    buffer: int | None = None  # the staging buffer to give back once written
 
 
 class DiskStore:
@@ -79,7 +84,8 @@ class DiskStore:
         self.degraded = False
         self.index_seconds = self._rebuild()
         self._reads = threading.BoundedSemaphore(settings.queue_blocks)
-        self._queue: queue.Queue[_Staged | None] = queue.Queue(settings.queue_blocks)
+        self._queue: queue.Queue[_Staged | None] = queue.Queue(settings.queue_blocks + 1)  # + the stop mark
+        self._staging = StagingBuffers(settings.queue_blocks, slot_bytes)
         self._readers = ThreadPoolExecutor(settings.workers, thread_name_prefix=f"kvxfer-disk-read-{group}")
         self._writer = threading.Thread(target=self._write_loop, name=f"kvxfer-disk-write-{group}", daemon=True)
         self._writer.start()
@@ -106,11 +112,12 @@ class DiskStore:
         for victim in victims:
             if self.index.contains(victim.namespace, [victim.key])[0]:
                 continue  # on disk already
-            try:
-                self._queue.put_nowait(_Staged(victim.namespace, victim.key, victim.checksum,
-                                               host.buffer[victim.slot].clone()))
-            except queue.Full:
+            index = self._staging.take(host.buffer[victim.slot].numpy())
+            if index is None:  # every staging buffer in use: the disk is behind
                 self._count("demotions_dropped", 1)
+                continue
+            self._queue.put_nowait(_Staged(victim.namespace, victim.key, victim.checksum,
+                                           self._staging.block(index), index))
 
     def _write_loop(self) -> None:
         while True:
@@ -119,29 +126,22 @@ class DiskStore:
                 self._queue.task_done()
                 os.close(self._lock_fd)  # the directory is free for the next store
                 return
-            batch = [first]
-            while len(batch) < BATCH:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._queue.put(None)  # stop after this batch
-                    break
-                batch.append(item)
+            batch = take_batch(self._queue, first, BATCH)
             try:
                 self.write(batch)
             except Exception:  # a bug: the writer must not die (and silently stop demoting)
                 log.exception("disk write batch failed")
                 self._count("write_errors", len(batch))
             finally:
-                for _ in batch:
+                for item in batch:
+                    if item.buffer is not None:
+                        self._staging.give_back(item.buffer)
                     self._queue.task_done()
 
     def write_now(self, namespace: str, blocks: list[tuple[bytes, int, torch.Tensor]]) -> int:
         """Write (key, checksum, bytes) blocks not on disk yet, on this thread; returns how many were."""
         present = self.index.contains(namespace, [k for k, _, _ in blocks])
-        staged = [_Staged(namespace, k, c, data) for (k, c, data), there in zip(blocks, present) if not there]
+        staged = [_Staged(namespace, k, c, data.numpy()) for (k, c, data), there in zip(blocks, present) if not there]
         return self.write(staged)
 
     def write(self, staged: list[_Staged]) -> int:
@@ -151,8 +151,8 @@ class DiskStore:
             items = {s.key: s for s in staged if s.namespace == namespace}
             plan = self.index.prepare_store(namespace, list(items))
             self._count("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
-            blocks = [Block(e.slot, namespace, e.key, items[e.key].checksum,
-                            memoryview(items[e.key].data.numpy())) for e in plan.entries]
+            blocks = [Block(e.slot, namespace, e.key, items[e.key].checksum, memoryview(items[e.key].data))
+                      for e in plan.entries]
             errors = self.tier.write_batch(blocks)
             full = [i for i, err in enumerate(errors) if err is not None and err.errno == errno.ENOSPC]
             if full:  # the device is fuller than the quota: make room, try once more
@@ -177,7 +177,7 @@ class DiskStore:
 
     # -- promotion ---------------------------------------------------------------
     def promote(self, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
-                store_lock: threading.Lock) -> dict[bytes, Outcome]:
+                store_lock: threading.Lock, on_evicted: Callable[[list[Victim]], None]) -> dict[bytes, Outcome]:
         """Move the named blocks the disk holds into the host tier; returns the keys that
         failed: DATA_LOSS (wrong bytes: the file is removed) or FAILED (the device failed)."""
         plan = self.index.prepare_load(namespace, keys)
@@ -185,7 +185,7 @@ class DiskStore:
             return {}
         with store_lock:
             host_plan = host_index.prepare_store(namespace, [e.key for e in plan.entries])
-            self.stage(host_plan.evicted, host)
+            on_evicted(host_plan.evicted)
         targets = {e.key: e for e in host_plan.entries}
         reads = []
         for j, entry in enumerate(plan.entries):

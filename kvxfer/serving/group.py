@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PoolLayout, dtype_name
-from kvxfer.index.block_index import BlockIndex, Plan
+from kvxfer.index.block_index import BlockIndex, Plan, Victim
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.disk_store import DiskSettings, DiskStore
+from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
 from kvxfer.tiers.host import HostTier
 
 
@@ -39,10 +40,10 @@ class BlockFormat:
 
 
 class CacheGroup:
-    """One host tier and the index over it, and the disk tier below it when there is one."""
+    """One host tier and the index over it, and the disk and remote tiers below it when there are."""
 
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
-                 disk: DiskSettings | None = None) -> None:
+                 disk: DiskSettings | None = None, remote: RemoteSettings | None = None) -> None:
         self.name = name
         self.format = BlockFormat.of(layout)
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
@@ -51,36 +52,66 @@ class CacheGroup:
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
         self.disk = DiskStore(disk, name, self.format, layout.block_bytes) if disk is not None else None
+        self.remote = RemoteStore(remote, name, self.format, layout.block_bytes) if remote is not None else None
+
+    @property
+    def lower(self) -> bool:
+        return self.disk is not None or self.remote is not None
 
     def prepare_store(self, namespace: str, keys: list[bytes]) -> Plan:
-        """Host slots for new keys; the blocks evicted to make room go to the disk tier."""
+        """Host slots for new keys; the blocks evicted to make room go to the lower tiers."""
         with self.store_lock:
             plan = self.index.prepare_store(namespace, keys)
-            if self.disk is not None and plan.evicted:
-                self.disk.stage(plan.evicted, self.host)
+            if plan.evicted:
+                self._demote(plan.evicted)
             return plan
 
+    def _demote(self, victims: list[Victim]) -> None:
+        """(store lock held) Copy evicted blocks out of their host slots before those are reused."""
+        if self.disk is not None:
+            self.disk.stage(victims, self.host)
+        if self.remote is not None and not self.remote.settings.write_through:  # else sent when stored
+            for namespace in dict.fromkeys(v.namespace for v in victims):
+                self.remote.stage(namespace, [(v.key, v.checksum, self.host.buffer[v.slot])
+                                              for v in victims if v.namespace == namespace])
+
+    def write_through(self, namespace: str, entries: list, checksums: list[int | None]) -> None:
+        """With remote write-through: send blocks just stored (still pinned) to Redis as well."""
+        if self.remote is not None and self.remote.settings.write_through:
+            self.remote.stage(namespace, [(e.key, c, self.host.buffer[e.slot])
+                                          for e, c in zip(entries, checksums) if c is not None])
+
     def promote(self, namespace: str, keys: list[bytes]) -> dict[bytes, Outcome]:
-        """Bring the named keys up from disk; returns those that failed (DATA_LOSS or FAILED)."""
-        if self.disk is None:
-            return {}
-        return self.disk.promote(namespace, keys, self.host, self.index, self.store_lock)
+        """Bring the named keys up from disk, then Redis; returns those that failed (DATA_LOSS, FAILED)."""
+        failed: dict[bytes, Outcome] = {}
+        if self.disk is not None:
+            failed = self.disk.promote(namespace, keys, self.host, self.index, self.store_lock, self._demote)
+        if self.remote is not None:
+            missing = [k for k, t in zip(keys, self.index.tiers_of(namespace, keys)) if t is None and k not in failed]
+            failed.update(self.remote.promote(namespace, missing, self.host, self.index, self.store_lock,
+                                              self._demote))
+        return failed
 
     def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
         tiers = self.index.tiers_of(namespace, keys)
-        if self.disk is None or all(tiers):
-            return tiers
-        lower = self.disk.tiers_of(namespace, keys)
-        return [t or d for t, d in zip(tiers, lower)]
+        if self.disk is not None and not all(tiers):
+            tiers = [t or d for t, d in zip(tiers, self.disk.tiers_of(namespace, keys))]
+        if self.remote is not None and not all(tiers):
+            missing = [i for i, t in enumerate(tiers) if t is None]
+            found = self.remote.contains(namespace, [keys[i] for i in missing])
+            for i, there in zip(missing, found):
+                tiers[i] = TierKind.REMOTE if there else None
+        return tiers
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         removed = self.index.delete(namespace, keys)
-        return removed + (self.disk.delete(namespace, keys) if self.disk is not None else 0)
+        removed += self.disk.delete(namespace, keys) if self.disk is not None else 0
+        return removed + (self.remote.delete(namespace, keys) if self.remote is not None else 0)
 
     def tier_stats(self) -> list[TierStats]:
         i = self.index.stats()
         host = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes)
-        return [host] + ([self.disk.stats()] if self.disk is not None else [])
+        return [host] + [t.stats() for t in (self.disk, self.remote) if t is not None]
 
     def demote_all(self, timeout: float) -> int:
         """Write the host tier's blocks that are not on disk yet, most recent first, for up
@@ -105,8 +136,9 @@ class CacheGroup:
         return written
 
     def close(self, timeout: float = 0.0) -> None:
-        if self.disk is not None:
-            self.disk.close(timeout)
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                tier.close(timeout)
 
     def check_joins(self, layout: PoolLayout) -> None:
         """Refuse a pool whose blocks are not byte-compatible with this group's."""

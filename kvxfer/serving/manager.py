@@ -110,6 +110,7 @@ class PoolManager:
                 else:
                     checksums = done.checksums
                     moved = self._count(TransferKind.OFFLOAD, len(entries), seconds)
+                    self.group.write_through(batch.namespace, entries, checksums)
         except KvxferError:
             for i in plan.positions:
                 plan.outcomes[i] = Outcome.FAILED
@@ -121,7 +122,7 @@ class PoolManager:
         """Pin the host tier's blocks of the batch, then bring the others up from disk and pin them too."""
         plan = self.index.prepare_load(namespace, keys)
         missing = [i for i, o in enumerate(plan.outcomes) if o is Outcome.NOT_FOUND]
-        if not missing or self.group.disk is None:
+        if not missing or not self.group.lower:
             return plan
         lost = self.group.promote(namespace, [keys[i] for i in missing])  # may evict: ours are pinned
         more = self.index.prepare_load(namespace, [keys[i] for i in missing])

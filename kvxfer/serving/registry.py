@@ -30,6 +30,7 @@ from kvxfer.serving.handoff import HandOff, HandOffs, file_identity, token_diges
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.serving.remote_store import RemoteSettings
 from kvxfer.serving.manager import PoolManager, TransferObserver
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
@@ -57,6 +58,7 @@ class Limits:
     cache_group_retention_s: float = 300.0  # a group without pools keeps its blocks this long
     verify_on_device: bool = False  # GPU pools: verify restores where they land (device XXH3)
     disk: DiskSettings | None = None  # every cache group's disk tier (None: no disk tier)
+    remote: RemoteSettings | None = None  # every cache group's remote tier on Redis (None: none)
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class PoolRegistry:
                     raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
                                             f"{self.limits.max_cache_groups}")
                 entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device,
-                                          disk=self.limits.disk), owner)
+                                          disk=self.limits.disk, remote=self.limits.remote), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
             manager = PoolManager(pool, entry.group, verify_on_device=self.limits.verify_on_device,
                                   observer=self.observer)

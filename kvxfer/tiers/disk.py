@@ -1,9 +1,9 @@
 """The disk tier: one file per slot, each block's bytes behind a self-describing header.
 
-A file is ``HEADER_BYTES`` of header, then the block. The header records a magic and
-format version, the block format's fingerprint (geometry and layout: a file of another
-format is never served), the block's XXH3 checksum, the namespace and the key, and a
-CRC-32 of itself. Writing is crash-safe: the bytes go to ``<slot>.tmp``, are fsynced,
+A file is ``HEADER_BYTES`` of header (``kvxfer.tiers.record``: a magic and format
+version, the block format's fingerprint, so that a file of another geometry or layout
+is never served, the block's XXH3 checksum, the namespace and the key, and a CRC-32 of
+itself), then the block. Writing is crash-safe: the bytes go to ``<slot>.tmp``, are fsynced,
 renamed over the slot's file, and the directory is fsynced; only then does the index
 publish the entry. A crash leaves either the old file or the new one, never half of
 one (a ``.tmp`` left behind is removed at start). At start ``scan`` rebuilds the index
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import struct
-import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +26,10 @@ from pathlib import Path
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.records import TierKind
 from kvxfer.tiers.base import Tier
+from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
 
-MAGIC = b"KVXFDSK1"
-VERSION = 1
 HEADER_BYTES = 4096  # page-aligned data; 2% of a 192 KiB block
-_FIXED = struct.Struct("<8sII32sQQHH")  # magic, version, crc, fingerprint, checksum, data bytes, ns len, key len
 _DIR_SLOTS = 4096  # files per directory
-
-
-class DiskCorrupt(Exception):
-    """A file that must not be served (and is removed): truncated, bad header, foreign, wrong bytes."""
 
 
 @dataclass(frozen=True)
@@ -60,35 +52,6 @@ class Block:
     key: bytes
     checksum: int
     data: memoryview
-
-
-def encode_header(fingerprint: bytes, namespace: str, key: bytes, checksum: int, nbytes: int) -> bytes:
-    ns = namespace.encode()
-    fixed = _FIXED.pack(MAGIC, VERSION, 0, fingerprint, checksum, nbytes, len(ns), len(key))
-    body = (fixed + ns + key).ljust(HEADER_BYTES, b"\0")
-    crc = zlib.crc32(body)
-    return body[:8 + 4] + struct.pack("<I", crc) + body[16:]
-
-
-def decode_header(header: bytes, fingerprint: bytes, nbytes: int) -> tuple[str, bytes, int]:
-    """(namespace, key, checksum) of a valid header; ``DiskCorrupt`` says why not."""
-    if len(header) < HEADER_BYTES:
-        raise DiskCorrupt("truncated")
-    magic, version, crc, fp, checksum, length, ns_len, key_len = _FIXED.unpack_from(header)
-    if magic != MAGIC or version != VERSION:
-        raise DiskCorrupt("bad_header")
-    if zlib.crc32(header[:12] + b"\0\0\0\0" + header[16:HEADER_BYTES]) != crc:
-        raise DiskCorrupt("bad_header")
-    if fp != fingerprint or length != nbytes:
-        raise DiskCorrupt("foreign_format")
-    end = _FIXED.size + ns_len + key_len
-    if end > HEADER_BYTES or key_len == 0:
-        raise DiskCorrupt("bad_header")
-    try:
-        namespace = header[_FIXED.size:_FIXED.size + ns_len].decode()
-    except UnicodeDecodeError:
-        raise DiskCorrupt("bad_header") from None
-    return namespace, bytes(header[_FIXED.size + ns_len:end]), checksum
 
 
 class DiskTier(Tier):
@@ -121,7 +84,7 @@ class DiskTier(Tier):
             try:
                 final.parent.mkdir(exist_ok=True)
                 header = encode_header(self.fingerprint, block.namespace, block.key, block.checksum,
-                                       self.slot_bytes)
+                                       self.slot_bytes, pad_to=HEADER_BYTES)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 try:
                     _write_all(fd, [header, block.data])
@@ -156,7 +119,7 @@ class DiskTier(Tier):
         fd = os.open(self.path(slot), os.O_RDONLY | os.O_CLOEXEC)
         try:
             header = os.pread(fd, HEADER_BYTES, 0)
-            got = decode_header(header, self.fingerprint, self.slot_bytes)
+            got = decode_header(header, self.fingerprint, self.slot_bytes, HEADER_BYTES)
             if got != (namespace, key, checksum):
                 raise DiskCorrupt("bad_header")
             if os.preadv(fd, [out], HEADER_BYTES) != self.slot_bytes:
@@ -195,7 +158,8 @@ class DiskTier(Tier):
             if st.st_size != self.file_bytes:
                 return "truncated"
             with path.open("rb") as f:
-                namespace, key, checksum = decode_header(f.read(HEADER_BYTES), self.fingerprint, self.slot_bytes)
+                namespace, key, checksum = decode_header(f.read(HEADER_BYTES), self.fingerprint, self.slot_bytes,
+                                                         HEADER_BYTES)
         except DiskCorrupt as bad:
             return str(bad)
         except OSError:

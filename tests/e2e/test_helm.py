@@ -35,6 +35,14 @@ CASES = {
     "monitoring off": {"monitoring": {"service": False, "serviceMonitor": {"enabled": False},
                                       "prometheusRule": {"enabled": False}, "dashboard": {"enabled": False}}},
     "sidecar only (engine's own chart)": {"engine": {"enabled": False}},
+    "disk and remote tiers": {"kvxfer": {
+        "config": {"disk": {"path": "/var/lib/kvxfer", "capacity_gib": 50},
+                   "remote": {"url": "rediss://redis:6380/0", "username": "kvxfer",
+                              "password_file": "/etc/kvxfer/redis/password", "tls_ca": "/etc/kvxfer/redis/ca.crt"}},
+        "extraVolumes": [{"name": "kv-disk", "persistentVolumeClaim": {"claimName": "kvxfer-disk"}},
+                         {"name": "redis", "secret": {"secretName": "redis-auth"}}],
+        "extraVolumeMounts": [{"name": "kv-disk", "mountPath": "/var/lib/kvxfer"},
+                              {"name": "redis", "mountPath": "/etc/kvxfer/redis", "readOnly": True}]}},
 }
 
 
@@ -197,3 +205,21 @@ HADOLINT = shutil.which("hadolint", path=f"{Path(sys.executable).parent}:{os.env
 def test_the_dockerfile_passes_hadolint():
     result = subprocess.run([HADOLINT, str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_lower_tiers_get_their_volumes_and_the_daemon_accepts_their_config(tmp_path):
+    objects = render(CASES["disk and remote tiers"])
+    pod, config = pod_of(objects), rendered_config(objects)
+    mounts = {m["mountPath"]: m["name"] for m in pod["initContainers"][0]["volumeMounts"]}
+    assert mounts[config["disk"]["path"]] == "kv-disk"
+    assert str(Path(config["remote"]["password_file"]).parent) in mounts
+    assert "kv-disk" not in {m["name"] for m in pod["containers"][0]["volumeMounts"]}  # the sidecar's own
+    config["disk"]["path"] = str(tmp_path / "disk")  # the pod's paths, here
+    secret = tmp_path / "password"
+    secret.write_text("pw\n")
+    config["remote"].update(password_file=str(secret), tls_ca=str(secret))
+    config.update(socket=str(tmp_path / "kvxfer.sock"), socket_group="", metrics_listen="")
+    path = tmp_path / "kvxfer.yaml"
+    path.write_text(yaml.safe_dump(config))
+    loaded = service_config.load(str(path), env={})
+    assert loaded.disk.capacity_bytes == 50 << 30 and loaded.remote.url == "rediss://redis:6380/0"

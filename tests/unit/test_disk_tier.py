@@ -12,7 +12,8 @@ from kvxfer.records import Outcome, TierKind
 from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
-from kvxfer.tiers.disk import HEADER_BYTES, DiskCorrupt, decode_header, encode_header
+from kvxfer.tiers.disk import HEADER_BYTES
+from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
 
 SPEC = KVSpec(2, 64, 16, 2, 32, torch.float16)  # 8 KiB blocks
 HOST_BLOCKS = 8
@@ -140,13 +141,20 @@ def test_a_full_demotion_queue_drops_and_counts_instead_of_waiting(tmp_path):
 
 
 def test_the_header_names_its_block_and_format():
-    header = encode_header(b"f" * 32, "ns:x", b"key\x00\xff", 1234, 8192)
-    assert len(header) == HEADER_BYTES and decode_header(header, b"f" * 32, 8192) == ("ns:x", b"key\x00\xff", 1234)
+    header = encode_header(b"f" * 32, "ns:x", b"key\x00\xff", 1234, 8192, pad_to=HEADER_BYTES)
+    expected = ("ns:x", b"key\x00\xff", 1234)
+    assert len(header) == HEADER_BYTES and decode_header(header, b"f" * 32, 8192, HEADER_BYTES) == expected
     for fingerprint, nbytes in ((b"g" * 32, 8192), (b"f" * 32, 4096)):
         with pytest.raises(DiskCorrupt, match="foreign_format"):
-            decode_header(header, fingerprint, nbytes)
+            decode_header(header, fingerprint, nbytes, HEADER_BYTES)
     with pytest.raises(DiskCorrupt, match="truncated"):
-        decode_header(header[:100], b"f" * 32, 8192)
+        decode_header(header[:100], b"f" * 32, 8192, HEADER_BYTES)
+    compact = encode_header(b"f" * 32, "ns:x", b"key\x00\xff", 1234, 8192)  # the remote tier's
+    assert decode_header(compact, b"f" * 32, 8192) == expected and len(compact) < 100
+    flipped = bytearray(compact)
+    flipped[-1] ^= 1
+    with pytest.raises(DiskCorrupt, match="bad_header"):
+        decode_header(bytes(flipped), b"f" * 32, 8192)
 
 
 def test_files_are_private_to_the_daemon(tmp_path):

@@ -60,6 +60,9 @@ exec:
     {{- if or .Values.kvxfer.tcp.enabled .Values.kvxfer.token.existingSecret .Values.kvxfer.token.value }}
     - {name: kvxfer-token, mountPath: /etc/kvxfer/token, readOnly: true}
     {{- end }}
+    {{- with .Values.kvxfer.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end -}}
 
 {{/* The pod's volumes for the sidecar and the engine. */}}
@@ -82,6 +85,9 @@ exec:
   secret:
     secretName: {{ .Values.kvxfer.token.existingSecret | default (include "kvxfer.secretName" .) }}
     items: [{key: token, path: token}]
+{{- end }}
+{{- with .Values.kvxfer.extraVolumes }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 

@@ -1,0 +1,284 @@
+"""A cache group's remote tier on Redis or Redis Cluster: blocks every daemon (node) using it shares.
+
+One Redis value per block: its header (``kvxfer.tiers.record``: format version, block
+format fingerprint, checksum, namespace, key) and its bytes, written with one SET, so
+that a reader never sees bytes without their checksum. The Redis key is ``key_prefix``,
+the cache group, the namespace and the key, NUL-separated (binary-safe; a rank's cache
+group keeps tensor-parallel shards of one key apart). Redis may evict any value
+(``maxmemory-policy``): a missing value is a miss, never an error.
+
+Writes run on one thread from a bounded queue (``max_inflight``): when it is full a
+block is dropped and counted. Every call has ``timeout_s``; a failure (down, slow,
+refusing, resharding) opens a circuit breaker: for a backoff (0.5 s doubling to 30 s)
+no call is made at all (lookups miss, stores are dropped, restores find nothing), then
+one call tries again. The host and disk paths never wait on Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+import torch
+from redis.cluster import RedisCluster
+
+from kvxfer.geometry.checksum import block_checksum
+from kvxfer.index.block_index import BlockIndex, Victim
+from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.serving.staging import StagingBuffers, take_batch
+from kvxfer.tiers.host import HostTier
+from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header, header_length
+
+log = logging.getLogger(__name__)
+BATCH = 32  # values per pipelined round trip
+MAX_HEADER = 48 + 128 * 4 + 256 + 64  # fixed part, a namespace (UTF-8), a key, and room
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """Where the remote tier lives and how to reach it (the password never appears in a repr)."""
+
+    url: str  # redis://, rediss:// (TLS), redis+cluster://, rediss+cluster://
+    username: str = ""
+    password: str = field(default="", repr=False)
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    key_prefix: str = "kvxfer:"
+    timeout_s: float = 0.2
+    write_through: bool = False  # every stored block goes to Redis too, not only those leaving the host tier
+    max_inflight: int = 256
+
+    @property
+    def cluster(self) -> bool:
+        return "+cluster" in self.url.split("://", 1)[0]
+
+
+def connect(settings: RemoteSettings) -> redis.Redis | RedisCluster:
+    """A client that fails fast (no retries: the breaker decides when to try again)."""
+    url = settings.url.replace("+cluster", "")
+    options = dict(username=settings.username or None, password=settings.password or None,
+                   socket_timeout=settings.timeout_s, socket_connect_timeout=settings.timeout_s)
+    if url.startswith("rediss://"):
+        options.update(ssl_ca_certs=settings.tls_ca or None, ssl_certfile=settings.tls_cert or None,
+                       ssl_keyfile=settings.tls_key or None)
+    if settings.cluster:
+        return RedisCluster.from_url(url, **options)
+    return redis.Redis.from_url(url, retry_on_timeout=False, **options)
+
+
+class Breaker:
+    """Closed: calls go through. A failure opens it for a backoff that doubles while failures last."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.open_until = 0.0
+        self.backoff = 0.5
+        self.failures = 0
+        self._lock = threading.Lock()
+
+    def allows(self) -> bool:
+        return time.monotonic() >= self.open_until
+
+    @property
+    def open(self) -> bool:
+        return self.failures > 0
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if self.failures:
+                log.warning("remote tier reachable again", extra={"remote": self.what})
+            self.failures, self.backoff = 0, 0.5
+
+    def failed(self, exc: Exception) -> None:
+        with self._lock:
+            if not self.failures:
+                log.error("remote tier unavailable", extra={"remote": self.what, "error": _said(exc)})
+            self.failures += 1
+            self.open_until = time.monotonic() + self.backoff
+            self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
+
+
+def _said(exc: Exception) -> str:
+    """What went wrong, for a log line: the class and Redis's message (no secrets are in either)."""
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+class RemoteStore:
+    """One cache group's blocks in Redis."""
+
+    def __init__(self, settings: RemoteSettings, group: str, block_format: object, slot_bytes: int) -> None:
+        self.settings = settings
+        self.group = group
+        self.slot_bytes = slot_bytes
+        self.fingerprint = hashlib.sha256(repr(block_format).encode()).digest()
+        self.client = connect(settings)
+        self.breaker = Breaker(settings.url.split("@")[-1])  # never the credentials of a URL
+        self.events: Counter = Counter()
+        self._events_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(settings.max_inflight + 1)  # + the stop mark
+        self._staging = StagingBuffers(settings.max_inflight, slot_bytes, headroom=MAX_HEADER)
+        self._writer = threading.Thread(target=self._write_loop, name=f"kvxfer-remote-{group}", daemon=True)
+        self._writer.start()
+
+    def key(self, namespace: str, key: bytes) -> bytes:
+        return b"\0".join([(self.settings.key_prefix + self.group).encode(), namespace.encode(), key])
+
+    # -- stores ------------------------------------------------------------------
+    def stage(self, namespace: str, blocks: list[tuple[bytes, int, torch.Tensor]]) -> None:
+        """Queue (key, checksum, bytes) blocks for Redis; the bytes are copied now (into staging
+        buffers: when none is free, the block is dropped and counted)."""
+        for key, checksum, data in blocks:
+            index = self._staging.take(data.numpy()) if self.breaker.allows() else None
+            if index is None:
+                self._count("stores_dropped")
+                continue
+            self._queue.put_nowait((namespace, key, checksum, index))  # never full: one place per buffer
+
+    def _write_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            self._write(take_batch(self._queue, first, BATCH))
+
+    def _write(self, batch: list) -> None:
+        try:
+            if not self.breaker.allows():
+                self._count("stores_dropped", len(batch))
+                return
+            pipe = self.client.pipeline(transaction=False)
+            for namespace, key, checksum, index in batch:
+                header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes)
+                pipe.set(self.key(namespace, key), self._staging.with_header(index, header))
+            pipe.execute()
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            self._count("stores_dropped", len(batch))
+            return
+        finally:
+            for item in batch:
+                self._staging.give_back(item[3])
+        self.breaker.succeeded()
+        self._count("stored", len(batch))
+
+    # -- lookups and restores ---------------------------------------------------------
+    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        """Which keys Redis holds now (one pipelined round trip); all False when unavailable."""
+        if not keys or not self.breaker.allows():
+            return [False] * len(keys)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.key(namespace, key))
+            found = [bool(n) for n in pipe.execute()]
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            return [False] * len(keys)
+        self.breaker.succeeded()
+        return found
+
+    def promote(self, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
+                store_lock: threading.Lock, on_evicted: Callable[[list[Victim]], None]) -> dict[bytes, Outcome]:
+        """Fetch the named blocks into host slots, verified, and publish them there; returns the
+        keys that failed: DATA_LOSS (a corrupted value: deleted from Redis) or FAILED."""
+        if not keys or not self.breaker.allows():
+            return {}
+        try:
+            values = []
+            for first in range(0, len(keys), BATCH):  # rounds of BATCH: responses stay small
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys[first:first + BATCH]:
+                    pipe.get(self.key(namespace, key))
+                values += pipe.execute()
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            return {}
+        self.breaker.succeeded()
+        present = [(k, v) for k, v in zip(keys, values) if v is not None]  # None: evicted by Redis, a miss
+        if not present:
+            return {}
+        with store_lock:
+            plan = host_index.prepare_store(namespace, [k for k, _ in present])
+            on_evicted(plan.evicted)
+        targets = {e.key: e for e in plan.entries}
+        failed: dict[bytes, Outcome] = {}
+        checksums: dict[int, int] = {}
+        for key, value in present:
+            target = targets.get(key)
+            if target is None:
+                continue
+            verdict, checksum = self._unpack(namespace, key, value, host.buffer[target.slot])
+            if verdict is Outcome.DONE:
+                checksums[id(target)] = checksum
+                self._count("promoted")
+            else:
+                failed[key] = verdict
+        host_index.complete_store(plan.entries, [checksums.get(id(e)) for e in plan.entries])
+        return failed
+
+    def _unpack(self, namespace: str, key: bytes, value: bytes, out: torch.Tensor) -> tuple[Outcome, int]:
+        split = len(value) - self.slot_bytes
+        try:
+            if split != header_length(namespace, key):
+                raise DiskCorrupt("truncated")
+            got = decode_header(value[:split], self.fingerprint, self.slot_bytes)
+            if got[:2] != (namespace, key):
+                raise DiskCorrupt("bad_header")
+            data = memoryview(value)[split:]
+            if block_checksum(data) != got[2]:
+                raise DiskCorrupt("checksum")
+        except DiskCorrupt as bad:
+            if str(bad) == "foreign_format":
+                return Outcome.NOT_FOUND, 0  # another format's block under this name: not ours to judge
+            self._count("corrupt")
+            try:
+                self.client.delete(self.key(namespace, key))
+            except redis.RedisError as exc:
+                self.breaker.failed(exc)
+            return Outcome.DATA_LOSS, 0
+        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        return Outcome.DONE, got[2]
+
+    def delete(self, namespace: str, keys: list[bytes]) -> int:
+        if not keys or not self.breaker.allows():
+            return 0
+        try:
+            return int(self.client.delete(*[self.key(namespace, k) for k in keys]))
+        except redis.RedisError as exc:
+            self.breaker.failed(exc)
+            return 0
+
+    # -- the rest ------------------------------------------------------------------
+    def _count(self, event: str, n: int = 1) -> None:
+        with self._events_lock:
+            self.events[event] += n
+
+    def stats(self) -> TierStats:
+        """Redis holds what it holds (shared, evicting on its own): no capacity or occupancy of ours."""
+        with self._events_lock:
+            events = dict(self.events)
+        return TierStats(TierKind.REMOTE, 0, 0, 0, 0, 0, self.slot_bytes, self.breaker.open, events)
+
+    def flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self, timeout: float = 0.0) -> None:
+        self.flush(timeout)
+        try:
+            self._queue.put(None, timeout=max(timeout, 0.1))
+        except queue.Full:
+            pass
+        self._writer.join(timeout)
+        self.client.close()

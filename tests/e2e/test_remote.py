@@ -1,0 +1,254 @@
+"""The remote tier with a real redis-server and two daemons (two nodes) sharing it."""
+
+import time
+
+import pytest
+import torch
+import yaml
+
+from kvxfer import Client
+from kvxfer.records import Outcome, TierKind
+from service import config as service_config
+from service import launch
+from tests.e2e.conftest import SMALL_POOL
+from tests.e2e.redis_server import REDIS, RedisServer
+from tests.helpers import read_block, write_block
+
+pytestmark = pytest.mark.skipif(REDIS is None, reason="needs Debian's redis-server (.ci/run installs it)")
+BLOCKS = range(1, SMALL_POOL["spec"]["num_blocks"])
+HOST_BLOCKS = 32  # host_capacity_mib 0.5 of 16 KiB blocks
+
+
+@pytest.fixture
+def server():
+    s = RedisServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def nodes(server):
+    """Node A with write-through and node B, sharing the server."""
+    a, b = node(server, write_through=True), node(server)
+    yield a, b
+    a.cleanup()
+    b.cleanup()
+
+
+def node(server: RedisServer, **remote) -> launch.DaemonProcess:
+    return launch.spawn({"grace_period_s": 5, "log_level": "info",
+                         "pools": [{**SMALL_POOL, "host_capacity_mib": 0.5}], "remote": server.config(**remote)})
+
+
+def offload(daemon, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
+    """Store blocks of random content under keys; returns the content of each."""
+    shadow = {}
+    with Client(daemon.target) as client:
+        pool = client.map_pool("rank0")
+        for i, key in enumerate(keys):
+            block = BLOCKS[i % len(BLOCKS)]
+            data = torch.randint(0, 256, (pool.layout.block_bytes,), dtype=torch.uint8)
+            write_block(pool.storage, pool.layout, block, data)
+            assert client.offload([(block, key)], pool_id="rank0").outcomes == [Outcome.DONE]
+            shadow[key] = data
+    return shadow
+
+
+def restore(daemon, keys: list[bytes]) -> tuple[list[Outcome], list[torch.Tensor]]:
+    with Client(daemon.target, timeout=10) as client:
+        pool = client.map_pool("rank0")
+        result = client.restore([(k, BLOCKS[i]) for i, k in enumerate(keys)], pool_id="rank0", partial=True)
+        return result.outcomes, [read_block(pool.storage, pool.layout, BLOCKS[i]) for i in range(len(keys))]
+
+
+def remote_events(daemon) -> dict:
+    with Client(daemon.target) as client:
+        (remote,) = [t for t in client.stats("rank0")[0].tiers if t.tier is TierKind.REMOTE]
+        return {**remote.events, "degraded": remote.degraded}
+
+
+def wait_stored(daemon, n: int) -> None:
+    deadline = time.monotonic() + 20
+    while remote_events(daemon).get("stored", 0) < n:
+        assert time.monotonic() < deadline, remote_events(daemon)
+        time.sleep(0.05)
+
+
+def test_another_node_restores_what_this_one_evicted_bit_exact(server):
+    a, b = node(server), node(server)
+    try:
+        keys = [b"blk%03d" % i for i in range(60)]
+        shadow = offload(a, keys)  # 60 blocks through a host tier of 32: the oldest go to Redis
+        wait_stored(a, 60 - HOST_BLOCKS)
+        with Client(b.target) as client:
+            tiers = client.lookup(keys, pool_ids=["rank0"]).tiers
+        remote = [k for k, t in zip(keys, tiers) if t is TierKind.REMOTE]
+        assert len(remote) == 60 - HOST_BLOCKS and tiers[-1] is None  # B sees A's evicted blocks only
+        outcomes, got = restore(b, remote[:16])
+        assert outcomes == [Outcome.DONE] * 16
+        assert all(torch.equal(g, shadow[k]) for g, k in zip(got, remote))
+        with Client(b.target) as client:  # ... and now holds them in its own host tier
+            assert client.lookup(remote[:16], pool_ids=["rank0"]).tiers == [TierKind.HOST] * 16
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+def test_write_through_shows_hot_blocks_to_other_nodes_before_any_eviction(nodes):
+    a, b = nodes
+    shadow = offload(a, [b"hot%d" % i for i in range(4)])
+    wait_stored(a, 4)
+    outcomes, got = restore(b, list(shadow))
+    assert outcomes == [Outcome.DONE] * 4 and all(torch.equal(g, s) for g, s in zip(got, shadow.values()))
+
+
+def test_a_flipped_byte_in_redis_is_data_loss_and_the_value_is_deleted(server, nodes):
+    a, b = nodes
+    offload(a, [b"victim"])
+    wait_stored(a, 1)
+    client = server.client()
+    (name,) = [k for k in client.keys("*") if k.endswith(b"victim")]
+    value = client.get(name)
+    client.setrange(name, len(value) - 100, bytes([value[-100] ^ 0xFF]))
+    outcomes, _ = restore(b, [b"victim"])
+    assert outcomes == [Outcome.DATA_LOSS] and client.exists(name) == 0
+    assert remote_events(b)["corrupt"] == 1
+
+
+def test_redis_down_costs_hits_not_latency_and_its_return_is_picked_up(server):
+    a = node(server, write_through=True)
+    try:
+        offload(a, [b"before"])
+        wait_stored(a, 1)
+        server.kill()
+        with Client(a.target, timeout=5) as client:
+            worst = 0.0
+            for i in range(20):  # local tiers keep serving; lookups of remote keys miss, fast
+                start = time.monotonic()
+                client.lookup([b"before", b"never-%d" % i], pool_ids=["rank0"])
+                worst = max(worst, time.monotonic() - start)
+            assert worst < 0.2 + 0.3  # at most one timeout_ms (the first call), plus a margin
+        shadow = offload(a, [b"during"])
+        assert restore(a, [b"during"])[0] == [Outcome.DONE]
+        events = remote_events(a)
+        assert events["degraded"] and events.get("stores_dropped", 0) >= 1
+        server.start()  # the same port again
+        deadline = time.monotonic() + 40
+        while True:  # after the breaker's backoff, the next call gets through
+            offload(a, [b"after-%f" % time.monotonic()])
+            if not remote_events(a)["degraded"]:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert shadow
+    finally:
+        a.cleanup()
+
+
+def test_values_redis_evicts_are_misses_not_errors(server):
+    small = RedisServer(maxmemory="4mb")
+    a, b = node(small, write_through=True), node(small)
+    try:
+        keys = [b"m%03d" % i for i in range(400)]  # 6.4 MB of blocks into 4 MB of Redis
+        offload(a, keys)
+        deadline = time.monotonic() + 30
+        while sum(remote_events(a).get(e, 0) for e in ("stored", "stores_dropped")) < 400:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with Client(b.target) as client:
+            tiers = client.lookup(keys, pool_ids=["rank0"]).tiers
+        present = [k for k, t in zip(keys, tiers) if t is TierKind.REMOTE]
+        assert 0 < len(present) < 400 and small.client().info("stats")["evicted_keys"] > 0
+        outcomes, _ = restore(b, keys[:16])
+        assert set(outcomes) <= {Outcome.DONE, Outcome.NOT_FOUND}
+        assert not remote_events(b)["degraded"]
+    finally:
+        a.cleanup()
+        b.cleanup()
+        small.close()
+
+
+def test_a_wrong_password_is_a_clear_refusal_not_a_hang(server, tmp_path):
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-password\n")
+    a = launch.spawn({"pools": [SMALL_POOL], "log_level": "info",
+                      "remote": {**server.config(write_through=True), "password_file": str(wrong)}})
+    try:
+        start = time.monotonic()
+        offload(a, [b"x"])
+        with Client(a.target) as client:
+            assert client.lookup([b"y"], pool_ids=["rank0"]).hits == 0
+        assert time.monotonic() - start < 3
+        time.sleep(0.5)
+        log = a.log_text()
+        assert "remote tier unavailable" in log and ("WRONGPASS" in log or "Authentication" in log)
+        assert "not-the-password" not in log  # never echoed
+    finally:
+        a.cleanup()
+
+
+def test_tls_only_redis_works_over_tls_and_refuses_plaintext_quickly():
+    tls = RedisServer(tls=True)
+    try:
+        a, b = node(tls, write_through=True), None
+        try:
+            shadow = offload(a, [b"secure"])
+            wait_stored(a, 1)
+            b = node(tls)
+            outcomes, got = restore(b, [b"secure"])
+            assert outcomes == [Outcome.DONE] and torch.equal(got[0], shadow[b"secure"])
+        finally:
+            a.cleanup()
+            if b is not None:
+                b.cleanup()
+        plain = {**tls.config(write_through=True), "url": tls.url.replace("rediss://", "redis://")}
+        plain.pop("tls_ca")
+        c = launch.spawn({"pools": [SMALL_POOL], "log_level": "info", "remote": plain})
+        try:
+            start = time.monotonic()
+            offload(c, [b"clear"])
+            with Client(c.target) as client:
+                assert client.lookup([b"secure"], pool_ids=["rank0"]).hits == 0
+            assert time.monotonic() - start < 3
+            time.sleep(0.5)
+            assert "remote tier unavailable" in c.log_text()
+        finally:
+            c.cleanup()
+    finally:
+        tls.close()
+
+
+@pytest.mark.parametrize("remote, message", [
+    ({"url": "http://x"}, "remote.url"),
+    ({"url": "redis://user:pw@host:6379"}, "no credentials"),
+    ({"url": "redis://h:1", "timeout_ms": 0}, "timeout_ms"),
+    ({"url": "redis://h:1", "tls_ca": "/etc/hostname"}, "not rediss"),
+    ({"url": "redis://h:1", "password_file": "/nonexistent"}, "password_file"),
+    ({"url": "redis://h:1", "write_through": "yes"}, "write_through"),
+])
+def test_remote_settings_are_validated(tmp_path, remote, message):
+    path = tmp_path / "kvxfer.yaml"
+    path.write_text(yaml.safe_dump({"remote": remote}))
+    with pytest.raises(service_config.ConfigError, match=message):
+        service_config.load(str(path), env={})
+
+
+def test_redis_cluster_shares_blocks_across_nodes():
+    from tests.e2e.redis_server import RedisClusterServers
+
+    cluster = RedisClusterServers()
+    try:
+        a, b = node(cluster, write_through=True), node(cluster)
+        try:
+            keys = [b"c%02d" % i for i in range(24)]  # spread over the three nodes' slots
+            shadow = offload(a, keys)
+            wait_stored(a, 24)
+            outcomes, got = restore(b, keys[:16])
+            assert outcomes == [Outcome.DONE] * 16 and all(torch.equal(g, shadow[k]) for g, k in zip(got, keys))
+            spread = [n.client().dbsize() for n in cluster.nodes]
+            assert sum(spread) == 24 and all(spread)  # every node holds some
+        finally:
+            a.cleanup()
+            b.cleanup()
+    finally:
+        cluster.close()
