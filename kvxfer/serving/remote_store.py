@@ -29,6 +29,7 @@ import numpy as np
 import redis
 import torch
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.index.block_index import BlockIndex, Victim
@@ -38,6 +39,8 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header, header_length
 
 log = logging.getLogger(__name__)
+#: What a failing Redis raises: its errors, the cluster client's own (not a RedisError), the socket's.
+FAILURES = (redis.RedisError, RedisClusterException, OSError)
 BATCH = 32  # values per pipelined round trip
 MAX_HEADER = 48 + 128 * 4 + 256 + 64  # fixed part, a namespace (UTF-8), a key, and room
 MAX_BACKOFF_S = 30.0
@@ -121,7 +124,8 @@ class RemoteStore:
         self.group = group
         self.slot_bytes = slot_bytes
         self.fingerprint = hashlib.sha256(repr(block_format).encode()).digest()
-        self.client = connect(settings)
+        self._client: redis.Redis | RedisCluster | None = None  # connected on first use: Redis may be down now
+        self._connect_lock = threading.Lock()
         self.breaker = Breaker(settings.url.split("@")[-1])  # never the credentials of a URL
         self.events: Counter = Counter()
         self._events_lock = threading.Lock()
@@ -129,6 +133,14 @@ class RemoteStore:
         self._staging = StagingBuffers(settings.max_inflight, slot_bytes, headroom=MAX_HEADER)
         self._writer = threading.Thread(target=self._write_loop, name=f"kvxfer-remote-{group}", daemon=True)
         self._writer.start()
+
+    @property
+    def client(self) -> redis.Redis | RedisCluster:
+        """The client, made on first use (a cluster client asks for the slots as it is made)."""
+        with self._connect_lock:
+            if self._client is None:
+                self._client = connect(self.settings)
+            return self._client
 
     def key(self, namespace: str, key: bytes) -> bytes:
         return b"\0".join([(self.settings.key_prefix + self.group).encode(), namespace.encode(), key])
@@ -161,7 +173,7 @@ class RemoteStore:
                 header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes)
                 pipe.set(self.key(namespace, key), self._staging.with_header(index, header))
             pipe.execute()
-        except redis.RedisError as exc:
+        except FAILURES as exc:
             self.breaker.failed(exc)
             self._count("stores_dropped", len(batch))
             return
@@ -181,7 +193,7 @@ class RemoteStore:
             for key in keys:
                 pipe.exists(self.key(namespace, key))
             found = [bool(n) for n in pipe.execute()]
-        except redis.RedisError as exc:
+        except FAILURES as exc:
             self.breaker.failed(exc)
             return [False] * len(keys)
         self.breaker.succeeded()
@@ -200,7 +212,7 @@ class RemoteStore:
                 for key in keys[first:first + BATCH]:
                     pipe.get(self.key(namespace, key))
                 values += pipe.execute()
-        except redis.RedisError as exc:
+        except FAILURES as exc:
             self.breaker.failed(exc)
             return {}
         self.breaker.succeeded()
@@ -243,7 +255,7 @@ class RemoteStore:
             self._count("corrupt")
             try:
                 self.client.delete(self.key(namespace, key))
-            except redis.RedisError as exc:
+            except FAILURES as exc:
                 self.breaker.failed(exc)
             return Outcome.DATA_LOSS, 0
         out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
@@ -254,7 +266,7 @@ class RemoteStore:
             return 0
         try:
             return int(self.client.delete(*[self.key(namespace, k) for k in keys]))
-        except redis.RedisError as exc:
+        except FAILURES as exc:
             self.breaker.failed(exc)
             return 0
 
@@ -281,4 +293,5 @@ class RemoteStore:
         except queue.Full:
             pass
         self._writer.join(timeout)
-        self.client.close()
+        if self._client is not None:
+            self._client.close()

@@ -252,3 +252,21 @@ def test_redis_cluster_shares_blocks_across_nodes():
             b.cleanup()
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_a_daemon_starts_and_serves_while_redis_is_down(tmp_path, scheme):
+    from tests.e2e.redis_server import free_port
+
+    password = tmp_path / "password"
+    password.write_text("pw\n")
+    daemon = launch.spawn({"pools": [SMALL_POOL], "log_level": "info",
+                           "remote": {"url": f"{scheme}://127.0.0.1:{free_port()}", "username": "u",
+                                      "password_file": str(password), "write_through": True}})
+    try:
+        shadow = offload(daemon, [b"local"])
+        outcomes, got = restore(daemon, [b"local"])
+        assert outcomes == [Outcome.DONE] and torch.equal(got[0], shadow[b"local"])
+        assert remote_events(daemon)["degraded"]
+    finally:
+        daemon.cleanup()
