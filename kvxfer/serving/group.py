@@ -120,9 +120,11 @@ class CacheGroup:
             return 0
         deadline = time.monotonic() + timeout
         written = 0
-        pending = [e for e in reversed(self.index.entries())]
-        while pending and time.monotonic() < deadline:
-            batch, pending = pending[:64], pending[64:]
+        pending = list(reversed(self.index.entries()))
+        for first in range(0, len(pending), 64):
+            if time.monotonic() >= deadline:
+                break
+            batch = pending[first:first + 64]
             by_ns: dict[str, list] = {}
             for namespace, key, slot, checksum in batch:
                 by_ns.setdefault(namespace, []).append((key, slot, checksum))
