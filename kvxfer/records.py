@@ -96,6 +96,12 @@ class TierStats:
     degraded: bool = False  # an I/O error: the tier skips what fails and the host path goes on
     events: dict[str, int] = field(default_factory=dict)  # lower tiers: demoted, promoted, corrupt, ...
 
+    @property
+    def has_occupancy(self) -> bool:
+        """False for a remote tier: Redis is shared and evicts on its own, so capacity, use and
+        evictions are not ours to count (its figures here are zeros, not measurements)."""
+        return self.tier is not TierKind.REMOTE
+
 
 @dataclass(frozen=True)
 class JobStats:

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvxfer.bench.common import format_table
 from kvxfer.client import Client
@@ -65,7 +66,9 @@ def render(before: list[PoolStats], after: list[PoolStats], interval: float) -> 
         for t in s.tiers:
             row = [s.cache_group, t.tier.value, t.capacity_blocks, t.used_blocks, t.pinned_blocks,
                    f"{t.used_blocks * t.slot_bytes / MIB:.1f} / {t.capacity_blocks * t.slot_bytes / MIB:.1f}",
-                   t.evictions]
+                   t.evictions] if t.has_occupancy else [s.cache_group, t.tier.value, "-", "-", "-", "-", "-"]
+            if t.degraded:
+                row[1] += " (degraded)"
             if row not in tiers:  # a group's tiers are shared by its pools
                 tiers.append(row)
     return "\n\n".join([
@@ -91,8 +94,12 @@ def as_json(before: list[PoolStats], after: list[PoolStats], interval: float) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    token = open(args.token_file).read().strip() if args.token_file else None
-    ca = open(args.ca, "rb").read() if args.ca else None
+    try:
+        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        ca = Path(args.ca).read_bytes() if args.ca else None
+    except OSError as exc:
+        print(f"kvxfer status: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     try:
         with Client(args.target, token=token, root_certificates=ca, timeout=args.timeout) as client:
             before = client.stats()

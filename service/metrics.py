@@ -140,11 +140,12 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
                 continue
             seen.add((s.cache_group, t.tier))
             values = [s.cache_group, t.tier.value]
-            for name, value in (("capacity", t.capacity_blocks), ("used", t.used_blocks), ("ready", t.ready_blocks),
-                                ("pinned", t.pinned_blocks)):
-                families[name].add_metric(values, value)
+            if t.has_occupancy:
+                for name, value in (("capacity", t.capacity_blocks), ("used", t.used_blocks),
+                                    ("ready", t.ready_blocks), ("pinned", t.pinned_blocks)):
+                    families[name].add_metric(values, value)
+                evictions.add_metric(values, t.evictions)
             slot.add_metric(values, t.slot_bytes)
-            evictions.add_metric(values, t.evictions)
             degraded.add_metric(values, int(t.degraded))
             for event, n in sorted(t.events.items()):
                 events.add_metric([*values, event], n)

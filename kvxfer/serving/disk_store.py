@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
-import os
 import logging
+import os
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +37,7 @@ import torch
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.index.block_index import BlockIndex, Victim
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import StagingBuffers, take_batch
+from kvxfer.serving.staging import EventCounts, StagingBuffers, take_batch
 from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.host import HostTier
@@ -70,17 +68,16 @@ class _Staged:
 class DiskStore:
     """One cache group's disk tier, its index and its workers."""
 
-    def __init__(self, settings: DiskSettings, group: str, block_format: object, slot_bytes: int) -> None:
+    def __init__(self, settings: DiskSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
+        """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every file's header."""
         capacity = settings.capacity_bytes // (HEADER_BYTES + slot_bytes)
         if capacity < 1:
             raise InvalidArgument(f"disk capacity {settings.capacity_bytes} bytes holds no block of "
                                   f"{HEADER_BYTES + slot_bytes} bytes")
-        fingerprint = hashlib.sha256(repr(block_format).encode()).digest()
         self.tier = DiskTier(Path(settings.path) / group, capacity, slot_bytes, fingerprint)
         self._lock_fd = _lock_directory(self.tier.directory)  # one store per directory, in any process
         self.index = BlockIndex(TierKind.DISK, self.tier.slots)
-        self.events: Counter = Counter()
-        self._events_lock = threading.Lock()
+        self.events = EventCounts()
         self.degraded = False
         self.index_seconds = self._rebuild()
         self._reads = threading.BoundedSemaphore(settings.queue_blocks)
@@ -96,25 +93,29 @@ class DiskStore:
         found, dropped = self.tier.scan()
         self.tier.slots.claim([s.slot for s in found])
         for reason, n in dropped.items():
-            self._count(f"dropped_at_start_{reason}", n)
+            self.events.add(f"dropped_at_start_{reason}", n)
         for stored in found:
             if not self.index.adopt(stored.namespace, stored.key, stored.slot, stored.checksum):
                 self.tier.discard(stored.slot)  # a second file of one key: keep the older
                 self.tier.slots.release_many([stored.slot])
-                self._count("dropped_at_start_duplicate", 1)
-        self._count("found_at_start", len(found))
+                self.events.add("dropped_at_start_duplicate", 1)
+        self.events.add("found_at_start", len(found))
         return time.perf_counter() - start
 
     # -- demotion ----------------------------------------------------------------
     def stage(self, victims: list[Victim], host: HostTier) -> None:
         """Copy blocks the host tier evicted out of their slots and queue them for the disk.
         Call before the slots are written again (the group's store lock held)."""
+        on_disk = set()
+        for namespace in dict.fromkeys(v.namespace for v in victims):
+            keys = [v.key for v in victims if v.namespace == namespace]
+            on_disk |= {(namespace, k) for k, there in zip(keys, self.index.contains(namespace, keys)) if there}
         for victim in victims:
-            if self.index.contains(victim.namespace, [victim.key])[0]:
-                continue  # on disk already
+            if (victim.namespace, victim.key) in on_disk:
+                continue
             index = self._staging.take(host.buffer[victim.slot].numpy())
             if index is None:  # every staging buffer in use: the disk is behind
-                self._count("demotions_dropped", 1)
+                self.events.add("demotions_dropped", 1)
                 continue
             self._queue.put_nowait(_Staged(victim.namespace, victim.key, victim.checksum,
                                            self._staging.block(index), index))
@@ -129,9 +130,8 @@ class DiskStore:
             batch = take_batch(self._queue, first, BATCH)
             try:
                 self.write(batch)
-            except Exception:  # a bug: the writer must not die (and silently stop demoting)
+            except Exception:  # a bug: the writer must not die (and silently stop demoting); counted in write
                 log.exception("disk write batch failed")
-                self._count("write_errors", len(batch))
             finally:
                 for item in batch:
                     if item.buffer is not None:
@@ -150,30 +150,33 @@ class DiskStore:
         for namespace in dict.fromkeys(s.namespace for s in staged):
             items = {s.key: s for s in staged if s.namespace == namespace}
             plan = self.index.prepare_store(namespace, list(items))
-            self._count("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
-            blocks = [Block(e.slot, namespace, e.key, items[e.key].checksum, memoryview(items[e.key].data))
-                      for e in plan.entries]
-            errors = self.tier.write_batch(blocks)
-            full = [i for i, err in enumerate(errors) if err is not None and err.errno == errno.ENOSPC]
-            if full:  # the device is fuller than the quota: make room, try once more
-                for victim in self.index.evict(len(full)):
-                    self.tier.discard(victim.slot)
-                self._count("evicted_for_space", len(full))
-                for i, err in zip(full, self.tier.write_batch([blocks[i] for i in full])):
-                    errors[i] = err
-            checksums = []
-            for block, err in zip(blocks, errors):
-                if err is None:
-                    checksums.append(block.checksum)
-                    self._count("demoted", 1)
-                    written += 1
-                else:
-                    checksums.append(None)
-                    self._count("write_errors", 1)
-                    if err.errno != errno.ENOSPC:
+            self.events.add("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
+            checksums: list[int | None] = [None] * len(plan.entries)
+            try:  # whatever happens, the prepared entries are completed (else they stay pinned, unseen)
+                blocks = [Block(e.slot, namespace, e.key, items[e.key].checksum, memoryview(items[e.key].data))
+                          for e in plan.entries]
+                for j, err in enumerate(self._write_durably(blocks)):
+                    if err is None:
+                        checksums[j] = blocks[j].checksum
+                        written += 1
+                    elif err.errno != errno.ENOSPC:
                         self._degrade("write", err)
-            self.index.complete_store(plan.entries, checksums)
+            finally:
+                self.events.add("demoted", sum(c is not None for c in checksums))
+                self.events.add("write_errors", sum(c is None for c in checksums))
+                self.index.complete_store(plan.entries, checksums)
         return written
+
+    def _write_durably(self, blocks: list[Block]) -> list[OSError | None]:
+        errors = self.tier.write_batch(blocks)
+        full = [i for i, err in enumerate(errors) if err is not None and err.errno == errno.ENOSPC]
+        if full:  # the device is fuller than the quota: make room, try once more
+            for victim in self.index.evict(len(full)):
+                self.tier.discard(victim.slot)
+            self.events.add("evicted_for_space", len(full))
+            for i, err in zip(full, self.tier.write_batch([blocks[i] for i in full])):
+                errors[i] = err
+        return errors
 
     # -- promotion ---------------------------------------------------------------
     def promote(self, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
@@ -201,7 +204,7 @@ class DiskStore:
             verdict = future.result()
             if verdict is Outcome.DONE:
                 checksums[id(target)] = entry.checksum
-                self._count("promoted", 1)
+                self.events.add("promoted", 1)
             else:
                 failed[entry.key] = verdict
                 if verdict is Outcome.DATA_LOSS:
@@ -215,11 +218,11 @@ class DiskStore:
             self.tier.read_into(entry.slot, entry.namespace, entry.key, entry.checksum, out)
             return Outcome.DONE
         except DiskCorrupt:
-            self._count("corrupt", 1)
+            self.events.add("corrupt", 1)
             self.tier.discard(entry.slot)  # before complete_load frees the slot for another block
             return Outcome.DATA_LOSS
         except OSError as exc:
-            self._count("read_errors", 1)
+            self.events.add("read_errors", 1)
             self._degrade("read", exc)
             return Outcome.FAILED
         finally:
@@ -239,11 +242,7 @@ class DiskStore:
     def stats(self) -> TierStats:
         i = self.index.stats()
         return TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.tier.file_bytes,
-                         self.degraded, dict(self.events))
-
-    def _count(self, event: str, n: int = 1) -> None:
-        with self._events_lock:
-            self.events[event] += n
+                         self.degraded, self.events.snapshot())
 
     def _degrade(self, what: str, exc: OSError) -> None:
         if not self.degraded:

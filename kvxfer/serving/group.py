@@ -9,6 +9,7 @@ Pools join a group only if their blocks have the same format byte for byte.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +39,11 @@ class BlockFormat:
         s = layout.spec
         return cls(s.num_layers, s.block_size, s.num_kv_heads, s.head_size, dtype_name(s.dtype), layout.layout.spelled)
 
+    @property
+    def fingerprint(self) -> bytes:
+        """Stored with every block below host memory: a block of another format is never served."""
+        return hashlib.sha256(repr(self).encode()).digest()
+
 
 class CacheGroup:
     """One host tier and the index over it, and the disk and remote tiers below it when there are."""
@@ -51,8 +57,9 @@ class CacheGroup:
         # Held from a batch's slot reservation until the blocks it evicted are copied out of
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
-        self.disk = DiskStore(disk, name, self.format, layout.block_bytes) if disk is not None else None
-        self.remote = RemoteStore(remote, name, self.format, layout.block_bytes) if remote is not None else None
+        fingerprint, nbytes = self.format.fingerprint, layout.block_bytes
+        self.disk = DiskStore(disk, name, fingerprint, nbytes) if disk is not None else None
+        self.remote = RemoteStore(remote, name, fingerprint, nbytes) if remote is not None else None
 
     @property
     def lower(self) -> bool:

@@ -16,12 +16,10 @@ one call tries again. The host and disk paths never wait on Redis.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,7 +32,7 @@ from redis.exceptions import RedisClusterException
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.index.block_index import BlockIndex, Victim
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import StagingBuffers, take_batch
+from kvxfer.serving.staging import EventCounts, StagingBuffers, take_batch
 from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header, header_length
 
@@ -119,16 +117,16 @@ def _said(exc: Exception) -> str:
 class RemoteStore:
     """One cache group's blocks in Redis."""
 
-    def __init__(self, settings: RemoteSettings, group: str, block_format: object, slot_bytes: int) -> None:
+    def __init__(self, settings: RemoteSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
+        """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every value's header."""
         self.settings = settings
         self.group = group
         self.slot_bytes = slot_bytes
-        self.fingerprint = hashlib.sha256(repr(block_format).encode()).digest()
+        self.fingerprint = fingerprint
         self._client: redis.Redis | RedisCluster | None = None  # connected on first use: Redis may be down now
         self._connect_lock = threading.Lock()
         self.breaker = Breaker(settings.url.split("@")[-1])  # never the credentials of a URL
-        self.events: Counter = Counter()
-        self._events_lock = threading.Lock()
+        self.events = EventCounts()
         self._queue: queue.Queue = queue.Queue(settings.max_inflight + 1)  # + the stop mark
         self._staging = StagingBuffers(settings.max_inflight, slot_bytes, headroom=MAX_HEADER)
         self._writer = threading.Thread(target=self._write_loop, name=f"kvxfer-remote-{group}", daemon=True)
@@ -152,7 +150,7 @@ class RemoteStore:
         for key, checksum, data in blocks:
             index = self._staging.take(data.numpy()) if self.breaker.allows() else None
             if index is None:
-                self._count("stores_dropped")
+                self.events.add("stores_dropped")
                 continue
             self._queue.put_nowait((namespace, key, checksum, index))  # never full: one place per buffer
 
@@ -166,7 +164,7 @@ class RemoteStore:
     def _write(self, batch: list) -> None:
         try:
             if not self.breaker.allows():
-                self._count("stores_dropped", len(batch))
+                self.events.add("stores_dropped", len(batch))
                 return
             pipe = self.client.pipeline(transaction=False)
             for namespace, key, checksum, index in batch:
@@ -175,13 +173,13 @@ class RemoteStore:
             pipe.execute()
         except FAILURES as exc:
             self.breaker.failed(exc)
-            self._count("stores_dropped", len(batch))
+            self.events.add("stores_dropped", len(batch))
             return
         finally:
             for item in batch:
                 self._staging.give_back(item[3])
         self.breaker.succeeded()
-        self._count("stored", len(batch))
+        self.events.add("stored", len(batch))
 
     # -- lookups and restores ---------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
@@ -232,7 +230,7 @@ class RemoteStore:
             verdict, checksum = self._unpack(namespace, key, value, host.buffer[target.slot])
             if verdict is Outcome.DONE:
                 checksums[id(target)] = checksum
-                self._count("promoted")
+                self.events.add("promoted")
             else:
                 failed[key] = verdict
         host_index.complete_store(plan.entries, [checksums.get(id(e)) for e in plan.entries])
@@ -252,7 +250,7 @@ class RemoteStore:
         except DiskCorrupt as bad:
             if str(bad) == "foreign_format":
                 return Outcome.NOT_FOUND, 0  # another format's block under this name: not ours to judge
-            self._count("corrupt")
+            self.events.add("corrupt")
             try:
                 self.client.delete(self.key(namespace, key))
             except FAILURES as exc:
@@ -271,15 +269,9 @@ class RemoteStore:
             return 0
 
     # -- the rest ------------------------------------------------------------------
-    def _count(self, event: str, n: int = 1) -> None:
-        with self._events_lock:
-            self.events[event] += n
-
     def stats(self) -> TierStats:
         """Redis holds what it holds (shared, evicting on its own): no capacity or occupancy of ours."""
-        with self._events_lock:
-            events = dict(self.events)
-        return TierStats(TierKind.REMOTE, 0, 0, 0, 0, 0, self.slot_bytes, self.breaker.open, events)
+        return TierStats(TierKind.REMOTE, 0, 0, 0, 0, 0, self.slot_bytes, self.breaker.open, self.events.snapshot())
 
     def flush(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,4 +1,6 @@
-"""Staging buffers: preallocated memory that holds blocks on their way to a lower tier.
+"""What the lower tiers' stores share: staging buffers, batch draining, event counts.
+
+Staging buffers are preallocated memory that holds blocks on their way to a lower tier.
 
 A block evicted from the host tier is copied out of its slot at once (the slot is reused
 by the batch that evicted it). Copying into fresh allocations would fault in new pages
@@ -63,3 +65,23 @@ class StagingBuffers:
     def give_back(self, index: int) -> None:
         with self._lock:
             self._free.append(index)
+
+
+class EventCounts:
+    """Counts of a tier's events (demoted, promoted, corrupt, ...), bumped from several threads."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, event: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[event] = self._counts.get(event, 0) + n
+
+    def __getitem__(self, event: str) -> int:
+        with self._lock:
+            return self._counts.get(event, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)

@@ -77,7 +77,7 @@ class DiskTier(Tier):
         """Make each block's file durable (write, fsync, rename, fsync the directories);
         one error or None per block. A failed block leaves its slot's previous file."""
         errors: list[OSError | None] = []
-        renamed: set[Path] = set()
+        renamed: dict[Path, list[int]] = {}  # directory -> the blocks renamed into it
         for block in blocks:
             final = self.path(block.slot)
             tmp = final.with_suffix(".tmp")
@@ -92,17 +92,21 @@ class DiskTier(Tier):
                 finally:
                     os.close(fd)
                 os.rename(tmp, final)
-                renamed.add(final.parent)
+                renamed.setdefault(final.parent, []).append(len(errors))
                 errors.append(None)
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
                 errors.append(exc)
-        for directory in renamed:  # the renames themselves durable: once per directory per batch
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        for directory, members in renamed.items():  # the renames durable: once per directory per batch
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:  # the renames may not survive a crash: not durable, not published
+                for i in members:
+                    errors[i] = exc
         return errors
 
     def discard(self, slot: int) -> None:

@@ -164,3 +164,19 @@ def test_files_are_private_to_the_daemon(tmp_path):
     group.close(5)
     for path in (tmp_path / "g").rglob("*.kvb"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_write_that_breaks_midway_leaves_no_pinned_or_invisible_entries(tmp_path):
+    pool, group, manager = store(tmp_path)
+    fill(pool, 6)
+
+    def broken(blocks):
+        raise RuntimeError("a bug in the write path")  # nothing the device can be made to do on demand
+
+    group.disk.tier.write_batch = broken
+    offload_all(manager, range(1, 17))  # 8 demotions reach the broken writer
+    group.disk.flush(10)
+    stats = group.disk.stats()
+    assert stats.pinned_blocks == 0 and stats.used_blocks == 0 and stats.events["write_errors"] == 8
+    assert manager.restore("ns", [(b"k16", 40)]).outcomes == [Outcome.DONE]  # the host path goes on
+    group.close(5)
