@@ -5,11 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
+
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-vllm serve bench proto devcheck clean
+.PHONY: install test test-vllm serve bench bench-peer proto devcheck clean
 
 # (Re)install when the project's metadata changes; torch is pinned to the local CPU build.
 $(STAMP): pyproject.toml constraints.txt
@@ -40,6 +43,17 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/kvxfer bench $(BENCH_ARGS)
 
+# The peer: LMCache 0.5.6 in an environment of its own, the CPU torch installed first and pinned
+# (lmcache depends on torch, and on CUDA-only wheels that install but are never loaded on a CPU).
+$(LMCACHE_STAMP): constraints.txt
+	test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q -c constraints.txt torch
+	$(LMCACHE_VENV)/bin/python -m pip install -q -c constraints.txt lmcache==0.5.6
+	touch $(LMCACHE_STAMP)
+
+bench-peer: $(STAMP) $(LMCACHE_STAMP)
+	$(VENV)/bin/kvxfer bench peer --lmcache-python $(LMCACHE_VENV)/bin/python $(BENCH_ARGS)
+
 # On a GPU machine: everything only a GPU can show, results in devcheck-out/devcheck.json.
 # Needs no install and no gRPC (the lent machines have neither): it runs from the checkout.
 devcheck:
@@ -50,4 +64,4 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/kvxfer/v1/kvxfer.proto
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis *.egg-info

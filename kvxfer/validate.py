@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import NULL_BLOCK
 
@@ -52,16 +54,24 @@ def check_count(n: int, limit: int, what: str) -> None:
         raise InvalidArgument(f"{n} {what} in one request; at most {limit}")
 
 
-def check_keys(keys: Sequence[bytes], *, unique: bool = True, limit: int = MAX_BATCH_BLOCKS) -> None:
+def checked_keys(keys: Sequence, *, unique: bool = True, limit: int = MAX_BATCH_BLOCKS) -> list[bytes]:
+    """The keys as a list of bytes (bytearray and memoryview keys of library callers converted),
+    each 1-MAX_KEY_BYTES long and, if ``unique``, distinct; InvalidArgument naming the first bad one."""
+    keys = list(keys)
     check_count(len(keys), limit, "keys")
-    # Fast path in C (map, set, min, max); the loop below only runs to name the bad key.
-    if keys and (set(map(type, keys)) != {bytes} or min(map(len, keys)) < 1 or max(map(len, keys)) > MAX_KEY_BYTES):
+    types = set(map(type, keys))  # the checks run in C; the loop below only runs to name the bad key
+    if not types <= {bytes}:
+        keys = [bytes(k) if isinstance(k, bytearray | memoryview) else k for k in keys]
+        types = set(map(type, keys))
+    lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys)) if types <= {bytes} else None
+    if keys and (lengths is None or lengths.min() < 1 or lengths.max() > MAX_KEY_BYTES):
         for i, key in enumerate(keys):
             if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
                 size = len(key) if isinstance(key, bytes) else type(key).__name__
                 raise InvalidArgument(f"key {i} must be 1-{MAX_KEY_BYTES} bytes, got {size}")
     if unique and len(set(keys)) != len(keys):
         raise InvalidArgument("duplicate keys in one request")
+    return keys
 
 
 def check_blocks(blocks: Sequence[int], num_blocks: int, limit: int = MAX_BATCH_BLOCKS) -> None:
@@ -71,10 +81,16 @@ def check_blocks(blocks: Sequence[int], num_blocks: int, limit: int = MAX_BATCH_
         return
     if set(map(type, blocks)) != {int}:
         raise InvalidArgument(f"slots must be integers, got {sorted({type(b).__name__ for b in blocks})}")
-    if NULL_BLOCK in blocks:
+    try:
+        at = np.fromiter(blocks, dtype=np.int64, count=len(blocks))
+    except OverflowError:
+        raise InvalidArgument(f"slot out of range [1, {num_blocks})") from None
+    if (at == NULL_BLOCK).any():
         raise InvalidArgument("slot 0 is the null block and is never offloaded or restored")
-    low, high = min(blocks), max(blocks)
+    low, high = int(at.min()), int(at.max())
     if low < 0 or high >= num_blocks:
         raise InvalidArgument(f"slot {low if low < 0 else high} out of range [1, {num_blocks})")
-    if len(set(blocks)) != len(blocks):
+    seen = np.zeros(num_blocks, dtype=bool)  # in range now: a bitmap finds repeats in one pass
+    seen[at] = True
+    if np.count_nonzero(seen) != len(blocks):
         raise InvalidArgument("duplicate slots in one request")

@@ -124,12 +124,21 @@ def latency(client: Client, args: argparse.Namespace, progress: Progress) -> dic
     return result
 
 
-def run(args: argparse.Namespace) -> int:
+def daemon_config(args: argparse.Namespace, layout: str = DEFAULT_POOL["layout"]) -> dict:
+    """The benchmark daemon: one CPU pool of ``--pool-mib`` of the default geometry (192 KiB blocks)."""
     spec = dict(DEFAULT_POOL["spec"])
-    block = 2 * spec["num_layers"] * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * 2
-    spec["num_blocks"] = (args.pool_mib * MIB) // block
-    config = {"pools": [{**DEFAULT_POOL, "device": "cpu", "spec": spec,
-                         "host_capacity_mib": args.batch_mib + 64}], "log_level": "warning"}
+    spec["num_blocks"] = (args.pool_mib * MIB) // block_bytes(spec)
+    return {"pools": [{**DEFAULT_POOL, "device": "cpu", "layout": layout, "spec": spec,
+                       "host_capacity_mib": args.batch_mib + 64}], "log_level": "warning"}
+
+
+def block_bytes(spec: dict) -> int:
+    """Bytes of one block of a bfloat16 pool spec (K and V, every layer)."""
+    return 2 * spec["num_layers"] * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * 2
+
+
+def run(args: argparse.Namespace) -> int:
+    config = daemon_config(args)
     progress = Progress(3 + len(args.inflight.split(",")))
     daemon = launch.spawn(config)
     try:  # nothing between spawn and this try: the daemon must never outlive the benchmark

@@ -77,6 +77,7 @@ class Config:
     allow_register: bool = True
     registered_host_capacity_mib: int = 512
     verify_on_device: bool = False
+    copy_threads: int = 2
     log_level: str = "info"
     log_format: str = "json"
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
@@ -88,7 +89,7 @@ class Config:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
                       self.max_jobs_per_client, self.cache_group_retention_s, self.verify_on_device, self.disk,
-                      self.remote)
+                      self.remote, self.copy_threads)
 
     @property
     def token(self) -> str:
@@ -295,6 +296,8 @@ def validate(config: Config) -> Config:
                  "registered_host_capacity_mib"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{name}: must be at least 1")
+    if not 1 <= config.copy_threads <= 64:
+        raise ConfigError("copy_threads: must be 1-64")
     if config.max_batch_blocks > MAX_BATCH_BLOCKS:
         raise ConfigError(f"max_batch_blocks: at most {MAX_BATCH_BLOCKS}")
     if config.max_jobs_per_client > config.max_queued_jobs:

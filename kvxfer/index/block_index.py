@@ -1,35 +1,35 @@
-"""The block index: (namespace, key) -> tier slot, with LRU, pins and checksums.
+"""The block index: (namespace, key) -> tier slot, with pins, checksums and an eviction order.
 
 Pure bookkeeping: it never touches tensors. A store is two-phase: ``prepare_store``
 reserves slots and creates pinned, invisible entries; ``complete_store`` makes the
 successful ones visible with their checksum and forgets the rest. A load is
 two-phase too, so that an entry is pinned (not evictable) while its bytes move.
 Every prepare must be followed by its complete, also on errors.
+
+The slot is the entry: its state, pins, checksum and owner are arrays indexed by
+slot, and each namespace maps keys to slots. A batch is then a few dictionary
+passes in C (``map``, ``dict.update``) and vector operations, with no Python loop
+per block on the store and load paths (measured in docs/benchmarks.md,
+``kvxfer bench bookkeeping``). Keys within one batch are distinct (the edge checks).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+
+import numpy as np
 
 from kvxfer.index.eviction import LRU, EvictionPolicy
 from kvxfer.index.slots import SlotAllocator
 from kvxfer.records import Outcome, TierKind
 
-
-@dataclass(eq=False, slots=True)
-class Entry:
-    """One stored block. Visible to lookups only while ``ready`` (complete, checksummed, not dropped)."""
-
-    namespace: str
-    key: bytes
-    tier: TierKind
-    slot: int
-    checksum: int | None = None
-    ready: bool = False
-    pins: int = 0
-    dropped: bool = False  # removed from the index while pinned; its slot is freed at the last unpin
-
+FREE, PENDING, READY, DROPPED = 0, 1, 2, 3  # slot states; DROPPED: gone from the index, still pinned
+_OUTCOMES = list(Outcome)
+_CODE = {o: i for i, o in enumerate(_OUTCOMES)}
 
 
 @dataclass(frozen=True)
@@ -43,19 +43,38 @@ class Victim:
     slot: int  # the tier slot it held (reused by the batch that evicted it: copy its bytes first)
 
 
+@dataclass(frozen=True)
+class Evicted:
+    """The entries one call evicted, as columns; iterating gives ``Victim``s."""
+
+    tier: TierKind
+    namespaces: list[str] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[Victim]:
+        for ns, key, checksum, slot in zip(self.namespaces, self.keys, self.checksums, self.slots):
+            yield Victim(ns, key, self.tier, checksum, slot)
+
+
 @dataclass
 class Plan:
-    """The index's answer to a batch: one outcome per key, the entries to move, and the
-    entries evicted to make room (their slots are reused by this batch).
+    """The index's answer to a batch: one outcome per key; the slots to move, with the
+    batch position each belongs to; for a load, their checksums; the entries evicted to
+    make room (their slots are reused by this batch).
 
-    ``outcomes[positions[j]]`` belongs to ``entries[j]``; it reads DONE until the
-    caller changes it.
+    ``outcomes[positions[j]]`` belongs to ``slots[j]``; it reads DONE until the caller changes it.
     """
 
     outcomes: list[Outcome]
-    entries: list[Entry]
+    slots: list[int]
     positions: list[int]
-    evicted: list[Victim] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)
+    evicted: Evicted | None = None
 
 
 @dataclass(frozen=True)
@@ -69,129 +88,129 @@ class IndexStats:
 
 
 class BlockIndex:
-    """The index of one tier. Thread-safe; every method is O(batch) with small constants,
-    since it runs on the data path of every request."""
+    """The index of one tier. Thread-safe."""
 
     def __init__(self, tier: TierKind, slots: SlotAllocator | int, policy: EvictionPolicy | None = None) -> None:
         """``slots``: the tier's free-slot bookkeeping (``Tier.slots``), or a capacity for one of its own."""
         self.tier = tier
         self._slots = slots if isinstance(slots, SlotAllocator) else SlotAllocator(slots)
-        self._spaces: dict[str, dict[bytes, Entry]] = {}  # namespace -> key -> entry
-        self._lru = policy if policy is not None else LRU()  # the evictable entries: ready and unpinned
+        capacity = self._slots.capacity
+        self._policy = policy if policy is not None else LRU(capacity)
+        self._state = np.zeros(capacity, dtype=np.int8)
+        self._pins = np.zeros(capacity, dtype=np.int32)
+        self._checksum = np.zeros(capacity, dtype=np.uint64)
+        self._owner_ns = np.zeros(capacity, dtype=np.int32)  # index into _ns_names
+        self._owner_key = np.empty(capacity, dtype=object)
+        self._spaces: dict[str, dict[bytes, int]] = {}  # namespace -> key -> slot
+        self._ns_ids: dict[str, int] = {}
+        self._ns_names: list[str] = []
         self._lock = threading.Lock()
-        self._pinned = 0
-        self._ready = 0
         self._evictions = 0
 
     # -- store -----------------------------------------------------------------
     def prepare_store(self, namespace: str, keys: list[bytes]) -> Plan:
         """New pinned, invisible entries with reserved slots for keys not stored yet."""
         with self._lock:
-            space = self._spaces.setdefault(namespace, {})
-            present = [space.get(k) for k in keys]
+            space = self._space(namespace)
+            found = self._find(space, keys)
+            new = np.flatnonzero(found < 0)
             # Keys of this batch that are stored already become most recent and may
             # not be evicted to make room for the batch's new keys.
-            lru = self._lru
-            kept = [e for e in present if e is not None and e in lru]
-            for e in kept:
-                lru.discard(e)
-            evicted: list[Victim] = []
-            slots = self._reserve(present.count(None), evicted)
-            for e in kept:
-                lru.add(e)
-            self._pinned += len(slots)
-            plan = Plan([Outcome.ALREADY_PRESENT] * len(keys), [], [], evicted)
-            taken = iter(slots)
-            tier = self.tier
-            for i, (key, existing) in enumerate(zip(keys, present)):
-                if existing is None:
-                    slot = next(taken, None)
-                    if slot is None:
-                        plan.outcomes[i] = Outcome.RESOURCE_EXHAUSTED
-                        continue
-                    entry = space[key] = Entry(namespace, key, tier, slot, None, False, 1, False)
-                    plan.outcomes[i] = Outcome.DONE
-                    plan.entries.append(entry)
-                    plan.positions.append(i)
-            return plan
+            held = found[found >= 0]
+            held = held[self._state[held] == READY]
+            self._pins[held] += 1
+            try:
+                slots, evicted = self._reserve(len(new))
+            finally:
+                self._pins[held] -= 1
+                self._policy.used(held)
+            taken = new[:len(slots)]
+            codes = np.full(len(keys), _CODE[Outcome.ALREADY_PRESENT], dtype=np.int8)
+            codes[taken] = _CODE[Outcome.DONE]
+            codes[new[len(slots):]] = _CODE[Outcome.RESOURCE_EXHAUSTED]
+            positions = taken.tolist()
+            stored = keys if len(positions) == len(keys) else [keys[i] for i in positions]
+            space.update(dict(zip(stored, slots)))  # a dict merge: faster than inserting pairs
+            at = np.asarray(slots, dtype=np.int64)
+            self._state[at] = PENDING
+            self._pins[at] = 1
+            self._owner_ns[at] = self._ns_ids[namespace]
+            self._owner_key[at] = _objects(stored)
+            return Plan(_outcomes(codes), slots, positions, evicted=evicted)
 
-    def complete_store(self, entries: list[Entry], checksums: list[int | None]) -> None:
+    def complete_store(self, slots: list[int], checksums: list[int | None]) -> None:
         """Publish entries whose bytes are complete (checksum given); forget the others."""
+        if len(slots) != len(checksums):
+            raise ValueError("complete_store pairs each slot with one checksum")
         with self._lock:
-            free: list[int] = []
-            for entry, checksum in zip(entries, checksums, strict=True):
-                self._unpin(entry, free)
-                if checksum is None or entry.dropped:
-                    self._drop(entry, free)
-                    continue
-                entry.checksum = checksum
-                entry.ready = True
-                self._ready += 1
-                if entry.pins == 0:
-                    self._lru.add(entry)
-            self._slots.release_many(free)
+            at = np.asarray(slots, dtype=np.int64)
+            self._pins[at] -= 1
+            try:  # the usual case: every store completed
+                values = np.asarray(checksums, dtype=np.uint64)
+                complete = np.ones(len(at), dtype=bool)
+            except TypeError:  # some are None: those failed
+                complete = np.array([c is not None for c in checksums], dtype=bool)
+                values = np.array([c if c is not None else 0 for c in checksums], dtype=np.uint64)
+            pending = self._state[at] == PENDING
+            published = pending & complete
+            publish = at[published]
+            self._checksum[publish] = values[published]
+            self._state[publish] = READY
+            self._policy.used(publish)
+            self._drop(at[pending & ~complete])  # failed stores: never visible
+            self._free_unpinned_dropped(at)
 
     # -- load ------------------------------------------------------------------
     def prepare_load(self, namespace: str, keys: list[bytes]) -> Plan:
         """The complete entries for these keys, pinned until ``complete_load``; NOT_FOUND for the rest."""
         with self._lock:
-            space = self._spaces.get(namespace, {})
-            lru = self._lru
-            plan = Plan([Outcome.NOT_FOUND] * len(keys), [], [])
-            for i, key in enumerate(keys):
-                entry = space.get(key)
-                if entry is None or not entry.ready:
-                    continue
-                if entry.pins == 0:
-                    lru.discard(entry)
-                    self._pinned += 1
-                entry.pins += 1
-                plan.outcomes[i] = Outcome.DONE
-                plan.entries.append(entry)
-                plan.positions.append(i)
-            return plan
+            found = self._find(self._spaces.get(namespace, {}), keys)
+            hit = found >= 0
+            hit[hit] = self._state[found[hit]] == READY
+            positions = np.flatnonzero(hit)
+            at = found[positions]
+            self._pins[at] += 1  # distinct keys, so distinct slots
+            codes = np.where(hit, _CODE[Outcome.DONE], _CODE[Outcome.NOT_FOUND]).astype(np.int8)
+            return Plan(_outcomes(codes), at.tolist(), positions.tolist(), self._checksum[at].tolist())
 
-    def complete_load(self, entries: list[Entry], corrupt: set[int] = frozenset()) -> None:
-        """Unpin loaded entries; drop ``entries[j]`` for j in ``corrupt`` so it is never served again."""
+    def complete_load(self, slots: list[int], corrupt: set[int] = frozenset()) -> None:
+        """Unpin loaded entries; drop ``slots[j]`` for j in ``corrupt`` so it is never served again."""
         with self._lock:
-            free: list[int] = []
-            for j, entry in enumerate(entries):
-                self._unpin(entry, free)
-                if j in corrupt:
-                    self._drop(entry, free)
-                elif not entry.dropped and entry.pins == 0:
-                    self._lru.add(entry)  # most recently used
-            self._slots.release_many(free)
+            at = np.asarray(slots, dtype=np.int64)
+            self._pins[at] -= 1
+            if corrupt:
+                self._drop(at[sorted(corrupt)])
+            self._policy.used(at[self._state[at] == READY])  # most recently used
+            self._free_unpinned_dropped(at)
 
     # -- rebuilding and trimming -------------------------------------------------
     def adopt(self, namespace: str, key: bytes, slot: int, checksum: int) -> bool:
         """A complete entry for a block the tier holds already (an index rebuilt at start;
         the slot is claimed already), most recent last. False if the key is there already."""
         with self._lock:
-            space = self._spaces.setdefault(namespace, {})
+            space = self._space(namespace)
             if key in space:
                 return False
-            entry = space[key] = Entry(namespace, key, self.tier, slot, checksum, True, 0, False)
-            self._ready += 1
-            self._lru.add(entry)
+            space[key] = slot
+            self._state[slot], self._checksum[slot] = READY, checksum
+            self._owner_ns[slot], self._owner_key[slot] = self._ns_ids[namespace], key
+            self._policy.used(np.array([slot], dtype=np.int64))
             return True
 
-    def evict(self, n: int) -> list[Victim]:
+    def evict(self, n: int) -> Evicted:
         """Drop up to ``n`` least recently used unpinned entries (a full device); returns them."""
         with self._lock:
-            victims: list[Victim] = []
-            free: list[int] = []
-            while len(victims) < n and (victim := self._lru.victim()) is not None:
-                self._evictions += 1
-                victims.append(Victim(victim.namespace, victim.key, victim.tier, victim.checksum, victim.slot))
-                self._drop(victim, free)
-            self._slots.release_many(free)
-            return victims
+            evicted = self._take_victims(n)
+            self._slots.release_many(evicted.slots)
+            return evicted
 
     def entries(self) -> list[tuple[str, bytes, int, int]]:
-        """(namespace, key, slot, checksum) of every complete entry, least recently used first."""
+        """(namespace, key, slot, checksum) of every complete unpinned entry, least recently used first."""
         with self._lock:
-            return [(e.namespace, e.key, e.slot, e.checksum) for e in self._lru.ordered()]
+            at = self._policy.ordered(np.flatnonzero(self._evictable(np.arange(len(self._state)))))
+            names = self._ns_names
+            return [(names[n], k, s, c) for n, k, s, c in zip(self._owner_ns[at].tolist(), self._owner_key[at],
+                                                              at.tolist(), self._checksum[at].tolist())]
 
     # -- queries ---------------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
@@ -200,65 +219,102 @@ class BlockIndex:
     def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
         """Where each key's complete entry is, None where there is none."""
         with self._lock:
-            space = self._spaces.get(namespace, {})
-            return [e.tier if (e := space.get(k)) is not None and e.ready else None for k in keys]
+            found = self._find(self._spaces.get(namespace, {}), keys)
+            hit = found >= 0
+            hit[hit] = self._state[found[hit]] == READY
+            tier = self.tier
+            return [tier if h else None for h in hit.tolist()]
 
     def locate(self, namespace: str, key: bytes) -> int | None:
         """The tier slot of a complete entry, or None (tools and tests)."""
         with self._lock:
-            entry = self._spaces.get(namespace, {}).get(key)
-            return entry.slot if entry is not None and entry.ready else None
+            slot = self._spaces.get(namespace, {}).get(key)
+            return slot if slot is not None and self._state[slot] == READY else None
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
-        """Remove entries; absent keys are ignored. Returns how many were removed."""
+        """Remove entries (a store in flight is dropped when it completes); absent keys are ignored.
+        Returns how many were removed."""
         with self._lock:
-            space = self._spaces.get(namespace, {})
-            free: list[int] = []
-            removed = 0
-            for key in keys:
-                entry = space.get(key)
-                if entry is not None:  # a store in flight is dropped when it completes
-                    self._drop(entry, free)
-                    removed += 1
-            self._slots.release_many(free)
-            return removed
+            found = self._find(self._spaces.get(namespace, {}), keys)
+            at = np.unique(found[found >= 0])
+            self._drop(at)
+            return len(at)
 
     def stats(self) -> IndexStats:
         with self._lock:
-            return IndexStats(self.tier, self._slots.capacity, self._slots.used, self._ready, self._pinned,
+            return IndexStats(self.tier, self._slots.capacity, self._slots.used,
+                              int(np.count_nonzero(self._state == READY)), int(np.count_nonzero(self._pins)),
                               self._evictions)
 
     # -- internals (lock held) -------------------------------------------------
-    def _reserve(self, n: int, evicted: list[Victim]) -> list[int]:
-        """Up to n free slots, evicting what the policy names (unpinned, complete) as needed;
-        the victims are appended to ``evicted``."""
-        if self._slots.free < n:
-            free: list[int] = []
-            while self._slots.free + len(free) < n and (victim := self._lru.victim()) is not None:
-                self._evictions += 1
-                evicted.append(Victim(victim.namespace, victim.key, victim.tier, victim.checksum, victim.slot))
-                self._drop(victim, free)
-            self._slots.release_many(free)
-        return self._slots.allocate(min(n, self._slots.free)) or []
+    def _space(self, namespace: str) -> dict[bytes, int]:
+        space = self._spaces.get(namespace)
+        if space is None:
+            space = self._spaces[namespace] = {}
+            self._ns_ids[namespace] = len(self._ns_names)
+            self._ns_names.append(namespace)
+        return space
 
-    def _unpin(self, entry: Entry, free: list[int]) -> None:
-        entry.pins -= 1
-        if entry.pins == 0:
-            self._pinned -= 1
-            if entry.dropped:
-                free.append(entry.slot)
+    @staticmethod
+    def _find(space: dict[bytes, int], keys: list[bytes]) -> np.ndarray:
+        """The slot of each key in ``space``, -1 where absent."""
+        return np.fromiter(map(space.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
 
-    def _drop(self, entry: Entry, free: list[int]) -> None:
-        """Make the entry invisible now; its slot goes to ``free`` now or at its last unpin."""
-        if entry.dropped:
-            return
-        entry.dropped = True
-        space = self._spaces[entry.namespace]
-        if space.get(entry.key) is entry:
-            del space[entry.key]
-        if entry.ready:
-            entry.ready = False
-            self._ready -= 1
-            self._lru.discard(entry)
-        if entry.pins == 0:
-            free.append(entry.slot)
+    def _evictable(self, slots: np.ndarray) -> np.ndarray:
+        return (self._state[slots] == READY) & (self._pins[slots] == 0)
+
+    def _reserve(self, n: int) -> tuple[list[int], Evicted]:
+        """Up to n free slots, evicting what the policy names as needed."""
+        short = n - self._slots.free
+        evicted = self._take_victims(short) if short > 0 else Evicted(self.tier)
+        self._slots.release_many(evicted.slots)
+        return self._slots.allocate(min(n, self._slots.free)) or [], evicted
+
+    def _take_victims(self, n: int) -> Evicted:
+        """Remove up to n entries the policy names (their slots are not yet released)."""
+        at = self._policy.victims(n, self._evictable)
+        self._evictions += len(at)
+        names = self._ns_names
+        evicted = Evicted(self.tier, [names[i] for i in self._owner_ns[at].tolist()], self._owner_key[at].tolist(),
+                          self._checksum[at].tolist(), at.tolist())
+        self._forget(at)
+        self._state[at] = FREE
+        return evicted
+
+    def _drop(self, at: np.ndarray) -> None:
+        """Make these entries invisible now; an unpinned one's slot is freed now, a pinned one's at its last unpin."""
+        at = at[(self._state[at] == PENDING) | (self._state[at] == READY)]
+        self._forget(at)
+        self._state[at] = DROPPED
+        self._free_unpinned_dropped(at)
+
+    def _free_unpinned_dropped(self, at: np.ndarray) -> None:
+        """(``at`` distinct)"""
+        done = at[(self._state[at] == DROPPED) & (self._pins[at] == 0)]
+        self._state[done] = FREE
+        self._slots.release_many(done.tolist())
+
+    def _forget(self, at: np.ndarray) -> None:
+        """Remove these slots' keys from their namespaces (where the key still maps to that slot)."""
+        owners = self._owner_ns[at]
+        for ns in np.unique(owners).tolist():  # usually one
+            mine = at[owners == ns]
+            keys = self._owner_key[mine].tolist()
+            space = self._spaces[self._ns_names[ns]]
+            current = self._find(space, keys) == mine
+            deque(map(space.pop, compress(keys, current.tolist())), maxlen=0)  # the pops, in C
+        self._owner_key[at] = None
+
+
+def _outcomes(codes: np.ndarray) -> list[Outcome]:
+    """Outcomes from their codes (one list operation when they are all alike, as usual)."""
+    if codes.size and (codes == codes[0]).all():
+        return [_OUTCOMES[int(codes[0])]] * len(codes)
+    return list(map(_OUTCOMES.__getitem__, codes.tolist()))
+
+
+def _objects(values: list) -> np.ndarray:
+    """A 1-d object array of ``values`` (numpy would make a 2-d array of equal-length tuples)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out

@@ -10,10 +10,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.memory.cuda_driver import IPC_EVENT_HANDLE_BYTES
-from kvxfer.validate import MAX_BATCH_BLOCKS, check_blocks, check_keys, check_namespace
+from kvxfer.validate import MAX_BATCH_BLOCKS, check_blocks, check_namespace, checked_keys
 
 
 class TransferKind(enum.Enum):
@@ -39,11 +40,11 @@ class TransferBatch:
               num_blocks: int, limit: int = MAX_BATCH_BLOCKS, ready_event: bytes = b"") -> TransferBatch:
         """Validate a request whole (namespace, blocks of a pool of ``num_blocks``, keys) and build it."""
         check_namespace(namespace)
-        blocks, keys = list(blocks), [bytes(k) for k in keys]
+        blocks, keys = list(blocks), list(keys)
         if len(blocks) != len(keys):
             raise InvalidArgument(f"slots and keys must have the same length ({len(blocks)} != {len(keys)})")
         check_blocks(blocks, num_blocks, limit)
-        check_keys(keys, limit=limit)
+        keys = checked_keys(keys, limit=limit)
         if ready_event and (kind is not TransferKind.OFFLOAD or len(ready_event) != IPC_EVENT_HANDLE_BYTES):
             raise InvalidArgument(f"a CUDA event handle has {IPC_EVENT_HANDLE_BYTES} bytes and goes with an offload")
         return cls(kind, namespace, blocks, keys, bytes(ready_event))
@@ -51,10 +52,20 @@ class TransferBatch:
     @classmethod
     def offload(cls, namespace: str, pairs: Sequence[tuple[int, bytes]], num_blocks: int) -> TransferBatch:
         """From (block, key) pairs."""
-        return cls.build(TransferKind.OFFLOAD, namespace, [p[0] for p in pairs], [p[1] for p in pairs], num_blocks)
+        blocks, keys = _columns(pairs)
+        return cls.build(TransferKind.OFFLOAD, namespace, blocks, keys, num_blocks)
 
     @classmethod
     def restore(cls, namespace: str, pairs: Sequence[tuple[bytes, int]], num_blocks: int) -> TransferBatch:
         """From (key, block) pairs."""
-        return cls.build(TransferKind.RESTORE, namespace, [p[1] for p in pairs], [p[0] for p in pairs], num_blocks)
+        keys, blocks = _columns(pairs)
+        return cls.build(TransferKind.RESTORE, namespace, blocks, keys, num_blocks)
 
+
+
+def _columns(pairs: Sequence[tuple]) -> tuple[list, list]:
+    """The two columns of a list of pairs (refused whole when an item is not a pair)."""
+    try:
+        return list(map(itemgetter(0), pairs)), list(map(itemgetter(1), pairs))
+    except (TypeError, IndexError, KeyError):
+        raise InvalidArgument("each item must be a (slot, key) or (key, slot) pair") from None

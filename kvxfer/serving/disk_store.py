@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
-from kvxfer.index.block_index import BlockIndex, Victim
+from kvxfer.index.block_index import BlockIndex, Evicted
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, StagingBuffers, take_batch
 from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
@@ -103,7 +103,7 @@ class DiskStore:
         return time.perf_counter() - start
 
     # -- demotion ----------------------------------------------------------------
-    def stage(self, victims: list[Victim], host: HostTier) -> None:
+    def stage(self, victims: Evicted, host: HostTier) -> None:
         """Copy blocks the host tier evicted out of their slots and queue them for the disk.
         Call before the slots are written again (the group's store lock held)."""
         on_disk = set()
@@ -151,10 +151,11 @@ class DiskStore:
             items = {s.key: s for s in staged if s.namespace == namespace}
             plan = self.index.prepare_store(namespace, list(items))
             self.events.add("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
-            checksums: list[int | None] = [None] * len(plan.entries)
+            checksums: list[int | None] = [None] * len(plan.slots)
             try:  # whatever happens, the prepared entries are completed (else they stay pinned, unseen)
-                blocks = [Block(e.slot, namespace, e.key, items[e.key].checksum, memoryview(items[e.key].data))
-                          for e in plan.entries]
+                keys = list(items)
+                blocks = [Block(slot, namespace, keys[i], items[keys[i]].checksum, memoryview(items[keys[i]].data))
+                          for i, slot in zip(plan.positions, plan.slots)]
                 for j, err in enumerate(self._write_durably(blocks)):
                     if err is None:
                         checksums[j] = blocks[j].checksum
@@ -164,7 +165,7 @@ class DiskStore:
             finally:
                 self.events.add("demoted", sum(c is not None for c in checksums))
                 self.events.add("write_errors", sum(c is None for c in checksums))
-                self.index.complete_store(plan.entries, checksums)
+                self.index.complete_store(plan.slots, checksums)
         return written
 
     def _write_durably(self, blocks: list[Block]) -> list[OSError | None]:
@@ -180,46 +181,48 @@ class DiskStore:
 
     # -- promotion ---------------------------------------------------------------
     def promote(self, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
-                store_lock: threading.Lock, on_evicted: Callable[[list[Victim]], None]) -> dict[bytes, Outcome]:
+                store_lock: threading.Lock, on_evicted: Callable[[Evicted], None]) -> dict[bytes, Outcome]:
         """Move the named blocks the disk holds into the host tier; returns the keys that
         failed: DATA_LOSS (wrong bytes: the file is removed) or FAILED (the device failed)."""
         plan = self.index.prepare_load(namespace, keys)
-        if not plan.entries:
+        if not plan.slots:
             return {}
+        found = [keys[i] for i in plan.positions]  # on disk, in the plan's order
         with store_lock:
-            host_plan = host_index.prepare_store(namespace, [e.key for e in plan.entries])
+            host_plan = host_index.prepare_store(namespace, found)
             on_evicted(host_plan.evicted)
-        targets = {e.key: e for e in host_plan.entries}
+        targets = {found[i]: slot for i, slot in zip(host_plan.positions, host_plan.slots)}
         reads = []
-        for j, entry in enumerate(plan.entries):
-            target = targets.get(entry.key)
+        for j, (key, slot, checksum) in enumerate(zip(found, plan.slots, plan.checksums)):
+            target = targets.get(key)
             if target is None or not self._reads.acquire(blocking=False):
                 continue  # in the host tier meanwhile, or too many reads in flight: left to the host tier
-            out = memoryview(host.buffer[target.slot].numpy())
-            reads.append((j, entry, target, self._readers.submit(self._read, entry, out)))
+            out = memoryview(host.buffer[target].numpy())
+            reads.append((j, key, target, checksum,
+                          self._readers.submit(self._read, slot, namespace, key, checksum, out)))
         failed: dict[bytes, Outcome] = {}
         corrupt: set[int] = set()
-        checksums: dict[int, int] = {}
-        for j, entry, target, future in reads:
+        checksums: dict[int, int] = {}  # host slot -> checksum of what landed there
+        for j, key, target, checksum, future in reads:
             verdict = future.result()
             if verdict is Outcome.DONE:
-                checksums[id(target)] = entry.checksum
+                checksums[target] = checksum
                 self.events.add("promoted", 1)
             else:
-                failed[entry.key] = verdict
+                failed[key] = verdict
                 if verdict is Outcome.DATA_LOSS:
                     corrupt.add(j)
-        host_index.complete_store(host_plan.entries, [checksums.get(id(e)) for e in host_plan.entries])
-        self.index.complete_load(plan.entries, corrupt)
+        host_index.complete_store(host_plan.slots, [checksums.get(s) for s in host_plan.slots])
+        self.index.complete_load(plan.slots, corrupt)
         return failed
 
-    def _read(self, entry, out: memoryview) -> Outcome:
+    def _read(self, slot: int, namespace: str, key: bytes, checksum: int, out: memoryview) -> Outcome:
         try:
-            self.tier.read_into(entry.slot, entry.namespace, entry.key, entry.checksum, out)
+            self.tier.read_into(slot, namespace, key, checksum, out)
             return Outcome.DONE
         except DiskCorrupt:
             self.events.add("corrupt", 1)
-            self.tier.discard(entry.slot)  # before complete_load frees the slot for another block
+            self.tier.discard(slot)  # before complete_load frees the slot for another block
             return Outcome.DATA_LOSS
         except OSError as exc:
             self.events.add("read_errors", 1)
@@ -231,10 +234,10 @@ class DiskStore:
     # -- the rest ------------------------------------------------------------------
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         plan = self.index.prepare_load(namespace, keys)
-        for entry in plan.entries:
-            self.tier.discard(entry.slot)  # a deleted key must not come back after a restart
-        self.index.complete_load(plan.entries, set(range(len(plan.entries))))
-        return len(plan.entries)
+        for slot in plan.slots:
+            self.tier.discard(slot)  # a deleted key must not come back after a restart
+        self.index.complete_load(plan.slots, set(range(len(plan.slots))))
+        return len(plan.slots)
 
     def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
         return self.index.tiers_of(namespace, keys)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PoolLayout, dtype_name
-from kvxfer.index.block_index import BlockIndex, Plan, Victim
+from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.disk_store import DiskSettings, DiskStore
 from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
@@ -73,7 +73,7 @@ class CacheGroup:
                 self._demote(plan.evicted)
             return plan
 
-    def _demote(self, victims: list[Victim]) -> None:
+    def _demote(self, victims: Evicted) -> None:
         """(store lock held) Copy evicted blocks out of their host slots before those are reused."""
         if self.disk is not None:
             self.disk.stage(victims, self.host)
@@ -82,11 +82,11 @@ class CacheGroup:
                 self.remote.stage(namespace, [(v.key, v.checksum, self.host.buffer[v.slot])
                                               for v in victims if v.namespace == namespace])
 
-    def write_through(self, namespace: str, entries: list, checksums: list[int | None]) -> None:
+    def write_through(self, namespace: str, keys: list[bytes], slots: list[int], checksums: list[int | None]) -> None:
         """With remote write-through: send blocks just stored (still pinned) to Redis as well."""
         if self.remote is not None and self.remote.settings.write_through:
-            self.remote.stage(namespace, [(e.key, c, self.host.buffer[e.slot])
-                                          for e, c in zip(entries, checksums) if c is not None])
+            self.remote.stage(namespace, [(k, c, self.host.buffer[s])
+                                          for k, s, c in zip(keys, slots, checksums) if c is not None])
 
     def promote(self, namespace: str, keys: list[bytes]) -> dict[bytes, Outcome]:
         """Bring the named keys up from disk, then Redis; returns those that failed (DATA_LOSS, FAILED)."""
@@ -136,12 +136,14 @@ class CacheGroup:
             for namespace, key, slot, checksum in batch:
                 by_ns.setdefault(namespace, []).append((key, slot, checksum))
             for namespace, items in by_ns.items():
-                plan = self.index.prepare_load(namespace, [k for k, _, _ in items])  # pinned: not reused meanwhile
+                keys = [k for k, _, _ in items]
+                plan = self.index.prepare_load(namespace, keys)  # pinned: not reused meanwhile
                 try:
-                    written += self.disk.write_now(namespace, [(e.key, e.checksum, self.host.buffer[e.slot])
-                                                               for e in plan.entries])
+                    written += self.disk.write_now(namespace, [
+                        (keys[i], checksum, self.host.buffer[slot])
+                        for i, slot, checksum in zip(plan.positions, plan.slots, plan.checksums)])
                 finally:
-                    self.index.complete_load(plan.entries)
+                    self.index.complete_load(plan.slots)
         return written
 
     def close(self, timeout: float = 0.0) -> None:

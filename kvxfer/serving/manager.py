@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from kvxfer.index.block_index import Plan
 from kvxfer.serving.group import CacheGroup
 from kvxfer.transfer import CopyEngine, engine_for
 from kvxfer.transfer.pipeline import CheckedCopier
-from kvxfer.validate import check_keys, check_namespace
+from kvxfer.validate import check_namespace, checked_keys
 
 
 #: Told of each transfer as it ends: its kind and result (bytes, seconds, outcomes).
@@ -43,10 +44,12 @@ class PoolManager:
     """Offload, restore, lookup and delete for one pool, over its cache group's tier."""
 
     def __init__(self, pool: Pool, group: CacheGroup | int, engine: CopyEngine | None = None,
-                 verify_on_device: bool = False, observer: TransferObserver | None = None) -> None:
+                 verify_on_device: bool = False, observer: TransferObserver | None = None,
+                 copy_threads: int = 2) -> None:
         """``group``: the cache group the pool joins, or a capacity in blocks for a group of its own.
         ``verify_on_device``: a GPU pool verifies restored blocks where they landed (device XXH3).
-        ``observer``: told of every transfer as it ends (the daemon's metrics)."""
+        ``observer``: told of every transfer as it ends (the daemon's metrics).
+        ``copy_threads``: threads of a CPU pool's copy engine (the memory bus wants more than one core)."""
         self.pool = pool
         layout = pool.layout
         if isinstance(group, int):
@@ -55,7 +58,7 @@ class PoolManager:
         self.group = group
         self.host = group.host
         self.index = group.index
-        self.engine = engine or engine_for(pool, self.host, verify_on_device)
+        self.engine = engine or engine_for(pool, self.host, verify_on_device, copy_threads)
         self.copier = CheckedCopier(self.engine, self.host)
         self._totals = {TransferKind.OFFLOAD: TransferStats(), TransferKind.RESTORE: TransferStats()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
@@ -75,10 +78,10 @@ class PoolManager:
         restore reports the blocks not done CANCELLED.
         """
         result = _RUN[batch.kind](self, batch, cancelled)
-        counts = [(o.value, result.outcomes.count(o)) for o in Outcome]  # list.count: no enum hashing
+        counts = _tally(result.outcomes)
         with self._lock:
-            for name, n in counts:
-                self._outcomes[name] += n
+            for outcome, n in counts.items():
+                self._outcomes[outcome.value] += n
         if self.observer is not None:
             self.observer(batch.kind, result)
         return result
@@ -95,72 +98,67 @@ class PoolManager:
 
     def _offload(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
         plan = self.group.prepare_store(batch.namespace, batch.keys)
-        entries = plan.entries
-        checksums: list[int | None] = [None] * len(entries)
+        slots = plan.slots
+        checksums: list[int | None] = [None] * len(slots)
         moved, seconds = 0, 0.0
         try:
-            if entries:
+            if slots:
                 start = time.perf_counter()
-                done = self.copier.to_host([batch.blocks[i] for i in plan.positions], [e.slot for e in entries],
-                                           cancelled, batch.ready_event)
+                done = self.copier.to_host(_at(batch.blocks, plan.positions), slots, cancelled, batch.ready_event)
                 seconds = time.perf_counter() - start
                 if done.cancelled:  # nothing of a cancelled offload becomes visible
-                    for i in plan.positions:
-                        plan.outcomes[i] = Outcome.CANCELLED
+                    _set(plan.outcomes, plan.positions, Outcome.CANCELLED)
                 else:
                     checksums = done.checksums
-                    moved = self._count(TransferKind.OFFLOAD, len(entries), seconds)
-                    self.group.write_through(batch.namespace, entries, checksums)
+                    moved = self._count(TransferKind.OFFLOAD, len(slots), seconds)
+                    self.group.write_through(batch.namespace, _at(batch.keys, plan.positions), slots, checksums)
         except KvxferError:
-            for i in plan.positions:
-                plan.outcomes[i] = Outcome.FAILED
+            _set(plan.outcomes, plan.positions, Outcome.FAILED)
         finally:
-            self.index.complete_store(entries, checksums)  # None checksums: never visible
+            self.index.complete_store(slots, checksums)  # None checksums: never visible
         return TransferResult(plan.outcomes, moved, seconds)
 
     def _prepare_load(self, namespace: str, keys: list[bytes]) -> Plan:
         """Pin the host tier's blocks of the batch, then bring the others up from disk and pin them too."""
         plan = self.index.prepare_load(namespace, keys)
-        missing = [i for i, o in enumerate(plan.outcomes) if o is Outcome.NOT_FOUND]
-        if not missing or not self.group.lower:
+        if len(plan.slots) == len(keys) or not self.group.lower:
             return plan
+        missing = [i for i, o in enumerate(plan.outcomes) if o is Outcome.NOT_FOUND]
         lost = self.group.promote(namespace, [keys[i] for i in missing])  # may evict: ours are pinned
         more = self.index.prepare_load(namespace, [keys[i] for i in missing])
         for j, i in enumerate(missing):
             plan.outcomes[i] = lost.get(keys[i], more.outcomes[j])
-        plan.entries += more.entries
-        plan.positions += [missing[j] for j in more.positions]
+        # One plan, in batch order (positions ascending, as the index gives them).
+        merged = sorted(zip(plan.positions + [missing[j] for j in more.positions], plan.slots + more.slots,
+                            plan.checksums + more.checksums))
+        plan.positions, plan.slots, plan.checksums = (list(c) for c in zip(*merged)) if merged else ([], [], [])
         return plan
 
     def _restore(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
         plan = self._prepare_load(batch.namespace, batch.keys)
-        entries, positions = plan.entries, plan.positions
+        slots, positions = plan.slots, plan.positions
         corrupt: set[int] = set()
         moved, seconds = 0, 0.0
         try:
-            if entries:
+            if slots:
                 start = time.perf_counter()
-                done = self.copier.to_pool([e.slot for e in entries], [e.checksum for e in entries],
-                                           [batch.blocks[i] for i in positions], cancelled)
+                done = self.copier.to_pool(slots, plan.checksums, _at(batch.blocks, positions), cancelled)
                 corrupt = done.corrupt
-                for j in range(done.completed, len(entries)):
-                    plan.outcomes[positions[j]] = Outcome.CANCELLED
+                _set(plan.outcomes, positions[done.completed:], Outcome.CANCELLED)
                 seconds = time.perf_counter() - start
                 moved = self._count(TransferKind.RESTORE, done.completed - len(corrupt), seconds)
         except KvxferError:
-            for i in positions:
-                plan.outcomes[i] = Outcome.FAILED
+            _set(plan.outcomes, positions, Outcome.FAILED)
         finally:
-            for j in corrupt:  # dropped at complete_load; the engine must not read these blocks
-                plan.outcomes[positions[j]] = Outcome.DATA_LOSS
-            self.index.complete_load(entries, corrupt)
+            # dropped at complete_load; the engine must not read these blocks
+            _set(plan.outcomes, [positions[j] for j in corrupt], Outcome.DATA_LOSS)
+            self.index.complete_load(slots, corrupt)
         return TransferResult(plan.outcomes, moved, seconds)
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
         """Keys in prefix order: how many leading ones are present, and each one's tier."""
         check_namespace(namespace)
-        keys = [bytes(k) for k in keys]
-        check_keys(keys, unique=False)
+        keys = checked_keys(keys, unique=False)
         tiers = self.group.tiers_of(namespace, keys)
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         with self._lock:
@@ -169,8 +167,7 @@ class PoolManager:
 
     def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
         check_namespace(namespace)
-        keys = [bytes(k) for k in keys]
-        check_keys(keys, unique=False)
+        keys = checked_keys(keys, unique=False)
         return self.group.delete(namespace, keys)
 
     def stats(self) -> StoreStats:
@@ -185,6 +182,25 @@ class PoolManager:
             t = self._totals[kind]
             self._totals[kind] = TransferStats(t.blocks + blocks, t.bytes + moved, t.seconds + seconds)
         return moved
+
+
+def _at(values: list, positions: list[int]) -> list:
+    """``values[i]`` for each i in ``positions`` (ascending): the list itself when that is all of it."""
+    return values if len(positions) == len(values) else [values[i] for i in positions]
+
+
+def _tally(outcomes: list[Outcome]) -> dict[Outcome, int]:
+    """How many of each outcome (one pass in C when they are all alike, as usual)."""
+    if not outcomes:
+        return {}
+    first = outcomes[0]
+    n = outcomes.count(first)
+    return {first: n} if n == len(outcomes) else Counter(outcomes)
+
+
+def _set(outcomes: list[Outcome], positions: list[int], outcome: Outcome) -> None:
+    for i in positions:
+        outcomes[i] = outcome
 
 
 #: The transfer each kind of batch runs (functions, not bound methods: no reference cycle,

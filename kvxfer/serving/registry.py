@@ -59,6 +59,7 @@ class Limits:
     verify_on_device: bool = False  # GPU pools: verify restores where they land (device XXH3)
     disk: DiskSettings | None = None  # every cache group's disk tier (None: no disk tier)
     remote: RemoteSettings | None = None  # every cache group's remote tier on Redis (None: none)
+    copy_threads: int = 2  # threads of each CPU pool's copy engine
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class PoolRegistry:
                                           disk=self.limits.disk, remote=self.limits.remote), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
             manager = PoolManager(pool, entry.group, verify_on_device=self.limits.verify_on_device,
-                                  observer=self.observer)
+                                  observer=self.observer, copy_threads=self.limits.copy_threads)
             self._groups[name] = entry
             entry.pools.add(pool_id)
             entry.idle_since = None

@@ -30,7 +30,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
 from kvxfer.geometry.checksum import block_checksum
-from kvxfer.index.block_index import BlockIndex, Victim
+from kvxfer.index.block_index import BlockIndex, Evicted
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, StagingBuffers, take_batch
 from kvxfer.tiers.host import HostTier
@@ -198,7 +198,7 @@ class RemoteStore:
         return found
 
     def promote(self, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
-                store_lock: threading.Lock, on_evicted: Callable[[list[Victim]], None]) -> dict[bytes, Outcome]:
+                store_lock: threading.Lock, on_evicted: Callable[[Evicted], None]) -> dict[bytes, Outcome]:
         """Fetch the named blocks into host slots, verified, and publish them there; returns the
         keys that failed: DATA_LOSS (a corrupted value: deleted from Redis) or FAILED."""
         if not keys or not self.breaker.allows():
@@ -220,20 +220,20 @@ class RemoteStore:
         with store_lock:
             plan = host_index.prepare_store(namespace, [k for k, _ in present])
             on_evicted(plan.evicted)
-        targets = {e.key: e for e in plan.entries}
+        targets = {present[i][0]: slot for i, slot in zip(plan.positions, plan.slots)}
         failed: dict[bytes, Outcome] = {}
-        checksums: dict[int, int] = {}
+        checksums: dict[int, int] = {}  # host slot -> checksum of what landed there
         for key, value in present:
             target = targets.get(key)
             if target is None:
                 continue
-            verdict, checksum = self._unpack(namespace, key, value, host.buffer[target.slot])
+            verdict, checksum = self._unpack(namespace, key, value, host.buffer[target])
             if verdict is Outcome.DONE:
-                checksums[id(target)] = checksum
+                checksums[target] = checksum
                 self.events.add("promoted")
             else:
                 failed[key] = verdict
-        host_index.complete_store(plan.entries, [checksums.get(id(e)) for e in plan.entries])
+        host_index.complete_store(plan.slots, [checksums.get(s) for s in plan.slots])
         return failed
 
     def _unpack(self, namespace: str, key: bytes, value: bytes, out: torch.Tensor) -> tuple[Outcome, int]:

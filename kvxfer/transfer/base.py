@@ -38,8 +38,11 @@ class CopyHandle(ABC):
     """Completion of one submitted batch."""
 
     @abstractmethod
-    def wait(self) -> None:
-        """Block until the copy finished; raise the copy's error if it failed."""
+    def wait(self) -> list[int] | None:
+        """Block until the copy finished; raise the copy's error if it failed.
+
+        Returns each block's checksum as copied where the engine hashes while copying
+        (``CopyEngine.hashes_copies``), else None."""
 
     def settle(self) -> None:
         """Block until the copy finished, whatever its outcome (cleanup after another error)."""
@@ -52,12 +55,14 @@ class CopyHandle(ABC):
 class CompletedHandle(CopyHandle):
     """A handle for work that finished inside ``submit``."""
 
-    def __init__(self, error: BaseException | None = None) -> None:
+    def __init__(self, error: BaseException | None = None, checksums: list[int] | None = None) -> None:
         self._error = error
+        self._checksums = checksums
 
-    def wait(self) -> None:
+    def wait(self) -> list[int] | None:
         if self._error is not None:
             raise self._error
+        return self._checksums
 
 
 class CopyEngine(ABC):
@@ -80,6 +85,13 @@ class CopyEngine(ABC):
     def overlaps(self) -> bool:
         """Whether ``submit`` returns before the copy is done (a DMA engine): the pipeline then
         keeps a second chunk in flight while it hashes the first."""
+        return False
+
+    @property
+    def hashes_copies(self) -> bool:
+        """Whether a handle's ``wait`` returns the checksum of each block as copied: of the
+        tier copy for an offload; for a restore, of the block as it landed in the pool (one
+        span) or of the tier copy it came from. The pipeline then makes no pass of its own."""
         return False
 
     @property

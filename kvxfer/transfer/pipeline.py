@@ -1,16 +1,18 @@
 """Copies with checksums, in chunks, as a pipeline over the engine's completion handles.
 
 Offload copies a chunk into the tier and hashes the tier copy; restore verifies a
-chunk and copies it into the pool. With an engine that copies asynchronously (a
-DMA engine, ``CopyEngine.overlaps``) the copy of chunk i+1 is in flight while chunk
-i is hashed on the host; with a synchronous engine (the CPU) each chunk is hashed
-right after its own copy, while its bytes are still in the last-level cache.
+chunk and copies it into the pool. An engine that hashes while it copies
+(``CopyEngine.hashes_copies``: the CPU engine hashes each block from cache right
+after copying it) hands back the checksums and no second pass is made; a restore
+through it compares them afterwards, and a mismatching block is reported corrupt.
+With an engine that copies asynchronously (a DMA engine, ``CopyEngine.overlaps``)
+the copy of chunk i+1 is in flight while chunk i is hashed on the host.
 
-Restore verifies what landed in the pool where a block is one span of a pool this
-process can read cheaply (one hash call per block, from cache); elsewhere it
-verifies the contiguous tier copy before copying. Chunk size and the choices
-above are measured in docs/benchmarks.md. Cancellation (a job's lease) is asked
-between chunks and comes back as data (``PipelineResult.cancelled``).
+Otherwise restore verifies what landed in the pool where a block is one span of a
+pool this process can read cheaply; elsewhere it verifies the contiguous tier copy
+before copying. Chunk size and the choices above are measured in
+docs/benchmarks.md. Cancellation (a job's lease) is asked between chunks and comes
+back as data (``PipelineResult.cancelled``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from dataclasses import dataclass, field
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction
 
+#: Bytes per chunk: small enough that a chunk just copied is hashed from the last-level cache,
+#: and that a DMA engine's next chunk is in flight while one is hashed.
 CHUNK_BYTES = 4 << 20
+#: For an engine that hashes while it copies, chunks serve only cancellation: large ones, so
+#: that a batch is handed to the engine (and its threads) in few calls.
+FUSED_CHUNK_BYTES = 32 << 20
 
 
 @dataclass
@@ -48,9 +55,11 @@ class CheckedCopier:
     """Offload and restore with checksums over one engine and its host tier. Raises the copy's error
     (after every chunk in flight has completed: no bytes move once it returns)."""
 
-    def __init__(self, engine: CopyEngine, host: HostTier, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, engine: CopyEngine, host: HostTier, chunk_bytes: int | None = None) -> None:
         self.engine = engine
         self.host = host
+        if chunk_bytes is None:
+            chunk_bytes = FUSED_CHUNK_BYTES if engine.hashes_copies else CHUNK_BYTES
         self.chunk = max(1, chunk_bytes // host.slot_bytes)
         self.depth = 2 if engine.overlaps else 1  # chunks in flight
 
@@ -63,8 +72,8 @@ class CheckedCopier:
         result = PipelineResult()
 
         def finish(chunk: _Chunk) -> None:
-            chunk.handle.wait()
-            result.checksums += self.host.checksums(chunk.slots)
+            sums = chunk.handle.wait()
+            result.checksums += sums if sums is not None else self.host.checksums(chunk.slots)
             result.completed = chunk.start + len(chunk.slots)
 
         def start(a: int, c: int) -> _Chunk:
@@ -81,7 +90,8 @@ class CheckedCopier:
 
         Blocks in ``corrupt`` hold undefined bytes and must be reported failed, never read.
         """
-        verify_after = self.engine.descriptors_per_block == 1 and self.engine.hashes_pool
+        fused = self.engine.hashes_copies
+        verify_after = fused or (self.engine.descriptors_per_block == 1 and self.engine.hashes_pool)
         result = PipelineResult()
 
         def start(a: int, c: int) -> _Chunk:
@@ -96,10 +106,10 @@ class CheckedCopier:
             return chunk
 
         def finish(chunk: _Chunk) -> None:
-            if chunk.handle is not None:
-                chunk.handle.wait()
+            sums = chunk.handle.wait() if chunk.handle is not None else None
             if verify_after:
-                bad = _mismatches(self.engine.pool_checksums(chunk.blocks), chunk.expected)
+                got = sums if fused else self.engine.pool_checksums(chunk.blocks)
+                bad = _mismatches(got, chunk.expected)
                 result.corrupt |= {chunk.start + j for j in bad}
             result.completed = chunk.start + len(chunk.expected)
 

@@ -45,6 +45,8 @@ BAD_CONFIGS = {
     "per-client above pool bound": ({"max_jobs_per_client": 300}, "max_jobs_per_client"),
     "batch above maximum": ({"max_batch_blocks": 70000}, "max_batch_blocks"),
     "negative retention": ({"cache_group_retention_s": -1}, "cache_group_retention_s"),
+    "no copy threads": ({"copy_threads": 0}, "copy_threads: must be 1-64"),
+    "too many copy threads": ({"copy_threads": 1000}, "copy_threads: must be 1-64"),
     "removed shm setting": ({"shm_dir": "/dev/shm"}, "unknown settings ['shm_dir']"),
 }
 

@@ -9,7 +9,7 @@ DONE, PRESENT, MISSING, FULL = Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NO
 
 def store(index, keys, ok=True):
     plan = index.prepare_store(NS, keys)
-    index.complete_store(plan.entries, [hash(e.key) & 0xFFFF if ok else None for e in plan.entries])
+    index.complete_store(plan.slots, [hash(keys[i]) & 0xFFFF if ok else None for i in plan.positions])
     return plan.outcomes
 
 
@@ -20,7 +20,7 @@ def test_visible_only_after_completion():
     assert index.contains(NS, [b"a", b"b"]) == [False, False]
     assert index.prepare_load(NS, [b"a"]).outcomes == [MISSING]
     assert index.stats().pinned == 2
-    index.complete_store(plan.entries, [1, 2])
+    index.complete_store(plan.slots, [1, 2])
     assert index.contains(NS, [b"a", b"b"]) == [True, True]
     assert index.stats().pinned == 0 and index.stats().ready == 2
 
@@ -40,7 +40,7 @@ def test_lru_evicts_oldest_unpinned():
     loaded = index.prepare_load(NS, [b"a"])  # a is now pinned and most recent
     store(index, [b"d"])  # evicts b, the oldest unpinned
     assert index.contains(NS, [b"a", b"b", b"c", b"d"]) == [True, False, True, True]
-    index.complete_load(loaded.entries)
+    index.complete_load(loaded.slots)
     store(index, [b"e"])  # c is now the oldest
     assert index.contains(NS, [b"a", b"c", b"d", b"e"]) == [True, False, True, True]
     assert index.stats().evictions == 2
@@ -52,7 +52,7 @@ def test_eviction_never_touches_pinned_and_reports_exhaustion():
     loaded = index.prepare_load(NS, [b"a", b"b"])
     assert index.prepare_store(NS, [b"c"]).outcomes == [FULL]
     assert index.contains(NS, [b"a", b"b"]) == [True, True]
-    index.complete_load(loaded.entries)
+    index.complete_load(loaded.slots)
     assert index.stats().pinned == 0
     assert store(index, [b"c"]) == [DONE]
 
@@ -68,7 +68,7 @@ def test_corrupt_load_drops_entry():
     index = BlockIndex(TierKind.HOST, 2)
     store(index, [b"a"])
     loaded = index.prepare_load(NS, [b"a"])
-    index.complete_load(loaded.entries, {0})
+    index.complete_load(loaded.slots, {0})
     assert index.contains(NS, [b"a"]) == [False]
     assert index.stats().used == 0 and index.locate(NS, b"a") is None
 
@@ -80,7 +80,7 @@ def test_delete_while_pinned_frees_at_unpin():
     assert index.delete(NS, [b"a", b"absent"]) == 1
     assert index.contains(NS, [b"a"]) == [False]
     assert index.stats().used == 1  # bytes still being read
-    index.complete_load(loaded.entries)
+    index.complete_load(loaded.slots)
     assert index.stats().used == 0
     assert index.contains(NS, [b"a"]) == [False]
 
@@ -89,7 +89,7 @@ def test_delete_of_a_store_in_flight_wins():
     index = BlockIndex(TierKind.HOST, 1)
     plan = index.prepare_store(NS, [b"a"])
     index.delete(NS, [b"a"])
-    index.complete_store(plan.entries, [7])
+    index.complete_store(plan.slots, [7])
     assert index.contains(NS, [b"a"]) == [False]
     assert index.stats().used == 0
 
@@ -102,12 +102,12 @@ def test_namespaces_are_separate():
     assert store(index, [b"a"]) == [PRESENT]
     plan = index.prepare_store("model-b", [b"a"])
     assert plan.outcomes == [DONE]
-    index.complete_store(plan.entries, [1])
+    index.complete_store(plan.slots, [1])
 
 
 def test_duplicate_store_while_in_flight_is_already_present():
     index = BlockIndex(TierKind.HOST, 4)
     plan = index.prepare_store(NS, [b"a"])
     assert index.prepare_store(NS, [b"a"]).outcomes == [PRESENT]
-    index.complete_store(plan.entries, [1])
+    index.complete_store(plan.slots, [1])
     assert index.stats().pinned == 0

@@ -15,7 +15,7 @@ from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome, TransferResult
 from tests.helpers import read_block
 
-# 64 KiB blocks: a 4 MiB chunk is 64 blocks
+# 64 KiB blocks
 SPEC = KVSpec(num_layers=4, num_blocks=300, block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float16)
 NS = "jobs"
 
@@ -32,7 +32,9 @@ def restore(pairs):
 def manager(shm_dir):
     with Pool.create("j", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir) as pool:
         pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
-        yield PoolManager(pool, 280)
+        manager = PoolManager(pool, 280)
+        manager.copier.chunk = 64  # several chunks per 200-block batch: cancellation is asked between them
+        yield manager
 
 
 def test_cancelled_offload_publishes_nothing(manager):

@@ -1,5 +1,6 @@
 """The checked pipeline over completion handles, eviction victims and a pluggable policy."""
 
+import numpy as np
 import torch
 
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
@@ -69,36 +70,33 @@ def test_an_asynchronous_engine_has_the_next_chunk_in_flight_while_one_is_hashed
 
 class MostRecentFirst(EvictionPolicy):
     def __init__(self):
-        self.order = []
+        self.order = []  # slots, most recently used last
 
-    def add(self, entry):
-        self.discard(entry)
-        self.order.append(entry)
+    def used(self, slots):
+        for slot in slots.tolist():
+            if slot in self.order:
+                self.order.remove(slot)
+            self.order.append(slot)
 
-    def discard(self, entry):
-        if entry in self.order:
-            self.order.remove(entry)
+    def victims(self, n, evictable):
+        candidates = np.array(self.order[::-1], dtype=np.int64)
+        chosen = candidates[evictable(candidates)][:n] if len(candidates) else candidates
+        for slot in chosen.tolist():
+            self.order.remove(slot)
+        return chosen
 
-    def victim(self):
-        return self.order.pop() if self.order else None
-
-    def ordered(self):
-        return self.order[::-1]
-
-    def __contains__(self, entry):
-        return entry in self.order
-
-    def __len__(self):
-        return len(self.order)
+    def ordered(self, slots):
+        rank = {s: i for i, s in enumerate(self.order[::-1])}
+        return np.array(sorted(slots.tolist(), key=rank.__getitem__), dtype=np.int64)
 
 
 def test_eviction_returns_its_victims_and_the_policy_is_pluggable():
     index = BlockIndex(TierKind.HOST, 2, policy=MostRecentFirst())
     for key in (b"a", b"b"):
         plan = index.prepare_store("ns", [key])
-        index.complete_store(plan.entries, [7])
+        index.complete_store(plan.slots, [7])
     plan = index.prepare_store("ns", [b"c"])
     assert plan.outcomes == [Outcome.DONE]
     assert [(v.key, v.tier, v.checksum) for v in plan.evicted] == [(b"b", TierKind.HOST, 7)]  # newest went
-    index.complete_store(plan.entries, [8])
+    index.complete_store(plan.slots, [8])
     assert index.contains("ns", [b"a", b"b", b"c"]) == [True, False, True]
