@@ -7,22 +7,23 @@ two-phase too, so that an entry is pinned (not evictable) while its bytes move.
 Every prepare must be followed by its complete, also on errors.
 
 The slot is the entry: its state, pins, checksum and owner are arrays indexed by
-slot, and a ``KeyTable`` maps (namespace, key) to slots. A batch is then a few
-vector operations, with no Python loop per block on the store and load paths
-(measured in docs/benchmarks.md, ``kvxfer bench bookkeeping``). Keys within one
-batch are distinct (the edge checks).
+slot, and each namespace maps keys to slots. A batch is then a few dictionary
+passes in C (``map``, ``dict.update``) and vector operations, with no Python loop
+per block on the store and load paths (measured in docs/benchmarks.md,
+``kvxfer bench bookkeeping``). Keys within one batch are distinct (the edge checks).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 
 import numpy as np
 
 from kvxfer.index.eviction import LRU, EvictionPolicy
-from kvxfer.index.keytable import KeyTable, _objects
 from kvxfer.index.slots import SlotAllocator
 from kvxfer.records import Outcome, TierKind
 
@@ -100,7 +101,7 @@ class BlockIndex:
         self._checksum = np.zeros(capacity, dtype=np.uint64)
         self._owner_ns = np.zeros(capacity, dtype=np.int32)  # index into _ns_names
         self._owner_key = np.empty(capacity, dtype=object)
-        self._table = KeyTable(capacity, self._owner_ns, self._owner_key)
+        self._spaces: dict[str, dict[bytes, int]] = {}  # namespace -> key -> slot
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
         self._lock = threading.Lock()
@@ -110,33 +111,38 @@ class BlockIndex:
     def prepare_store(self, namespace: str, keys: list[bytes]) -> Plan:
         """New pinned, invisible entries with reserved slots for keys not stored yet."""
         with self._lock:
-            ns = self._ns_id(namespace)
-            hashes = self._table.hashes(ns, keys)
-            found = self._table.find(ns, keys, hashes)
+            space = self._space(namespace)
+            found = self._find(space, keys)
             new = np.flatnonzero(found < 0)
-            # Keys of this batch that are stored already become most recent and may
-            # not be evicted to make room for the batch's new keys.
-            held = found[found >= 0]
-            held = held[self._state[held] == READY]
-            self._pins[held] += 1
-            try:
+            if len(new) == len(keys):  # the usual case: every key is new
                 slots, evicted = self._reserve(len(new))
-            finally:
-                self._pins[held] -= 1
-                self._policy.used(held)
-            taken = new[:len(slots)]
-            codes = np.full(len(keys), _CODE[Outcome.ALREADY_PRESENT], dtype=np.int8)
-            codes[taken] = _CODE[Outcome.DONE]
-            codes[new[len(slots):]] = _CODE[Outcome.RESOURCE_EXHAUSTED]
-            positions = taken.tolist()
-            stored = keys if len(positions) == len(keys) else [keys[i] for i in positions]
+            else:
+                # Keys of this batch that are stored already become most recent and may
+                # not be evicted to make room for the batch's new keys.
+                held = found[found >= 0]
+                held = held[self._state[held] == READY]
+                self._pins[held] += 1
+                try:
+                    slots, evicted = self._reserve(len(new))
+                finally:
+                    self._pins[held] -= 1
+                    self._policy.used(held)
+            if len(slots) == len(keys):
+                outcomes, positions, stored = [Outcome.DONE] * len(keys), list(range(len(keys))), keys
+            else:
+                taken = new[:len(slots)]
+                codes = np.full(len(keys), _CODE[Outcome.ALREADY_PRESENT], dtype=np.int8)
+                codes[taken] = _CODE[Outcome.DONE]
+                codes[new[len(slots):]] = _CODE[Outcome.RESOURCE_EXHAUSTED]
+                outcomes, positions = _outcomes(codes), taken.tolist()
+                stored = [keys[i] for i in positions]
+            space.update(dict(zip(stored, slots)))  # a dict merge: faster than inserting pairs
             at = np.asarray(slots, dtype=np.int64)
             self._state[at] = PENDING
             self._pins[at] = 1
-            self._owner_ns[at] = ns
+            self._owner_ns[at] = self._ns_ids[namespace]
             self._owner_key[at] = _objects(stored)
-            self._table.insert(ns, stored, at, hashes if stored is keys else hashes[taken[:len(stored)]])
-            return Plan(_outcomes(codes), slots, positions, evicted=evicted)
+            return Plan(outcomes, slots, positions, evicted=evicted)
 
     def complete_store(self, slots: list[int], checksums: list[int | None]) -> None:
         """Publish entries whose bytes are complete (checksum given); forget the others."""
@@ -157,14 +163,15 @@ class BlockIndex:
             self._checksum[publish] = values[published]
             self._state[publish] = READY
             self._policy.used(publish)
-            self._drop(at[pending & ~complete])  # failed stores: never visible
-            self._free_unpinned_dropped(at)
+            if publish.size < at.size:  # failed stores (never visible) or stores deleted meanwhile
+                self._drop(at[pending & ~complete])
+                self._free_unpinned_dropped(at)
 
     # -- load ------------------------------------------------------------------
     def prepare_load(self, namespace: str, keys: list[bytes]) -> Plan:
         """The complete entries for these keys, pinned until ``complete_load``; NOT_FOUND for the rest."""
         with self._lock:
-            found = self._find(namespace, keys)
+            found = self._find(self._spaces.get(namespace, {}), keys)
             hit = found >= 0
             hit[hit] = self._state[found[hit]] == READY
             positions = np.flatnonzero(hit)
@@ -188,14 +195,13 @@ class BlockIndex:
         """A complete entry for a block the tier holds already (an index rebuilt at start;
         the slot is claimed already), most recent last. False if the key is there already."""
         with self._lock:
-            ns = self._ns_id(namespace)
-            if self._table.find(ns, [key])[0] >= 0:
+            space = self._space(namespace)
+            if key in space:
                 return False
-            at = np.array([slot], dtype=np.int64)
+            space[key] = slot
             self._state[slot], self._checksum[slot] = READY, checksum
-            self._owner_ns[slot], self._owner_key[slot] = ns, key
-            self._table.insert(ns, [key], at)
-            self._policy.used(at)
+            self._owner_ns[slot], self._owner_key[slot] = self._ns_ids[namespace], key
+            self._policy.used(np.array([slot], dtype=np.int64))
             return True
 
     def evict(self, n: int) -> Evicted:
@@ -220,7 +226,7 @@ class BlockIndex:
     def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
         """Where each key's complete entry is, None where there is none."""
         with self._lock:
-            found = self._find(namespace, keys)
+            found = self._find(self._spaces.get(namespace, {}), keys)
             hit = found >= 0
             hit[hit] = self._state[found[hit]] == READY
             tier = self.tier
@@ -229,14 +235,14 @@ class BlockIndex:
     def locate(self, namespace: str, key: bytes) -> int | None:
         """The tier slot of a complete entry, or None (tools and tests)."""
         with self._lock:
-            slot = int(self._find(namespace, [key])[0])
-            return slot if slot >= 0 and self._state[slot] == READY else None
+            slot = self._spaces.get(namespace, {}).get(key)
+            return slot if slot is not None and self._state[slot] == READY else None
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove entries (a store in flight is dropped when it completes); absent keys are ignored.
         Returns how many were removed."""
         with self._lock:
-            found = self._find(namespace, keys)
+            found = self._find(self._spaces.get(namespace, {}), keys)
             at = np.unique(found[found >= 0])
             self._drop(at)
             return len(at)
@@ -248,17 +254,18 @@ class BlockIndex:
                               self._evictions)
 
     # -- internals (lock held) -------------------------------------------------
-    def _ns_id(self, namespace: str) -> int:
-        ns = self._ns_ids.get(namespace)
-        if ns is None:
-            ns = self._ns_ids[namespace] = len(self._ns_names)
+    def _space(self, namespace: str) -> dict[bytes, int]:
+        space = self._spaces.get(namespace)
+        if space is None:
+            space = self._spaces[namespace] = {}
+            self._ns_ids[namespace] = len(self._ns_names)
             self._ns_names.append(namespace)
-        return ns
+        return space
 
-    def _find(self, namespace: str, keys: list[bytes]) -> np.ndarray:
-        """The slot keyed by each key in ``namespace``, -1 where none."""
-        ns = self._ns_ids.get(namespace)
-        return np.full(len(keys), -1, dtype=np.int64) if ns is None else self._table.find(ns, keys)
+    @staticmethod
+    def _find(space: dict[bytes, int], keys: list[bytes]) -> np.ndarray:
+        """The slot of each key in ``space``, -1 where absent."""
+        return np.fromiter(map(space.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
 
     def _evictable(self, slots: np.ndarray) -> np.ndarray:
         return (self._state[slots] == READY) & (self._pins[slots] == 0)
@@ -284,6 +291,8 @@ class BlockIndex:
     def _drop(self, at: np.ndarray) -> None:
         """Make these entries invisible now; an unpinned one's slot is freed now, a pinned one's at its last unpin."""
         at = at[(self._state[at] == PENDING) | (self._state[at] == READY)]
+        if not at.size:
+            return
         self._forget(at)
         self._state[at] = DROPPED
         self._free_unpinned_dropped(at)
@@ -291,12 +300,22 @@ class BlockIndex:
     def _free_unpinned_dropped(self, at: np.ndarray) -> None:
         """(``at`` distinct)"""
         done = at[(self._state[at] == DROPPED) & (self._pins[at] == 0)]
-        self._state[done] = FREE
-        self._slots.release_many(done.tolist())
+        if done.size:
+            self._state[done] = FREE
+            self._slots.release_many(done.tolist())
 
     def _forget(self, at: np.ndarray) -> None:
-        """Unkey these slots: their keys find nothing from now on."""
-        self._table.remove(at)
+        """Remove these slots' keys from their namespaces (where the key still maps to that slot)."""
+        if not at.size:
+            return
+        owners = self._owner_ns[at]
+        one = bool((owners == owners[0]).all())  # the usual case: one namespace
+        for ns in [int(owners[0])] if one else np.unique(owners).tolist():
+            mine = at if one else at[owners == ns]
+            keys = self._owner_key[mine].tolist()
+            space = self._spaces[self._ns_names[ns]]
+            current = self._find(space, keys) == mine
+            deque(map(space.pop, compress(keys, current.tolist())), maxlen=0)  # the pops, in C
         self._owner_key[at] = None
 
 
@@ -305,3 +324,10 @@ def _outcomes(codes: np.ndarray) -> list[Outcome]:
     if codes.size and (codes == codes[0]).all():
         return [_OUTCOMES[int(codes[0])]] * len(codes)
     return list(map(_OUTCOMES.__getitem__, codes.tolist()))
+
+
+def _objects(values: list) -> np.ndarray:
+    """A 1-d object array of ``values`` (numpy would make a 2-d array of equal-length tuples)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out

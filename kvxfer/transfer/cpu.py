@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import count
 
 import numpy as np
 import torch
@@ -130,8 +131,9 @@ def _consecutive(slots: np.ndarray) -> bool:
 
 
 class _Steps:
-    """Runs a batch's steps on ``threads`` threads (the caller's and helpers'), step i on
-    thread i mod threads; returns their results in step order once every step is done."""
+    """Runs a batch's steps on ``threads`` threads (the caller's and helpers'), each thread
+    taking the next step not yet taken (a helper that wakes late takes fewer); returns
+    their results in step order once every step is done."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -142,14 +144,15 @@ class _Steps:
     def run(self, n: int, step: Callable[[int], list[int]]) -> list[int]:
         lanes = max(1, min(n, self.threads)) if self._helpers is not None else 1
         results: list[list[int]] = [[] for _ in range(n)]
+        tickets = count()  # next() on it is atomic under the GIL
 
-        def lane(k: int) -> None:
-            for i in range(k, n, lanes):
+        def lane() -> None:
+            while (i := next(tickets)) < n:
                 results[i] = step(i)
 
-        helpers = [self._helpers.submit(lane, k) for k in range(1, lanes)]
+        helpers = [self._helpers.submit(lane) for _ in range(1, lanes)]
         try:
-            lane(0)
+            lane()
         finally:  # every lane has finished before this returns: no copy outlives the call
             errors = [f.exception() for f in helpers]
         if failed := next((e for e in errors if e is not None), None):
