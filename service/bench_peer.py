@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvxfer.bench.common import Progress, format_table
+from kvxfer.bench.common import Progress, format_table, save
 from kvxfer.client import Client
 from service import launch
 from service.bench_daemon import MIB, NS, block_bytes, daemon_config, throughput
@@ -99,11 +99,7 @@ def run(args: argparse.Namespace) -> int:
                         "plain copy GB/s (same process)", "offload/copy", "restore/copy"],
                        [[r["system"], r["layout"], r["checksums"], r["blocks"], r["store_gbps"], r["retrieve_gbps"],
                          r["copy_gbps"], r["store_vs_copy"], r["retrieve_vs_copy"]] for r in rows]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-    if args.plot:
-        plot(rows, args.plot)
+    save(args, rows, plot)
     return 0
 
 

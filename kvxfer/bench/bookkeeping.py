@@ -14,7 +14,6 @@ Median of ``--reps`` repetitions, in microseconds per block.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -22,7 +21,7 @@ import time
 
 import torch
 
-from kvxfer.bench.common import Progress, format_table
+from kvxfer.bench.common import Progress, format_table, save
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.batch import TransferBatch, TransferKind
@@ -102,9 +101,7 @@ def run(args: argparse.Namespace) -> int:
                        [[r["scenario"], r["blocks_per_request"], f"{r['us_per_block']:.3f}",
                          "" if r["scenario"].startswith("baseline") else
                          ("met" if r["us_per_block"] <= TARGET_US else "not met")] for r in results]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    save(args, results)
     return 0
 
 

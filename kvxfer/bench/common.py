@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -70,3 +71,12 @@ def add_block_arguments(p, blocks: int = 1024, reps: int = 3) -> None:
     p.add_argument("--heads", type=int, default=2, help="KV heads")
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=reps)
+
+
+def save(args, results, plot: Callable[[object, str], None] | None = None) -> None:
+    """Write a finished run's results as JSON (``--json``) and its plot (``--plot``), when asked."""
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if plot is not None and getattr(args, "plot", None):
+        plot(results, args.plot)

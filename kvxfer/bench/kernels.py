@@ -12,13 +12,12 @@ calls after warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from kvxfer.bench.common import Progress, format_table
+from kvxfer.bench.common import Progress, format_table, save
 from kvxfer.engine.block_table import BlockTable, batch_metadata
 from kvxfer.engine.kernels import cache_write_torch, slot_mapping_torch
 from kvxfer.geometry.layout import BLHNC, KVSpec, PoolLayout
@@ -84,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
                        [[r["case"], r["tokens"], r["slot_mapping_us"], r["gather_int64_us"],
                          r["slot_mapping_us"] / r["gather_int64_us"], r["cache_write_us"], r["gather_rows_us"],
                          r["cache_write_us"] / r["gather_rows_us"]] for r in results]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    save(args, results)
     return 0
 
 

@@ -17,7 +17,6 @@ that is not a sealed memfd).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -26,7 +25,7 @@ import tempfile
 
 import torch
 
-from kvxfer.bench.common import GB, Progress, format_table, human_bytes, interleaved
+from kvxfer.bench.common import GB, Progress, format_table, human_bytes, interleaved, save
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
@@ -120,7 +119,8 @@ def plot(results: list[dict], path: str) -> None:
             ax.plot([r["span"] / KIB for r in sel], [r[f"{direction}_vs_copy_hash"] for r in sel], marker="o",
                     label=f"{layout}, batch {batch}")
         ax.axhline(1.0, color="k", linestyle="--", label="copy + xxh3 (same run)")
-        ax.axhline(0.9, color="grey", linestyle=":", label="target 0.9")
+        ax.axhline(0.95, color="grey", linestyle=":", label="target 0.95 (64 KiB up)")
+        ax.axhline(1.1, color="tab:red", linestyle=":", label="target 1.1 (256 KiB - 2 MiB)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block span (KiB)")
         ax.set_title(f"{direction}: pool <-> host tier, checksums on")
@@ -155,11 +155,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
     print(table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    if args.plot:
-        plot(results, args.plot)
+    save(args, results, plot)
     return 0
 
 

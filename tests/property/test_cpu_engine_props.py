@@ -1,6 +1,8 @@
 """The CPU engine's fused checksums, for every layout: the checksum it returns for each block
 is the checksum of the bytes it copied, in one step or many, into consecutive slots or scattered."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import CopyBatch, Direction
-from kvxfer.transfer.cpu import CpuCopyEngine
+from kvxfer.transfer.cpu import CpuCopyEngine, _Steps
 from tests.helpers import read_block
 from tests.strategies import layouts, specs
 
@@ -32,8 +34,8 @@ def test_fused_checksums_are_those_of_the_bytes_copied(spec, layout, data):
     g = torch.Generator().manual_seed(n)
     pool = torch.randint(0, 256, (pl.nbytes,), dtype=torch.uint8, generator=g)
     host = HostTier(capacity, pl.block_bytes)
-    engine = CpuCopyEngine(pool, pl, host)
-    engine._step = data.draw(st.integers(1, n + 1))  # several steps per batch, or one
+    engine = CpuCopyEngine(pool, pl, host, threads=data.draw(st.sampled_from([1, 2, 3])))
+    engine._step = data.draw(st.integers(1, n + 1))  # several steps per batch (taken by several threads), or one
 
     sums = engine.submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
     assert sums == host.checksums(slots)
@@ -66,3 +68,22 @@ def test_an_out_of_range_batch_is_an_error_and_moves_nothing():
             with pytest.raises(Internal, match="out of range"):
                 engine.submit(CopyBatch(Direction.TO_POOL, blocks, slots)).wait()
         assert int(pool.sum()) == 0
+
+
+def test_a_failing_step_fails_the_batch_after_every_thread_has_stopped():
+    steps = _Steps(3)
+    running, finished = [], []
+
+    def step(i: int) -> list[int]:
+        running.append(i)
+        time.sleep(0.01)
+        if i == 2:
+            raise ValueError("copy failed")
+        finished.append(i)
+        return [i]
+
+    with pytest.raises(ValueError, match="copy failed"):
+        steps.run(9, step)
+    assert len(finished) == len(running) - 1  # nothing was still copying when run() returned
+    assert steps.run(4, lambda i: [i, i]) == [0, 0, 1, 1, 2, 2, 3, 3]  # in step order, the pool still usable
+    assert _Steps(1).run(0, step) == []

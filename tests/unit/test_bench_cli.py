@@ -33,3 +33,17 @@ def test_bench_daemon_smoke(tmp_path, capsys):
     assert "one-block Offload p50" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["throughput"]["offload_gbps"] > 0 and len(result["jobs_in_flight"]) == 2
+
+
+def test_bench_bookkeeping_smoke(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "bookkeeping", "--blocks", "500", "--reps", "2", "--json", str(out)]) == 0
+    assert "us per block" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert [r["blocks_per_request"] for r in results] == [500] * 4
+    assert all(r["us_per_block"] > 0 for r in results)
+
+
+def test_bench_peer_without_an_lmcache_environment_says_how_to_get_one(tmp_path, capsys):
+    assert cli.main(["bench", "peer", "--lmcache-python", str(tmp_path / "none" / "python")]) == 2
+    assert "make bench-peer" in capsys.readouterr().err
