@@ -174,6 +174,7 @@ def test_the_sidecar_only_render_is_what_an_engine_chart_includes():
     ({"kvxfer": {"tcp": {"enabled": True}}}, "/kvxfer/token"),
     ({"kvxfer": {"config": {"metrics_listen": "9400", "pools": [{"id": "p", "spec": {}}]}}}, "metrics_listen"),
     ({"kvxfer": {"config": {"socket": "/tmp/x.sock"}}}, "/kvxfer/config/socket"),
+    ({"kvxfer": {"config": {"copy_threads": 0}}}, "/kvxfer/config/copy_threads"),
     ({"engine": {"replicas": -1}}, "/engine/replicas"),
 ])
 def test_a_wrong_value_fails_lint_with_a_clear_message(values, message):
