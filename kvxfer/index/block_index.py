@@ -45,20 +45,24 @@ class Victim:
 
 @dataclass(frozen=True)
 class Evicted:
-    """The entries one call evicted, as columns; iterating gives ``Victim``s."""
+    """The entries one call evicted: their slots, and ``Victim``s when iterated (made only
+    when someone looks: without lower tiers nobody does)."""
 
     tier: TierKind
-    namespaces: list[str] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    checksums: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    namespace_names: list[str] = field(default_factory=list)  # the index's, by namespace id
+    namespace_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    keys: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
+    checksums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
 
     def __len__(self) -> int:
         return len(self.slots)
 
     def __iter__(self) -> Iterator[Victim]:
-        for ns, key, checksum, slot in zip(self.namespaces, self.keys, self.checksums, self.slots):
-            yield Victim(ns, key, self.tier, checksum, slot)
+        names = self.namespace_names
+        for ns, key, checksum, slot in zip(self.namespace_ids.tolist(), self.keys, self.checksums.tolist(),
+                                           self.slots):
+            yield Victim(names[ns], key, self.tier, checksum, slot)
 
 
 @dataclass
@@ -281,9 +285,8 @@ class BlockIndex:
         """Remove up to n entries the policy names (their slots are not yet released)."""
         at = self._policy.victims(n, self._evictable)
         self._evictions += len(at)
-        names = self._ns_names
-        evicted = Evicted(self.tier, [names[i] for i in self._owner_ns[at].tolist()], self._owner_key[at].tolist(),
-                          self._checksum[at].tolist(), at.tolist())
+        evicted = Evicted(self.tier, at.tolist(), self._ns_names, self._owner_ns[at], self._owner_key[at],
+                          self._checksum[at])
         self._forget(at)
         self._state[at] = FREE
         return evicted

@@ -9,6 +9,9 @@ keep the number of pieces small.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
+
+import numpy as np
 
 from kvxfer.errors import Internal
 
@@ -72,18 +75,16 @@ class SlotAllocator:
         self._free -= n
         return list(range(start, start + n))
 
-    def release_many(self, slots: list[int]) -> None:
-        """Return several slots; consecutive ones are merged first, so this is cheap per extent."""
-        if not slots:
+    def release_many(self, slots: Sequence[int]) -> None:
+        """Return several slots; consecutive ones are merged first (in numpy), so this costs
+        Python work per extent, not per slot."""
+        if not len(slots):
             return
-        ordered = sorted(slots)
-        start = prev = ordered[0]
-        for slot in ordered[1:]:
-            if slot != prev + 1:
-                self._release_extent(start, prev - start + 1)
-                start = slot
-            prev = slot
-        self._release_extent(start, prev - start + 1)
+        ordered = np.sort(np.asarray(slots, dtype=np.int64))
+        breaks = np.flatnonzero(np.diff(ordered) != 1) + 1  # where a new extent starts
+        starts, ends = ordered[np.r_[0, breaks]], ordered[np.r_[breaks - 1, len(ordered) - 1]]
+        for start, end in zip(starts.tolist(), ends.tolist()):
+            self._release_extent(start, end - start + 1)
 
     def _release_extent(self, slot: int, n: int) -> None:
         """Return [slot, slot + n); merges with neighbouring free extents."""

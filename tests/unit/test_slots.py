@@ -39,3 +39,14 @@ def test_bad_release():
         a.release_many([3])  # never allocated: free already
     with pytest.raises(Internal):
         a.release_many([4])
+
+
+def test_release_many_merges_runs_and_refuses_a_repeat():
+    a = SlotAllocator(12)
+    a.allocate(12)
+    a.release_many([9, 3, 4, 11, 5, 0, 10])  # unsorted: extents [0], [3-5], [9-11]
+    assert a.free == 7
+    assert a.allocate(3) == [3, 4, 5]  # first fit: one extent of 3
+    with pytest.raises(Internal):
+        a.release_many([1, 1])  # the same slot twice in one call
+    assert a.allocate(3) == [9, 10, 11]
