@@ -175,9 +175,7 @@ class BlockIndex:
     def prepare_load(self, namespace: str, keys: list[bytes]) -> Plan:
         """The complete entries for these keys, pinned until ``complete_load``; NOT_FOUND for the rest."""
         with self._lock:
-            found = self._find(self._spaces.get(namespace, {}), keys)
-            hit = found >= 0
-            hit[hit] = self._state[found[hit]] == READY
+            found, hit = self._ready(namespace, keys)
             positions = np.flatnonzero(hit)
             at = found[positions]
             self._pins[at] += 1  # distinct keys, so distinct slots
@@ -230,9 +228,7 @@ class BlockIndex:
     def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
         """Where each key's complete entry is, None where there is none."""
         with self._lock:
-            found = self._find(self._spaces.get(namespace, {}), keys)
-            hit = found >= 0
-            hit[hit] = self._state[found[hit]] == READY
+            hit = self._ready(namespace, keys)[1]
             tier = self.tier
             return [tier if h else None for h in hit.tolist()]
 
@@ -243,11 +239,11 @@ class BlockIndex:
             return slot if slot is not None and self._state[slot] == READY else None
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
-        """Remove entries (a store in flight is dropped when it completes); absent keys are ignored.
-        Returns how many were removed."""
+        """Remove the entries of these (distinct) keys; a store in flight is dropped when it
+        completes; absent keys are ignored. Returns how many were removed."""
         with self._lock:
             found = self._find(self._spaces.get(namespace, {}), keys)
-            at = np.unique(found[found >= 0])
+            at = found[found >= 0]
             self._drop(at)
             return len(at)
 
@@ -270,6 +266,13 @@ class BlockIndex:
     def _find(space: dict[bytes, int], keys: list[bytes]) -> np.ndarray:
         """The slot of each key in ``space``, -1 where absent."""
         return np.fromiter(map(space.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+
+    def _ready(self, namespace: str, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """Each key's slot (-1: none) and whether it holds a complete entry."""
+        found = self._find(self._spaces.get(namespace, {}), keys)
+        hit = found >= 0
+        hit[hit] = self._state[found[hit]] == READY
+        return found, hit
 
     def _evictable(self, slots: np.ndarray) -> np.ndarray:
         return (self._state[slots] == READY) & (self._pins[slots] == 0)

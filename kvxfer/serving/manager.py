@@ -166,8 +166,9 @@ class PoolManager:
         return LookupResult(hits, tiers)
 
     def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Remove these keys from every tier; a key named twice is removed once. Returns how many were."""
         check_namespace(namespace)
-        keys = checked_keys(keys, unique=False)
+        keys = list(dict.fromkeys(checked_keys(keys, unique=False)))  # the tiers' indexes take distinct keys
         return self.group.delete(namespace, keys)
 
     def stats(self) -> StoreStats:

@@ -180,3 +180,14 @@ def test_a_write_that_breaks_midway_leaves_no_pinned_or_invisible_entries(tmp_pa
     assert stats.pinned_blocks == 0 and stats.used_blocks == 0 and stats.events["write_errors"] == 8
     assert manager.restore("ns", [(b"k16", 40)]).outcomes == [Outcome.DONE]  # the host path goes on
     group.close(5)
+
+
+def test_a_key_named_twice_in_a_delete_is_removed_once_from_both_tiers(tmp_path):
+    pool, group, manager = store(tmp_path)
+    fill(pool, 3)
+    offload_all(manager, range(1, 21))  # 8 in the host tier, 12 on disk
+    assert group.disk.flush(10)
+    assert manager.delete("ns", [b"k1", b"k1", b"k20", b"k20", b"absent"]) == 2  # k1 on disk, k20 in host memory
+    assert manager.lookup("ns", [b"k1"]).tiers == [None] and manager.lookup("ns", [b"k20"]).tiers == [None]
+    for tier in manager.stats().tiers:
+        assert tier.pinned_blocks == 0 and tier.used_blocks == tier.ready_blocks
