@@ -27,10 +27,16 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvxfer ./kvxfer
 COPY service ./service
-RUN python3 -m venv /opt/kvxfer \
+COPY setup.py ./
+# gcc builds the C copy loop (kvxfer/transfer/_fused.c) and leaves with the sources.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && python3 -m venv /opt/kvxfer \
  && /opt/kvxfer/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && /opt/kvxfer/bin/pip install --no-cache-dir "/src${KVXFER_EXTRAS}" \
- && rm -rf /src \
+ && apt-get purge -y --auto-remove gcc libc6-dev \
+ && rm -rf /src /var/lib/apt/lists/* \
  && groupadd --gid 2000 kvxfer \
  && useradd --uid 1000 --gid 2000 --no-create-home --shell /usr/sbin/nologin kvxfer
 WORKDIR /
@@ -46,7 +52,7 @@ CMD ["serve", "--config", "/etc/kvxfer/config/kvxfer.yaml"]
 
 # -- vLLM with the kvxfer backend installed (the chart's default engine image) ---------------
 FROM vllm/vllm-openai:v0.33.0 AS vllm-engine
-COPY pyproject.toml README.md /tmp/kvxfer/
+COPY pyproject.toml setup.py README.md /tmp/kvxfer/
 COPY kvxfer /tmp/kvxfer/kvxfer
 COPY service /tmp/kvxfer/service
 # vLLM's own torch stays: kvxfer asks only for torch>=2.4.

@@ -14,8 +14,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: install test test-vllm serve bench bench-peer proto devcheck clean
 
-# (Re)install when the project's metadata changes; torch is pinned to the local CPU build.
-$(STAMP): pyproject.toml constraints.txt
+# (Re)install when the project's metadata or its C copy loop changes; torch is pinned to the local
+# CPU build.
+$(STAMP): pyproject.toml setup.py constraints.txt kvxfer/transfer/_fused.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)

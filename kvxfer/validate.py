@@ -59,12 +59,16 @@ def checked_keys(keys: Sequence, *, unique: bool = True, limit: int = MAX_BATCH_
     each 1-MAX_KEY_BYTES long and, if ``unique``, distinct; InvalidArgument naming the first bad one."""
     keys = list(keys)
     check_count(len(keys), limit, "keys")
-    types = set(map(type, keys))  # the checks run in C; the loop below only runs to name the bad key
+    if not keys:
+        return keys
+    # Sets over the list, built in C, beat numpy's fixed cost at 64 keys and equal it at 10,000;
+    # the loop below only runs to name the bad key.
+    types = set(map(type, keys))
     if not types <= {bytes}:
         keys = [bytes(k) if isinstance(k, bytearray | memoryview) else k for k in keys]
         types = set(map(type, keys))
-    lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys)) if types <= {bytes} else None
-    if keys and (lengths is None or lengths.min() < 1 or lengths.max() > MAX_KEY_BYTES):
+    lengths = set(map(len, keys)) if types == {bytes} else {0}  # keys of a request are mostly one length
+    if min(lengths) < 1 or max(lengths) > MAX_KEY_BYTES:
         for i, key in enumerate(keys):
             if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
                 size = len(key) if isinstance(key, bytes) else type(key).__name__

@@ -8,8 +8,9 @@ reported beside two baselines measured in the same process on the same number of
 bytes: a plain contiguous ``copy_`` from the pool into the host tier buffer, and
 that copy followed by the checksum pass over the destination, span by span. The
 four are interleaved in every repetition; ratios are medians of per-repetition
-ratios. ``--engine`` picks the copy engine: ``gather`` (the CPU engine, default),
-``plan`` (the host executor of copy plans, one memmove per descriptor) or ``file``
+ratios. ``--engine`` picks the copy engine: ``gather`` (the CPU engine, default; its
+C loop where built), ``numpy`` (the CPU engine's numpy path), ``plan`` (the host
+executor of copy plans, one memmove per descriptor) or ``file``
 (preadv / pwritev on the pool's file, what the daemon uses for a registered file
 that is not a sealed memfd).
 """
@@ -30,6 +31,7 @@ from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool
+from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.host_plan import HostPlanEngine
 
 KIB = 1 << 10
@@ -62,6 +64,9 @@ def measure(layout: Layout, span: int, batch: int, args: argparse.Namespace, shm
         manager = PoolManager(served, n)
         if args.engine == "plan":
             manager = PoolManager(pool, manager.group, engine=HostPlanEngine(pool.storage, pool.layout, manager.host))
+        elif args.engine == "numpy":
+            manager = PoolManager(pool, manager.group,
+                                  engine=CpuCopyEngine(pool.storage, pool.layout, manager.host, use_native=False))
         nbytes = n * span
         src, dst = pool.storage[:nbytes], manager.host.buffer.view(-1)[:nbytes]
         rows = manager.host.buffer.numpy()[:n]
@@ -167,7 +172,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-mib", type=int, default=256, help="bytes moved per measurement")
     p.add_argument("--reps", type=int, default=5, help="repetitions; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--engine", default="gather", choices=["gather", "plan", "file"],
-                   help="the CPU gather engine, the host plan executor, or the file-descriptor engine")
+    p.add_argument("--engine", default="gather", choices=["gather", "numpy", "plan", "file"],
+                   help="the CPU engine (its C loop where built), its numpy path, the host plan executor, "
+                        "or the file-descriptor engine")
     p.add_argument("--json", help="also write the results as JSON here")
     p.add_argument("--plot", help="also write a PNG plot here (needs matplotlib)")

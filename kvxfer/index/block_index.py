@@ -29,7 +29,9 @@ from kvxfer.records import Outcome, TierKind
 
 FREE, PENDING, READY, DROPPED = 0, 1, 2, 3  # slot states; DROPPED: gone from the index, still pinned
 _OUTCOMES = list(Outcome)
-_CODE = {o: i for i, o in enumerate(_OUTCOMES)}
+# Outcome codes (int8 arrays of them): plain ints, since hashing an Enum member runs Python code.
+_DONE, _ALREADY_PRESENT, _NOT_FOUND, _EXHAUSTED = (_OUTCOMES.index(o) for o in (
+    Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_FOUND, Outcome.RESOURCE_EXHAUSTED))
 
 
 @dataclass(frozen=True)
@@ -116,11 +118,12 @@ class BlockIndex:
         """New pinned, invisible entries with reserved slots for keys not stored yet."""
         with self._lock:
             space = self._space(namespace)
-            found = self._find(space, keys)
-            new = np.flatnonzero(found < 0)
-            if len(new) == len(keys):  # the usual case: every key is new
-                slots, evicted = self._reserve(len(new))
+            if space.keys().isdisjoint(keys):  # the usual case, every key new: one pass of lookups in C
+                new = None
+                slots, evicted = self._reserve(len(keys))
             else:
+                found = self._find(space, keys)
+                new = np.flatnonzero(found < 0)
                 # Keys of this batch that are stored already become most recent and may
                 # not be evicted to make room for the batch's new keys.
                 held = found[found >= 0]
@@ -134,10 +137,11 @@ class BlockIndex:
             if len(slots) == len(keys):
                 outcomes, positions, stored = [Outcome.DONE] * len(keys), list(range(len(keys))), keys
             else:
+                new = np.arange(len(keys)) if new is None else new
                 taken = new[:len(slots)]
-                codes = np.full(len(keys), _CODE[Outcome.ALREADY_PRESENT], dtype=np.int8)
-                codes[taken] = _CODE[Outcome.DONE]
-                codes[new[len(slots):]] = _CODE[Outcome.RESOURCE_EXHAUSTED]
+                codes = np.full(len(keys), _ALREADY_PRESENT, dtype=np.int8)
+                codes[taken] = _DONE
+                codes[new[len(slots):]] = _EXHAUSTED
                 outcomes, positions = _outcomes(codes), taken.tolist()
                 stored = [keys[i] for i in positions]
             space.update(dict(zip(stored, slots)))  # a dict merge: faster than inserting pairs
@@ -179,7 +183,7 @@ class BlockIndex:
             positions = np.flatnonzero(hit)
             at = found[positions]
             self._pins[at] += 1  # distinct keys, so distinct slots
-            codes = np.where(hit, _CODE[Outcome.DONE], _CODE[Outcome.NOT_FOUND]).astype(np.int8)
+            codes = np.where(hit, _DONE, _NOT_FOUND).astype(np.int8)
             return Plan(_outcomes(codes), at.tolist(), positions.tolist(), self._checksum[at].tolist())
 
     def complete_load(self, slots: list[int], corrupt: set[int] = frozenset()) -> None:

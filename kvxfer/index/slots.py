@@ -80,11 +80,13 @@ class SlotAllocator:
         Python work per extent, not per slot."""
         if not len(slots):
             return
-        ordered = np.sort(np.asarray(slots, dtype=np.int64))
-        breaks = np.flatnonzero(np.diff(ordered) != 1) + 1  # where a new extent starts
-        starts, ends = ordered[np.r_[0, breaks]], ordered[np.r_[breaks - 1, len(ordered) - 1]]
-        for start, end in zip(starts.tolist(), ends.tolist()):
-            self._release_extent(start, end - start + 1)
+        ordered = np.sort(np.asarray(slots, dtype=np.int64)).tolist()
+        ends = np.flatnonzero(np.diff(ordered) != 1).tolist()  # where an extent ends (not the last)
+        start = ordered[0]
+        for end in ends:
+            self._release_extent(start, ordered[end] - start + 1)
+            start = ordered[end + 1]
+        self._release_extent(start, ordered[-1] - start + 1)
 
     def _release_extent(self, slot: int, n: int) -> None:
         """Return [slot, slot + n); merges with neighbouring free extents."""

@@ -5,14 +5,16 @@ rows of one run each: pool row ``o * num_blocks + b`` is run ``o`` of block ``b`
 tier row ``slot * outer + o`` is run ``o`` of a slot (a slot holds a block's runs
 back to back, in ascending pool offset order).
 
-A batch moves in steps of about ``FUSED_BYTES``: one numpy gather (``take``) or
-scatter (fancy assignment, one memmove per row) per step, then the XXH3 of each
-block of the step, read from the core's cache instead of from memory (a second
-pass over memory costs as much as the copy's read; from L2 the hash runs at
-~120 GB/s). One core cannot saturate the memory bus, so ``threads`` threads take
-the steps in turn: numpy releases the GIL while it copies, and the hash, which
-holds it, is short. Measured against a plain copy and a copy followed by a
-separate checksum pass in docs/benchmarks.md.
+A batch moves in steps of about ``FUSED_BYTES``: the rows of a step are copied,
+then the XXH3 of each block of the step is taken, read from the core's cache
+instead of from memory (a second pass over memory costs as much as the copy's
+read; from L2 the hash runs at ~140 GB/s). One core cannot saturate the memory
+bus, so ``threads`` threads take the steps in turn. Where the C loop is built
+(``kvxfer.transfer.native``) a whole batch runs there, without the GIL, at the
+speed of a plain memcpy; otherwise numpy copies each step (a ``take`` gather or a
+fancy-assignment scatter, which release the GIL) and Python hashes it. Both are
+measured against a plain copy and a copy followed by a checksum pass in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,17 +31,23 @@ from kvxfer.errors import Internal
 from kvxfer.geometry.checksum import rows_checksums, runs_checksum
 from kvxfer.geometry.layout import PoolLayout
 from kvxfer.tiers.host import HostTier
+from kvxfer.transfer import native
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 
 #: Bytes copied before they are hashed: small enough to stay in a core's L2 (1 MiB here).
+#: The numpy path takes larger steps (each costs GIL hand-offs between its threads); the C
+#: loop's steps are cheap, and smaller ones keep its threads evenly busy on short requests.
 FUSED_BYTES = 1 << 20
+NATIVE_STEP_BYTES = 256 << 10
 
 
 class CpuCopyEngine(CopyEngine):
     """Copies between a pool in host memory (shared memory) and the host tier, and returns
     the checksum of each block as copied (``hashes_copies``)."""
 
-    def __init__(self, storage: torch.Tensor, layout: PoolLayout, host: HostTier, threads: int = 2) -> None:
+    def __init__(self, storage: torch.Tensor, layout: PoolLayout, host: HostTier, threads: int = 2,
+                 use_native: bool = True) -> None:
+        """``use_native``: run batches in the C loop where it is built (False: the numpy path)."""
         if threads < 1:
             raise Internal(f"a copy engine needs at least one thread, got {threads}")
         if host.slot_bytes != layout.block_bytes:
@@ -52,9 +60,16 @@ class CpuCopyEngine(CopyEngine):
         self._slots: np.ndarray = host.buffer.numpy()  # (capacity, slot_bytes)
         self._host_rows = self._slots.reshape(host.capacity * outer, run)
         self._run_offsets = np.arange(outer, dtype=np.int64) * num_blocks
-        self._step = max(1, FUSED_BYTES // layout.block_bytes)
+        self._native = native.load() if use_native else None
+        self._step = max(1, (FUSED_BYTES if self._native is None else NATIVE_STEP_BYTES) // layout.block_bytes)
         self._layout = layout
-        self._steps = _Steps(threads)
+        self._threads = threads
+        self._steps = _Steps(threads) if self._native is None else None
+
+    @property
+    def native(self) -> bool:
+        """Whether batches run in the C loop."""
+        return self._native is not None
 
     @property
     def descriptors_per_block(self) -> int:
@@ -69,11 +84,17 @@ class CpuCopyEngine(CopyEngine):
             return CompletedHandle(Internal("a CUDA event handle reached the CPU copy engine"))
         blocks = np.asarray(batch.blocks, dtype=np.int64)
         slots = np.asarray(batch.slots, dtype=np.int64)
-        # The gathers below do not check bounds (mode "clip" is what makes them fast); batches
-        # are validated at the edge, so a block or slot out of range here is a bug, never a copy.
+        # The copies below do not check bounds (the C loop trusts its indices; numpy's mode "clip"
+        # is what makes its gathers fast); batches are validated at the edge, so a block or slot
+        # out of range here is a bug, never a copy.
         if blocks.size and (blocks.min() < 0 or blocks.max() >= len(self._pool_rows) // self._outer
                             or slots.min() < 0 or slots.max() >= len(self._slots)):
             return CompletedHandle(Internal(f"{batch.direction.value} batch out of range"))
+        if self._native is not None:
+            try:
+                return CompletedHandle(checksums=self._native_copy(batch.direction, blocks, slots))
+            except Internal as exc:
+                return CompletedHandle(exc)
         move = self._to_host if batch.direction is Direction.TO_HOST else self._to_pool
         step = self._step
         try:
@@ -88,6 +109,16 @@ class CpuCopyEngine(CopyEngine):
             return rows_checksums(self._pool_blocks[b] for b in blocks)
         data = self._pool_rows.reshape(-1)
         return [runs_checksum(data[r.offset:r.end] for r in self._layout.block_runs(b)) for b in blocks]
+
+    def _native_copy(self, direction: Direction, blocks: np.ndarray, slots: np.ndarray) -> list[int]:
+        """The whole batch in the C loop; hashes the same spans as the numpy path below."""
+        pool_rows, tier_rows = self._pool_rows_of(blocks), self._tier_rows_of(slots)
+        if direction is Direction.TO_HOST:
+            return self._native.copy_hash(self._host_rows, self._pool_rows, tier_rows, pool_rows, self._slots, slots,
+                                          self._step, self._threads)
+        hashed, spans = (self._pool_blocks, blocks) if self._pool_blocks is not None else (self._slots, slots)
+        return self._native.copy_hash(self._pool_rows, self._host_rows, pool_rows, tier_rows, hashed, spans,
+                                      self._step, self._threads)
 
     def _to_host(self, blocks: np.ndarray, slots: np.ndarray) -> list[int]:
         """Gather one step into its slots; the checksum of each slot's new bytes."""

@@ -1,6 +1,8 @@
-"""The CPU engine's fused checksums, for every layout: the checksum it returns for each block
-is the checksum of the bytes it copied, in one step or many, into consecutive slots or scattered."""
+"""The CPU engine's fused checksums, for every layout, in the C loop and in the numpy path: the
+checksum it returns for each block is the checksum of the bytes it copied, in one step or many,
+into consecutive slots or scattered."""
 
+import itertools
 import time
 
 import numpy as np
@@ -34,7 +36,9 @@ def test_fused_checksums_are_those_of_the_bytes_copied(spec, layout, data):
     g = torch.Generator().manual_seed(n)
     pool = torch.randint(0, 256, (pl.nbytes,), dtype=torch.uint8, generator=g)
     host = HostTier(capacity, pl.block_bytes)
-    engine = CpuCopyEngine(pool, pl, host, threads=data.draw(st.sampled_from([1, 2, 3])))
+    use_native = data.draw(st.booleans())
+    engine = CpuCopyEngine(pool, pl, host, threads=data.draw(st.sampled_from([1, 2, 3])), use_native=use_native)
+    assert engine.native == use_native  # the C loop is built (tests/unit/test_native_copy.py says how)
     engine._step = data.draw(st.integers(1, n + 1))  # several steps per batch (taken by several threads), or one
 
     sums = engine.submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
@@ -63,8 +67,9 @@ def test_an_out_of_range_batch_is_an_error_and_moves_nothing():
         pool = torch.zeros(pl.nbytes, dtype=torch.uint8)
         host = HostTier(2, pl.block_bytes)
         host.buffer.fill_(7)
-        engine = CpuCopyEngine(pool, pl, host)
-        for blocks, slots in (([1, spec.num_blocks], [0, 1]), ([1], [2]), ([-1], [0]), ([1], [-1])):
+        engines = (CpuCopyEngine(pool, pl, host), CpuCopyEngine(pool, pl, host, use_native=False))
+        batches = (([1, spec.num_blocks], [0, 1]), ([1], [2]), ([-1], [0]), ([1], [-1]))
+        for engine, (blocks, slots) in itertools.product(engines, batches):
             with pytest.raises(Internal, match="out of range"):
                 engine.submit(CopyBatch(Direction.TO_POOL, blocks, slots)).wait()
         assert int(pool.sum()) == 0

@@ -1,0 +1,168 @@
+/* kvxfer's fused copy-and-hash loop: the CPU copy engine's inner loop without the GIL.
+ *
+ * One call moves a batch of blocks between two arrays of fixed-size rows (a pool
+ * and a host tier: a block is `rows_per_block` rows, copied row by row) and
+ * returns the XXH3-64 of each block, hashed right after its step was copied, while
+ * the bytes are still in the core's cache. The batch is cut into steps of
+ * `step_blocks` blocks; the calling thread and up to `threads - 1` helper threads
+ * take steps in turn. Helpers are started once and kept: after a batch they spin
+ * for a short while (the next request usually follows at once), then sleep.
+ *
+ * The hash function is passed in (python-xxhash's XXH3_64bits entry point, found
+ * by ctypes), so this file implements no hash of its own. It is loaded through
+ * ctypes (kvxfer/transfer/native.py), which releases the GIL for the call; it
+ * includes no Python header. Indices are trusted: the engine checks bounds first.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+typedef uint64_t (*hash_fn)(const void *, size_t);
+
+typedef struct {
+    uint8_t *dst;
+    const uint8_t *src;
+    int64_t row_bytes;
+    const int64_t *dst_rows, *src_rows; /* rows_per_block per block, block after block */
+    int64_t rows_per_block;
+    const uint8_t *hashed;        /* the array whose spans are hashed (span_bytes each) */
+    const int64_t *hashed_spans;  /* one per block */
+    int64_t span_bytes;
+    uint64_t *sums;               /* one per block */
+    int64_t blocks, step_blocks;
+    hash_fn hash;
+} job_t;
+
+/* The ticket: generation (24 bits) | steps (20 bits) | next step (20 bits). A thread
+ * claims a step with one compare-and-swap on it, so a helper that wakes late, after
+ * its batch ended, claims nothing and never reads a later batch's half-written job. */
+#define GEN_SHIFT 40
+#define STEPS_SHIFT 20
+#define FIELD ((UINT64_C(1) << 20) - 1)
+#define GEN_MASK ((UINT64_C(1) << 24) - 1)
+#define MAX_HELPERS 63
+#define SPIN_NS 200000 /* a helper spins this long for the next batch before it sleeps */
+
+static job_t job;
+static _Atomic uint64_t ticket;
+static atomic_long steps_done;
+static atomic_int lanes_wanted; /* helpers with id < this take part in the current batch */
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one batch at a time */
+static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
+static int helpers;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void run_steps(uint64_t gen) {
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&ticket, memory_order_acquire);
+        if ((t >> GEN_SHIFT) != gen || (t & FIELD) >= ((t >> STEPS_SHIFT) & FIELD))
+            return;
+        if (!atomic_compare_exchange_weak_explicit(&ticket, &t, t + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        int64_t b0 = (int64_t)(t & FIELD) * job.step_blocks, b1 = b0 + job.step_blocks;
+        if (b1 > job.blocks)
+            b1 = job.blocks;
+        const int64_t k = job.rows_per_block, n = job.row_bytes;
+        for (int64_t r = b0 * k; r < b1 * k; r++)
+            memcpy(job.dst + job.dst_rows[r] * n, job.src + job.src_rows[r] * n, (size_t)n);
+        for (int64_t b = b0; b < b1; b++)
+            job.sums[b] = job.hash(job.hashed + job.hashed_spans[b] * job.span_bytes, (size_t)job.span_bytes);
+        atomic_fetch_add_explicit(&steps_done, 1, memory_order_release);
+    }
+}
+
+static void *helper(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    uint64_t seen = atomic_load(&ticket) >> GEN_SHIFT;
+    for (;;) {
+        uint64_t gen;
+        int64_t until = now_ns() + SPIN_NS;
+        for (int i = 0; (gen = atomic_load_explicit(&ticket, memory_order_acquire) >> GEN_SHIFT) == seen; i++) {
+            cpu_relax();
+            if ((i & 63) == 63 && now_ns() > until)
+                break;
+        }
+        if (gen == seen) { /* idle: sleep until the next batch */
+            pthread_mutex_lock(&wake_mu);
+            while ((gen = atomic_load(&ticket) >> GEN_SHIFT) == seen)
+                pthread_cond_wait(&wake_cv, &wake_mu);
+            pthread_mutex_unlock(&wake_mu);
+        }
+        seen = gen;
+        if (id < atomic_load(&lanes_wanted))
+            run_steps(gen);
+    }
+    return NULL;
+}
+
+static void reset_after_fork(void) { /* the child has no helper threads, and fresh locks */
+    helpers = 0;
+    pthread_mutex_init(&call_mu, NULL);
+    pthread_mutex_init(&wake_mu, NULL);
+    pthread_cond_init(&wake_cv, NULL);
+}
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
+
+/* Copy `blocks` blocks (dst row dst_rows[r] <- src row src_rows[r]) and hash each block's
+ * span of `hashed` into sums. Returns 0, or -1 if the batch has too many steps. */
+__attribute__((visibility("default")))
+int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
+                  const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
+                  const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
+                  int64_t step_blocks, hash_fn hash, int threads) {
+    if (blocks <= 0)
+        return 0;
+    if (step_blocks < 1 || (blocks + step_blocks - 1) / step_blocks > (int64_t)FIELD)
+        return -1;
+    const uint64_t steps = (uint64_t)((blocks + step_blocks - 1) / step_blocks);
+    pthread_once(&once, register_fork_handler);
+    pthread_mutex_lock(&call_mu);
+    job = (job_t){dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
+                  span_bytes, sums, blocks, step_blocks, hash};
+    atomic_store(&steps_done, 0);
+    pthread_mutex_lock(&wake_mu);
+    while (helpers < threads - 1 && helpers < MAX_HELPERS) {
+        pthread_t tid;
+        if (pthread_create(&tid, NULL, helper, (void *)(intptr_t)helpers) != 0)
+            break; /* fewer helpers: the caller takes the steps they would have */
+        pthread_detach(tid);
+        helpers++;
+    }
+    atomic_store(&lanes_wanted, threads - 1);
+    const uint64_t gen = ((atomic_load(&ticket) >> GEN_SHIFT) + 1) & GEN_MASK;
+    atomic_store_explicit(&ticket, (gen << GEN_SHIFT) | (steps << STEPS_SHIFT), memory_order_release);
+    pthread_cond_broadcast(&wake_cv);
+    pthread_mutex_unlock(&wake_mu);
+    run_steps(gen);
+    /* Every claimed step has finished before the call returns: no copy outlives it. A helper
+     * descheduled mid-step (fewer CPUs than threads) gets the CPU back through sched_yield. */
+    const int64_t until = now_ns() + SPIN_NS;
+    for (int i = 0; (uint64_t)atomic_load_explicit(&steps_done, memory_order_acquire) < steps; i++) {
+        cpu_relax();
+        if ((i & 63) == 63 && now_ns() > until)
+            sched_yield();
+    }
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}

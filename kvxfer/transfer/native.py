@@ -1,0 +1,109 @@
+"""The fused copy-and-hash loop in C (``_fused.c``), called through ctypes.
+
+Why C: in Python, each step of a batch costs GIL hand-offs between the copy
+threads, and a short request (64 blocks of 64 KiB) loses a third of its time to
+waking and joining them (measured in docs/benchmarks.md). The C loop runs a
+whole batch in one call with the GIL released, on helper threads that stay warm
+between requests, and copies at the speed of a plain memcpy.
+
+The library is built with the package (``setup.py``: an optional extension, as
+it needs a C compiler); the hash is python-xxhash's own XXH3-64 entry point,
+checked against ``xxhash.xxh3_64_intdigest`` when loaded, so the checksum is the
+same function everywhere. Where the library or the entry point is missing,
+``load()`` says why and the copy engine uses its numpy path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+import os
+
+import numpy as np
+import xxhash
+
+from kvxfer.errors import Internal
+from kvxfer.geometry.checksum import SEED
+
+log = logging.getLogger(__name__)
+
+#: Set to 0 to use the numpy path even where the library is built (benchmarks, debugging).
+ENV_DISABLE = "KVXFER_NATIVE"
+_HASH_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")  # fastest first (dispatch picks AVX2/AVX-512)
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class NativeCopier:
+    """``copy_hash``: one batch of row copies plus one XXH3-64 per block, without the GIL."""
+
+    def __init__(self, library: ctypes.CDLL, hash_address: int) -> None:
+        self._call = library.kvx_copy_hash
+        self._call.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR,
+                               ctypes.c_int]
+        self._call.restype = ctypes.c_int
+        self._hash = hash_address
+
+    def copy_hash(self, dst: np.ndarray, src: np.ndarray, dst_rows: np.ndarray, src_rows: np.ndarray,
+                  hashed: np.ndarray, hashed_spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
+        """Copy ``src[src_rows[r]]`` to ``dst[dst_rows[r]]`` for every r (a block is ``len(src_rows) //
+        len(hashed_spans)`` consecutive rows) and return the checksum of ``hashed[hashed_spans[b]]``
+        for each block b, hashed after its step was copied. Every array is C-contiguous; the row
+        indices must be in range (they are trusted: the caller checks bounds)."""
+        blocks = len(hashed_spans)
+        if not blocks:
+            return []
+        rows_per_block = len(src_rows) // blocks
+        if (dst.shape[1] != src.shape[1] or len(dst_rows) != len(src_rows) or rows_per_block * blocks != len(src_rows)
+                or not all(a.flags.c_contiguous for a in (dst, src, dst_rows, src_rows, hashed, hashed_spans))
+                or {dst_rows.dtype, src_rows.dtype, hashed_spans.dtype} != {np.dtype(np.int64)}):
+            raise Internal("native copy: arrays of mismatched shapes, types or strides")
+        sums = np.empty(blocks, dtype=np.uint64)
+        if self._call(_address(dst), _address(src), dst.shape[1], _address(dst_rows), _address(src_rows),
+                      rows_per_block, _address(hashed), _address(hashed_spans), hashed.shape[1], _address(sums),
+                      blocks, step_blocks, self._hash, threads) != 0:
+            raise Internal(f"native copy refused a batch of {blocks} blocks in steps of {step_blocks}")
+        return sums.tolist()
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+@functools.cache
+def load() -> NativeCopier | None:
+    """The native copier, or None (logged once, with the reason) where it cannot be used."""
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        log.info("native copy loop disabled (%s=0): the CPU copy engine uses numpy", ENV_DISABLE)
+        return None
+    spec = importlib.util.find_spec("kvxfer.transfer._fused")  # finds the built file; imports nothing
+    if spec is None or spec.origin is None:
+        log.warning("native copy loop not built (no C compiler at install time?): the CPU copy engine "
+                    "uses numpy, about a third slower on short requests")
+        return None
+    try:
+        library = ctypes.CDLL(spec.origin)
+        xxh = ctypes.CDLL(importlib.util.find_spec("xxhash._xxhash").origin)
+    except OSError as exc:
+        log.warning("native copy loop not loaded (%s): the CPU copy engine uses numpy", exc)
+        return None
+    for name in _HASH_SYMBOLS:
+        function = getattr(xxh, name, None)
+        if function is not None and _same_hash(function):
+            return NativeCopier(library, ctypes.cast(function, ctypes.c_void_p).value)
+    log.warning("python-xxhash %s exports no usable XXH3-64 entry point: the CPU copy engine uses numpy",
+                xxhash.VERSION)
+    return None
+
+
+def _same_hash(function: ctypes._CFuncPtr) -> bool:
+    """Whether ``function`` computes kvxfer's block checksum (XXH3-64, seed 0) on probes of
+    the sizes XXH3 treats differently (short, medium, long with a partial stripe)."""
+    function.argtypes, function.restype = [_PTR, ctypes.c_size_t], ctypes.c_uint64
+    rng = np.random.default_rng(2026)
+    for size in (0, 3, 17, 129, 240, 241, 1024, 65536 + 17):
+        probe = rng.integers(0, 256, size, dtype=np.uint8)
+        if function(_address(probe), size) != xxhash.xxh3_64_intdigest(probe, SEED):
+            return False
+    return True
