@@ -40,7 +40,7 @@ class TransferBatch:
               num_blocks: int, limit: int = MAX_BATCH_BLOCKS, ready_event: bytes = b"") -> TransferBatch:
         """Validate a request whole (namespace, blocks of a pool of ``num_blocks``, keys) and build it."""
         check_namespace(namespace)
-        blocks, keys = list(blocks), list(keys)
+        blocks = list(blocks)
         if len(blocks) != len(keys):
             raise InvalidArgument(f"slots and keys must have the same length ({len(blocks)} != {len(keys)})")
         check_blocks(blocks, num_blocks, limit)
