@@ -6,7 +6,8 @@
  * the bytes are still in the core's cache. The batch is cut into steps of
  * `step_blocks` blocks; the calling thread and up to `threads - 1` helper threads
  * take steps in turn. Helpers are started once and kept: after a batch they spin
- * for a short while (the next request usually follows at once), then sleep.
+ * for a short while (the next request usually follows at once), then sleep. A batch
+ * of one step, or for one thread, runs in the caller alone (no lock, no wake-up).
  *
  * The hash function is passed in (python-xxhash's XXH3_64bits entry point, found
  * by ctypes), so this file implements no hash of its own. It is loaded through
@@ -70,6 +71,17 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
+static void do_step(const job_t *j, int64_t step) {
+    int64_t b0 = step * j->step_blocks, b1 = b0 + j->step_blocks;
+    if (b1 > j->blocks)
+        b1 = j->blocks;
+    const int64_t k = j->rows_per_block, n = j->row_bytes;
+    for (int64_t r = b0 * k; r < b1 * k; r++)
+        memcpy(j->dst + j->dst_rows[r] * n, j->src + j->src_rows[r] * n, (size_t)n);
+    for (int64_t b = b0; b < b1; b++)
+        j->sums[b] = j->hash(j->hashed + j->hashed_spans[b] * j->span_bytes, (size_t)j->span_bytes);
+}
+
 static void run_steps(uint64_t gen) {
     for (;;) {
         uint64_t t = atomic_load_explicit(&ticket, memory_order_acquire);
@@ -78,14 +90,7 @@ static void run_steps(uint64_t gen) {
         if (!atomic_compare_exchange_weak_explicit(&ticket, &t, t + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
             continue;
-        int64_t b0 = (int64_t)(t & FIELD) * job.step_blocks, b1 = b0 + job.step_blocks;
-        if (b1 > job.blocks)
-            b1 = job.blocks;
-        const int64_t k = job.rows_per_block, n = job.row_bytes;
-        for (int64_t r = b0 * k; r < b1 * k; r++)
-            memcpy(job.dst + job.dst_rows[r] * n, job.src + job.src_rows[r] * n, (size_t)n);
-        for (int64_t b = b0; b < b1; b++)
-            job.sums[b] = job.hash(job.hashed + job.hashed_spans[b] * job.span_bytes, (size_t)job.span_bytes);
+        do_step(&job, (int64_t)(t & FIELD));
         atomic_fetch_add_explicit(&steps_done, 1, memory_order_release);
     }
 }
@@ -136,10 +141,16 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
     if (step_blocks < 1 || (blocks + step_blocks - 1) / step_blocks > (int64_t)FIELD)
         return -1;
     const uint64_t steps = (uint64_t)((blocks + step_blocks - 1) / step_blocks);
+    const job_t mine = {dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
+                        span_bytes, sums, blocks, step_blocks, hash};
+    if (threads <= 1 || steps == 1) { /* nothing to share: no helper is woken, no lock taken */
+        for (uint64_t s = 0; s < steps; s++)
+            do_step(&mine, (int64_t)s);
+        return 0;
+    }
     pthread_once(&once, register_fork_handler);
     pthread_mutex_lock(&call_mu);
-    job = (job_t){dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
-                  span_bytes, sums, blocks, step_blocks, hash};
+    job = mine;
     atomic_store(&steps_done, 0);
     pthread_mutex_lock(&wake_mu);
     while (helpers < threads - 1 && helpers < MAX_HELPERS) {
