@@ -16,14 +16,14 @@ per block on the store and load paths (measured in docs/benchmarks.md,
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
 
 from kvxfer.index.eviction import LRU, EvictionPolicy
-from kvxfer.index.slots import SlotAllocator
+from kvxfer.index.slots import SlotAllocator, slot_array
 from kvxfer.records import Outcome, TierKind
 
 FREE, PENDING, READY, DROPPED = 0, 1, 2, 3  # slot states; DROPPED: gone from the index, still pinned
@@ -76,8 +76,8 @@ class Plan:
     """
 
     outcomes: list[Outcome]
-    slots: list[int]
-    positions: list[int]
+    slots: Sequence[int]  # a range when one extent holds them
+    positions: Sequence[int]
     checksums: list[int] = field(default_factory=list)
     evicted: Evicted | None = None
 
@@ -134,7 +134,7 @@ class BlockIndex:
                     self._pins[held] -= 1
                     self._policy.used(held)
             if len(slots) == len(keys):
-                outcomes, positions, stored = [Outcome.DONE] * len(keys), list(range(len(keys))), keys
+                outcomes, positions, stored = [Outcome.DONE] * len(keys), range(len(keys)), keys
             else:
                 new = np.arange(len(keys)) if new is None else new
                 taken = new[:len(slots)]
@@ -144,19 +144,19 @@ class BlockIndex:
                 outcomes, positions = _outcomes(codes), taken.tolist()
                 stored = [keys[i] for i in positions]
             space.update(zip(stored, slots))  # pairs straight in: twice as fast as merging a dict of them
-            at = np.asarray(slots, dtype=np.int64)
+            at = slot_array(slots)
             self._state[at] = PENDING
             self._pins[at] = 1
             self._owner_ns[at] = self._ns_ids[namespace]
             self._owner_key[at] = _objects(stored)
             return Plan(outcomes, slots, positions, evicted=evicted)
 
-    def complete_store(self, slots: list[int], checksums: list[int | None]) -> None:
+    def complete_store(self, slots: Sequence[int], checksums: list[int | None]) -> None:
         """Publish entries whose bytes are complete (checksum given); forget the others."""
         if len(slots) != len(checksums):
             raise ValueError("complete_store pairs each slot with one checksum")
         with self._lock:
-            at = np.asarray(slots, dtype=np.int64)
+            at = slot_array(slots)
             self._pins[at] -= 1
             try:  # the usual case: every store completed
                 values = np.asarray(checksums, dtype=np.uint64)
@@ -185,10 +185,10 @@ class BlockIndex:
             codes = np.where(hit, _DONE, _NOT_FOUND).astype(np.int8)
             return Plan(_outcomes(codes), at.tolist(), positions.tolist(), self._checksum[at].tolist())
 
-    def complete_load(self, slots: list[int], corrupt: set[int] = frozenset()) -> None:
+    def complete_load(self, slots: Sequence[int], corrupt: set[int] = frozenset()) -> None:
         """Unpin loaded entries; drop ``slots[j]`` for j in ``corrupt`` so it is never served again."""
         with self._lock:
-            at = np.asarray(slots, dtype=np.int64)
+            at = slot_array(slots)
             self._pins[at] -= 1
             if corrupt:
                 self._drop(at[sorted(corrupt)])

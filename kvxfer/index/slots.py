@@ -35,8 +35,9 @@ class SlotAllocator:
     def used(self) -> int:
         return self.capacity - self._free
 
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` free slots, ascending within each extent; None (and nothing taken) if fewer are free."""
+    def allocate(self, n: int) -> Sequence[int] | None:
+        """``n`` free slots, ascending within each extent (a ``range`` when one extent holds them,
+        the usual case: no list of n ints is built); None (and nothing taken) if fewer are free."""
         if n > self._free:
             return None
         if n == 0:
@@ -65,7 +66,7 @@ class SlotAllocator:
             start = slot + 1
         self._free = self.capacity - len(taken)
 
-    def _take(self, i: int, n: int) -> list[int]:
+    def _take(self, i: int, n: int) -> range:
         start = self._starts[i]
         if self._lengths[i] == n:
             del self._starts[i], self._lengths[i]
@@ -73,7 +74,7 @@ class SlotAllocator:
             self._starts[i] += n
             self._lengths[i] -= n
         self._free -= n
-        return list(range(start, start + n))
+        return range(start, start + n)
 
     def release_many(self, slots: Sequence[int]) -> None:
         """Return several slots; consecutive ones are merged first (in numpy), so this costs
@@ -110,3 +111,10 @@ class SlotAllocator:
             self._starts.insert(i, slot)
             self._lengths.insert(i, n)
         self._free += n
+
+
+def slot_array(slots: Sequence[int]) -> np.ndarray:
+    """``slots`` as an int64 array; a ``range`` (one extent) without a pass over it."""
+    if isinstance(slots, range):
+        return np.arange(slots.start, slots.stop, slots.step, dtype=np.int64)
+    return np.asarray(slots, dtype=np.int64)

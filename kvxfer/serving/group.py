@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvxfer.errors import FailedPrecondition
@@ -82,7 +83,7 @@ class CacheGroup:
                 self.remote.stage(namespace, [(v.key, v.checksum, self.host.buffer[v.slot])
                                               for v in victims if v.namespace == namespace])
 
-    def write_through(self, namespace: str, keys: list[bytes], slots: list[int], checksums: list[int | None]) -> None:
+    def write_through(self, namespace: str, keys: list[bytes], slots: Sequence[int], checksums: list[int | None]) -> None:
         """With remote write-through: send blocks just stored (still pinned) to Redis as well."""
         if self.remote is not None and self.remote.settings.write_through:
             self.remote.stage(namespace, [(k, c, self.host.buffer[s])

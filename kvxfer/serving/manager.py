@@ -185,7 +185,7 @@ class PoolManager:
         return moved
 
 
-def _at(values: list, positions: list[int]) -> list:
+def _at(values: list, positions: Sequence[int]) -> list:
     """``values[i]`` for each i in ``positions`` (ascending): the list itself when that is all of it."""
     return values if len(positions) == len(values) else [values[i] for i in positions]
 
@@ -199,7 +199,7 @@ def _tally(outcomes: list[Outcome]) -> dict[Outcome, int]:
     return {first: n} if n == len(outcomes) else Counter(outcomes)
 
 
-def _set(outcomes: list[Outcome], positions: list[int], outcome: Outcome) -> None:
+def _set(outcomes: list[Outcome], positions: Sequence[int], outcome: Outcome) -> None:
     for i in positions:
         outcomes[i] = outcome
 

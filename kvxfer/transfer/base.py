@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvxfer.errors import KvxferError
@@ -26,7 +27,7 @@ class CopyBatch:
 
     direction: Direction
     blocks: list[int]
-    slots: list[int]
+    slots: Sequence[int]
     ready_event: bytes = b""  # a CUDA IPC event handle the copy waits for (CUDA engines only)
 
     def __post_init__(self) -> None:

@@ -30,6 +30,7 @@ import torch
 from kvxfer.errors import Internal
 from kvxfer.geometry.checksum import rows_checksums, runs_checksum
 from kvxfer.geometry.layout import PoolLayout
+from kvxfer.index.slots import slot_array
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
@@ -83,7 +84,7 @@ class CpuCopyEngine(CopyEngine):
         if batch.ready_event:
             return CompletedHandle(Internal("a CUDA event handle reached the CPU copy engine"))
         blocks = np.asarray(batch.blocks, dtype=np.int64)
-        slots = np.asarray(batch.slots, dtype=np.int64)
+        slots = slot_array(batch.slots)
         # The copies below do not check bounds (the C loop trusts its indices; numpy's mode "clip"
         # is what makes its gathers fast); batches are validated at the edge, so a block or slot
         # out of range here is a bug, never a copy.

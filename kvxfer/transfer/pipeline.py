@@ -18,7 +18,7 @@ back as data (``PipelineResult.cancelled``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvxfer.tiers.host import HostTier
@@ -46,7 +46,7 @@ class PipelineResult:
 class _Chunk:
     start: int
     blocks: list[int]
-    slots: list[int]
+    slots: Sequence[int]
     expected: list[int]
     handle: CopyHandle | None
 
@@ -63,7 +63,7 @@ class CheckedCopier:
         self.chunk = max(1, chunk_bytes // host.slot_bytes)
         self.depth = 2 if engine.overlaps else 1  # chunks in flight
 
-    def to_host(self, blocks: list[int], slots: list[int], cancelled: Callable[[], bool] | None = None,
+    def to_host(self, blocks: list[int], slots: Sequence[int], cancelled: Callable[[], bool] | None = None,
                 ready_event: bytes = b"") -> PipelineResult:
         """Copy pool ``blocks`` into tier ``slots``; the checksum of each slot's new bytes.
 
@@ -84,7 +84,7 @@ class CheckedCopier:
         self._run(len(slots), start, finish, cancelled, result)
         return result
 
-    def to_pool(self, slots: list[int], expected: list[int], blocks: list[int],
+    def to_pool(self, slots: Sequence[int], expected: list[int], blocks: list[int],
                 cancelled: Callable[[], bool] | None = None) -> PipelineResult:
         """Copy tier ``slots`` into pool ``blocks``, verified against ``expected``.
 

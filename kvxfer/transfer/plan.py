@@ -9,11 +9,13 @@ both sides are merged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvxfer.geometry.layout import PoolLayout
+from kvxfer.index.slots import slot_array
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,12 @@ class CopyPlan:
         return int(self.nbytes.sum())
 
 
-def plan_copies(layout: PoolLayout, blocks: list[int], slots: list[int]) -> CopyPlan:
+def plan_copies(layout: PoolLayout, blocks: list[int], slots: Sequence[int]) -> CopyPlan:
     """Descriptors moving each pool block ``blocks[i]`` to/from tier slot ``slots[i]``."""
     run = layout.run_length
     outer = np.asarray(layout._outer_offsets, dtype=np.int64)
     b = np.asarray(blocks, dtype=np.int64)
-    s = np.asarray(slots, dtype=np.int64)
+    s = slot_array(slots)
     pool = (b[:, None] * run + outer[None, :]).ravel()
     tier = (s[:, None] * layout.block_bytes + np.arange(len(outer), dtype=np.int64)[None, :] * run).ravel()
     order = np.argsort(pool, kind="stable")

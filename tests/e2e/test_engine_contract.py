@@ -77,10 +77,11 @@ def test_a_synchronous_request_waits_for_the_jobs_before_it(make_daemon):
 
 
 def test_leases_expire_when_the_client_is_killed(make_daemon):
-    # 1 MiB blocks: 4.5 GB of jobs, far more than runs within a lease, whatever the copy speed
-    pool = {**SMALL_POOL, "spec": {**SMALL_POOL["spec"], "num_layers": 64, "head_size": 128},
+    # 4 MiB blocks: 18 GB of jobs, seconds of copying on one thread, submitted faster than
+    # that: many are still queued when the client dies, however fast the copies run
+    pool = {**SMALL_POOL, "spec": {**SMALL_POOL["spec"], "num_layers": 256, "head_size": 128},
             "host_capacity_mib": 200}
-    daemon = make_daemon({"pools": [pool], "max_jobs_per_client": 256})
+    daemon = make_daemon({"pools": [pool], "max_jobs_per_client": 256, "copy_threads": 1})  # a core for the client
     worker = start_worker("submit_and_hang", daemon.target, "rank0", 100, 30, 0.05)
     submitted = json.loads(worker.stdout.readline())["submitted"]
     worker.send_signal(signal.SIGKILL)

@@ -16,7 +16,7 @@ def store(index, keys, ok=True):
 def test_visible_only_after_completion():
     index = BlockIndex(TierKind.HOST, 4)
     plan = index.prepare_store(NS, [b"a", b"b"])
-    assert plan.outcomes == [DONE, DONE] and plan.positions == [0, 1]
+    assert plan.outcomes == [DONE, DONE] and list(plan.positions) == [0, 1]
     assert index.contains(NS, [b"a", b"b"]) == [False, False]
     assert index.prepare_load(NS, [b"a"]).outcomes == [MISSING]
     assert index.stats().pinned == 2
