@@ -9,8 +9,10 @@
  * for a short while (the next request usually follows at once), then sleep. A batch
  * of one step, or for one thread, runs in the caller alone (no lock, no wake-up).
  *
- * The hash function is passed in (python-xxhash's XXH3_64bits entry point, found
- * by ctypes), so this file implements no hash of its own. It is loaded through
+ * A block larger than PIECE_BYTES is copied a piece at a time, each piece fed to
+ * XXH3's streaming API right after (so a 2 MiB block is hashed from L2, not L3).
+ * The hash functions are passed in (python-xxhash's XXH3 entry points, found by
+ * ctypes), so this file implements no hash of its own. It is loaded through
  * ctypes (kvxfer/transfer/native.py), which releases the GIL for the call; it
  * includes no Python header. Indices are trusted: the engine checks bounds first.
  */
@@ -24,6 +26,16 @@
 
 typedef uint64_t (*hash_fn)(const void *, size_t);
 
+/* XXH3's streaming API (state, reset with seed 0, update, digest), for blocks larger than a
+ * piece: such a block is copied a piece at a time and each piece hashed right after, from L1/L2. */
+typedef struct {
+    void *(*create)(void);
+    int (*release)(void *);
+    int (*reset)(void *);
+    int (*update)(void *, const void *, size_t);
+    uint64_t (*digest)(const void *);
+} stream_fns;
+
 typedef struct {
     uint8_t *dst;
     const uint8_t *src;
@@ -36,6 +48,7 @@ typedef struct {
     uint64_t *sums;               /* one per block */
     int64_t blocks, step_blocks;
     hash_fn hash;
+    const stream_fns *stream; /* NULL: every block hashed whole after its step */
 } job_t;
 
 /* The ticket: generation (24 bits) | steps (20 bits) | next step (20 bits). A thread
@@ -47,6 +60,9 @@ typedef struct {
 #define GEN_MASK ((UINT64_C(1) << 24) - 1)
 #define MAX_HELPERS 63
 #define SPIN_NS 200000 /* a helper spins this long for the next batch before it sleeps */
+#ifndef PIECE_BYTES /* (the sanitizer test builds with tiny pieces) */
+#define PIECE_BYTES (128 << 10) /* blocks larger than this are copied and hashed piece by piece */
+#endif
 
 static job_t job;
 static _Atomic uint64_t ticket;
@@ -71,11 +87,44 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
+/* One block of more than a piece: each row copied a piece at a time, and each piece fed to
+ * the hash (the block's hashed span is its rows, in order, on the tier side or, for one
+ * row, the row itself) while it is in cache. 0, or -1 where no hash state could be made. */
+static int copy_hash_pieces(const job_t *j, int64_t b, void *state) {
+    const int64_t k = j->rows_per_block, n = j->row_bytes;
+    const uint8_t *hashed = j->hashed + j->hashed_spans[b] * j->span_bytes;
+    if (state == NULL || j->stream->reset(state) != 0)
+        return -1;
+    for (int64_t o = 0; o < k; o++) {
+        uint8_t *to = j->dst + j->dst_rows[b * k + o] * n;
+        const uint8_t *from = j->src + j->src_rows[b * k + o] * n;
+        for (int64_t at = 0; at < n; at += PIECE_BYTES) {
+            const size_t len = (size_t)(n - at < PIECE_BYTES ? n - at : PIECE_BYTES);
+            memcpy(to + at, from + at, len);
+            j->stream->update(state, hashed + o * n + at, len);
+        }
+    }
+    j->sums[b] = j->stream->digest(state);
+    return 0;
+}
+
 static void do_step(const job_t *j, int64_t step) {
     int64_t b0 = step * j->step_blocks, b1 = b0 + j->step_blocks;
     if (b1 > j->blocks)
         b1 = j->blocks;
     const int64_t k = j->rows_per_block, n = j->row_bytes;
+    if (j->stream != NULL && j->span_bytes > PIECE_BYTES) {
+        void *state = j->stream->create();
+        for (int64_t b = b0; b < b1; b++)
+            if (copy_hash_pieces(j, b, state) != 0) { /* no state (out of memory): copy, then hash whole */
+                for (int64_t r = b * k; r < (b + 1) * k; r++)
+                    memcpy(j->dst + j->dst_rows[r] * n, j->src + j->src_rows[r] * n, (size_t)n);
+                j->sums[b] = j->hash(j->hashed + j->hashed_spans[b] * j->span_bytes, (size_t)j->span_bytes);
+            }
+        if (state != NULL)
+            j->stream->release(state);
+        return;
+    }
     for (int64_t r = b0 * k; r < b1 * k; r++)
         memcpy(j->dst + j->dst_rows[r] * n, j->src + j->src_rows[r] * n, (size_t)n);
     for (int64_t b = b0; b < b1; b++)
@@ -135,14 +184,14 @@ __attribute__((visibility("default")))
 int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
                   const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
                   const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
-                  int64_t step_blocks, hash_fn hash, int threads) {
+                  int64_t step_blocks, hash_fn hash, const stream_fns *stream, int threads) {
     if (blocks <= 0)
         return 0;
     if (step_blocks < 1 || (blocks + step_blocks - 1) / step_blocks > (int64_t)FIELD)
         return -1;
     const uint64_t steps = (uint64_t)((blocks + step_blocks - 1) / step_blocks);
     const job_t mine = {dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
-                        span_bytes, sums, blocks, step_blocks, hash};
+                        span_bytes, sums, blocks, step_blocks, hash, stream};
     if (threads <= 1 || steps == 1) { /* nothing to share: no helper is woken, no lock taken */
         for (uint64_t s = 0; s < steps; s++)
             do_step(&mine, (int64_t)s);

@@ -1,7 +1,7 @@
 /* Stress test of kvxfer/transfer/_fused.c under ThreadSanitizer and AddressSanitizer
  * (built and run by tests/unit/test_native_copy.py): four threads call the loop at once,
- * each with random batches (1-97 blocks of 3 rows, steps of 1-7 blocks, 1-4 threads),
- * and check every byte and checksum; a forked child calls it too (its parent's helper
+ * each with random batches (1-97 blocks of 3 rows, steps of 1-7 blocks, 1-4 threads,
+ * blocks hashed whole or streamed in pieces of 16 bytes), and check every byte and checksum; a forked child calls it too (its parent's helper
  * threads do not exist there). Prints "ok" and exits 0, or names what went wrong. */
 #include <pthread.h>
 #include <stdint.h>
@@ -11,10 +11,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+typedef struct {
+    void *(*create)(void);
+    int (*release)(void *);
+    int (*reset)(void *);
+    int (*update)(void *, const void *, size_t);
+    uint64_t (*digest)(const void *);
+} stream_fns;
+
 int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
                   const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
                   const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
-                  int64_t step_blocks, uint64_t (*hash)(const void *, size_t), int threads);
+                  int64_t step_blocks, uint64_t (*hash)(const void *, size_t), const stream_fns *stream,
+                  int threads);
 
 enum { ROWS_PER_BLOCK = 3, ROW = 40, BLOCK = ROWS_PER_BLOCK * ROW, NUM_BLOCKS = 97, BATCHES = 300, CALLERS = 4 };
 
@@ -25,6 +34,22 @@ static uint64_t fnv1a(const void *data, size_t n) { /* any hash will do: the loo
         h = (h ^ b[i]) * 1099511628211ull;
     return h;
 }
+
+/* The same hash, streamed: the loop feeds a block larger than a piece (built with tiny pieces
+ * here) piece by piece; the result must equal the one-shot hash of the block. */
+static void *fnv_create(void) { return malloc(sizeof(uint64_t)); }
+static int fnv_release(void *state) { free(state); return 0; }
+static int fnv_reset(void *state) { *(uint64_t *)state = 1469598103934665603ull; return 0; }
+static int fnv_update(void *state, const void *data, size_t n) {
+    const uint8_t *b = data;
+    uint64_t h = *(uint64_t *)state;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ull;
+    *(uint64_t *)state = h;
+    return 0;
+}
+static uint64_t fnv_digest(const void *state) { return *(const uint64_t *)state; }
+static const stream_fns fnv_stream = {fnv_create, fnv_release, fnv_reset, fnv_update, fnv_digest};
 
 static void *caller(void *arg) {
     unsigned seed = (unsigned)(uintptr_t)arg;
@@ -52,8 +77,9 @@ static void *caller(void *arg) {
                 dst_rows[b * ROWS_PER_BLOCK + k] = b * ROWS_PER_BLOCK + k;
             }
         }
+        const stream_fns *stream = rand_r(&seed) % 2 ? &fnv_stream : NULL; /* pieces of 16 B, or whole blocks */
         if (kvx_copy_hash(dst, src, ROW, dst_rows, src_rows, ROWS_PER_BLOCK, dst, spans, BLOCK, sums, n, step,
-                          fnv1a, threads) != 0) {
+                          fnv1a, stream, threads) != 0) {
             printf("batch refused\n");
             exit(1);
         }

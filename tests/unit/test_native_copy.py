@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from kvxfer.errors import Internal
-from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.geometry.checksum import block_checksum, rows_checksums
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import CopyBatch, Direction, native
 from kvxfer.transfer.cpu import CpuCopyEngine
+from tests.helpers import read_block
 
 
 def test_the_c_loop_is_built_and_loaded():
@@ -35,6 +36,25 @@ def _rig(num_blocks: int = 64, capacity: int = 64):
     pl = PoolLayout(KVSpec(2, num_blocks, 4, 2, 64, torch.float16), PRESETS["BLHNC"])
     pool = torch.randint(0, 256, (pl.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
     return pl, pool, HostTier(capacity, pl.block_bytes)
+
+
+@pytest.mark.parametrize("layout, head_size", [("BLHNC", 400), ("LBHNC", 400), ("LBHNC", 1600)])
+def test_blocks_larger_than_a_piece_are_hashed_piece_by_piece_to_the_same_checksum(layout, head_size):
+    """Blocks over 128 KiB are copied and hashed in pieces (XXH3's streaming API): one row cut
+    into pieces and a partial last piece (BLHNC: one 200 KiB row), rows under a piece (LBHNC:
+    4 rows of 50 KiB) and rows over one (4 of 200 KiB); both directions, scattered slots."""
+    pl = PoolLayout(KVSpec(4, 9, 4, 4, head_size, torch.float32), PRESETS[layout])
+    assert pl.block_bytes > 128 << 10
+    pool = torch.randint(0, 256, (pl.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    host = HostTier(6, pl.block_bytes)
+    engine = CpuCopyEngine(pool, pl, host, threads=2)
+    blocks, slots = [3, 1, 7, 5], [4, 0, 2, 5]
+    sums = engine.submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
+    assert sums == host.checksums(slots)
+    assert sums == [block_checksum(read_block(pool, pl, b).numpy()) for b in blocks]
+    back = [2, 8, 4, 6]
+    assert engine.submit(CopyBatch(Direction.TO_POOL, back, slots)).wait() == sums
+    assert all(torch.equal(read_block(pool, pl, b), host.buffer[s]) for b, s in zip(back, slots))
 
 
 def test_concurrent_callers_each_get_their_own_bytes_and_checksums():
@@ -102,7 +122,8 @@ def test_the_c_loop_under_sanitizers(sanitizer, tmp_path):
         pytest.fail("no C compiler: apt-get install gcc libc6-dev")
     here = Path(__file__).parent
     binary = tmp_path / "stress"
-    subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", str(here / "native_stress.c"),
+    subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", "-DPIECE_BYTES=16",
+                    str(here / "native_stress.c"),
                     str(here.parents[1] / "kvxfer" / "transfer" / "_fused.c"), "-o", str(binary)], check=True)
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, **SANITIZERS[sanitizer]})
