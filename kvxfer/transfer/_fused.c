@@ -87,21 +87,26 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* One block of more than a piece: each row copied a piece at a time, and each piece fed to
- * the hash (the block's hashed span is its rows, in order, on the tier side or, for one
- * row, the row itself) while it is in cache. 0, or -1 where no hash state could be made. */
+/* One block of more than a piece: its rows copied a piece at a time, and the block's hashed
+ * span (its rows, in order, on the tier side; or, for one row, the row itself: contiguous
+ * either way) fed to the hash a piece at a time right after, while in cache; short rows are
+ * fed several at once. 0, or -1 where no hash state could be made. */
 static int copy_hash_pieces(const job_t *j, int64_t b, void *state) {
     const int64_t k = j->rows_per_block, n = j->row_bytes;
     const uint8_t *hashed = j->hashed + j->hashed_spans[b] * j->span_bytes;
     if (state == NULL || j->stream->reset(state) != 0)
         return -1;
+    int64_t fed = 0; /* bytes of the hashed span fed so far */
     for (int64_t o = 0; o < k; o++) {
         uint8_t *to = j->dst + j->dst_rows[b * k + o] * n;
         const uint8_t *from = j->src + j->src_rows[b * k + o] * n;
         for (int64_t at = 0; at < n; at += PIECE_BYTES) {
-            const size_t len = (size_t)(n - at < PIECE_BYTES ? n - at : PIECE_BYTES);
-            memcpy(to + at, from + at, len);
-            j->stream->update(state, hashed + o * n + at, len);
+            const int64_t len = n - at < PIECE_BYTES ? n - at : PIECE_BYTES, copied = o * n + at + len;
+            memcpy(to + at, from + at, (size_t)len);
+            if (copied - fed >= PIECE_BYTES || copied == k * n) {
+                j->stream->update(state, hashed + fed, (size_t)(copied - fed));
+                fed = copied;
+            }
         }
     }
     j->sums[b] = j->stream->digest(state);
