@@ -8,5 +8,6 @@ without a C compiler the install goes on and the CPU copy engine uses numpy
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvxfer.transfer._fused", ["kvxfer/transfer/_fused.c"],
+                             depends=["kvxfer/transfer/_fused.h"],
                              extra_compile_args=["-O2", "-pthread", "-fvisibility=hidden"],
                              extra_link_args=["-pthread"], optional=True)])

@@ -24,17 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-typedef uint64_t (*hash_fn)(const void *, size_t);
-
-/* XXH3's streaming API (state, reset with seed 0, update, digest), for blocks larger than a
- * piece: such a block is copied a piece at a time and each piece hashed right after, from L1/L2. */
-typedef struct {
-    void *(*create)(void);
-    int (*release)(void *);
-    int (*reset)(void *);
-    int (*update)(void *, const void *, size_t);
-    uint64_t (*digest)(const void *);
-} stream_fns;
+#include "_fused.h"
 
 typedef struct {
     uint8_t *dst;
@@ -183,9 +173,6 @@ static void reset_after_fork(void) { /* the child has no helper threads, and fre
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
 
-/* Copy `blocks` blocks (dst row dst_rows[r] <- src row src_rows[r]) and hash each block's
- * span of `hashed` into sums. Returns 0, or -1 if the batch has too many steps. */
-__attribute__((visibility("default")))
 int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
                   const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
                   const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,

@@ -1,8 +1,9 @@
 /* Stress test of kvxfer/transfer/_fused.c under ThreadSanitizer and AddressSanitizer
  * (built and run by tests/unit/test_native_copy.py): four threads call the loop at once,
  * each with random batches (1-97 blocks of 3 rows, steps of 1-7 blocks, 1-4 threads,
- * blocks hashed whole or streamed in pieces of 16 bytes), and check every byte and checksum; a forked child calls it too (its parent's helper
- * threads do not exist there). Prints "ok" and exits 0, or names what went wrong. */
+ * blocks hashed whole or streamed in pieces of 16 bytes), and check every byte and
+ * checksum; a forked child calls it too (its parent's helper threads do not exist
+ * there). Prints "ok" and exits 0, or names what went wrong. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -11,19 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-typedef struct {
-    void *(*create)(void);
-    int (*release)(void *);
-    int (*reset)(void *);
-    int (*update)(void *, const void *, size_t);
-    uint64_t (*digest)(const void *);
-} stream_fns;
-
-int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
-                  const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
-                  const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
-                  int64_t step_blocks, uint64_t (*hash)(const void *, size_t), const stream_fns *stream,
-                  int threads);
+#include "_fused.h"
 
 enum { ROWS_PER_BLOCK = 3, ROW = 40, BLOCK = ROWS_PER_BLOCK * ROW, NUM_BLOCKS = 97, BATCHES = 300, CALLERS = 4 };
 

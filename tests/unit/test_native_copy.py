@@ -122,9 +122,10 @@ def test_the_c_loop_under_sanitizers(sanitizer, tmp_path):
         pytest.fail("no C compiler: apt-get install gcc libc6-dev")
     here = Path(__file__).parent
     binary = tmp_path / "stress"
-    subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", "-DPIECE_BYTES=16",
+    loop = here.parents[1] / "kvxfer" / "transfer"
+    subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", "-DPIECE_BYTES=16", f"-I{loop}",
                     str(here / "native_stress.c"),
-                    str(here.parents[1] / "kvxfer" / "transfer" / "_fused.c"), "-o", str(binary)], check=True)
+                    str(loop / "_fused.c"), "-o", str(binary)], check=True)
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, **SANITIZERS[sanitizer]})
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-4000:]
