@@ -58,13 +58,16 @@ class NativeCopier:
                   hashed: np.ndarray, hashed_spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
         """Copy ``src[src_rows[r]]`` to ``dst[dst_rows[r]]`` for every r (a block is ``len(src_rows) //
         len(hashed_spans)`` consecutive rows) and return the checksum of ``hashed[hashed_spans[b]]``
-        for each block b, hashed after its step was copied. Every array is C-contiguous; the row
-        indices must be in range (they are trusted: the caller checks bounds)."""
+        for each block b, hashed as it is copied. That span must be the block's rows, in order, on
+        one side of the copy (a tier slot, or a pool block of one row): a block over a piece is
+        hashed from them piece by piece. Every array is C-contiguous; the row indices must be in
+        range (they are trusted: the caller checks bounds)."""
         blocks = len(hashed_spans)
         if not blocks:
             return []
         rows_per_block = len(src_rows) // blocks
         if (dst.shape[1] != src.shape[1] or len(dst_rows) != len(src_rows) or rows_per_block * blocks != len(src_rows)
+                or hashed.shape[1] != rows_per_block * src.shape[1]
                 or not all(a.flags.c_contiguous for a in (dst, src, dst_rows, src_rows, hashed, hashed_spans))
                 or {dst_rows.dtype, src_rows.dtype, hashed_spans.dtype} != {np.dtype(np.int64)}):
             raise Internal("native copy: arrays of mismatched shapes, types or strides")
