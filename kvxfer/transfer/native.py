@@ -92,7 +92,7 @@ def load() -> NativeCopier | None:
     spec = importlib.util.find_spec("kvxfer.transfer._fused")  # finds the built file; imports nothing
     if spec is None or spec.origin is None:
         log.warning("native copy loop not built (no C compiler at install time?): the CPU copy engine "
-                    "uses numpy, about a third slower on short requests")
+                    "uses numpy, 15-25% slower")
         return None
     try:
         library = ctypes.CDLL(spec.origin)
