@@ -74,7 +74,8 @@ def create_pools(config: Config, observer: TransferObserver | None = None) -> Po
             log.info("pool ready", extra={"pool": pc.id, "device": pc.device, "layout": pc.layout.name,
                                           "block_bytes": pc.spec.block_bytes, "num_blocks": pc.spec.num_blocks,
                                           "host_capacity_mib": pc.host_capacity_mib, "epoch": d.epoch,
-                                          "medium": d.handle.medium.value, "cache_group": served.cache_group})
+                                          "medium": d.handle.medium.value, "cache_group": served.cache_group,
+                                          "copy_engine": served.manager.engine.describe()})
     except BaseException:
         registry.close()
         raise

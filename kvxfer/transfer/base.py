@@ -99,3 +99,7 @@ class CopyEngine(ABC):
     def hashes_pool(self) -> bool:
         """Whether ``pool_checksums`` reads the pool cheaply (from this process's mapping)."""
         return True
+
+    def describe(self) -> str:
+        """What moves the bytes, for the start-up log."""
+        return type(self).__name__

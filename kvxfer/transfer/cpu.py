@@ -72,6 +72,9 @@ class CpuCopyEngine(CopyEngine):
         """Whether batches run in the C loop."""
         return self._native is not None
 
+    def describe(self) -> str:
+        return f"{type(self).__name__} ({'C loop' if self.native else 'numpy'}, {self._threads} threads)"
+
     @property
     def descriptors_per_block(self) -> int:
         return self._outer

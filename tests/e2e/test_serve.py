@@ -161,3 +161,9 @@ def test_a_cuda_pool_without_a_gpu_is_a_one_line_error_naming_why(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert "cuda:0" in lines[0] and ("driver" in lines[0] or "device" in lines[0] or "cuda-python" in lines[0])
+
+
+def test_the_start_up_log_names_each_pools_copy_engine(make_daemon):
+    daemon = make_daemon({"copy_threads": 3})
+    ready = [json.loads(line) for line in daemon.log_text().splitlines() if '"pool ready"' in line]
+    assert [r["copy_engine"] for r in ready] == ["CpuCopyEngine (C loop, 3 threads)"]
