@@ -19,6 +19,7 @@
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -141,6 +142,7 @@ static void run_steps(uint64_t gen) {
 
 static void *helper(void *arg) {
     const int id = (int)(intptr_t)arg;
+    pthread_setname_np(pthread_self(), "kvxfer-copy"); /* as `top -H` and /proc show it */
     uint64_t seen = atomic_load(&ticket) >> GEN_SHIFT;
     for (;;) {
         uint64_t gen;
@@ -194,12 +196,20 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
     job = mine;
     atomic_store(&steps_done, 0);
     pthread_mutex_lock(&wake_mu);
-    while (helpers < threads - 1 && helpers < MAX_HELPERS) {
-        pthread_t tid;
-        if (pthread_create(&tid, NULL, helper, (void *)(intptr_t)helpers) != 0)
-            break; /* fewer helpers: the caller takes the steps they would have */
-        pthread_detach(tid);
-        helpers++;
+    if (helpers < threads - 1 && helpers < MAX_HELPERS) {
+        /* Helpers block every signal (they inherit this mask): signals go to the process's
+         * own threads, never interrupt a copy. */
+        sigset_t all, previous;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &previous);
+        while (helpers < threads - 1 && helpers < MAX_HELPERS) {
+            pthread_t tid;
+            if (pthread_create(&tid, NULL, helper, (void *)(intptr_t)helpers) != 0)
+                break; /* fewer helpers: the caller takes the steps they would have */
+            pthread_detach(tid);
+            helpers++;
+        }
+        pthread_sigmask(SIG_SETMASK, &previous, NULL);
     }
     atomic_store(&lanes_wanted, threads - 1);
     const uint64_t gen = ((atomic_load(&ticket) >> GEN_SHIFT) + 1) & GEN_MASK;

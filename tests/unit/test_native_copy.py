@@ -5,6 +5,7 @@ Its results for every layout are checked in tests/property/test_cpu_engine_props
 import os
 import shutil
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -78,6 +79,25 @@ def test_concurrent_callers_each_get_their_own_bytes_and_checksums():
 
     with ThreadPoolExecutor(4) as pool_threads:
         assert all(pool_threads.map(offload, range(4)))
+
+
+def test_helper_threads_are_named_and_block_every_signal():
+    pl, pool, host = _rig()
+    engine = CpuCopyEngine(pool, pl, host, threads=3)
+    engine._step = 1  # 40 steps: the helpers start
+    engine.submit(CopyBatch(Direction.TO_HOST, list(range(1, 41)), list(range(40)))).wait()
+    deadline = time.monotonic() + 5
+    while True:  # a helper names itself once it runs, maybe after the batch is done
+        helpers = [task for task in Path("/proc/self/task").iterdir()
+                   if (task / "comm").read_text().strip() == "kvxfer-copy"]
+        if len(helpers) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert len(helpers) >= 2
+    for task in helpers:
+        blocked = next(line for line in (task / "status").read_text().splitlines() if line.startswith("SigBlk:"))
+        unblockable = (1 << 8) | (1 << 18) | (1 << 31) | (1 << 32)  # SIGKILL, SIGSTOP, glibc's internal two
+        assert int(blocked.split()[1], 16) | unblockable == (1 << 64) - 1, blocked
 
 
 def test_a_forked_child_copies_without_its_parents_helper_threads():
