@@ -23,6 +23,7 @@ import os
 import statistics
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +32,9 @@ from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool
+from kvxfer.serving.group import CacheGroup
+from kvxfer.tiers.host import HostTier
+from kvxfer.transfer.base import CopyEngine
 from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.host_plan import HostPlanEngine
 
@@ -39,6 +43,14 @@ LAYERS, HEAD_SIZE = 16, 128  # bf16: one head, one token, one layer = 512 B of K
 #: span -> (block_size, num_kv_heads); span = 16 layers x N x H x 512 B
 GEOMETRY = {16 * KIB: (2, 1), 64 * KIB: (8, 1), 256 * KIB: (16, 2), 1024 * KIB: (16, 8), 2048 * KIB: (32, 8)}
 NS = "bench"
+#: ``--engine``: a maker of the copy engine, or None for the one ``engine_for`` picks for the pool
+#: (the CPU engine for a mapped pool; the file-descriptor engine for ``file``'s unmapped one).
+ENGINES: dict[str, Callable[[Pool, HostTier], CopyEngine] | None] = {
+    "gather": None,
+    "numpy": lambda pool, host: CpuCopyEngine(pool.storage, pool.layout, host, use_native=False),
+    "plan": lambda pool, host: HostPlanEngine(pool.storage, pool.layout, host),
+    "file": None,
+}
 
 
 def spec_for(span: int, pool_bytes: int) -> KVSpec:
@@ -61,12 +73,9 @@ def measure(layout: Layout, span: int, batch: int, args: argparse.Namespace, shm
         served = pool
         if args.engine == "file":
             served = Pool.from_fd(pool.descriptor, os.open(pool.descriptor.handle.path, os.O_RDWR), mapped=False)
-        manager = PoolManager(served, n)
-        if args.engine == "plan":
-            manager = PoolManager(pool, manager.group, engine=HostPlanEngine(pool.storage, pool.layout, manager.host))
-        elif args.engine == "numpy":
-            manager = PoolManager(pool, manager.group,
-                                  engine=CpuCopyEngine(pool.storage, pool.layout, manager.host, use_native=False))
+        group = CacheGroup("bench", pool.layout, n)
+        make = ENGINES[args.engine]
+        manager = PoolManager(served, group, engine=make(pool, group.host) if make is not None else None)
         nbytes = n * span
         src, dst = pool.storage[:nbytes], manager.host.buffer.view(-1)[:nbytes]
         rows = manager.host.buffer.numpy()[:n]
@@ -172,7 +181,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-mib", type=int, default=256, help="bytes moved per measurement")
     p.add_argument("--reps", type=int, default=5, help="repetitions; the median is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--engine", default="gather", choices=["gather", "numpy", "plan", "file"],
+    p.add_argument("--engine", default="gather", choices=list(ENGINES),
                    help="the CPU engine (its C loop where built), its numpy path, the host plan executor, "
                         "or the file-descriptor engine")
     p.add_argument("--json", help="also write the results as JSON here")

@@ -62,7 +62,6 @@ class TransferBatch:
         return cls.build(TransferKind.RESTORE, namespace, blocks, keys, num_blocks)
 
 
-
 def _columns(pairs: Sequence[tuple]) -> tuple[list, list]:
     """The two columns of a list of pairs (refused whole when an item is not a pair)."""
     try:

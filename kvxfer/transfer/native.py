@@ -1,7 +1,7 @@
 """The fused copy-and-hash loop in C (``_fused.c``), called through ctypes.
 
 Why C: in Python, each step of a batch costs GIL hand-offs between the copy
-threads, and a short request (64 blocks of 64 KiB) loses a third of its time to
+threads, and a short request (64 blocks of 64 KiB) loses a quarter of its time to
 waking and joining them (measured in docs/benchmarks.md). The C loop runs a
 whole batch in one call with the GIL released, on helper threads that stay warm
 between requests, and copies at the speed of a plain memcpy.
@@ -92,7 +92,7 @@ def load() -> NativeCopier | None:
     spec = importlib.util.find_spec("kvxfer.transfer._fused")  # finds the built file; imports nothing
     if spec is None or spec.origin is None:
         log.warning("native copy loop not built (no C compiler at install time?): the CPU copy engine "
-                    "uses numpy, 15-25% slower")
+                    "uses numpy, up to a quarter slower")
         return None
     try:
         library = ctypes.CDLL(spec.origin)
