@@ -225,9 +225,8 @@ class Client:
         """Register an engine's own CUDA KV tensor (its caching allocator's segment and the
         tensor's byte offset in it, as torch shares CUDA storage). Keep the tensor, and so its
         segment, alive until ``unregister_pool`` returns: the daemon maps that memory."""
-        _device, ipc, _size, storage_offset, *_ = tensor.untyped_storage()._share_cuda_()
-        offset = storage_offset + tensor.storage_offset() * tensor.element_size()
-        handle = PoolHandle(Medium.CUDA, ipc_handle=bytes(ipc), device=tensor.device.index or 0, offset=offset,
+        ipc, offset = cuda_mem.share_tensor(tensor)
+        handle = PoolHandle(Medium.CUDA, ipc_handle=ipc, device=tensor.device.index or 0, offset=offset,
                             device_uuid=cuda_mem.device_uuid(tensor.device.index or 0))
         return self.register_pool(pool_id, spec, layout, handle, **kwargs)
 

@@ -76,7 +76,7 @@ class Config:
     max_lease_s: float = 600.0
     allow_register: bool = True
     registered_host_capacity_mib: int = 512
-    verify_on_device: bool = False
+    checksum_on_device: bool = True
     copy_threads: int = 2
     log_level: str = "info"
     log_format: str = "json"
@@ -88,7 +88,7 @@ class Config:
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
-                      self.max_jobs_per_client, self.cache_group_retention_s, self.verify_on_device, self.disk,
+                      self.max_jobs_per_client, self.cache_group_retention_s, self.checksum_on_device, self.disk,
                       self.remote, self.copy_threads)
 
     @property

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from kvxfer.devcheck.report import run_stages
 
@@ -23,8 +25,15 @@ def run(args: argparse.Namespace) -> int:
               "has not run on a GPU")
         return NO_GPU_EXIT
     from kvxfer.devcheck import stages
+    from kvxfer.devcheck.plot import plot
 
-    return run_stages(args.out, stages.STAGES, quick=args.quick)
+    status = run_stages(args.out, stages.STAGES, quick=args.quick)
+    report = json.loads((Path(args.out) / "devcheck.json").read_text())
+    try:
+        plot(report, str(Path(args.out) / "devcheck.png"))
+    except ImportError:
+        print("kvxfer devcheck: matplotlib is not installed; no plot (python -m kvxfer.devcheck.plot draws one later)")
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import torch
 import xxhash
 
@@ -68,12 +69,13 @@ def registered_pool_at_an_offset(ctx: dict) -> dict:
     spec = KVSpec(4, 64, 16, 2, 64, torch.bfloat16)
     child = _child(f"""
         import sys, torch
+        from kvxfer.memory.cuda_mem import share_tensor
         big = torch.empty({spec.nbytes} + (1 << 20), dtype=torch.uint8, device="cuda")
         kv = big[12288:12288 + {spec.nbytes}]  # not at the start of its allocation
         kv.view(torch.int64).random_()
         torch.cuda.synchronize()
-        _dev, handle, _size, offset, *_ = kv.untyped_storage()._share_cuda_()
-        print(bytes(handle).hex(), offset + kv.storage_offset(), flush=True)
+        handle, offset = share_tensor(kv)  # as the client's register_cuda_tensor does
+        print(handle.hex(), offset, flush=True)
         sys.stdin.read()  # keep the tensor alive until the daemon side has unregistered
     """)
     try:
@@ -159,6 +161,9 @@ def device_checksum_vs_xxhash(ctx: dict) -> dict:
     starts = [i * span for i in range(n)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    device_checksum.checksums(data, starts[:2], [span] * 2)  # the first call compiles the kernel
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     device = device_checksum.checksums(data, starts, [span] * n)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -169,7 +174,14 @@ def device_checksum_vs_xxhash(ctx: dict) -> dict:
     odd = device_checksum.checksums(data, [7, 1001], [241, 70001])
     odd_ok = odd == [xxhash.xxh3_64_intdigest(host[7:248]), xxhash.xxh3_64_intdigest(host[1001:71002])]
     assert device == reference and odd_ok, "device XXH3 differs from xxhash"
-    return {"blocks": n, "span": span, "equal_to_xxhash": True, "device_gbps": round(span * n / seconds / 1e9, 2),
+    spans = np.array([(s, span) for s in starts], dtype=np.int64)
+    kernel = {f"kernel_gbps_{w}_warps": round(span * n / (_ms(lambda: device_checksum.lanes(data, spans, w), 5)
+                                                          / 1e3) / 1e9, 1) for w in (1, 2, 4, 8)}
+    chunk = spans[:64]  # a 16 MiB chunk of a restore: 64 programs
+    kernel["kernel_gbps_64_spans"] = round(span * 64 / (_ms(lambda: device_checksum.lanes(data, chunk), 5)
+                                                        / 1e3) / 1e9, 1)
+    return {"blocks": n, "span": span, "equal_to_xxhash": True, "first_call_s": round(first_s, 3), **kernel,
+            "device_gbps": round(span * n / seconds / 1e9, 2),
             "d2h_copy_gbps": round(span * n / (copy_ms / 1e3) / 1e9, 2)}
 
 

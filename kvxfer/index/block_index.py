@@ -239,6 +239,11 @@ class BlockIndex:
             slot = self._spaces.get(namespace, {}).get(key)
             return slot if slot is not None and self._state[slot] == READY else None
 
+    def stored_checksums(self, slots: Sequence[int]) -> list[int]:
+        """The checksum recorded with each slot's entry (tools and the device check)."""
+        with self._lock:
+            return self._checksum[slot_array(slots)].tolist()
+
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove the entries of these (distinct) keys; a store in flight is dropped when it
         completes; absent keys are ignored. Returns how many were removed."""

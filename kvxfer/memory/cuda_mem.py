@@ -18,6 +18,8 @@ from kvxfer.errors import FailedPrecondition, Internal, InvalidArgument
 from kvxfer.memory.cuda_driver import driver, load_library
 
 IPC_HANDLE_BYTES = 64
+#: The type byte of torch's shared-storage handle (c10's CUDACachingAllocator::shareIpcHandle).
+TORCH_CUDA_MALLOC, TORCH_EXPANDABLE_SEGMENT = b"c", b"e"
 
 
 def _runtime():
@@ -108,6 +110,32 @@ def allocate(nbytes: int, device: int) -> tuple[torch.Tensor, bytes]:
         handle = _check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
         raw = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
     return _as_tensor(memory), raw
+
+
+def share_tensor(tensor: torch.Tensor) -> tuple[bytes, int]:
+    """The IPC handle of the allocation that holds a CUDA ``tensor`` (from torch's caching
+    allocator) and the tensor's byte offset in that allocation."""
+    _device, shared, _size, storage_offset, *_ = tensor.untyped_storage()._share_cuda_()
+    return ipc_handle_from_torch(bytes(shared)), storage_offset + tensor.storage_offset() * tensor.element_size()
+
+
+def ipc_handle_from_torch(shared: bytes) -> bytes:
+    """The ``cudaIpcMemHandle_t`` in what torch's ``_share_cuda_`` returns.
+
+    torch 2.x writes a version byte, a type byte and the payload: ``c`` (a cudaMalloc
+    segment) is followed by the 64-byte handle, ``e`` (an expandable segment) by a
+    handle of another kind that ``cudaIpcOpenMemHandle`` cannot open. Older torch
+    returned the bare 64 bytes."""
+    if len(shared) == IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) == IPC_HANDLE_BYTES + 2 and shared[1:2] == TORCH_CUDA_MALLOC:
+        return shared[2:]
+    if shared[1:2] == TORCH_EXPANDABLE_SEGMENT:
+        raise FailedPrecondition("the tensor lives in an expandable segment of torch's allocator, which CUDA IPC "
+                                 "handles cannot share: allocate the KV cache with expandable_segments:False in "
+                                 "PYTORCH_CUDA_ALLOC_CONF, or let the daemon own the pool")
+    raise FailedPrecondition(f"torch shared the tensor with a handle kvxfer does not know ({len(shared)} bytes, "
+                             f"type {shared[1:2]!r})")
 
 
 def open_handle(raw: bytes, nbytes: int, device: int, offset: int = 0) -> torch.Tensor:

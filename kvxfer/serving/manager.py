@@ -44,10 +44,11 @@ class PoolManager:
     """Offload, restore, lookup and delete for one pool, over its cache group's tier."""
 
     def __init__(self, pool: Pool, group: CacheGroup | int, engine: CopyEngine | None = None,
-                 verify_on_device: bool = False, observer: TransferObserver | None = None,
+                 checksum_on_device: bool = True, observer: TransferObserver | None = None,
                  copy_threads: int = 2) -> None:
         """``group``: the cache group the pool joins, or a capacity in blocks for a group of its own.
-        ``verify_on_device``: a GPU pool verifies restored blocks where they landed (device XXH3).
+        ``checksum_on_device``: a GPU pool of a block-major layout has its block checksums computed by
+        the device XXH3 behind each copy (else on the host, on ``copy_threads`` threads).
         ``observer``: told of every transfer as it ends (the daemon's metrics).
         ``copy_threads``: threads of a CPU pool's copy engine (the memory bus wants more than one core)."""
         self.pool = pool
@@ -58,7 +59,7 @@ class PoolManager:
         self.group = group
         self.host = group.host
         self.index = group.index
-        self.engine = engine or engine_for(pool, self.host, verify_on_device, copy_threads)
+        self.engine = engine or engine_for(pool, self.host, checksum_on_device, copy_threads)
         self.copier = CheckedCopier(self.engine, self.host)
         self._totals = {TransferKind.OFFLOAD: TransferStats(), TransferKind.RESTORE: TransferStats()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}

@@ -56,7 +56,7 @@ class Limits:
     registered_host_capacity_mib: int = 512  # default and maximum host tier of a registered pool
     max_jobs_per_client: int = 64  # queued + uncollected jobs of one client_id on one pool
     cache_group_retention_s: float = 300.0  # a group without pools keeps its blocks this long
-    verify_on_device: bool = False  # GPU pools: verify restores where they land (device XXH3)
+    checksum_on_device: bool = True  # GPU pools: block checksums by the device XXH3, behind each copy
     disk: DiskSettings | None = None  # every cache group's disk tier (None: no disk tier)
     remote: RemoteSettings | None = None  # every cache group's remote tier on Redis (None: none)
     copy_threads: int = 2  # threads of each CPU pool's copy engine
@@ -129,7 +129,7 @@ class PoolRegistry:
                 entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device,
                                           disk=self.limits.disk, remote=self.limits.remote), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
-            manager = PoolManager(pool, entry.group, verify_on_device=self.limits.verify_on_device,
+            manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
                                   observer=self.observer, copy_threads=self.limits.copy_threads)
             self._groups[name] = entry
             entry.pools.add(pool_id)

@@ -16,17 +16,17 @@ from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.fdcopy import FdCopyEngine
 
 
-def _mapped(pool: Pool, host: HostTier, verify_on_device: bool, threads: int) -> CopyEngine:
+def _mapped(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int) -> CopyEngine:
     return CpuCopyEngine(pool.storage, pool.layout, host, threads)
 
 
-def _through_fd(pool: Pool, host: HostTier, verify_on_device: bool, threads: int) -> CopyEngine:
+def _through_fd(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int) -> CopyEngine:
     return FdCopyEngine(pool.fd, pool.descriptor.handle.offset, pool.layout, host)
 
 
-def _cuda(pool: Pool, host: HostTier, verify_on_device: bool, threads: int) -> CopyEngine:
+def _cuda(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int) -> CopyEngine:
     return CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(pool.cuda_device),
-                          pool=pool.storage if verify_on_device else None)
+                          pool=pool.storage if checksum_on_device else None, hash_threads=threads)
 
 
 #: (pool medium, how this process reaches it, tier) -> engine factory.
@@ -39,15 +39,15 @@ ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier, bool, i
 }
 
 
-def engine_for(pool: Pool, host: HostTier, verify_on_device: bool = False, threads: int = 2) -> CopyEngine:
-    """The engine for a pool and tier; ``verify_on_device``: GPU pools hash restored blocks in place;
-    ``threads``: a CPU engine's copy threads."""
+def engine_for(pool: Pool, host: HostTier, checksum_on_device: bool = True, threads: int = 2) -> CopyEngine:
+    """The engine for a pool and tier; ``checksum_on_device``: GPU pools hash blocks on the device;
+    ``threads``: a CPU engine's copy threads; a GPU engine's threads hashing tier copies."""
     medium = pool.descriptor.handle.medium
     try:
         make = ENGINES[(medium, pool.access, TierKind.HOST)]
     except KeyError:
         raise FailedPrecondition(f"no copy engine between a {medium.value} pool and the host tier") from None
-    return make(pool, host, verify_on_device, threads)
+    return make(pool, host, checksum_on_device, threads)
 
 
 __all__ = ["CompletedHandle", "CopyBatch", "CopyEngine", "CopyHandle", "Direction", "engine_for", "ENGINES", "FdCopyEngine"]

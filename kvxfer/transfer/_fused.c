@@ -15,6 +15,7 @@
  * ctypes), so this file implements no hash of its own. It is loaded through
  * ctypes (kvxfer/transfer/native.py), which releases the GIL for the call; it
  * includes no Python header. Indices are trusted: the engine checks bounds first.
+ * A batch of zero rows per block only hashes (a GPU's DMA engine copied the bytes).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -109,7 +110,7 @@ static void do_step(const job_t *j, int64_t step) {
     if (b1 > j->blocks)
         b1 = j->blocks;
     const int64_t k = j->rows_per_block, n = j->row_bytes;
-    if (j->stream != NULL && j->span_bytes > PIECE_BYTES) {
+    if (k > 0 && j->stream != NULL && j->span_bytes > PIECE_BYTES) {
         void *state = j->stream->create();
         for (int64_t b = b0; b < b1; b++)
             if (copy_hash_pieces(j, b, state) != 0) { /* no state (out of memory): copy, then hash whole */

@@ -21,7 +21,8 @@ typedef struct {
 /* Copy `blocks` blocks of `rows_per_block` rows (dst row dst_rows[r] <- src row src_rows[r])
  * in steps of `step_blocks` blocks on up to `threads` threads, and store in sums[b] the hash
  * of block b's span of `hashed` (hashed + hashed_spans[b] * span_bytes: its rows, in order,
- * on the tier side). `stream` may be NULL (every block hashed whole after its step).
+ * on the tier side). `stream` may be NULL (every block hashed whole after its step). With
+ * `rows_per_block` 0 nothing is copied (dst, src and the row arrays unused): spans are only hashed.
  * Returns 0, or -1 if the batch has too many steps. */
 __attribute__((visibility("default")))
 int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,

@@ -96,6 +96,11 @@ class CopyEngine(ABC):
         return False
 
     @property
+    def hash_threads(self) -> int:
+        """Host threads the pipeline may use to hash tier copies this engine did not hash itself."""
+        return 1
+
+    @property
     def hashes_pool(self) -> bool:
         """Whether ``pool_checksums`` reads the pool cheaply (from this process's mapping)."""
         return True

@@ -6,6 +6,9 @@ whatever the stream waited for); restore (host tier -> pool) on the host-to-devi
 stream with ANY (the tier bytes are stable). Each direction has its own
 non-blocking stream, each submitted chunk one event; ``wait`` polls the event
 (there is no timed wait in CUDA) until it completes or ``deadline_s`` passes.
+Given the pool's tensor, block-major pools have their checksums computed by the
+device XXH3 behind each chunk's copies on the same stream (``stream_hash``);
+otherwise the pipeline hashes the tier copies on the engine's host threads.
 
 A sticky error (the context is broken) puts the engine out of service: every later
 submit fails at once with the same error instead of hanging a client; the pool is
@@ -28,6 +31,7 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer import device_checksum
 from kvxfer.transfer.plan import plan_copies
+from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
 
 POLL_S = (0.00002, 0.0005)  # first and longest sleep between event polls
 DEADLINE_S = 30.0
@@ -36,11 +40,17 @@ DEADLINE_S = 30.0
 class CudaHandle(CopyHandle):
     """One submitted chunk: its event, polled until done."""
 
-    def __init__(self, engine: CudaCopyEngine, event, deadline_s: float) -> None:
+    def __init__(self, engine: CudaCopyEngine, event, deadline_s: float, sums: PendingSums | None = None) -> None:
         self._engine, self._event, self._deadline = engine, event, time.monotonic() + deadline_s
+        self._sums = sums  # the device XXH3 of the chunk's blocks, enqueued behind its copies
         self.calls = 0  # driver calls the submission made (tools and the device check read it)
 
-    def wait(self) -> None:
+    def wait(self) -> list[int] | None:
+        self._settle()
+        sums, self._sums = self._sums, None
+        return sums.result() if sums is not None else None
+
+    def _settle(self) -> None:
         if self._event is None:
             return
         driver, sleep = self._engine.driver, POLL_S[0]
@@ -59,9 +69,13 @@ class CudaCopyEngine(CopyEngine):
     """Moves blocks between a pool in device memory and a pinned host tier."""
 
     def __init__(self, pool_ptr: int, layout: PoolLayout, host: HostTier, driver: Driver,
-                 deadline_s: float = DEADLINE_S, pool: torch.Tensor | None = None) -> None:
-        """``pool``: the pool's device tensor, given to verify restores where they land with the
-        device XXH3 (block-major layouts: a block is one span) instead of the tier copy first."""
+                 deadline_s: float = DEADLINE_S, pool: torch.Tensor | None = None, hash_threads: int = 1) -> None:
+        """``pool``: the pool's device tensor, given to checksum blocks with the device XXH3 in
+        stream order with their copies (block-major layouts: a block is one span;
+        ``stream_hash``) instead of on the host. ``hash_threads``: host threads that hash tier
+        copies otherwise (offload, and restore's check of the tier copy)."""
+        if hash_threads < 1:
+            raise Internal(f"a copy engine needs at least one hash thread, got {hash_threads}")
         if host.slot_bytes != layout.block_bytes:
             raise Internal(f"host slots of {host.slot_bytes} B cannot hold blocks of {layout.block_bytes} B")
         self.driver, self.layout, self.host, self.deadline_s = driver, layout, host, deadline_s
@@ -70,10 +84,20 @@ class CudaCopyEngine(CopyEngine):
         self._streams = {Direction.TO_HOST: driver.stream(), Direction.TO_POOL: driver.stream()}
         self._broken: CudaError | None = None
         self._device_pool = pool if pool is not None and layout.runs_per_block == 1 else None
+        self._hasher = StreamHasher(pool, layout.block_bytes) if self._device_pool is not None else None
+        self._hash_threads = hash_threads
 
     @property
     def overlaps(self) -> bool:
         return True
+
+    @property
+    def hashes_copies(self) -> bool:
+        return self._hasher is not None
+
+    @property
+    def hash_threads(self) -> int:
+        return self._hash_threads
 
     @property
     def hashes_pool(self) -> bool:
@@ -84,6 +108,10 @@ class CudaCopyEngine(CopyEngine):
     @property
     def descriptors_per_block(self) -> int:
         return self.layout.runs_per_block
+
+    def describe(self) -> str:
+        hashing = "device XXH3" if self._hasher is not None else f"host, {self._hash_threads} threads"
+        return f"{type(self).__name__} (checksums: {hashing})"
 
     def submit(self, batch: CopyBatch) -> CudaHandle:
         """Enqueue the batch's descriptors; the batch's ``ready_event`` (an IPC event handle of the
@@ -102,7 +130,8 @@ class CudaCopyEngine(CopyEngine):
             else:
                 calls = self.driver.copy(pool.tolist(), tier.tolist(), plan.nbytes.tolist(), stream,
                                          CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
-            handle = CudaHandle(self, self.driver.record(stream), self.deadline_s)
+            sums = self._hasher.enqueue(stream.value, batch.blocks) if self._hasher is not None else None
+            handle = CudaHandle(self, self.driver.record(stream), self.deadline_s, sums)
         except CudaError as exc:
             self._fail(exc)
             raise

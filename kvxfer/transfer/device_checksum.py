@@ -39,78 +39,94 @@ P64_1, P64_2, P64_3, P64_4, P64_5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x1
                                      0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
 INIT_LANES = [P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1]
 MIDSIZE_MAX = 240
-MASK = (1 << 64) - 1
+NUM_WARPS = 4  # per program (one span); measured by kvxfer devcheck
 
 
 @triton.jit
-def _words(ptr, offset, lane_order):
-    """Eight little-endian 64-bit words from 64 bytes at ``ptr + offset`` (any alignment),
-    word ``lane_order[i]`` in lane i."""
+def _byte_words(ptr, offsets):
+    """Little-endian 64-bit words from bytes at ``ptr + offsets`` (any alignment, any shape)."""
     k = tl.arange(0, 8)
-    raw = tl.load(ptr + offset + lane_order[:, None] * 8 + k[None, :]).to(tl.uint64)
-    return tl.sum(raw << (k[None, :] * 8).to(tl.uint64), axis=1)
+    raw = tl.load(ptr + offsets[:, :, None] + k[None, None, :]).to(tl.uint64)
+    return tl.sum(raw << (k[None, None, :] * 8).to(tl.uint64), axis=2)
 
 
 @triton.jit
-def _accumulate(lanes, data_ptr, offset, secret_ptr, secret_offset):
+def _stripe_words(ptr, offset, stripes, lane_order, ALIGNED: tl.constexpr):
+    """[stripes, 8] words of consecutive 64-byte stripes from byte ``offset``, word
+    ``lane_order[i]`` of each stripe in column i. ALIGNED: ``ptr`` is a uint64 pointer and
+    ``offset`` a multiple of 8 (one load per word); else byte loads."""
+    offsets = offset + stripes[:, None] * 64 + lane_order[None, :] * 8
+    if ALIGNED:
+        return tl.load(ptr + offsets // 8).to(tl.uint64, bitcast=True)
+    return _byte_words(ptr, offsets)
+
+
+@triton.jit
+def _accumulate(lanes, data_ptr, offset, stripes, keys, live, ALIGNED: tl.constexpr):
+    """XXH3's accumulate over stripes ``stripes`` from ``offset`` (rows where ``live``), summed
+    into the eight lanes at once: the lanes only ever add, so the order does not matter."""
     i = tl.arange(0, 8)
-    data = _words(data_ptr, offset, i)
-    swapped = _words(data_ptr, offset, i ^ 1)  # acc[i ^ 1] += data[i], i.e. acc[i] += data[i ^ 1]
-    key = data ^ _words(secret_ptr, secret_offset, i)
-    return lanes + swapped + (key & 0xFFFFFFFF) * (key >> 32)
+    data = _stripe_words(data_ptr, offset, stripes, i, ALIGNED)
+    swapped = _stripe_words(data_ptr, offset, stripes, i ^ 1, ALIGNED)  # acc[i] += data[i ^ 1]
+    key = data ^ keys
+    contribution = swapped + (key & 0xFFFFFFFF) * (key >> 32)
+    return lanes + tl.sum(tl.where(live[:, None], contribution, 0).to(tl.uint64), axis=0)
 
 
 @triton.jit
-def _xxh3_lanes_kernel(data_ptr, starts_ptr, lengths_ptr, init_ptr, secret_ptr, out_ptr):
-    """The eight lanes of XXH3's long path for one span (> 240 bytes) per program."""
+def _xxh3_lanes_kernel(data_ptr, spans_ptr, init_ptr, secret_ptr, out_ptr, ALIGNED: tl.constexpr):
+    """The eight lanes of XXH3's long path for one span (> 240 bytes) per program: a whole
+    1 KiB block (16 stripes) per step, then the scramble."""
     span = tl.program_id(0)
-    start = tl.load(starts_ptr + span)
-    length = tl.load(lengths_ptr + span)
+    start = tl.load(spans_ptr + 2 * span)
+    length = tl.load(spans_ptr + 2 * span + 1)
     i = tl.arange(0, 8)
+    s = tl.arange(0, 16)
     lanes = tl.load(init_ptr + i).to(tl.uint64, bitcast=True)
+    keys = _byte_words(secret_ptr, s[:, None] * 8 + i[None, :] * 8)  # stripe s uses the secret from s * 8
+    scramble = tl.sum(_byte_words(secret_ptr, 128 + i[None, :] * 8), axis=0)  # the secret's last 64 bytes
+    every = s >= 0
     full_blocks = (length - 1) // 1024
     for b in range(full_blocks):
-        for s in range(16):
-            lanes = _accumulate(lanes, data_ptr, start + b * 1024 + s * 64, secret_ptr, s * 8)
-        lanes ^= lanes >> 47  # scramble with the secret's last 64 bytes
-        lanes ^= _words(secret_ptr, 128, i)
+        lanes = _accumulate(lanes, data_ptr, start + b * 1024, s, keys, every, ALIGNED)
+        lanes ^= lanes >> 47
+        lanes ^= scramble
         lanes *= 0x9E3779B1
-    stripes = ((length - 1) - full_blocks * 1024) // 64
-    for s in range(stripes):
-        lanes = _accumulate(lanes, data_ptr, start + full_blocks * 1024 + s * 64, secret_ptr, s * 8)
-    lanes = _accumulate(lanes, data_ptr, start + length - 64, secret_ptr, 121)  # the last stripe
+    tail = ((length - 1) - full_blocks * 1024) // 64  # whole stripes of the last, partial block
+    lanes = _accumulate(lanes, data_ptr, start + full_blocks * 1024, s, keys, s < tail, ALIGNED)
+    last = _byte_words(secret_ptr, 121 + i[None, :] * 8)  # the last stripe's secret: 7 bytes before its end
+    lanes = _accumulate(lanes, data_ptr, start + length - 64, s * 0, last, s == 0, ALIGNED)
     tl.store(out_ptr + span * 8 + i, lanes)
 
 
-def _fold(a: int, b: int) -> int:
-    product = a * b
-    return (product ^ (product >> 64)) & MASK
+def _fold(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The low and high halves of each 128-bit product a * b, xored (uint64 arrays)."""
+    m = np.uint64(0xFFFFFFFF)
+    a_lo, a_hi, b_lo, b_hi = a & m, a >> np.uint64(32), b & m, b >> np.uint64(32)
+    ll, lh, hl, hh = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo, a_hi * b_hi
+    cross = (ll >> np.uint64(32)) + (lh & m) + hl  # cannot overflow: < 2^32 + 2^32 + (2^32 - 1)^2
+    high = hh + (lh >> np.uint64(32)) + (cross >> np.uint64(32))
+    low = (cross << np.uint64(32)) | (ll & m)
+    return low ^ high
 
 
-def _avalanche(h: int) -> int:
-    h ^= h >> 37
-    h = (h * 0x165667919E3779F9) & MASK
-    return h ^ (h >> 32)
-
-
-def merge(lanes: list[int], length: int) -> int:
-    """XXH3's final merge of the eight lanes of a span of ``length`` bytes."""
-    result = (length * P64_1) & MASK
-    for k in range(4):
-        s = 11 + 16 * k
-        result = (result + _fold(lanes[2 * k] ^ int.from_bytes(SECRET[s:s + 8], "little"),
-                                 lanes[2 * k + 1] ^ int.from_bytes(SECRET[s + 8:s + 16], "little"))) & MASK
-    return _avalanche(result)
-
-
-def _u64(values: list[int], device: torch.device) -> torch.Tensor:
-    """Unsigned 64-bit values as the int64 tensor a kernel reads bit for bit."""
-    return torch.tensor(np.array(values, dtype=np.uint64).view(np.int64), device=device)
+def merge(lanes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """XXH3's final merge of the eight lanes (rows of ``lanes``) of spans of ``lengths`` bytes."""
+    with np.errstate(over="ignore"):  # arithmetic mod 2^64, as XXH3 means it
+        result = lengths.astype(np.uint64) * np.uint64(P64_1)
+        secret = np.frombuffer(SECRET[11:11 + 64], dtype="<u8").astype(np.uint64)
+        for k in range(4):
+            result += _fold(lanes[:, 2 * k] ^ secret[2 * k], lanes[:, 2 * k + 1] ^ secret[2 * k + 1])
+        result ^= result >> np.uint64(37)
+        result *= np.uint64(0x165667919E3779F9)
+        return result ^ (result >> np.uint64(32))
 
 
 @functools.cache
-def _secret(device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(SECRET), dtype=torch.uint8, device=device)
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """XXH3's initial lanes (as int64 bits) and its secret, on ``device``."""
+    init = torch.tensor(np.array(INIT_LANES, dtype=np.uint64).view(np.int64), device=device)
+    return init, torch.tensor(list(SECRET), dtype=torch.uint8, device=device)
 
 
 def checksums(data: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
@@ -122,11 +138,21 @@ def checksums(data: torch.Tensor, starts: list[int], lengths: list[int]) -> list
         if n <= MIDSIZE_MAX:
             out[j] = xxhash.xxh3_64_intdigest(data[starts[j]:starts[j] + n].cpu().numpy().tobytes())
     if long:
-        device = data.device
-        lanes = torch.empty((len(long), 8), dtype=torch.int64, device=device)
-        _xxh3_lanes_kernel[(len(long),)](data, _u64([starts[j] for j in long], device),
-                                         _u64([lengths[j] for j in long], device), _u64(INIT_LANES, device),
-                                         _secret(device), lanes)
-        for row, j in zip(lanes.cpu().numpy().view(np.uint64).tolist(), long):
-            out[j] = merge(row, lengths[j])
+        spans = np.array([(starts[j], lengths[j]) for j in long], dtype=np.int64)
+        sums = merge(lanes(data, spans).cpu().numpy().view(np.uint64), spans[:, 1])
+        for j, value in zip(long, sums.tolist()):
+            out[j] = value
+    return out
+
+
+def lanes(data: torch.Tensor, spans: np.ndarray, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """The eight XXH3 lanes (int64 bits) of each span (rows of (start, length), lengths over
+    240), computed on ``data``'s device without waiting for them."""
+    # Whole-word loads where every span starts and ends on a word (pool blocks always do).
+    aligned = data.data_ptr() % 8 == 0 and not (spans % 8).any()
+    words = data[:data.numel() // 8 * 8].view(torch.int64) if aligned else data
+    out = torch.empty((len(spans), 8), dtype=torch.int64, device=data.device)
+    init, secret = _constants(data.device)
+    _xxh3_lanes_kernel[(len(spans),)](words, torch.from_numpy(spans).to(data.device), init, secret, out,
+                                      ALIGNED=aligned, num_warps=num_warps)
     return out

@@ -78,6 +78,19 @@ class NativeCopier:
             raise Internal(f"native copy refused a batch of {blocks} blocks in steps of {step_blocks}")
         return sums.tolist()
 
+    def hash_spans(self, hashed: np.ndarray, spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
+        """The checksum of each row ``hashed[spans[b]]``, on up to ``threads`` threads, nothing copied
+        (the tier copies a GPU's DMA engine wrote). ``spans`` must be in range (trusted)."""
+        if not len(spans):
+            return []
+        if not (hashed.flags.c_contiguous and spans.flags.c_contiguous and spans.dtype == np.int64):
+            raise Internal("native hash: arrays of mismatched types or strides")
+        sums = np.empty(len(spans), dtype=np.uint64)
+        if self._call(None, None, 0, None, None, 0, _address(hashed), _address(spans), hashed.shape[1],
+                      _address(sums), len(spans), step_blocks, self._hash, self._stream_address, threads) != 0:
+            raise Internal(f"native hash refused {len(spans)} spans in steps of {step_blocks}")
+        return sums.tolist()
+
 
 def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]

@@ -1,5 +1,8 @@
 """What only a GPU can show; run by ``kvxfer devcheck`` (skipped, with the reason, elsewhere)."""
 
+import json
+import subprocess
+
 import torch
 
 from kvxfer.engine.block_table import BlockTable, batch_metadata
@@ -9,6 +12,7 @@ from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.manager import PoolManager
+from tests.conftest import PYTHON, python_env
 
 SPEC = KVSpec(4, 64, 16, 2, 64, torch.bfloat16)
 
@@ -30,21 +34,47 @@ def test_a_cuda_pool_round_trips_bit_exact_through_the_pinned_tier():
                     assert torch.equal(pool.storage[d.offset:d.end], src[r.offset:r.end])
 
 
+ENGINE = """
+import json, sys, torch
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
+from kvxfer.records import Medium
+d = json.loads(sys.argv[1])
+handle = PoolHandle(Medium.CUDA, ipc_handle=bytes.fromhex(d["handle"]), device_uuid=d["uuid"])
+pool = Pool.attach(PoolDescriptor("ev", KVSpec.from_dict(d["spec"]), Layout.parse(d["layout"]), handle))
+span = pool.layout.block_bytes
+stream, event = torch.cuda.Stream(), torch.cuda.Event(interprocess=True)
+with torch.cuda.stream(stream):
+    torch.cuda._sleep(200_000_000)  # the engine's forward pass is still running
+    pool.storage[3 * span:4 * span].fill_(0x5A)
+    event.record(stream)
+print(bytes(event.ipc_handle()).hex(), flush=True)
+sys.stdin.read()  # the event and the mapping live until the daemon side is done
+"""
+
+
 def test_offload_waits_on_the_gpu_for_the_engines_writes():
+    """The engine (another process: CUDA IPC events open only there) records an event after its
+    KV writes and hands it over; the offload's copy waits for it on the GPU, no host sync."""
     with Pool.create("ev", SPEC, PRESETS["BLHNC"], device="cuda:0") as pool:
         manager = PoolManager(pool, 8)
-        engine_stream = torch.cuda.Stream()
-        event = torch.cuda.Event(interprocess=True)
-        block = pool.storage[3 * SPEC.block_bytes:4 * SPEC.block_bytes]
-        with torch.cuda.stream(engine_stream):
-            torch.cuda._sleep(50_000_000)  # the engine's forward pass is still running
-            block.fill_(0x5A)
-            event.record(engine_stream)
-        batch = TransferBatch.build(TransferKind.OFFLOAD, "ev", [3], [b"late"], SPEC.num_blocks,
-                                    ready_event=bytes(event.ipc_handle()))
-        assert manager.run(batch).outcomes == [Outcome.DONE]  # no host synchronisation by the engine
-        slot = manager.index.locate("ev", b"late")
-        assert bool((manager.host.buffer[slot] == 0x5A).all())
+        d = pool.descriptor
+        described = json.dumps({"spec": d.spec.to_dict(), "layout": d.layout.spelled,
+                                "handle": d.handle.ipc_handle.hex(), "uuid": d.handle.device_uuid})
+        engine = subprocess.Popen([PYTHON, "-c", ENGINE, described], env=python_env(), stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = engine.stdout.readline().strip()
+            assert line, engine.stderr.read()[-2000:]
+            batch = TransferBatch.build(TransferKind.OFFLOAD, "ev", [3], [b"late"], SPEC.num_blocks,
+                                        ready_event=bytes.fromhex(line))
+            result = manager.run(batch)
+            assert result.outcomes == [Outcome.DONE], result
+            slot = manager.index.locate("ev", b"late")
+            assert bool((manager.host.buffer[slot] == 0x5A).all())  # the copy ran after the engine's write
+        finally:
+            engine.stdin.close()
+            engine.wait(timeout=60)
 
 
 def test_triton_kernels_equal_their_torch_twins_on_the_gpu():

@@ -25,6 +25,15 @@ def test_every_length_class_matches_xxhash():
     assert checksums(data, starts, LENGTHS) == _reference(buf.tobytes(), starts, LENGTHS)
 
 
+def test_word_aligned_spans_take_whole_word_loads_and_match_xxhash():
+    lengths = [248, 256, 1024, 1032, 4096 + 8, 65536, 1 << 18]  # pool blocks: words from a word boundary
+    buf = np.random.default_rng(3).integers(0, 256, size=sum(lengths) + 64, dtype=np.uint8)
+    starts = [int(x) for x in np.cumsum([8] + lengths[:-1])]
+    assert checksums(torch.from_numpy(buf), starts, lengths) == _reference(buf.tobytes(), starts, lengths)
+    shifted = torch.from_numpy(buf)[1:]  # the tensor itself off a word boundary: byte loads
+    assert checksums(shifted, starts, lengths) == _reference(buf[1:].tobytes(), starts, lengths)
+
+
 def test_one_mebibyte_span():
     buf = np.random.default_rng(2).integers(0, 256, size=(1 << 20) + 5, dtype=np.uint8)
     assert checksums(torch.from_numpy(buf), [5], [1 << 20]) == _reference(buf.tobytes(), [5], [1 << 20])

@@ -77,6 +77,16 @@ static void *caller(void *arg) {
                 printf("block %d of batch %d wrong\n", b, batch);
                 exit(1);
             }
+        /* Hash only (zero rows per block: nothing copied), the source's scattered blocks. */
+        if (kvx_copy_hash(NULL, NULL, 0, NULL, NULL, 0, src, perm, BLOCK, sums, n, step, fnv1a, stream, threads) != 0) {
+            printf("hash-only batch refused\n");
+            exit(1);
+        }
+        for (int b = 0; b < n; b++)
+            if (sums[b] != fnv1a(src + perm[b] * BLOCK, BLOCK)) {
+                printf("hash-only block %d of batch %d wrong\n", b, batch);
+                exit(1);
+            }
     }
     return NULL;
 }

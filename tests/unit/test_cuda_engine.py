@@ -4,15 +4,19 @@ The driver is FakeCudaLibrary (tests/fake_cuda.py), a ctypes stand-in that perfo
 the copies on host memory; what only a GPU can show runs in ``kvxfer devcheck``.
 """
 
+import json
 import subprocess
 
 import pytest
 import torch
 
+from kvxfer.devcheck.plot import plot
 from kvxfer.errors import DeadlineExceeded, FailedPrecondition
+from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.memory.cuda_driver import (CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                                        CU_STREAM_NON_BLOCKING, CudaError, Driver, load_library)
+from kvxfer.memory.cuda_mem import ipc_handle_from_torch
 from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome
 from kvxfer.serving.batch import TransferBatch
@@ -125,6 +129,49 @@ def test_offload_waits_for_the_engines_event_and_cancels_between_chunks(shm_dir)
         assert torch.equal(pool.storage[20 * 768:22 * 768], pool.storage[3 * 768:5 * 768])
 
 
+@pytest.mark.parametrize("hash_threads,on_device", [(1, False), (3, False), (1, True)],
+                         ids=["host-1-thread", "host-3-threads", "device-xxh3"])
+def test_checksums_of_a_dma_engines_copies_catch_corruption(shm_dir, monkeypatch, hash_threads, on_device):
+    """Tier copies hashed on the engine's host threads, or blocks hashed by the device XXH3 behind
+    their copies (under Triton's interpreter here, when the fake's copies have landed)."""
+    with Pool.create("h", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir) as pool:
+        pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
+        from kvxfer.serving.group import CacheGroup
+
+        group = CacheGroup("h", pool.layout, 20)
+        engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, group.host, Driver(FakeCudaLibrary()),
+                                pool=pool.storage if on_device else None, hash_threads=hash_threads)
+        manager = PoolManager(pool, group, engine=engine)
+        manager.copier.chunk = 4  # blocks per chunk: several chunks, one partial
+        assert engine.hashes_copies is on_device
+        rows = group.host.buffer.numpy()
+        if on_device:  # no host pass at all
+            monkeypatch.setattr(manager.copier, "_tier_checksums", None)
+        keys = [b"k%d" % b for b in range(1, 11)]
+        assert manager.offload("ns", list(zip(range(1, 11), keys))).outcomes == [Outcome.DONE] * 10
+        slots = [manager.index.locate("ns", k) for k in keys]
+        if not on_device:
+            assert manager.copier._tier_checksums(slots) == rows_checksums(rows[s] for s in slots)
+        rows[slots[6]][5] ^= 1  # a bit flips in the tier
+        restored = manager.restore("ns", list(zip(keys, range(11, 21))))
+        assert restored.outcomes == [Outcome.DONE] * 6 + [Outcome.DATA_LOSS] + [Outcome.DONE] * 3
+        span = pool.layout.block_bytes
+        assert torch.equal(pool.storage[11 * span:17 * span], pool.storage[span:7 * span])
+        assert manager.lookup("ns", [keys[6]]).hits == 0  # the corrupt entry is dropped
+
+
+def test_torchs_shared_storage_handle_yields_the_cuda_ipc_handle():
+    """torch 2.x prefixes a version and a type byte (seen on an H200: 66 bytes from torch 2.11)."""
+    handle = bytes(range(64))
+    assert ipc_handle_from_torch(handle) == handle  # older torch: the bare handle
+    for version in (1, 2, 3):
+        assert ipc_handle_from_torch(bytes([version]) + b"c" + handle) == handle
+    with pytest.raises(FailedPrecondition, match="expandable_segments:False"):
+        ipc_handle_from_torch(b"\x02e" + bytes(100))
+    with pytest.raises(FailedPrecondition, match="does not know"):
+        ipc_handle_from_torch(b"\x02x" + handle)
+
+
 def test_pinning_registers_in_place_and_checks_the_memory_type():
     lib = FakeCudaLibrary()
     driver = Driver(lib)
@@ -170,3 +217,10 @@ def test_gpu_views_have_the_cpu_views_strides_and_offsets(layout):
         for c, m in ((kc, km), (vc, vm)):
             assert (c.shape, c.stride(), c.storage_offset(), c.dtype) == (m.shape, m.stride(), m.storage_offset(),
                                                                         m.dtype)
+
+
+def test_devcheck_plots_a_recorded_run(tmp_path):
+    report = json.loads((ROOT / "docs" / "devcheck" / "2026-11-30-3-device-checksums.json").read_text())
+    assert plot(report, str(tmp_path / "bandwidth.png"))
+    assert (tmp_path / "bandwidth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plot({"stages": []}, str(tmp_path / "none.png"))  # the bandwidth stage did not run

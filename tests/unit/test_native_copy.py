@@ -117,6 +117,18 @@ def test_a_forked_child_copies_without_its_parents_helper_threads():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+@pytest.mark.parametrize("span", [4096, 300_000])  # under and over a piece
+def test_hash_only_batches_checksum_each_span_on_every_thread_count(span):
+    rows = np.random.default_rng(span).integers(0, 256, (24, span), dtype=np.uint8)
+    spans = np.array([5, 0, 23, 7, 7, 12, 3, 19, 1], dtype=np.int64)
+    expected = [block_checksum(rows[s]) for s in spans]
+    for threads in (1, 2, 3):
+        for step in (1, 2, 10):
+            assert native.load().hash_spans(rows, spans, step, threads) == expected
+    with pytest.raises(Internal):
+        native.load().hash_spans(rows[:, ::2], spans, 1, 2)
+
+
 def test_mismatched_arrays_are_refused_before_any_copy():
     copier = native.load()
     dst, src = np.zeros((4, 64), dtype=np.uint8), np.ones((4, 32), dtype=np.uint8)
