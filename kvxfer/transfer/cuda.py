@@ -33,7 +33,9 @@ from kvxfer.transfer import device_checksum
 from kvxfer.transfer.plan import plan_copies
 from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
 
-POLL_S = (0.00002, 0.0005)  # first and longest sleep between event polls
+#: First and longest sleep between event polls. The longest bounds how late a request's last
+#: chunk is noticed (an H200 copies 16 MiB in 0.3 ms); 10,000 polls a second cost little.
+POLL_S = (0.00002, 0.0001)
 DEADLINE_S = 30.0
 
 
@@ -130,13 +132,22 @@ class CudaCopyEngine(CopyEngine):
             else:
                 calls = self.driver.copy(pool.tolist(), tier.tolist(), plan.nbytes.tolist(), stream,
                                          CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
-            sums = self._hasher.enqueue(stream.value, batch.blocks) if self._hasher is not None else None
+            sums = self._enqueue_checksums(stream, batch.blocks) if self._hasher is not None else None
             handle = CudaHandle(self, self.driver.record(stream), self.deadline_s, sums)
         except CudaError as exc:
             self._fail(exc)
             raise
         handle.calls = calls
         return handle
+
+    def _enqueue_checksums(self, stream, blocks: list[int]) -> PendingSums:
+        """The device XXH3 behind the copies just enqueued on ``stream``. If it cannot be enqueued,
+        those copies land before the error is raised: no copy outlives a failed submit."""
+        try:
+            return self._hasher.enqueue(stream.value, blocks)
+        except RuntimeError as exc:  # torch or Triton: out of device memory, a failed launch
+            CudaHandle(self, self.driver.record(stream), self.deadline_s).wait()
+            raise Internal(f"the device checksum could not be enqueued: {exc}") from None
 
     def poll(self, event) -> bool:
         try:

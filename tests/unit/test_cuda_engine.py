@@ -160,6 +160,24 @@ def test_checksums_of_a_dma_engines_copies_catch_corruption(shm_dir, monkeypatch
         assert manager.lookup("ns", [keys[6]]).hits == 0  # the corrupt entry is dropped
 
 
+def test_a_device_checksum_that_cannot_be_enqueued_fails_the_chunk_after_its_copies_land(shm_dir, monkeypatch):
+    lib = FakeCudaLibrary()
+    with Pool.create("f", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir) as pool:
+        from kvxfer.serving.group import CacheGroup
+
+        group = CacheGroup("f", pool.layout, 8)
+        engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, group.host, Driver(lib), pool=pool.storage)
+        manager = PoolManager(pool, group, engine=engine)
+
+        def out_of_memory(stream, blocks):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        monkeypatch.setattr(manager.engine._hasher, "enqueue", out_of_memory)
+        assert manager.offload("ns", [(1, b"a"), (2, b"b")]).outcomes == [Outcome.FAILED] * 2
+        assert not any(lib.pending.values())  # the chunk's copies landed before the error was raised
+        assert manager.lookup("ns", [b"a"]).hits == 0 and manager.index.stats().pinned == 0
+
+
 def test_torchs_shared_storage_handle_yields_the_cuda_ipc_handle():
     """torch 2.x prefixes a version and a type byte (seen on an H200: 66 bytes from torch 2.11)."""
     handle = bytes(range(64))
