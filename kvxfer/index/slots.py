@@ -81,13 +81,12 @@ class SlotAllocator:
         Python work per extent, not per slot."""
         if not len(slots):
             return
-        ordered = np.sort(np.asarray(slots, dtype=np.int64)).tolist()
-        ends = np.flatnonzero(np.diff(ordered) != 1).tolist()  # where an extent ends (not the last)
-        start = ordered[0]
-        for end in ends:
-            self._release_extent(start, ordered[end] - start + 1)
-            start = ordered[end + 1]
-        self._release_extent(start, ordered[-1] - start + 1)
+        ordered = np.sort(slot_array(slots))
+        breaks = np.flatnonzero(np.diff(ordered) != 1)  # where an extent ends (not the last)
+        starts = ordered[np.concatenate(([0], breaks + 1))].tolist()
+        lasts = ordered[np.concatenate((breaks, [len(ordered) - 1]))].tolist()
+        for start, last in zip(starts, lasts):
+            self._release_extent(start, last - start + 1)
 
     def _release_extent(self, slot: int, n: int) -> None:
         """Return [slot, slot + n); merges with neighbouring free extents."""
