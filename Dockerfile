@@ -9,11 +9,13 @@ ARG VARIANT=cpu
 # -- bases: where Python and torch come from ------------------------------------------------
 FROM python:3.11-slim-bookworm AS base-cpu
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
-    KVXFER_EXTRAS=""
+    KVXFER_EXTRAS="" \
+    BUILD_PACKAGES="gcc libc6-dev"
 
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-    KVXFER_EXTRAS="[cu12]"
+    KVXFER_EXTRAS="[cu12]" \
+    BUILD_PACKAGES="gcc libc6-dev python3-dev"
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
@@ -28,14 +30,15 @@ COPY pyproject.toml README.md ./
 COPY kvxfer ./kvxfer
 COPY service ./service
 COPY setup.py ./
-# gcc builds the C copy loop (kvxfer/transfer/_fused.c) and leaves with the sources.
-# hadolint ignore=DL3008
+# gcc (and Python's headers) build the C copy loop and the bookkeeping passes (kvxfer/transfer/_fused.c,
+# kvxfer/_fastpath.c) and leave with the sources. BUILD_PACKAGES is a list: split on purpose.
+# hadolint ignore=DL3008,SC2086
 RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} \
  && python3 -m venv /opt/kvxfer \
  && /opt/kvxfer/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && /opt/kvxfer/bin/pip install --no-cache-dir "/src${KVXFER_EXTRAS}" \
- && apt-get purge -y --auto-remove gcc libc6-dev \
+ && apt-get purge -y --auto-remove ${BUILD_PACKAGES} \
  && rm -rf /src /var/lib/apt/lists/* \
  && groupadd --gid 2000 kvxfer \
  && useradd --uid 1000 --gid 2000 --no-create-home --shell /usr/sbin/nologin kvxfer

@@ -1,8 +1,12 @@
-"""The one thing pyproject.toml cannot say: kvxfer's C copy loop (kvxfer/transfer/_fused.c).
+"""The one thing pyproject.toml cannot say: kvxfer's C code.
 
-A shared library loaded through ctypes (it includes no Python header). Optional:
-without a C compiler the install goes on and the CPU copy engine uses numpy
-(kvxfer/transfer/native.py says so in the log).
+- kvxfer/transfer/_fused.c, the CPU copy loop: a shared library loaded through
+  ctypes (it includes no Python header).
+- kvxfer/_fastpath.c, per-key bookkeeping passes: a CPython extension module.
+
+Both optional: without a C compiler the install goes on, the CPU copy engine uses
+numpy (kvxfer/transfer/native.py says so in the log) and bookkeeping runs its
+Python passes alone (kvxfer/fastpath.py).
 """
 
 from setuptools import Extension, setup
@@ -10,4 +14,6 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension("kvxfer.transfer._fused", ["kvxfer/transfer/_fused.c"],
                              depends=["kvxfer/transfer/_fused.h"],
                              extra_compile_args=["-O2", "-pthread", "-fvisibility=hidden"],
-                             extra_link_args=["-pthread"], optional=True)])
+                             extra_link_args=["-pthread"], optional=True),
+                   Extension("kvxfer._fastpath", ["kvxfer/_fastpath.c"], extra_compile_args=["-O2"],
+                             optional=True)])

@@ -22,8 +22,9 @@ from itertools import repeat
 
 import numpy as np
 
+from kvxfer.fastpath import FAST
 from kvxfer.index.eviction import LRU, EvictionPolicy
-from kvxfer.index.slots import SlotAllocator, slot_array
+from kvxfer.index.slots import SlotAllocator, int_array, slot_array
 from kvxfer.records import Outcome, TierKind
 
 FREE, PENDING, READY, DROPPED = 0, 1, 2, 3  # slot states; DROPPED: gone from the index, still pinned
@@ -50,7 +51,7 @@ class Evicted:
     when someone looks: without lower tiers nobody does)."""
 
     tier: TierKind
-    slots: list[int] = field(default_factory=list)
+    slots: Sequence[int] = field(default_factory=list)
     namespace_names: list[str] = field(default_factory=list)  # the index's, by namespace id
     namespace_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     keys: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
@@ -61,8 +62,8 @@ class Evicted:
 
     def __iter__(self) -> Iterator[Victim]:
         names = self.namespace_names
-        for ns, key, checksum, slot in zip(self.namespace_ids.tolist(), self.keys, self.checksums.tolist(),
-                                           self.slots):
+        slots = self.slots.tolist() if isinstance(self.slots, np.ndarray) else self.slots
+        for ns, key, checksum, slot in zip(self.namespace_ids.tolist(), self.keys, self.checksums.tolist(), slots):
             yield Victim(names[ns], key, self.tier, checksum, slot)
 
 
@@ -117,7 +118,10 @@ class BlockIndex:
         """New pinned, invisible entries with reserved slots for keys not stored yet."""
         with self._lock:
             space = self._space(namespace)
-            if space.keys().isdisjoint(keys):  # the usual case, every key new: one pass of lookups in C
+            fast = self._insert_all_new(space, keys)
+            if fast is not None:  # the usual case: every key new, inserted in one pass
+                (slots, evicted), new = fast, None
+            elif space.keys().isdisjoint(keys):  # every key new: one pass of lookups in C
                 new = None
                 slots, evicted = self._reserve(len(keys))
             else:
@@ -143,12 +147,14 @@ class BlockIndex:
                 codes[new[len(slots):]] = _EXHAUSTED
                 outcomes, positions = _outcomes(codes), taken.tolist()
                 stored = [keys[i] for i in positions]
-            space.update(zip(stored, slots))  # pairs straight in: twice as fast as merging a dict of them
-            at = slot_array(slots)
+            if fast is None:
+                _map_new(space, stored, slots)
+            one_extent = isinstance(slots, range)  # slices then, not gathers
+            at = slice(slots.start, slots.stop) if one_extent else slot_array(slots)
             self._state[at] = PENDING
             self._pins[at] = 1
             self._owner_ns[at] = self._ns_ids[namespace]
-            self._owner_key[at] = _objects(stored)
+            self._owner_key[at] = stored if one_extent else _objects(stored)  # (bytes are scalars to numpy)
             return Plan(outcomes, slots, positions, evicted=evicted)
 
     def complete_store(self, slots: Sequence[int], checksums: list[int | None]) -> None:
@@ -159,7 +165,7 @@ class BlockIndex:
             at = slot_array(slots)
             self._pins[at] -= 1
             try:  # the usual case: every store completed
-                values = np.asarray(checksums, dtype=np.uint64)
+                values = int_array(checksums, np.uint64)
                 complete = np.ones(len(at), dtype=bool)
             except TypeError:  # some are None: those failed
                 complete = np.array([c is not None for c in checksums], dtype=bool)
@@ -271,6 +277,10 @@ class BlockIndex:
     @staticmethod
     def _find(space: dict[bytes, int], keys: list[bytes]) -> np.ndarray:
         """The slot of each key in ``space``, -1 where absent."""
+        if FAST is not None and isinstance(keys, list):
+            found = np.empty(len(keys), dtype=np.int64)
+            FAST.find(space, keys, found)
+            return found
         return np.fromiter(map(space.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
 
     def _ready(self, namespace: str, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -283,6 +293,29 @@ class BlockIndex:
     def _evictable(self, slots: np.ndarray) -> np.ndarray:
         return (self._state[slots] == READY) & (self._pins[slots] == 0)
 
+    def _insert_all_new(self, space: dict[bytes, int], keys: list[bytes]) -> tuple[Sequence[int], Evicted] | None:
+        """Where no key is stored yet: slots reserved for the leading keys (all of them unless the
+        tier is exhausted), those keys mapped in ``space`` to them, the others not; else None, and
+        nothing changed. Each key is probed once (again, from cache, where eviction was needed)."""
+        if FAST is None or not keys:
+            return None
+        n = len(keys)
+        if self._slots.free >= n:  # room: the slots are known before the keys go in
+            slots = self._slots.allocate(n)
+            if _insert_new(space, keys, slots):
+                return slots, Evicted(self.tier)
+            self._slots.release_many(slot_array(slots))  # a key is stored already: the general path
+            return None
+        # Full: the keys go in first (slot -1 for now), so that nothing is evicted for a batch
+        # that holds a stored key; then the victims go, and the keys get their slots.
+        if not FAST.insert_new(space, keys, 0, [-1] * n):
+            return None
+        slots, evicted = self._reserve(n)
+        for key in keys[len(slots):]:  # exhausted: every other slot is pinned
+            del space[key]
+        space.update(zip(keys, slots))  # (zip stops at the slots)
+        return slots, evicted
+
     def _reserve(self, n: int) -> tuple[list[int], Evicted]:
         """Up to n free slots, evicting what the policy names as needed."""
         short = n - self._slots.free
@@ -293,9 +326,9 @@ class BlockIndex:
         """Remove up to n entries the policy names and free their slots (whose bytes stay until reused)."""
         at = self._policy.victims(n, self._evictable)
         self._evictions += len(at)
-        evicted = Evicted(self.tier, at.tolist(), self._ns_names, self._owner_ns[at], self._owner_key[at],
-                          self._checksum[at])
-        self._forget(at)
+        keys = self._owner_key[at]
+        evicted = Evicted(self.tier, at, self._ns_names, self._owner_ns[at], keys, self._checksum[at])
+        self._forget(at, keys)
         self._state[at] = FREE
         self._slots.release_many(at)
         return evicted
@@ -316,20 +349,37 @@ class BlockIndex:
             self._state[done] = FREE
             self._slots.release_many(done)
 
-    def _forget(self, at: np.ndarray) -> None:
-        """Remove these slots' keys from their namespaces (where the key still maps to that slot)."""
+    def _forget(self, at: np.ndarray, owner_keys: np.ndarray | None = None) -> None:
+        """Remove these slots' keys (``owner_keys``: theirs, if at hand) from their namespaces,
+        where the key still maps to that slot."""
         if not at.size:
             return
         owners = self._owner_ns[at]
         one = bool((owners == owners[0]).all())  # the usual case: one namespace
         for ns in [int(owners[0])] if one else np.unique(owners).tolist():
             mine = at if one else at[owners == ns]
-            keys = self._owner_key[mine].tolist()
+            keys = (owner_keys if one and owner_keys is not None else self._owner_key[mine]).tolist()
             space = self._spaces[self._ns_names[ns]]
+            if FAST is not None:  # one pass in C: look up, and delete where the key maps to this slot
+                FAST.pop_owned(space, keys, np.ascontiguousarray(mine, dtype=np.int64))
+                continue
             popped = np.fromiter(map(space.pop, keys, repeat(-1)), dtype=np.int64, count=len(keys))  # in C
             other = np.flatnonzero((popped != mine) & (popped >= 0))  # a key that maps to another slot stays
             space.update(zip([keys[i] for i in other.tolist()], popped[other].tolist()))
         self._owner_key[at] = None
+
+
+def _insert_new(space: dict[bytes, int], keys: list[bytes], slots: Sequence[int]) -> bool:
+    """Map ``keys[i]`` to ``slots[i]`` in one probe a key if ``space`` holds none of the keys;
+    else change nothing and return False (the C pass)."""
+    one_extent = isinstance(slots, range)
+    return FAST.insert_new(space, keys, slots.start if one_extent else 0, None if one_extent else list(slots))
+
+
+def _map_new(space: dict[bytes, int], keys: list[bytes], slots: Sequence[int]) -> None:
+    """Map ``keys[i]`` (none in ``space``) to ``slots[i]``."""
+    if FAST is None or not _insert_new(space, keys, slots):
+        space.update(zip(keys, slots))  # pairs straight in: twice as fast as merging a dict of them
 
 
 def _outcomes(codes: np.ndarray) -> list[Outcome]:

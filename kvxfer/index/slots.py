@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvxfer.errors import Internal
+from kvxfer.fastpath import FAST
 
 
 class SlotAllocator:
@@ -116,4 +117,14 @@ def slot_array(slots: Sequence[int]) -> np.ndarray:
     """``slots`` as an int64 array; a ``range`` (one extent) without a pass over it."""
     if isinstance(slots, range):
         return np.arange(slots.start, slots.stop, slots.step, dtype=np.int64)
-    return np.asarray(slots, dtype=np.int64)
+    return int_array(slots, np.int64)
+
+
+def int_array(values: Sequence[int], dtype: type[np.integer]) -> np.ndarray:
+    """``values`` as an int64 or uint64 array: a list of ints in one C pass where it is built
+    (numpy's own conversion costs ~13 ns an item)."""
+    if FAST is not None and isinstance(values, list):
+        out = np.empty(len(values), dtype=dtype)
+        if FAST.ints_into(values, out, dtype is np.int64):
+            return out
+    return np.asarray(values, dtype=dtype)

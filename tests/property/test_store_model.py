@@ -14,6 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import kvxfer.index.block_index
+import kvxfer.index.slots
+import kvxfer.validate
 from kvxfer.geometry.layout import PRESETS, KVSpec
 from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool
@@ -25,6 +28,7 @@ CAPACITY = 4
 KEYS = [f"key-{i}".encode() for i in range(8)]
 NS = "model"
 
+FAST_USERS = (kvxfer.validate, kvxfer.index.block_index, kvxfer.index.slots)
 slots_st = st.lists(st.integers(1, SPEC.num_blocks - 1), min_size=1, max_size=5, unique=True)
 
 
@@ -137,8 +141,27 @@ class LayerMajorStoreMachine(StoreMachine):
     layout_name = "LBHNC"
 
 
+class PythonPassesStoreMachine(StoreMachine):
+    """The same model with the index and validation on their Python passes alone (as where
+    kvxfer._fastpath is not built)."""
+
+    @initialize()
+    def setup(self):
+        self.saved = {m: m.FAST for m in FAST_USERS}
+        for module in FAST_USERS:
+            module.FAST = None
+        super().setup()
+
+    def teardown(self):
+        for module, fast in getattr(self, "saved", {}).items():
+            module.FAST = fast
+        super().teardown()
+
+
 settings_ = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestBlockMajorStore = StoreMachine.TestCase
 TestBlockMajorStore.settings = settings_
 TestLayerMajorStore = LayerMajorStoreMachine.TestCase
 TestLayerMajorStore.settings = settings_
+TestStoreOnPythonPasses = PythonPassesStoreMachine.TestCase
+TestStoreOnPythonPasses.settings = settings_

@@ -1,10 +1,24 @@
-"""The index alone: LRU, pins, visibility, eviction. No tensors anywhere."""
+"""The index alone: LRU, pins, visibility, eviction. No tensors anywhere. Every test runs on the
+C passes (kvxfer/_fastpath.c) and on the Python passes alone."""
 
+import pytest
+
+import kvxfer.index.block_index as block_index
+import kvxfer.index.slots as slots_module
+from kvxfer.fastpath import FAST
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind
 
 NS = "model-a"
 DONE, PRESENT, MISSING, FULL = Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_FOUND, Outcome.RESOURCE_EXHAUSTED
+
+
+@pytest.fixture(autouse=True, params=["c-passes", "python-passes"])
+def passes(request, monkeypatch):
+    if request.param == "python-passes":
+        monkeypatch.setattr(block_index, "FAST", None)
+        monkeypatch.setattr(slots_module, "FAST", None)
+    return FAST if request.param == "c-passes" else None
 
 
 def store(index, keys, ok=True):
@@ -55,6 +69,19 @@ def test_eviction_never_touches_pinned_and_reports_exhaustion():
     index.complete_load(loaded.slots)
     assert index.stats().pinned == 0
     assert store(index, [b"c"]) == [DONE]
+
+
+def test_a_full_tier_stores_what_it_can_evict_for_and_leaves_no_trace_of_the_rest():
+    index = BlockIndex(TierKind.HOST, 4)
+    store(index, [b"a", b"b", b"c"])
+    loaded = index.prepare_load(NS, [b"a", b"b"])  # pinned: only c and one free slot are left
+    plan = index.prepare_store(NS, [b"x", b"y", b"z"])
+    assert plan.outcomes == [DONE, DONE, FULL] and [v.key for v in plan.evicted] == [b"c"]
+    assert sorted(index._spaces[NS].values()) == sorted([*loaded.slots, *plan.slots])  # z is not in at all
+    index.complete_store(plan.slots, [7, 8])
+    index.complete_load(loaded.slots)
+    assert index.contains(NS, [b"a", b"b", b"c", b"x", b"y", b"z"]) == [True, True, False, True, True, False]
+    assert store(index, [b"z"]) == [DONE]
 
 
 def test_present_keys_in_a_batch_are_not_evicted_for_its_new_keys():

@@ -1,0 +1,249 @@
+/* kvxfer._fastpath: per-key passes of a request's bookkeeping, in C through the CPython API.
+ *
+ * Each function does in one pass what Python does in several (a type pass, a length
+ * pass, a set; a lookup and a pop), and answers only the common case: it returns
+ * False where something is off and leaves the rest (which key or slot is wrong, and
+ * the message) to the Python code beside it (kvxfer/validate.py,
+ * kvxfer/index/block_index.py), which also runs alone where this module is not built.
+ * Only exact bytes and exact ints are handled, so no hash or comparison here can run
+ * Python code, and the lists cannot change under a pass.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* keys_ok(keys: list, max_bytes: int, unique: bool) -> bool: every key exact bytes of
+ * 1..max_bytes, and (unique) no key twice. Hashes each key once (bytes keep their hash). */
+static PyObject *keys_ok(PyObject *self, PyObject *args) {
+    PyObject *keys;
+    Py_ssize_t max_bytes;
+    int unique;
+    if (!PyArg_ParseTuple(args, "O!np", &PyList_Type, &keys, &max_bytes, &unique))
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) < 1 || PyBytes_GET_SIZE(key) > max_bytes)
+            Py_RETURN_FALSE;
+    }
+    if (!unique)
+        Py_RETURN_TRUE;
+    PyObject *seen = PySet_New(NULL);
+    if (seen == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PySet_Add(seen, PyList_GET_ITEM(keys, i)) < 0) {
+            Py_DECREF(seen);
+            return NULL;
+        }
+    const int distinct = PySet_GET_SIZE(seen) == n;
+    Py_DECREF(seen);
+    return PyBool_FromLong(distinct);
+}
+
+/* slots_ok(slots: list, num_blocks: int) -> bool: every slot an exact int in [1, num_blocks)
+ * (never the null block 0), none twice. */
+static PyObject *slots_ok(PyObject *self, PyObject *args) {
+    PyObject *slots;
+    Py_ssize_t num_blocks;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &slots, &num_blocks))
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(slots);
+    if (n == 0)
+        Py_RETURN_TRUE;
+    if (num_blocks < 2)
+        Py_RETURN_FALSE;
+    uint8_t *seen = calloc((size_t)num_blocks / 8 + 1, 1); /* one bit a block */
+    if (seen == NULL)
+        return PyErr_NoMemory();
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        PyObject *slot = PyList_GET_ITEM(slots, i);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(slot) ? PyLong_AsLongLongAndOverflow(slot, &overflow) : -1;
+        if (overflow || v < 1 || v >= num_blocks || (seen[v >> 3] >> (v & 7)) & 1)
+            ok = 0;
+        else
+            seen[v >> 3] |= (uint8_t)(1u << (v & 7));
+    }
+    free(seen);
+    return PyBool_FromLong(ok);
+}
+
+/* pop_owned(space: dict, keys: list, slots: int64 buffer) -> int: remove keys[i] from space
+ * where it maps to slots[i] (a key stored again since, under another slot, stays); returns
+ * how many were removed. */
+static PyObject *pop_owned(PyObject *self, PyObject *args) {
+    PyObject *space, *keys;
+    Py_buffer buffer;
+    if (!PyArg_ParseTuple(args, "O!O!y*", &PyDict_Type, &space, &PyList_Type, &keys, &buffer))
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(keys);
+    Py_ssize_t removed = 0;
+    if (buffer.len != n * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&buffer);
+        PyErr_SetString(PyExc_ValueError, "pop_owned takes one int64 slot per key");
+        return NULL;
+    }
+    const int64_t *slots = buffer.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(key))
+            continue; /* a slot without a key: nothing maps to it */
+        PyObject *held = PyDict_GetItemWithError(space, key); /* borrowed */
+        if (held == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            continue;
+        }
+        if (!PyLong_CheckExact(held))
+            continue;
+        int overflow = 0;
+        const long long slot = PyLong_AsLongLongAndOverflow(held, &overflow);
+        if (!overflow && slot == slots[i]) {
+            if (PyDict_DelItem(space, key) < 0)
+                goto error;
+            removed++;
+        }
+    }
+    PyBuffer_Release(&buffer);
+    return PyLong_FromSsize_t(removed);
+error:
+    PyBuffer_Release(&buffer);
+    return NULL;
+}
+
+/* insert_new(space: dict, keys: list, first: int, slots: list | None) -> bool: map keys[i] to
+ * slots[i] (or first + i where slots is None) if space holds none of the keys, in one probe a
+ * key; otherwise (a key is held already, or named twice) leave space as it was: False. */
+static PyObject *insert_new(PyObject *self, PyObject *args) {
+    PyObject *space, *keys, *slots;
+    long long first;
+    if (!PyArg_ParseTuple(args, "O!O!LO", &PyDict_Type, &space, &PyList_Type, &keys, &first, &slots))
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (slots != Py_None && (!PyList_Check(slots) || PyList_GET_SIZE(slots) != n)) {
+        PyErr_SetString(PyExc_ValueError, "insert_new takes one slot per key, or a first slot");
+        return NULL;
+    }
+    Py_ssize_t i;
+    int conflict = 0;
+    for (i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(key)) {
+            conflict = 1; /* not a validated key: the Python path decides */
+            break;
+        }
+        PyObject *value = slots == Py_None ? PyLong_FromLongLong(first + i) : PyList_GET_ITEM(slots, i);
+        if (value == NULL)
+            break;
+        if (slots != Py_None)
+            Py_INCREF(value);
+        const Py_ssize_t size = PyDict_GET_SIZE(space);
+        PyObject *held = PyDict_SetDefault(space, key, value); /* borrowed */
+        Py_DECREF(value); /* space holds it now, if it took it */
+        if (held == NULL)
+            break;
+        if (PyDict_GET_SIZE(space) != size + 1) { /* the key was there: nothing inserted */
+            conflict = 1;
+            break;
+        }
+    }
+    if (i == n)
+        Py_RETURN_TRUE;
+    PyObject *error_type, *error_value, *error_traceback; /* undo: the keys before i were new */
+    PyErr_Fetch(&error_type, &error_value, &error_traceback);
+    for (Py_ssize_t j = 0; j < i; j++)
+        if (PyDict_DelItem(space, PyList_GET_ITEM(keys, j)) < 0)
+            PyErr_Clear(); /* cannot fail: the key is there and hashes without Python code */
+    PyErr_Restore(error_type, error_value, error_traceback);
+    if (conflict)
+        Py_RETURN_FALSE;
+    return NULL;
+}
+
+/* find(space: dict, keys: list, out: writable int64 buffer) -> None: out[i] = the slot keys[i]
+ * maps to in space, or -1. */
+static PyObject *find(PyObject *self, PyObject *args) {
+    PyObject *space, *keys;
+    Py_buffer buffer;
+    if (!PyArg_ParseTuple(args, "O!O!w*", &PyDict_Type, &space, &PyList_Type, &keys, &buffer))
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (buffer.len != n * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&buffer);
+        PyErr_SetString(PyExc_ValueError, "find writes one int64 slot per key");
+        return NULL;
+    }
+    int64_t *out = buffer.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *held = PyBytes_CheckExact(key) ? PyDict_GetItemWithError(space, key) : NULL; /* borrowed */
+        int overflow = 0;
+        out[i] = held != NULL && PyLong_CheckExact(held) ? PyLong_AsLongLongAndOverflow(held, &overflow) : -1;
+        if (PyErr_Occurred()) {
+            PyBuffer_Release(&buffer);
+            return NULL;
+        }
+        if (overflow)
+            out[i] = -1;
+    }
+    PyBuffer_Release(&buffer);
+    Py_RETURN_NONE;
+}
+
+/* ints_into(values: list, out: writable 8-byte buffer, signed: bool) -> bool: out[i] = values[i]
+ * (int64 or uint64) where every value is an exact int in range; else False (out partly written).
+ * numpy's own conversion of a list of ints costs ~13 ns an item. */
+static PyObject *ints_into(PyObject *self, PyObject *args) {
+    PyObject *values;
+    Py_buffer buffer;
+    int is_signed;
+    if (!PyArg_ParseTuple(args, "O!w*p", &PyList_Type, &values, &buffer, &is_signed))
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(values);
+    if (buffer.len != n * (Py_ssize_t)sizeof(uint64_t)) {
+        PyBuffer_Release(&buffer);
+        PyErr_SetString(PyExc_ValueError, "ints_into writes one 8-byte int per value");
+        return NULL;
+    }
+    uint64_t *out = buffer.buf;
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        PyObject *value = PyList_GET_ITEM(values, i);
+        if (!PyLong_CheckExact(value)) {
+            ok = 0;
+        } else if (is_signed) {
+            int overflow = 0;
+            const long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+            ok = !overflow;
+            out[i] = (uint64_t)v;
+        } else {
+            const unsigned long long v = PyLong_AsUnsignedLongLong(value); /* negative or too big: error */
+            if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                ok = 0;
+            }
+            out[i] = v;
+        }
+    }
+    PyBuffer_Release(&buffer);
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"keys_ok", keys_ok, METH_VARARGS, "Whether every key is bytes of 1..max_bytes (and, if unique, distinct)."},
+    {"slots_ok", slots_ok, METH_VARARGS, "Whether every slot is an int in [1, num_blocks), none twice."},
+    {"pop_owned", pop_owned, METH_VARARGS, "Remove keys[i] from space where it maps to slots[i]."},
+    {"insert_new", insert_new, METH_VARARGS, "Map keys to slots if space holds none of them; else change nothing."},
+    {"find", find, METH_VARARGS, "out[i] = the slot keys[i] maps to, or -1."},
+    {"ints_into", ints_into, METH_VARARGS, "out[i] = values[i] as int64 or uint64, if every value fits."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvxfer._fastpath",
+                                    "Per-key bookkeeping passes in C (see _fastpath.c).", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__fastpath(void) { return PyModule_Create(&module); }
