@@ -13,6 +13,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* 0 if ``buffer`` holds n 8-byte ints; else -1, the buffer released and ValueError set. */
+static int holds_n_words(Py_buffer *buffer, Py_ssize_t n, const char *what) {
+    if (buffer->len == n * (Py_ssize_t)sizeof(int64_t))
+        return 0;
+    PyBuffer_Release(buffer);
+    PyErr_Format(PyExc_ValueError, "%s takes one 8-byte int per item", what);
+    return -1;
+}
+
 /* keys_ok(keys: list, max_bytes: int, unique: bool) -> bool: every key exact bytes of
  * 1..max_bytes, and (unique) no key twice. Hashes each key once (bytes keep their hash). */
 static PyObject *keys_ok(PyObject *self, PyObject *args) {
@@ -81,11 +90,8 @@ static PyObject *pop_owned(PyObject *self, PyObject *args) {
         return NULL;
     const Py_ssize_t n = PyList_GET_SIZE(keys);
     Py_ssize_t removed = 0;
-    if (buffer.len != n * (Py_ssize_t)sizeof(int64_t)) {
-        PyBuffer_Release(&buffer);
-        PyErr_SetString(PyExc_ValueError, "pop_owned takes one int64 slot per key");
+    if (holds_n_words(&buffer, n, "pop_owned") < 0)
         return NULL;
-    }
     const int64_t *slots = buffer.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
@@ -171,11 +177,8 @@ static PyObject *find(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!w*", &PyDict_Type, &space, &PyList_Type, &keys, &buffer))
         return NULL;
     const Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (buffer.len != n * (Py_ssize_t)sizeof(int64_t)) {
-        PyBuffer_Release(&buffer);
-        PyErr_SetString(PyExc_ValueError, "find writes one int64 slot per key");
+    if (holds_n_words(&buffer, n, "find") < 0)
         return NULL;
-    }
     int64_t *out = buffer.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
@@ -203,11 +206,8 @@ static PyObject *ints_into(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!w*p", &PyList_Type, &values, &buffer, &is_signed))
         return NULL;
     const Py_ssize_t n = PyList_GET_SIZE(values);
-    if (buffer.len != n * (Py_ssize_t)sizeof(uint64_t)) {
-        PyBuffer_Release(&buffer);
-        PyErr_SetString(PyExc_ValueError, "ints_into writes one 8-byte int per value");
+    if (holds_n_words(&buffer, n, "ints_into") < 0)
         return NULL;
-    }
     uint64_t *out = buffer.buf;
     int ok = 1;
     for (Py_ssize_t i = 0; i < n && ok; i++) {
