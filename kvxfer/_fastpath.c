@@ -169,6 +169,26 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
     return NULL;
 }
 
+/* set_slots(space: dict, keys: list, first: int) -> None: space[keys[i]] = first + i (keys the
+ * caller has just put in: a full tier's batch, whose slots are known only after eviction). */
+static PyObject *set_slots(PyObject *self, PyObject *args) {
+    PyObject *space, *keys;
+    long long first;
+    if (!PyArg_ParseTuple(args, "O!O!L", &PyDict_Type, &space, &PyList_Type, &keys, &first))
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyLong_FromLongLong(first + i);
+        if (value == NULL)
+            return NULL;
+        const int failed = PyDict_SetItem(space, PyList_GET_ITEM(keys, i), value);
+        Py_DECREF(value);
+        if (failed < 0)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* find(space: dict, keys: list, out: writable int64 buffer) -> None: out[i] = the slot keys[i]
  * maps to in space, or -1. */
 static PyObject *find(PyObject *self, PyObject *args) {
@@ -237,6 +257,7 @@ static PyMethodDef methods[] = {
     {"slots_ok", slots_ok, METH_VARARGS, "Whether every slot is an int in [1, num_blocks), none twice."},
     {"pop_owned", pop_owned, METH_VARARGS, "Remove keys[i] from space where it maps to slots[i]."},
     {"insert_new", insert_new, METH_VARARGS, "Map keys to slots if space holds none of them; else change nothing."},
+    {"set_slots", set_slots, METH_VARARGS, "space[keys[i]] = first + i."},
     {"find", find, METH_VARARGS, "out[i] = the slot keys[i] maps to, or -1."},
     {"ints_into", ints_into, METH_VARARGS, "out[i] = values[i] as int64 or uint64, if every value fits."},
     {NULL, NULL, 0, NULL},

@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+#: Set to 0 to turn kvxfer's C code off: these passes and the CPU copy loop (benchmarks, debugging).
+ENV_DISABLE = "KVXFER_NATIVE"
+
 
 def _load() -> ModuleType | None:
-    if os.environ.get("KVXFER_NATIVE", "1") == "0":
+    if os.environ.get(ENV_DISABLE, "1") == "0":
         return None
     try:
         from kvxfer import _fastpath

@@ -4,8 +4,9 @@ For BLHNC and LBHNC (32 layers) at 64 KiB, 512 KiB (16 KiB pages) and 1 MiB span
 consecutive and scattered blocks, batched (cuMemcpyBatchAsync) and looped
 (cudaMemcpyAsync per descriptor) submission: GB/s each way, descriptors per job and
 submit time per descriptor; then, for scattered batched jobs, the same through the
-checked pipeline (checksums on), with several host hash threads and chunk sizes. The baseline is one contiguous copy of the same
-bytes between the same device memory and the same pinned buffer, in the same run.
+checked pipeline (checksums on: the device XXH3, host hashing on several threads,
+several chunk sizes). The baseline is one contiguous copy of the same bytes between
+the same device memory and the same pinned buffer, in the same run.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def bandwidth(ctx: dict) -> dict:
 CHECKED = [(2, None, True), (8, None, False), (16, None, False), (2, 16, True), (2, 64, True)]
 
 
-def _checked(pool: Pool, group: CacheGroup, n: int, base: dict, variants: list[tuple[int, int]]) -> list[dict]:
+def _checked(pool: Pool, group: CacheGroup, n: int, base: dict,
+             variants: list[tuple[int, int | None, bool]]) -> list[dict]:
     """Offload and restore of n scattered blocks through PoolManager: copies, checksums, index."""
     g = torch.Generator().manual_seed(3)
     blocks = (torch.randperm(pool.layout.spec.num_blocks // 2 - 1, generator=g)[:n] * 2 + 1).tolist()

