@@ -9,12 +9,10 @@ ARG VARIANT=cpu
 # -- bases: where Python and torch come from ------------------------------------------------
 FROM python:3.11-slim-bookworm AS base-cpu
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
-    KVXFER_EXTRAS="" \
     BUILD_PACKAGES="gcc libc6-dev"
 
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-    KVXFER_EXTRAS="[cu12]" \
     BUILD_PACKAGES="gcc libc6-dev python3-dev"
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -37,7 +35,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} \
  && python3 -m venv /opt/kvxfer \
  && /opt/kvxfer/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
- && /opt/kvxfer/bin/pip install --no-cache-dir "/src${KVXFER_EXTRAS}" \
+ && /opt/kvxfer/bin/pip install --no-cache-dir /src \
  && apt-get purge -y --auto-remove ${BUILD_PACKAGES} \
  && rm -rf /src /var/lib/apt/lists/* \
  && groupadd --gid 2000 kvxfer \

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Sequence
+from typing import Union
 
 import grpc
 import torch
@@ -23,6 +24,7 @@ from kvxfer.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument
 from kvxfer.geometry.keys import block_keys
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory import cuda_mem
+from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.records import LookupResult, Medium, Outcome, PoolStats, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -31,8 +33,31 @@ from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT})
 #: Which status a failed batch reports, worst first.
 _FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL"),
+                  (Outcome.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
                   (Outcome.CANCELLED, "CANCELLED"), (Outcome.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"),
                   (Outcome.NOT_FOUND, "NOT_FOUND")]
+
+
+#: What an offload waits for on the GPU: a ``torch.cuda.Event(interprocess=True)`` recorded
+#: after the blocks' writes, or its 64-byte IPC handle; None waits for nothing.
+CudaEvent = Union[torch.cuda.Event, bytes, None]
+
+
+def event_handle(event: CudaEvent) -> bytes:
+    """The IPC handle the daemon opens for ``event`` (b"" for None)."""
+    if event is None:
+        return b""
+    if isinstance(event, (bytes, bytearray)):
+        raw = bytes(event)
+    else:
+        try:
+            raw = bytes(event.ipc_handle())
+        except RuntimeError as exc:
+            raise InvalidArgument(f"the CUDA event cannot be shared with the daemon ({str(exc).splitlines()[0]}): "
+                                  "create it with torch.cuda.Event(interprocess=True)") from None
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise InvalidArgument(f"a CUDA IPC event handle has {IPC_HANDLE_BYTES} bytes, got {len(raw)}")
+    return raw
 
 
 class BlockFailures(KvxferError):
@@ -131,14 +156,18 @@ class Client:
     # -- blocks ----------------------------------------------------------------
     def offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                 namespace: str | None = None, partial: bool = False, best_effort: bool = False,
-                timeout: float | None = None) -> TransferResult | None:
+                timeout: float | None = None, cuda_event: CudaEvent = None) -> TransferResult | None:
         """Copy (block, key) pairs into the daemon's tiers (a block is the API's ``slot``).
 
         ``best_effort=True``: if the daemon is down, slow or full, return None instead of
         raising (the engine goes on; it loses a future cache hit, nothing else).
+        ``cuda_event`` (GPU pools): recorded after the kernels that wrote these blocks (see
+        ``event_handle``); the daemon's copy waits for it on the GPU. Without it the copy
+        waits for nothing and may read the blocks before they are written.
         """
         request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
-                                    slots=[p[0] for p in pairs], keys=[p[1] for p in pairs])
+                                    slots=[p[0] for p in pairs], keys=[p[1] for p in pairs],
+                                    cuda_event_handle=event_handle(cuda_event))
         try:
             return self._transfer(self._stub.Offload, request, partial or best_effort, timeout)
         except _DROPPABLE:
@@ -156,15 +185,18 @@ class Client:
 
     # -- asynchronous jobs -------------------------------------------------------
     def submit_offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
-                       namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None) -> int:
+                       namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None,
+                       cuda_event: CudaEvent = None) -> int:
         """Queue an offload; returns its job id at once. Do not write the blocks until it is finished.
 
         The job's lease (``lease_s``, 0: the daemon's default) is renewed by every
         ``wait_jobs`` call; if this client stops calling, the daemon cancels the job.
+        ``cuda_event``: as for ``offload``; keep the event alive until the job is finished.
         """
         request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     slots=[p[0] for p in pairs], keys=[p[1] for p in pairs], wait=False,
-                                    lease_ms=int(lease_s * 1000), client_id=self.client_id)
+                                    lease_ms=int(lease_s * 1000), client_id=self.client_id,
+                                    cuda_event_handle=event_handle(cuda_event))
         return self._call(self._stub.Offload, request, timeout).job_id
 
     def submit_restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,

@@ -26,6 +26,7 @@ class Outcome(enum.Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"  # offload: tier full of pinned entries
     FAILED = "failed"  # the copy itself failed; nothing was stored / do not read the block
     CANCELLED = "cancelled"  # the job's lease ran out (or its pool went away) before this block was done
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the GPU copy did not finish in time; nothing stored / do not read
 
 
 class TierKind(enum.Enum):

@@ -78,6 +78,7 @@ class Config:
     registered_host_capacity_mib: int = 512
     checksum_on_device: bool = True
     copy_threads: int = 2
+    gpu_copy_deadline_s: float = 30.0
     log_level: str = "info"
     log_format: str = "json"
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
@@ -89,7 +90,7 @@ class Config:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
                       self.max_jobs_per_client, self.cache_group_retention_s, self.checksum_on_device, self.disk,
-                      self.remote, self.copy_threads)
+                      self.remote, self.copy_threads, self.gpu_copy_deadline_s)
 
     @property
     def token(self) -> str:
@@ -298,6 +299,8 @@ def validate(config: Config) -> Config:
             raise ConfigError(f"{name}: must be at least 1")
     if not 1 <= config.copy_threads <= 64:
         raise ConfigError("copy_threads: must be 1-64")
+    if not 0 < config.gpu_copy_deadline_s <= 3600:
+        raise ConfigError("gpu_copy_deadline_s: must be in (0, 3600] seconds")
     if config.max_batch_blocks > MAX_BATCH_BLOCKS:
         raise ConfigError(f"max_batch_blocks: at most {MAX_BATCH_BLOCKS}")
     if config.max_jobs_per_client > config.max_queued_jobs:

@@ -8,6 +8,9 @@ not a thread, so health and other clients are always answered; copies run on
 Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, new RPCs are refused,
 in-flight RPCs get ``grace_period_s`` to finish, then queued jobs as long again,
 then pools are released, the socket files are removed, and the process exits 0.
+A GPU that reports a sticky error (its context is unusable until the process exits)
+starts the same shutdown, and the process exits ``EXIT_DEVICE_LOST`` (69) so that
+the orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.fdpass import SUFFIX
+from kvxfer.memory.cuda_driver import CudaError, on_device_lost
 from kvxfer.serving.manager import TransferObserver
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.memory.shm import resolve_group
@@ -43,6 +47,7 @@ log = logging.getLogger("kvxfer.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 SWEEP_S = 1.0  # how often idle cache groups past their retention are released
+EXIT_DEVICE_LOST = 69  # EX_UNAVAILABLE: a GPU's context broke; a new process gets a new one
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
@@ -218,11 +223,25 @@ async def _serve(config: Config) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    daemon = Daemon(config)
-    await daemon.start()
-    await stop.wait()
-    await daemon.stop()
-    return 0
+    exit_code = 0
+
+    def device_lost(device: int, error: CudaError) -> None:
+        nonlocal exit_code
+        exit_code = EXIT_DEVICE_LOST
+        log.error("GPU lost: a sticky CUDA error broke its context; every pool on it fails; the daemon shuts "
+                  "down (host tiers are written to disk) and exits to be restarted",
+                  extra={"device": device, "error": str(error), "exit_code": EXIT_DEVICE_LOST})
+        stop.set()
+
+    unsubscribe = on_device_lost(lambda device, error: loop.call_soon_threadsafe(device_lost, device, error))
+    try:
+        daemon = Daemon(config)
+        await daemon.start()
+        await stop.wait()
+        await daemon.stop()
+    finally:
+        unsubscribe()
+    return exit_code
 
 
 def serve(config: Config) -> int:

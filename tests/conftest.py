@@ -37,3 +37,17 @@ def python_env() -> dict:
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture
+def cuda_sim(tmp_path, monkeypatch):
+    """This process's CUDA driver is the simulator (tests/cudasim) over a fresh two-GPU region."""
+    from kvxfer.memory import cuda_driver
+    from tests.cudasim.library import CudaSim
+    from tests.cudasim.region import Region
+
+    sim = CudaSim(Region.create(tmp_path / "gpus"))
+    monkeypatch.setattr(cuda_driver, "load_library", lambda name=cuda_driver.LIBRARY: sim)
+    monkeypatch.setattr(cuda_driver, "_DRIVERS", {})
+    yield sim
+    sim.dma.set()

@@ -39,15 +39,17 @@ def environment(ctx: dict) -> dict:
     driver = cuda_driver.driver(0)
     host_register = ctypes.c_int()
     lib.cuDeviceGetAttribute(ctypes.pointer(host_register), cuda_driver.CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED, 0)
-    cuda_python = _version("cuda-bindings")
+    torch_uuid = str(getattr(props, "uuid", ""))
     result = {
         "python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-        "triton": _version("triton"), "cuda_bindings": cuda_python, "xxhash": _version("xxhash"),
+        "triton": _version("triton"), "xxhash": _version("xxhash"),
         "numpy": _version("numpy"), "driver_version": version.value, "device": props.name,
-        "uuid": str(getattr(props, "uuid", "")), "memory_gib": round(props.total_memory / 2**30, 1),
+        "uuid": torch_uuid, "memory_gib": round(props.total_memory / 2**30, 1),
         "capability": f"{props.major}.{props.minor}", "host_register_supported": bool(host_register.value),
         "batched_copy_available": driver.batched,
-        "cuda_python_matches_torch": cuda_python.split(".")[0] == (torch.version.cuda or "").split(".")[0],
+        # kvxfer names GPUs by the driver's UUID; an engine's torch must name the same GPU alike.
+        "uuid_driver": driver.uuid(),
+        "uuid_driver_matches_torch": driver.uuid() in (torch_uuid, f"GPU-{torch_uuid}"),
     }
     try:
         query = "pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,driver_version"

@@ -1,34 +1,50 @@
-"""The CUDA driver API through ctypes: streams, events, batched copies, host registration.
+"""The CUDA driver API through ctypes: memory, IPC, streams, events, batched copies.
 
 Why the driver API by hand: ``cuMemcpyBatchAsync`` (CUDA 12.8+) takes a whole copy
 plan in one call, and the cuda-python 13 binding dropped its ``failIdx`` argument;
 resolving the symbol with ``cuGetProcAddress`` at the 12.8 ABI (as vLLM does) gives
-the same entry point on 12.x and 13.x drivers. One ``Driver`` per process, bound to
-one device's primary context; every call that enqueues work makes that context
-current on the calling thread first.
+the same entry point on 12.x and 13.x drivers. One binding for every call keeps
+one set of rules (DESIGN.md section 14):
 
-Nothing here runs on a machine without a GPU. ``Driver`` takes its library as an
-argument, so the tests drive it with a ctypes stand-in that performs the copies on
-host memory (``tests/unit/test_cuda_engine.py``, ``FakeCudaLibrary``).
+- Context: every entry pushes its device's primary context and pops it on the way
+  out, so torch's device switches and pools of several GPUs served by the same
+  threads never leave the wrong context current.
+- Errors: a failed call with a bad argument or handle leaves the context usable; a
+  sticky error (``STICKY``: illegal address, launch failure, ECC, ...) makes the
+  device *lost*: every later call fails, and ``on_device_lost`` listeners (the
+  daemon) are told once, so that the process exits and is restarted.
+- Fork: a child of a process that used CUDA cannot use it; ``driver`` refuses there.
+
+Nothing here needs a GPU to be tested: ``Driver`` takes its library as an argument,
+and the tests drive it with a simulator that obeys CUDA's ordering rules
+(``tests/cudasim``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 
-from kvxfer.errors import FailedPrecondition
+from kvxfer.errors import FailedPrecondition, InvalidArgument
 
 CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
+#: Errors that leave the context unusable until the process exits: ECC uncorrectable, illegal
+#: address, launch timeout, context destroyed, device assert, hardware stack, illegal
+#: instruction, misaligned address, invalid address space, invalid PC, launch failed.
+STICKY = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719})
 CU_STREAM_NON_BLOCKING = 0x1
 CU_EVENT_DISABLE_TIMING = 0x2
-CU_MEMHOSTREGISTER_PORTABLE = 0x1
+CU_MEMHOSTREGISTER_PORTABLE, CU_MEMHOSTREGISTER_DEVICEMAP = 0x1, 0x2
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_HOST = 2, 1
 CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED = 99
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 0x1, 0x3
 BATCH_ABI_VERSION = 12080  # cuMemcpyBatchAsync with failIdx
-IPC_EVENT_HANDLE_BYTES = 64
+IPC_HANDLE_BYTES = 64
 LIBRARY = "libcuda.so.1"
 
 
@@ -44,7 +60,15 @@ class MemcpyAttributes(ctypes.Structure):
 
 
 class IpcEventHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_EVENT_HANDLE_BYTES)]
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
 
 
 #: cuMemcpyBatchAsync at the 12.8 ABI.
@@ -53,7 +77,7 @@ BatchFn = ctypes.CFUNCTYPE(c_int, POINTER(c_uint64), POINTER(c_uint64), POINTER(
 
 
 class CudaError(FailedPrecondition):
-    """The driver failed a call. ``sticky`` errors leave the context unusable: the pool is out of service."""
+    """The driver failed a call. ``sticky`` errors leave the device unusable until the process exits."""
 
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
@@ -61,7 +85,7 @@ class CudaError(FailedPrecondition):
 
     @property
     def sticky(self) -> bool:
-        return self.cuda_code not in (CUDA_ERROR_NOT_READY, 1, 2, 100, 101)  # not: value, memory, device args
+        return self.cuda_code in STICKY
 
 
 def load_library(name: str = LIBRARY):
@@ -73,12 +97,13 @@ def load_library(name: str = LIBRARY):
 
 
 class Driver:
-    """One device's primary context and the calls the copy engine makes."""
+    """One device's primary context and every driver call kvxfer makes on it."""
 
     def __init__(self, lib, device: int = 0, use_batch: bool = True) -> None:
         """``use_batch=False`` always loops over cuMemcpyAsync (the device check compares both)."""
         self.lib = lib
         self.device = device
+        self.lost: CudaError | None = None  # the sticky error that broke this device, if any
         self._check(lib.cuInit(0), "cuInit")
         dev = c_int()
         self._check(lib.cuDeviceGet(ctypes.pointer(dev), device), f"cuDeviceGet({device})")
@@ -87,94 +112,144 @@ class Driver:
         self._check(lib.cuDevicePrimaryCtxRetain(ctypes.pointer(ctx), self._dev), "cuDevicePrimaryCtxRetain")
         self._ctx = ctx
         self._batch = self._resolve_batch() if use_batch else None
-        self._local = threading.local()
 
     @property
     def batched(self) -> bool:
         """Whether cuMemcpyBatchAsync exists (driver 12.8+); otherwise copies loop over cuMemcpyAsync."""
         return self._batch is not None
 
-    # -- errors ------------------------------------------------------------------
+    @property
+    def host_backed(self) -> bool:
+        """Whether "device" memory is host memory (the simulator the tests run on)."""
+        return bool(getattr(self.lib, "host_backed", False))
+
+    # -- errors and context --------------------------------------------------------
     def error_name(self, code: int) -> str:
         name = c_char_p()
         if self.lib.cuGetErrorName(code, ctypes.pointer(name)) == CUDA_SUCCESS and name.value:
             return name.value.decode()
         return f"CUresult {code}"
 
-    def _check(self, code: int, what: str) -> None:
-        if code != CUDA_SUCCESS:
-            raise CudaError(f"{what} failed: {self.error_name(code)}", code)
+    def _check(self, code: int, what: str, error: Callable[[str, int], Exception] = CudaError) -> None:
+        if code == CUDA_SUCCESS:
+            return
+        exc = CudaError(f"{what} failed: {self.error_name(code)}", code)
+        if exc.sticky:
+            self._lose(exc)
+            raise exc
+        raise error(str(exc), code)
 
-    def current(self) -> None:
-        """Make this device's context current on the calling thread (once per thread)."""
-        if getattr(self._local, "ctx", None) is not self._ctx:
-            self._check(self.lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-            self._local.ctx = self._ctx
+    def _lose(self, exc: CudaError) -> None:
+        if self.lost is None:
+            self.lost = exc
+            for listener in list(_LOST_LISTENERS):
+                listener(self.device, exc)
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """This device's context current on the calling thread for the block, then the caller's again."""
+        self._check(self.lib.cuCtxPushCurrent_v2(self._ctx), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self.lib.cuCtxPopCurrent_v2(ctypes.pointer(c_void_p()))
+
+    def device_count(self) -> int:
+        count = c_int()
+        self._check(self.lib.cuDeviceGetCount(ctypes.pointer(count)), "cuDeviceGetCount")
+        return count.value
+
+    def uuid(self) -> str:
+        """The GPU's UUID as nvidia-smi spells it ("GPU-xxxxxxxx-xxxx-...")."""
+        raw = Uuid()
+        self._check(self.lib.cuDeviceGetUuid_v2(ctypes.pointer(raw), self._dev), "cuDeviceGetUuid")
+        h = bytes(raw.bytes).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
     # -- streams and events --------------------------------------------------------
     def stream(self) -> c_void_p:
         """A non-blocking stream (never the legacy stream, which would serialise with the engine's work)."""
-        self.current()
         s = c_void_p()
-        self._check(self.lib.cuStreamCreate(ctypes.pointer(s), CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        with self.scope():
+            self._check(self.lib.cuStreamCreate(ctypes.pointer(s), CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         return s
+
+    def destroy_stream(self, stream: c_void_p) -> None:
+        """Release a stream (work already enqueued on it still runs)."""
+        with self.scope():
+            self._check(self.lib.cuStreamDestroy_v2(stream), "cuStreamDestroy")
+
+    def synchronize(self, stream: c_void_p) -> None:
+        """Block until ``stream``'s work is done (never on a submit path: set-up and tear-down only)."""
+        with self.scope():
+            self._check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def record(self, stream: c_void_p) -> c_void_p:
         """A new event recorded on ``stream`` (the completion of what was enqueued before it)."""
-        self.current()
         event = c_void_p()
-        self._check(self.lib.cuEventCreate(ctypes.pointer(event), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        self._check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+        with self.scope():
+            self._check(self.lib.cuEventCreate(ctypes.pointer(event), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            code = self.lib.cuEventRecord(event, stream)
+            if code != CUDA_SUCCESS:
+                self.lib.cuEventDestroy_v2(event)
+            self._check(code, "cuEventRecord")
         return event
 
     def done(self, event: c_void_p) -> bool:
         """Poll an event: True when complete, False while not ready; a failure raises."""
-        code = self.lib.cuEventQuery(event)
+        with self.scope():
+            code = self.lib.cuEventQuery(event)
         if code == CUDA_ERROR_NOT_READY:
             return False
         self._check(code, "cuEventQuery")
         return True
 
     def destroy(self, event: c_void_p) -> None:
-        self.lib.cuEventDestroy_v2(event)
+        with self.scope():
+            self.lib.cuEventDestroy_v2(event)
 
     def wait_ipc_event(self, stream: c_void_p, handle: bytes) -> None:
-        """Make ``stream`` wait for an event another process recorded (the engine's KV writes)."""
-        if len(handle) != IPC_EVENT_HANDLE_BYTES:
-            raise CudaError(f"a CUDA IPC event handle has {IPC_EVENT_HANDLE_BYTES} bytes, got {len(handle)}", 1)
-        self.current()
-        raw = IpcEventHandle()
-        ctypes.memmove(ctypes.addressof(raw), handle, IPC_EVENT_HANDLE_BYTES)
-        event = c_void_p()
-        self._check(self.lib.cuIpcOpenEventHandle(ctypes.pointer(event), raw), "cuIpcOpenEventHandle")
-        try:
-            self._check(self.lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
-        finally:
-            self.destroy(event)
+        """Make ``stream`` wait for an event another process recorded (the engine's KV writes).
 
-    # -- copies ------------------------------------------------------------------------
+        The handle is the client's: one the driver refuses (malformed, stale, its event
+        destroyed) is InvalidArgument for that request and leaves the device usable."""
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise InvalidArgument(f"a CUDA IPC event handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        raw = IpcEventHandle()
+        ctypes.memmove(ctypes.addressof(raw), handle, IPC_HANDLE_BYTES)
+        event = c_void_p()
+        with self.scope():
+            self._check(self.lib.cuIpcOpenEventHandle(ctypes.pointer(event), raw),
+                        "opening the engine's CUDA event (cuIpcOpenEventHandle)", ClientHandleError)
+            try:
+                self._check(self.lib.cuStreamWaitEvent(stream, event, 0),
+                            "waiting for the engine's CUDA event (cuStreamWaitEvent)", ClientHandleError)
+            finally:
+                self.lib.cuEventDestroy_v2(event)  # the wait is enqueued: it holds what it needs
+
+    # -- copies ----------------------------------------------------------------------
     def copy(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: c_void_p, access_order: int) -> int:
         """Enqueue ``dsts[i] <- srcs[i]`` (``sizes[i]`` bytes) on ``stream``; returns the driver calls made.
 
         One ``cuMemcpyBatchAsync`` where the driver has it (every copy with the same
         source access order), else one ``cuMemcpyAsync`` per descriptor.
         """
-        self.current()
         n = len(sizes)
         if n == 0:
             return 0
-        if self._batch is None:
-            for d, s, size in zip(dsts, srcs, sizes):
-                self._check(self.lib.cuMemcpyAsync(c_uint64(d), c_uint64(s), c_size_t(size), stream), "cuMemcpyAsync")
-            return n
-        attrs = (MemcpyAttributes * 1)()
-        attrs[0].srcAccessOrder = access_order
-        index = (c_size_t * 1)(0)
-        fail = c_size_t(n)
-        code = self._batch((c_uint64 * n)(*dsts), (c_uint64 * n)(*srcs), (c_size_t * n)(*sizes), n, attrs, index, 1,
-                           ctypes.pointer(fail), stream)
-        if code != CUDA_SUCCESS:
-            raise CudaError(f"cuMemcpyBatchAsync failed at copy {fail.value} of {n}: {self.error_name(code)}", code)
+        with self.scope():
+            if self._batch is None:
+                for d, s, size in zip(dsts, srcs, sizes):
+                    self._check(self.lib.cuMemcpyAsync(c_uint64(d), c_uint64(s), c_size_t(size), stream),
+                                "cuMemcpyAsync")
+                return n
+            attrs = (MemcpyAttributes * 1)()
+            attrs[0].srcAccessOrder = access_order
+            index = (c_size_t * 1)(0)
+            fail = c_size_t(n)
+            code = self._batch((c_uint64 * n)(*dsts), (c_uint64 * n)(*srcs), (c_size_t * n)(*sizes), n, attrs, index,
+                               1, ctypes.pointer(fail), stream)
+        self._check(code, f"cuMemcpyBatchAsync (at copy {fail.value} of {n})")
         return 1
 
     def _resolve_batch(self):
@@ -187,44 +262,119 @@ class Driver:
             return None  # an older driver: loop over cuMemcpyAsync
         return BatchFn(pfn.value)
 
+    # -- device memory -----------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        """``nbytes`` of device memory, zeroed on a stream of its own (not the legacy stream)."""
+        ptr = c_uint64()
+        with self.scope():
+            self._check(self.lib.cuMemAlloc_v2(ctypes.pointer(ptr), c_size_t(nbytes)), f"cuMemAlloc({nbytes})")
+        try:
+            stream = self.stream()
+            try:
+                with self.scope():
+                    self._check(self.lib.cuMemsetD8Async(ptr, 0, c_size_t(nbytes), stream), "cuMemsetD8Async")
+                self.synchronize(stream)
+            finally:
+                self.destroy_stream(stream)
+        except BaseException:
+            self.free(ptr.value)
+            raise
+        return ptr.value
+
+    def free(self, ptr: int) -> None:
+        with self.scope():
+            self._check(self.lib.cuMemFree_v2(c_uint64(ptr)), "cuMemFree")
+
+    def export(self, ptr: int) -> bytes:
+        """The CUDA IPC handle of the allocation at ``ptr``."""
+        raw = IpcMemHandle()
+        with self.scope():
+            self._check(self.lib.cuIpcGetMemHandle(ctypes.pointer(raw), c_uint64(ptr)), "cuIpcGetMemHandle")
+        return ctypes.string_at(ctypes.addressof(raw), IPC_HANDLE_BYTES)
+
+    def open_ipc(self, handle: bytes) -> int:
+        """Map memory another process exported; InvalidArgument when the handle does not open."""
+        raw, ptr = IpcMemHandle(), c_uint64()
+        ctypes.memmove(ctypes.addressof(raw), handle, IPC_HANDLE_BYTES)
+        with self.scope():
+            self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.pointer(ptr), raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                        "opening the CUDA IPC memory handle (cuIpcOpenMemHandle)", ClientHandleError)
+        return ptr.value
+
+    def close_ipc(self, ptr: int) -> None:
+        with self.scope():
+            self._check(self.lib.cuIpcCloseMemHandle(c_uint64(ptr)), "cuIpcCloseMemHandle")
+
     def allocation_size(self, ptr: int) -> int:
         """Bytes of the allocation that contains device pointer ``ptr``, from ``ptr`` on."""
-        self.current()
         base, size = c_uint64(), c_size_t()
-        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.pointer(base), ctypes.pointer(size), c_uint64(ptr)),
-                    "cuMemGetAddressRange")
+        with self.scope():
+            self._check(self.lib.cuMemGetAddressRange_v2(ctypes.pointer(base), ctypes.pointer(size), c_uint64(ptr)),
+                        "cuMemGetAddressRange")
         return base.value + size.value - ptr
 
     # -- host memory -------------------------------------------------------------------
     def pin(self, ptr: int, nbytes: int) -> None:
-        """Page-lock an ordinary allocation for DMA (no power-of-two rounding, unlike torch's pinned
-        allocator) and check that the driver now sees it as host memory."""
-        self.current()
-        supported = c_int()
-        self._check(self.lib.cuDeviceGetAttribute(ctypes.pointer(supported), CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
-                                                  self._dev), "cuDeviceGetAttribute")
-        if not supported.value:
-            raise CudaError("this device cannot register host memory (cuMemHostRegister)", 801)
-        self._check(self.lib.cuMemHostRegister_v2(c_void_p(ptr), c_size_t(nbytes), CU_MEMHOSTREGISTER_PORTABLE),
-                    f"cuMemHostRegister({nbytes} bytes)")
-        kind = c_uint()
-        self._check(self.lib.cuPointerGetAttribute(ctypes.pointer(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                                   c_uint64(ptr)), "cuPointerGetAttribute")
+        """Page-lock an ordinary (page-aligned) allocation for DMA, for every context (PORTABLE) and
+        mapped into the device's address space (DEVICEMAP), and check the driver now sees host memory."""
+        supported, kind = c_int(), c_uint()
+        flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+        with self.scope():
+            self._check(self.lib.cuDeviceGetAttribute(ctypes.pointer(supported),
+                                                      CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED, self._dev),
+                        "cuDeviceGetAttribute")
+            if not supported.value:
+                raise CudaError("this device cannot register host memory (cuMemHostRegister)", 801)
+            self._check(self.lib.cuMemHostRegister_v2(c_void_p(ptr), c_size_t(nbytes), flags),
+                        f"cuMemHostRegister({nbytes} bytes)")
+            self._check(self.lib.cuPointerGetAttribute(ctypes.pointer(kind), CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                                       c_uint64(ptr)), "cuPointerGetAttribute")
         if kind.value != CU_MEMORYTYPE_HOST:
             raise CudaError(f"registered host memory reports memory type {kind.value}", 1)
 
     def unpin(self, ptr: int) -> None:
-        self.current()
-        self.lib.cuMemHostUnregister(c_void_p(ptr))
+        with self.scope():
+            self.lib.cuMemHostUnregister(c_void_p(ptr))
+
+
+class ClientHandleError(InvalidArgument):
+    """A handle a client supplied did not open or could not be waited for: that request's fault,
+    not the device's."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.cuda_code = code
 
 
 _DRIVERS: dict[int, Driver] = {}
+_LOST_LISTENERS: list[Callable[[int, CudaError], None]] = []
 _LOCK = threading.Lock()
+_FORKED = False
 
 
 def driver(device: int = 0) -> Driver:
     """This process's driver binding for ``device`` (loaded on first use)."""
     with _LOCK:
+        if _FORKED:
+            raise FailedPrecondition("CUDA was initialised in this process's parent before it forked; a forked "
+                                     "child cannot use it (start workers with the 'spawn' method)")
         if device not in _DRIVERS:
             _DRIVERS[device] = Driver(load_library(), device)
         return _DRIVERS[device]
+
+
+def on_device_lost(listener: Callable[[int, CudaError], None]) -> Callable[[], None]:
+    """Call ``listener(device, error)`` (from the thread that saw it) when a device reports a sticky
+    error; returns what unsubscribes it."""
+    _LOST_LISTENERS.append(listener)
+    return lambda: _LOST_LISTENERS.remove(listener)
+
+
+def _after_fork_in_child() -> None:
+    global _FORKED
+    if _DRIVERS:  # the parent initialised CUDA: its state is not valid here
+        _FORKED = True
+        _DRIVERS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,11 +1,11 @@
-"""Device memory shared between processes with CUDA IPC (cuda-python runtime API).
+"""Device memory shared between processes with CUDA IPC (through ``cuda_driver``).
 
-The pool is one ``cudaMalloc`` allocation so that its IPC handle names exactly the
+The pool is one ``cuMemAlloc`` allocation so that its IPC handle names exactly the
 pool (torch's caching allocator may hand out a slice of a larger segment). Memory
 is wrapped as a torch tensor through ``__cuda_array_interface__``; the wrapper
-object frees (or closes) the memory when the last tensor over it is gone.
-
-Not exercised on machines without a GPU; see README for what is verified.
+object frees (or closes) the memory when the last tensor over it is gone. On the
+tests' simulator ("device" memory is host memory) the same memory is wrapped as a
+CPU tensor.
 """
 
 from __future__ import annotations
@@ -15,51 +15,35 @@ import ctypes
 import torch
 
 from kvxfer.errors import FailedPrecondition, Internal, InvalidArgument
-from kvxfer.memory.cuda_driver import driver, load_library
+from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES, Driver, driver
 
-IPC_HANDLE_BYTES = 64
 #: The type byte of torch's shared-storage handle (c10's CUDACachingAllocator::shareIpcHandle).
 TORCH_CUDA_MALLOC, TORCH_EXPANDABLE_SEGMENT = b"c", b"e"
 
 
-def _runtime():
-    from cuda.bindings import runtime  # imported lazily: CPU hosts never need it
-
-    return runtime
-
-
-def _check(result: tuple, what: str):
-    err, *values = result
-    rt = _runtime()
-    if err != rt.cudaError_t.cudaSuccess:
-        raise FailedPrecondition(f"{what} failed: {err}")
-    return values[0] if len(values) == 1 else values
-
-
 class _DeviceMemory:
-    """Holds a device pointer and releases it when garbage collected."""
+    """Holds a device pointer and releases it when the last tensor over it is gone."""
 
-    def __init__(self, ptr: int, nbytes: int, device: int, opened_by_ipc: bool) -> None:
-        self.ptr, self.nbytes, self.device, self.opened_by_ipc = ptr, nbytes, device, opened_by_ipc
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
+    def __init__(self, gpu: Driver, ptr: int, nbytes: int, opened_by_ipc: bool) -> None:
+        self.gpu, self.ptr, self.nbytes, self.opened_by_ipc = gpu, ptr, nbytes, opened_by_ipc
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
 
     def __del__(self) -> None:
-        rt = _runtime()
-        with torch.cuda.device(self.device):
-            if self.opened_by_ipc:
-                rt.cudaIpcCloseMemHandle(self.ptr)
-            else:
-                rt.cudaFree(self.ptr)
+        if self.gpu.lost is not None:
+            return  # the context is gone: nothing can be released, and nothing needs to be
+        if self.opened_by_ipc:
+            self.gpu.close_ipc(self.ptr)  # unmaps the importer's view: the exporter's memory can go
+        else:
+            self.gpu.free(self.ptr)
 
 
 def _as_tensor(memory: _DeviceMemory) -> torch.Tensor:
-    tensor = torch.as_tensor(memory, device=f"cuda:{memory.device}")
+    if memory.gpu.host_backed:  # the simulator: its device memory is this process's memory
+        raw = (ctypes.c_uint8 * memory.nbytes).from_address(memory.ptr)
+        raw.owner = memory  # the tensor keeps the array, the array keeps the memory
+        return torch.frombuffer(raw, dtype=torch.uint8)
+    tensor = torch.as_tensor(memory, device=f"cuda:{memory.gpu.device}")
     if tensor.data_ptr() != memory.ptr:
         raise Internal("CUDA array interface made a copy of the pool")
     return tensor
@@ -68,32 +52,42 @@ def _as_tensor(memory: _DeviceMemory) -> torch.Tensor:
 def why_unusable(device: int = 0) -> str | None:
     """Why a CUDA pool cannot be served on ``device`` here, or None when it can."""
     try:
-        import cuda.bindings  # noqa: F401  (cuda-python: allocation and IPC)
-    except ImportError:
-        return "cuda-python is not installed (pip install cuda-python, major version = torch's CUDA)"
-    try:
-        load_library()
+        count = driver(0).device_count()
+        if device >= count:
+            return f"no CUDA device {device} (this machine has {count})"
+        if not driver(device).host_backed and not torch.cuda.is_available():
+            return "torch has no CUDA (torch.cuda.is_available() is False): install a CUDA build of torch"
     except FailedPrecondition as exc:
         return str(exc)
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible (torch.cuda.is_available() is False)"
-    if device >= torch.cuda.device_count():
-        return f"no CUDA device {device} (this machine has {torch.cuda.device_count()})"
     return None
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` is the GPU when one is usable (a device, its driver, a CUDA build of torch), else the CPU;
+    ``cuda[:N]`` where none is usable is a one-line error saying why."""
+    if device == "auto":
+        return "cuda:0" if why_unusable(0) is None else "cpu"
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        reason = why_unusable(index)
+        if reason is not None:
+            raise FailedPrecondition(f"pool device {device}: {reason}")
+    return device
 
 
 def device_uuid(device: int) -> str:
     """The GPU's UUID as nvidia-smi spells it ("GPU-xxxxxxxx-...")."""
-    text = str(torch.cuda.get_device_properties(device).uuid)
-    return text if text.startswith("GPU-") else f"GPU-{text}"
+    return driver(device).uuid()
 
 
 def device_by_uuid(uuid: str) -> int:
     """This process's index of the GPU with ``uuid``; FailedPrecondition if it sees no such GPU
     (a container given another GPU than the daemon's)."""
-    if not torch.cuda.is_available():
-        raise FailedPrecondition(f"the pool lives on GPU {uuid!r}, and this process sees no GPU")
-    seen = [device_uuid(i) for i in range(torch.cuda.device_count())]
+    try:
+        seen = [driver(i).uuid() for i in range(driver(0).device_count())]
+    except FailedPrecondition as exc:
+        raise FailedPrecondition(f"the pool lives on GPU {uuid!r}, and this process cannot use a GPU: {exc}") \
+            from None
     if uuid not in seen:
         raise FailedPrecondition(f"the pool lives on GPU {uuid!r}; this process sees only {seen}: run the engine "
                                  "and the daemon on the same GPU (see README: containers)")
@@ -102,20 +96,21 @@ def device_by_uuid(uuid: str) -> int:
 
 def allocate(nbytes: int, device: int) -> tuple[torch.Tensor, bytes]:
     """A zeroed flat uint8 tensor of ``nbytes`` on ``device`` and its IPC handle."""
-    rt = _runtime()
-    with torch.cuda.device(device):
-        ptr = int(_check(rt.cudaMalloc(nbytes), f"cudaMalloc({nbytes})"))
-        memory = _DeviceMemory(ptr, nbytes, device, opened_by_ipc=False)
-        _check(rt.cudaMemset(ptr, 0, nbytes), "cudaMemset")
-        handle = _check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
-        raw = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
-    return _as_tensor(memory), raw
+    gpu = driver(device)
+    memory = _DeviceMemory(gpu, gpu.alloc(nbytes), nbytes, opened_by_ipc=False)
+    return _as_tensor(memory), gpu.export(memory.ptr)
 
 
 def share_tensor(tensor: torch.Tensor) -> tuple[bytes, int]:
     """The IPC handle of the allocation that holds a CUDA ``tensor`` (from torch's caching
     allocator) and the tensor's byte offset in that allocation."""
-    _device, shared, _size, storage_offset, *_ = tensor.untyped_storage()._share_cuda_()
+    try:
+        _device, shared, _size, storage_offset, *_ = tensor.untyped_storage()._share_cuda_()
+    except RuntimeError as exc:
+        raise FailedPrecondition(
+            f"torch cannot share this tensor by a CUDA IPC handle ({str(exc).splitlines()[0]}): memory mapped with "
+            "cuMemCreate/cuMemMap (vLLM's sleep mode, a custom allocator) has no such handle; allocate the KV "
+            "cache with torch's default allocator (no sleep mode for it), or let the daemon own the pool") from None
     return ipc_handle_from_torch(bytes(shared)), storage_offset + tensor.storage_offset() * tensor.element_size()
 
 
@@ -142,13 +137,10 @@ def open_handle(raw: bytes, nbytes: int, device: int, offset: int = 0) -> torch.
     """Map memory another process exported; ``offset`` bytes into the allocation."""
     if len(raw) != IPC_HANDLE_BYTES:
         raise InvalidArgument(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(raw)}")
-    rt = _runtime()
-    handle = rt.cudaIpcMemHandle_t()
-    ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
-    with torch.cuda.device(device):
-        ptr = int(_check(rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
-    memory = _DeviceMemory(ptr, offset + nbytes, device, opened_by_ipc=True)
-    size = driver(device).allocation_size(ptr)
+    gpu = driver(device)
+    ptr = gpu.open_ipc(raw)  # a handle that does not open (cuMem memory, a freed allocation): InvalidArgument
+    memory = _DeviceMemory(gpu, ptr, offset + nbytes, opened_by_ipc=True)
+    size = gpu.allocation_size(ptr)
     if offset + nbytes > size:  # the memory must hold the declared geometry
         del memory  # closes the handle
         raise InvalidArgument(f"the shared allocation holds {size} bytes; [{offset}, {offset + nbytes}) does not "

@@ -73,9 +73,12 @@ class Pool:
     """
 
     def __init__(self, descriptor: PoolDescriptor, storage: torch.Tensor | None,
-                 owned_file: shm.OwnedFile | None = None, fd: int | None = None) -> None:
+                 owned_file: shm.OwnedFile | None = None, fd: int | None = None,
+                 cuda_device: int | None = None) -> None:
         """``storage``: the mapped bytes, or None for a pool reached through ``fd`` only
-        (``Access.FILE``). ``fd`` is held (and closed at ``close``) when given."""
+        (``Access.FILE``). ``fd`` is held (and closed at ``close``) when given. ``cuda_device``:
+        this process's index of the GPU a CUDA pool lives on."""
+        self._cuda_device = cuda_device
         self.descriptor = descriptor
         self.layout = descriptor.pool_layout
         if storage is not None and storage.numel() != self.layout.nbytes:
@@ -100,10 +103,10 @@ class Pool:
         nbytes = spec.nbytes
         dev = torch.device(device)
         if dev.type == "cuda":
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            index = dev.index or 0
             storage, raw = cuda_mem.allocate(nbytes, index)
             handle = PoolHandle(Medium.CUDA, ipc_handle=raw, device=index, device_uuid=cuda_mem.device_uuid(index))
-            return cls(PoolDescriptor(pool_id, spec, layout, handle), storage)
+            return cls(PoolDescriptor(pool_id, spec, layout, handle), storage, cuda_device=index)
         if dev.type != "cpu":
             raise InvalidArgument(f"pool device must be cpu or cuda[:N], got {device!r}")
         if shm_dir is None:
@@ -137,7 +140,8 @@ class Pool:
             storage = shm.map_file(handle.path, nbytes, handle.offset)
         elif handle.medium is Medium.CUDA:
             device = cuda_mem.device_by_uuid(handle.device_uuid) if handle.device_uuid else handle.device
-            storage = cuda_mem.open_handle(handle.ipc_handle, nbytes, device, handle.offset)
+            return cls(descriptor, cuda_mem.open_handle(handle.ipc_handle, nbytes, device, handle.offset),
+                       cuda_device=device)
         else:
             raise InvalidArgument("a memfd pool is mapped from its descriptor (Pool.from_fd)")
         return cls(descriptor, storage)
@@ -166,9 +170,7 @@ class Pool:
     def cuda_device(self) -> int | None:
         """This process's index of the GPU a CUDA pool lives on (its host tier is pinned for it);
         None on the CPU."""
-        if not self.is_cuda:
-            return None
-        return self.storage.device.index if self.storage is not None else self.descriptor.handle.device
+        return self._cuda_device if self.is_cuda else None
 
     def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_size]``, zero-copy."""

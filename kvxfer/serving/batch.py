@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.memory.cuda_driver import IPC_EVENT_HANDLE_BYTES
+from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES
 from kvxfer.validate import MAX_BATCH_BLOCKS, check_blocks, check_namespace, checked_keys
 
 
@@ -45,8 +45,8 @@ class TransferBatch:
             raise InvalidArgument(f"slots and keys must have the same length ({len(blocks)} != {len(keys)})")
         check_blocks(blocks, num_blocks, limit)
         keys = checked_keys(keys, limit=limit)
-        if ready_event and (kind is not TransferKind.OFFLOAD or len(ready_event) != IPC_EVENT_HANDLE_BYTES):
-            raise InvalidArgument(f"a CUDA event handle has {IPC_EVENT_HANDLE_BYTES} bytes and goes with an offload")
+        if ready_event and (kind is not TransferKind.OFFLOAD or len(ready_event) != IPC_HANDLE_BYTES):
+            raise InvalidArgument(f"a CUDA event handle has {IPC_HANDLE_BYTES} bytes and goes with an offload")
         return cls(kind, namespace, blocks, keys, bytes(ready_event))
 
     @classmethod

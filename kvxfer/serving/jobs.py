@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError, ResourceExhausted
 from kvxfer.serving.batch import TransferBatch
 from kvxfer.serving.manager import PoolManager
 from kvxfer.records import JobStats, Outcome, TransferResult
@@ -252,16 +252,24 @@ class JobRunner:
         while True:
             with self._cond:
                 self._expire(time.monotonic())
-                if self._busy or not self._queue:
+                idle = self._busy or not self._queue
+                if idle:
                     if self._closing and not self._queue and not self._busy:
                         return
                     self._cond.wait(SWEEP_S)
-                    continue
-                job = self._queue.popleft()
-                job.state = JobState.RUNNING
-                self._busy = True
+                else:
+                    job = self._queue.popleft()
+                    job.state = JobState.RUNNING
+                    self._busy = True
+            if idle:
+                self.manager.reap()  # late GPU copies that landed give their slots back
+                continue
             try:
                 job.result = self.manager.run(job.batch, lambda: time.monotonic() > job.expires)
+            except KvxferError as exc:  # refused as a whole (the engine's event handle did not open)
+                log.warning("job refused", extra={"job_id": job.job_id, "kind": job.batch.kind.value,
+                                                  "error": str(exc)})
+                job.result = TransferResult([Outcome.FAILED] * len(job.batch))
             except Exception:  # a bug: report the job failed, keep the pool's queue running
                 log.exception("job failed", extra={"job_id": job.job_id, "kind": job.batch.kind.value})
                 job.result = TransferResult([Outcome.FAILED] * len(job.batch))

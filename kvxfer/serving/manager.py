@@ -14,13 +14,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.memory.pool import Pool
 from kvxfer.records import LookupResult, LookupStats, Outcome, TierStats, TransferResult, TransferStats
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.index.block_index import Plan
 from kvxfer.serving.group import CacheGroup
 from kvxfer.transfer import CopyEngine, engine_for
+from kvxfer.transfer.base import LateCopies
 from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.validate import check_namespace, checked_keys
 
@@ -45,12 +46,13 @@ class PoolManager:
 
     def __init__(self, pool: Pool, group: CacheGroup | int, engine: CopyEngine | None = None,
                  checksum_on_device: bool = True, observer: TransferObserver | None = None,
-                 copy_threads: int = 2) -> None:
+                 copy_threads: int = 2, deadline_s: float = 30.0) -> None:
         """``group``: the cache group the pool joins, or a capacity in blocks for a group of its own.
         ``checksum_on_device``: a GPU pool of a block-major layout has its block checksums computed by
         the device XXH3 behind each copy (else on the host, on ``copy_threads`` threads).
         ``observer``: told of every transfer as it ends (the daemon's metrics).
-        ``copy_threads``: threads of a CPU pool's copy engine (the memory bus wants more than one core)."""
+        ``copy_threads``: threads of a CPU pool's copy engine (the memory bus wants more than one core).
+        ``deadline_s``: how long a GPU copy may take before its job fails (DEADLINE_EXCEEDED)."""
         self.pool = pool
         layout = pool.layout
         if isinstance(group, int):
@@ -59,7 +61,7 @@ class PoolManager:
         self.group = group
         self.host = group.host
         self.index = group.index
-        self.engine = engine or engine_for(pool, self.host, checksum_on_device, copy_threads)
+        self.engine = engine or engine_for(pool, self.host, checksum_on_device, copy_threads, deadline_s)
         self.copier = CheckedCopier(self.engine, self.host)
         self._totals = {TransferKind.OFFLOAD: TransferStats(), TransferKind.RESTORE: TransferStats()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
@@ -102,6 +104,7 @@ class PoolManager:
         slots = plan.slots
         checksums: list[int | None] = [None] * len(slots)
         moved, seconds = 0, 0.0
+        late: LateCopies | None = None
         try:
             if slots:
                 start = time.perf_counter()
@@ -113,11 +116,30 @@ class PoolManager:
                     checksums = done.checksums
                     moved = self._count(TransferKind.OFFLOAD, len(slots), seconds)
                     self.group.write_through(batch.namespace, _at(batch.keys, plan.positions), slots, checksums)
+        except LateCopies as exc:
+            late = exc
+            _set(plan.outcomes, plan.positions, Outcome.DEADLINE_EXCEEDED)
+        except InvalidArgument:  # the engine's event handle: this request's fault, reported as such
+            _set(plan.outcomes, plan.positions, Outcome.FAILED)
+            raise
         except KvxferError:
             _set(plan.outcomes, plan.positions, Outcome.FAILED)
         finally:
-            self.index.complete_store(slots, checksums)  # None checksums: never visible
+            # None checksums: never visible. Slots a late copy may still write stay reserved until it lands.
+            self._complete(slots, late, lambda ready: self.index.complete_store(ready, [None] * len(ready)),
+                           lambda: self.index.complete_store(slots, checksums), restore=False)
         return TransferResult(plan.outcomes, moved, seconds)
+
+    def _complete(self, slots: Sequence[int], late: LateCopies | None, release: Callable[[list[int]], None],
+                  complete: Callable[[], None], restore: bool) -> None:
+        """Complete a transfer's entries: all at once, or, after late copies, those the copies do not
+        touch now and the others once the engine says they landed."""
+        if late is None:
+            complete()
+            return
+        held = set(late.slots)
+        release([s for s in slots if s not in held])
+        self.engine.quarantine(late.handles, lambda: release(late.slots), restore)
 
     def _prepare_load(self, namespace: str, keys: list[bytes]) -> Plan:
         """Pin the host tier's blocks of the batch, then bring the others up from disk and pin them too."""
@@ -140,6 +162,7 @@ class PoolManager:
         slots, positions = plan.slots, plan.positions
         corrupt: set[int] = set()
         moved, seconds = 0, 0.0
+        late: LateCopies | None = None
         try:
             if slots:
                 start = time.perf_counter()
@@ -148,12 +171,16 @@ class PoolManager:
                 _set(plan.outcomes, positions[done.completed:], Outcome.CANCELLED)
                 seconds = time.perf_counter() - start
                 moved = self._count(TransferKind.RESTORE, done.completed - len(corrupt), seconds)
+        except LateCopies as exc:
+            late = exc
+            _set(plan.outcomes, positions, Outcome.DEADLINE_EXCEEDED)
         except KvxferError:
             _set(plan.outcomes, positions, Outcome.FAILED)
         finally:
             # dropped at complete_load; the engine must not read these blocks
             _set(plan.outcomes, [positions[j] for j in corrupt], Outcome.DATA_LOSS)
-            self.index.complete_load(slots, corrupt)
+            self._complete(slots, late, self.index.complete_load, lambda: self.index.complete_load(slots, corrupt),
+                           restore=True)
         return TransferResult(plan.outcomes, moved, seconds)
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
@@ -177,6 +204,14 @@ class PoolManager:
         with self._lock:
             return StoreStats(tiers, self._totals[TransferKind.OFFLOAD], self._totals[TransferKind.RESTORE],
                               dict(self._outcomes), self._lookups)
+
+    def reap(self) -> None:
+        """Release what late GPU copies held, if they have landed (the job runner asks when idle)."""
+        self.engine.reap()
+
+    def close(self) -> None:
+        """Release the copy engine (its streams); the pool itself is its owner's to close."""
+        self.engine.close()
 
     def _count(self, kind: TransferKind, blocks: int, seconds: float) -> int:
         moved = blocks * self.host.slot_bytes

@@ -28,6 +28,7 @@ from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, No
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.handoff import HandOff, HandOffs, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
+from kvxfer.serving.lifetimes import ProcessWatch
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.remote_store import RemoteSettings
@@ -60,6 +61,7 @@ class Limits:
     disk: DiskSettings | None = None  # every cache group's disk tier (None: no disk tier)
     remote: RemoteSettings | None = None  # every cache group's remote tier on Redis (None: none)
     copy_threads: int = 2  # threads of each CPU pool's copy engine
+    gpu_copy_deadline_s: float = 30.0  # a GPU copy not done by then fails its job (DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class PoolRegistry:
         self._groups: dict[str, _Group] = {}
         self._lock = threading.Lock()
         self._job_ids = itertools.count(1)  # job ids are unique across the daemon's pools
+        self._watch = ProcessWatch(self._registrant_exited)
 
     def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
             token: bytes = b"") -> ServedPool:
@@ -130,7 +133,8 @@ class PoolRegistry:
                                           disk=self.limits.disk, remote=self.limits.remote), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
             manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
-                                  observer=self.observer, copy_threads=self.limits.copy_threads)
+                                  observer=self.observer, copy_threads=self.limits.copy_threads,
+                                  deadline_s=self.limits.gpu_copy_deadline_s)
             self._groups[name] = entry
             entry.pools.add(pool_id)
             entry.idle_since = None
@@ -145,7 +149,7 @@ class PoolRegistry:
         shrink it under the daemon) in its cache group (default: its own id)."""
         check_pool_id(pool_id)
         capacity = capacity_blocks(host_capacity_mib, spec.block_bytes)
-        pool = Pool.create(pool_id, spec, layout, device=resolve_device(device), shm_dir=None)
+        pool = Pool.create(pool_id, spec, layout, device=cuda_mem.resolve_device(device), shm_dir=None)
         try:
             return self.add(pool, capacity, cache_group)
         except BaseException:
@@ -172,8 +176,13 @@ class PoolRegistry:
         except BaseException:
             pool.close()
             raise
+        watched = self._watch.watch(pool_id, handoff.pid, handoff.uid)
         log.info("pool registered", extra={"pool": pool_id, "uid": handoff.uid, "pid": handoff.pid,
-                                           "access": pool.access.value, "cache_group": served.cache_group})
+                                           "access": pool.access.value, "cache_group": served.cache_group,
+                                           "ends_with_process": watched})
+        if not watched:
+            log.warning("the registering process cannot be watched (another PID namespace?): the pool is served "
+                        "until it is unregistered", extra={"pool": pool_id, "pid": handoff.pid})
         return served, unregister_token
 
     def _map_registered(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, handoff: HandOff,
@@ -216,14 +225,35 @@ class PoolRegistry:
         if not hmac.compare_digest(token_digest(bytes(token)), served.token_digest):
             raise PermissionDenied(f"pool {shown(ref.pool_id)} was registered by another client: only the "
                                    "registration token it was given unregisters it")
+        self._watch.forget(ref.pool_id)
+        return self._end(served, drain_timeout)
+
+    def _end(self, served: ServedPool, drain_timeout: float) -> int:
+        """Stop serving a registered pool and release its memory (the IPC mapping, the descriptor)."""
+        pool_id = served.descriptor.pool_id
         with self._lock:
-            if self._pools.get(ref.pool_id) is not served:
-                raise FailedPrecondition(f"pool {shown(ref.pool_id)} is being unregistered")
-            del self._pools[ref.pool_id]
+            if self._pools.get(pool_id) is not served:
+                raise FailedPrecondition(f"pool {shown(pool_id)} is being unregistered")
+            del self._pools[pool_id]
         cancelled = served.jobs.close(drain_timeout)
+        served.manager.close()
         served.manager.pool.close()
         self._release(served)
         return cancelled
+
+    def _registrant_exited(self, pool_id: str) -> None:
+        """The process that registered ``pool_id`` exited without unregistering it: nothing may touch
+        its memory any more, and the daemon must not keep it (a GPU's would stay allocated)."""
+        with self._lock:
+            served = self._pools.get(pool_id)
+        if served is None or served.descriptor.owned:
+            return
+        try:
+            cancelled = self._end(served, drain_timeout=0.0)
+        except FailedPrecondition:
+            return  # unregistered meanwhile
+        log.warning("the process that registered a pool exited; the pool is unregistered",
+                    extra={"pool": pool_id, "cancelled_jobs": cancelled, "cache_group": served.cache_group})
 
     def accept_handoff(self, fd: int, uid: int, pid: int) -> bytes:
         """Keep a descriptor a client passed; returns the token RegisterPool presents."""
@@ -301,8 +331,10 @@ class PoolRegistry:
             if group.disk is not None:
                 log.info("host tier written to disk", extra={"cache_group": group.name, "blocks": demoted})
         for s in served:
+            s.manager.close()
             s.manager.pool.close()
         self.handoffs.close()
+        self._watch.close()
 
     # -- internals ---------------------------------------------------------------
     def _release(self, served: ServedPool) -> None:
@@ -342,19 +374,6 @@ def capacity_blocks(mib: float, block_bytes: int) -> int:
     return blocks
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` is the GPU when one is usable (a device, its driver, cuda-python), else the CPU;
-    ``cuda[:N]`` where none is usable is a one-line error saying why."""
-    if device == "auto":
-        return "cuda:0" if cuda_mem.why_unusable(0) is None else "cpu"
-    if device.startswith("cuda"):
-        index = int(device.partition(":")[2] or 0)
-        reason = cuda_mem.why_unusable(index)
-        if reason is not None:
-            raise FailedPrecondition(f"pool device {device}: {reason}")
-    return device
-
-
 def _check_path_names(path: str, dev: int, ino: int) -> None:
     """A registered pool's published path (what other processes map) must name the file handed over."""
     if not path:
@@ -368,4 +387,4 @@ def _check_path_names(path: str, dev: int, ino: int) -> None:
         raise InvalidArgument(f"pool path {shown(path)} does not name the file whose descriptor was handed over")
 
 
-__all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool", "capacity_blocks", "resolve_device"]
+__all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool", "capacity_blocks"]

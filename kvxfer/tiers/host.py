@@ -5,6 +5,7 @@ Bytes only: which slot holds what is the index's business (kvxfer.index).
 
 from __future__ import annotations
 
+import mmap
 import weakref
 
 import numpy as np
@@ -27,15 +28,18 @@ class HostTier(Tier):
         if capacity < 1:
             raise InvalidArgument(f"host tier capacity must be at least 1 block, got {capacity}")
         super().__init__(capacity, slot_bytes)
-        # Allocated once, up front: the tier never grows. Pages are touched now so
-        # that the memory is really there (and counted) before the first offload.
-        self.buffer = torch.zeros((capacity, slot_bytes), dtype=torch.uint8)
+        # Allocated once, up front, in pages of its own (an anonymous mapping: never shares a
+        # page with another allocation, so two tiers never register the same page), populated
+        # now so that the memory is really there (and counted) before the first offload.
+        nbytes = capacity * slot_bytes
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8).view(capacity, slot_bytes)
         self._rows: np.ndarray = self.buffer.numpy()
         if pin_device is not None:
             # Registered in place: torch's pinned allocator would round 100 GB up to 128 GB.
             gpu = driver(pin_device)
-            gpu.pin(self.buffer.data_ptr(), capacity * slot_bytes)
-            weakref.finalize(self, gpu.unpin, self.buffer.data_ptr())
+            gpu.pin(self.buffer.data_ptr(), nbytes)
+            weakref.finalize(self, _unpin, gpu, self.buffer.data_ptr(), self._map)
 
     def write(self, slot: int, data: memoryview) -> None:
         """Store one block's bytes (``slot_bytes`` of them) in ``slot``."""
@@ -49,3 +53,8 @@ class HostTier(Tier):
         """The block checksum (kvxfer.geometry.checksum) of each slot's bytes."""
         rows = self._rows
         return rows_checksums(rows[slot] for slot in slots)
+
+
+def _unpin(gpu, ptr: int, memory: mmap.mmap) -> None:
+    """Unregister a tier's pages; ``memory`` is held until then (the pages must outlive the pin)."""
+    gpu.unpin(ptr)

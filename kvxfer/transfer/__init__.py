@@ -16,21 +16,22 @@ from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.fdcopy import FdCopyEngine
 
 
-def _mapped(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int) -> CopyEngine:
+def _mapped(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, deadline_s: float) -> CopyEngine:
     return CpuCopyEngine(pool.storage, pool.layout, host, threads)
 
 
-def _through_fd(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int) -> CopyEngine:
+def _through_fd(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, deadline_s: float) -> CopyEngine:
     return FdCopyEngine(pool.fd, pool.descriptor.handle.offset, pool.layout, host)
 
 
-def _cuda(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int) -> CopyEngine:
+def _cuda(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, deadline_s: float) -> CopyEngine:
     return CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(pool.cuda_device),
-                          pool=pool.storage if checksum_on_device else None, hash_threads=threads)
+                          deadline_s=deadline_s, pool=pool.storage if checksum_on_device else None,
+                          hash_threads=threads)
 
 
 #: (pool medium, how this process reaches it, tier) -> engine factory.
-ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier, bool, int], CopyEngine]] = {
+ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier, bool, int, float], CopyEngine]] = {
     (Medium.SHM, Access.MAPPED, TierKind.HOST): _mapped,
     (Medium.MEMFD, Access.MAPPED, TierKind.HOST): _mapped,
     (Medium.SHM, Access.FILE, TierKind.HOST): _through_fd,
@@ -39,15 +40,17 @@ ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier, bool, i
 }
 
 
-def engine_for(pool: Pool, host: HostTier, checksum_on_device: bool = True, threads: int = 2) -> CopyEngine:
+def engine_for(pool: Pool, host: HostTier, checksum_on_device: bool = True, threads: int = 2,
+               deadline_s: float = 30.0) -> CopyEngine:
     """The engine for a pool and tier; ``checksum_on_device``: GPU pools hash blocks on the device;
-    ``threads``: a CPU engine's copy threads; a GPU engine's threads hashing tier copies."""
+    ``threads``: a CPU engine's copy threads; a GPU engine's threads hashing tier copies;
+    ``deadline_s``: how long a GPU copy may take."""
     medium = pool.descriptor.handle.medium
     try:
         make = ENGINES[(medium, pool.access, TierKind.HOST)]
     except KeyError:
         raise FailedPrecondition(f"no copy engine between a {medium.value} pool and the host tier") from None
-    return make(pool, host, checksum_on_device, threads)
+    return make(pool, host, checksum_on_device, threads, deadline_s)
 
 
 __all__ = ["CompletedHandle", "CopyBatch", "CopyEngine", "CopyHandle", "Direction", "engine_for", "ENGINES", "FdCopyEngine"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import DeadlineExceeded, KvxferError
 
 
 class Direction(enum.Enum):
@@ -35,8 +35,21 @@ class CopyBatch:
             raise ValueError("a copy batch pairs each block with one slot")
 
 
+class LateCopies(DeadlineExceeded):
+    """Copies missed their deadline and may still land (DMA cannot be recalled). ``slots``: the tier
+    slots they touch, which must not be reused, and ``handles``: theirs, until ``CopyEngine.
+    quarantine`` says they landed."""
+
+    def __init__(self, message: str, slots: list[int], handles: list[CopyHandle]) -> None:
+        super().__init__(message)
+        self.slots, self.handles = slots, handles
+
+
 class CopyHandle(ABC):
     """Completion of one submitted batch."""
+
+    #: Set when the copy missed its deadline and may still be running.
+    late: bool = False
 
     @abstractmethod
     def wait(self) -> list[int] | None:
@@ -108,3 +121,15 @@ class CopyEngine(ABC):
     def describe(self) -> str:
         """What moves the bytes, for the start-up log."""
         return type(self).__name__
+
+    def quarantine(self, handles: list[CopyHandle], release: Callable[[], None], restore: bool) -> None:
+        """Call ``release`` once every one of these late copies has landed. Engines whose copies
+        finish inside ``submit`` never have late copies."""
+        release()
+
+    def reap(self) -> int:
+        """Release what landed late copies held; returns how many are still late."""
+        return 0
+
+    def close(self) -> None:
+        """Release what the engine holds (streams); its late copies' releases run as they land."""

@@ -1,34 +1,42 @@
 """The CUDA copy engine: a copy plan executed with one batched driver call per chunk.
 
 Offload (pool -> pinned host tier) enqueues on the device-to-host stream with the
-source access order STREAM (the pool is live KV: read it in stream order, after
-whatever the stream waited for); restore (host tier -> pool) on the host-to-device
-stream with ANY (the tier bytes are stable). Each direction has its own
-non-blocking stream, each submitted chunk one event; ``wait`` polls the event
+source access order STREAM (the pool is live KV: read it in stream order, after the
+engine's ready event the stream waits for); restore (host tier -> pool) on the
+host-to-device stream with ANY (the tier bytes are stable). Each direction has its
+own non-blocking stream, each submitted chunk one event; ``wait`` polls the event
 (there is no timed wait in CUDA) until it completes or ``deadline_s`` passes.
 Given the pool's tensor, block-major pools have their checksums computed by the
 device XXH3 behind each chunk's copies on the same stream (``stream_hash``);
 otherwise the pipeline hashes the tier copies on the engine's host threads.
 
-A sticky error (the context is broken) puts the engine out of service: every later
-submit fails at once with the same error instead of hanging a client; the pool is
-reported FAILED per block and the daemon keeps serving its other pools.
+Failures (DESIGN.md section 14):
+- A copy past its deadline cannot be recalled: its stream is retired (later chunks get
+  a fresh one, so an engine whose stream recovers is served again), and its tier slots
+  stay reserved (``quarantine``) until its event completes. While a *restore* copy is
+  overdue the pool is out of service: it could still land in the engine's blocks.
+- A sticky error loses the device (``Driver.lost``): every pool on it fails at once.
+- An engine's event handle that does not open is that request's InvalidArgument.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvxfer.errors import DeadlineExceeded, FailedPrecondition, Internal
+from kvxfer.errors import FailedPrecondition, Internal
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import PoolLayout
-from kvxfer.memory.cuda_driver import (CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CudaError,
-                                       Driver)
+from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, \
+    CudaError, Driver
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 from kvxfer.transfer import device_checksum
 from kvxfer.transfer.plan import plan_copies
 from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
@@ -37,13 +45,29 @@ from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
 #: chunk is noticed (an H200 copies 16 MiB in 0.3 ms); 10,000 polls a second cost little.
 POLL_S = (0.00002, 0.0001)
 DEADLINE_S = 30.0
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Stream:
+    handle: object  # the CUstream
+    retired: bool = False  # a copy on it missed its deadline: nothing new goes on it
+
+
+@dataclass(eq=False)
+class _Quarantined:
+    handles: list[CudaHandle]
+    release: Callable[[], None]
+    restore: bool
 
 
 class CudaHandle(CopyHandle):
     """One submitted chunk: its event, polled until done."""
 
-    def __init__(self, engine: CudaCopyEngine, event, deadline_s: float, sums: PendingSums | None = None) -> None:
-        self._engine, self._event, self._deadline = engine, event, time.monotonic() + deadline_s
+    def __init__(self, engine: CudaCopyEngine, stream: _Stream, event, deadline_s: float,
+                 sums: PendingSums | None = None) -> None:
+        self._engine, self._stream, self._event = engine, stream, event
+        self._deadline = time.monotonic() + deadline_s
         self._sums = sums  # the device XXH3 of the chunk's blocks, enqueued behind its copies
         self.calls = 0  # driver calls the submission made (tools and the device check read it)
 
@@ -52,19 +76,35 @@ class CudaHandle(CopyHandle):
         sums, self._sums = self._sums, None
         return sums.result() if sums is not None else None
 
+    def landed(self) -> bool:
+        """Whether a late copy has finished since (its event is then released)."""
+        if self._event is None:
+            return True
+        if not self._engine.driver.done(self._event):
+            return False
+        self._engine.driver.destroy(self._event)
+        self._event = None
+        return True
+
     def _settle(self) -> None:
         if self._event is None:
             return
         driver, sleep = self._engine.driver, POLL_S[0]
-        try:
-            while not self._engine.poll(self._event):
-                if time.monotonic() > self._deadline:
-                    raise DeadlineExceeded("a GPU copy did not complete before its deadline")
-                time.sleep(sleep)
-                sleep = min(sleep * 2, POLL_S[1])
-        finally:
-            driver.destroy(self._event)
-            self._event = None
+        while True:
+            if driver.done(self._event):
+                driver.destroy(self._event)
+                self._event = None
+                return
+            if self._stream.retired:
+                break  # behind a copy on the same stream that missed its deadline
+            if time.monotonic() > self._deadline:
+                self._engine.retire(self._stream)
+                break
+            time.sleep(sleep)
+            sleep = min(sleep * 2, POLL_S[1])
+        self.late = True
+        raise LateCopies("a GPU copy did not complete before its deadline (the engine's ready event never "
+                         "completed, or the GPU is stalled)", [], [self])
 
 
 class CudaCopyEngine(CopyEngine):
@@ -83,8 +123,9 @@ class CudaCopyEngine(CopyEngine):
         self.driver, self.layout, self.host, self.deadline_s = driver, layout, host, deadline_s
         self._pool_ptr = pool_ptr
         self._host_ptr = host.buffer.data_ptr()
-        self._streams = {Direction.TO_HOST: driver.stream(), Direction.TO_POOL: driver.stream()}
-        self._broken: CudaError | None = None
+        self._streams = {Direction.TO_HOST: _Stream(driver.stream()), Direction.TO_POOL: _Stream(driver.stream())}
+        self._late: list[_Quarantined] = []
+        self._lock = threading.Lock()  # the late list: the job thread and the reaper both look
         device_hashed = pool is not None and layout.runs_per_block == 1
         self._hasher = StreamHasher(pool, layout.block_bytes) if device_hashed else None
         self._hash_threads = hash_threads
@@ -123,38 +164,27 @@ class CudaCopyEngine(CopyEngine):
         pool = self._pool_ptr + plan.pool_offsets
         tier = self._host_ptr + plan.tier_offsets
         stream = self._streams[batch.direction]
-        try:
-            if batch.ready_event:
-                self.driver.wait_ipc_event(stream, batch.ready_event)
-            if batch.direction is Direction.TO_HOST:
-                calls = self.driver.copy(tier.tolist(), pool.tolist(), plan.nbytes.tolist(), stream,
-                                         CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-            else:
-                calls = self.driver.copy(pool.tolist(), tier.tolist(), plan.nbytes.tolist(), stream,
-                                         CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
-            sums = self._enqueue_checksums(stream, batch.blocks) if self._hasher is not None else None
-            handle = CudaHandle(self, self.driver.record(stream), self.deadline_s, sums)
-        except CudaError as exc:
-            self._fail(exc)
-            raise
+        if batch.ready_event:  # a handle that does not open fails this request alone, before any copy
+            self.driver.wait_ipc_event(stream.handle, batch.ready_event)
+        if batch.direction is Direction.TO_HOST:
+            calls = self.driver.copy(tier.tolist(), pool.tolist(), plan.nbytes.tolist(), stream.handle,
+                                     CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        else:
+            calls = self.driver.copy(pool.tolist(), tier.tolist(), plan.nbytes.tolist(), stream.handle,
+                                     CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
+        sums = self._enqueue_checksums(stream, batch.blocks) if self._hasher is not None else None
+        handle = CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s, sums)
         handle.calls = calls
         return handle
 
-    def _enqueue_checksums(self, stream, blocks: list[int]) -> PendingSums:
+    def _enqueue_checksums(self, stream: _Stream, blocks: list[int]) -> PendingSums:
         """The device XXH3 behind the copies just enqueued on ``stream``. If it cannot be enqueued,
         those copies land before the error is raised: no copy outlives a failed submit."""
         try:
-            return self._hasher.enqueue(stream.value, blocks)
+            return self._hasher.enqueue(stream.handle.value, blocks)
         except RuntimeError as exc:  # torch or Triton: out of device memory, a failed launch
-            CudaHandle(self, self.driver.record(stream), self.deadline_s).wait()
+            CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s).wait()
             raise Internal(f"the device checksum could not be enqueued: {exc}") from None
-
-    def poll(self, event) -> bool:
-        try:
-            return self.driver.done(event)
-        except CudaError as exc:
-            self._fail(exc)
-            raise
 
     def pool_checksums(self, blocks: list[int]) -> list[int]:
         """The blocks' checksums: on the device where it can (after the restore stream's copies),
@@ -166,16 +196,63 @@ class CudaCopyEngine(CopyEngine):
         plan = plan_copies(self.layout, blocks, list(range(len(blocks))))
         stream = self._streams[Direction.TO_HOST]
         self.driver.copy((scratch.ctypes.data + plan.tier_offsets).tolist(),
-                         (self._pool_ptr + plan.pool_offsets).tolist(), plan.nbytes.tolist(), stream,
+                         (self._pool_ptr + plan.pool_offsets).tolist(), plan.nbytes.tolist(), stream.handle,
                          CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        CudaHandle(self, self.driver.record(stream), self.deadline_s).wait()
+        CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s).wait()
         return rows_checksums(scratch)
 
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise FailedPrecondition(f"the GPU reported a sticky error earlier ({self._broken}); this pool is out of "
-                                     "service until the daemon restarts")
+    # -- late copies ---------------------------------------------------------------------
+    def retire(self, stream: _Stream) -> None:
+        """A copy on ``stream`` missed its deadline: later chunks of that direction get a new stream.
+        The old one is destroyed now; CUDA releases it once its work has run."""
+        with self._lock:
+            if stream.retired:
+                return
+            stream.retired = True
+            for direction, current in self._streams.items():
+                if current is stream:
+                    self._streams[direction] = _Stream(self.driver.stream())
+        self.driver.destroy_stream(stream.handle)
+        log.warning("a GPU copy missed its deadline; its stream is retired and its slots held until it lands",
+                    extra={"deadline_s": self.deadline_s})
 
-    def _fail(self, exc: CudaError) -> None:
-        if exc.sticky:
-            self._broken = exc
+    def quarantine(self, handles: list[CopyHandle], release: Callable[[], None], restore: bool) -> None:
+        with self._lock:
+            self._late.append(_Quarantined(list(handles), release, restore))  # type: ignore[arg-type]
+        self.reap()
+
+    def reap(self) -> int:
+        """Release what late copies held once they have landed; returns how many are still late."""
+        with self._lock:
+            pending = list(self._late)
+        for entry in pending:
+            try:
+                landed = all([h.landed() for h in entry.handles])
+            except CudaError:
+                continue  # the device is lost: the slots stay held, nothing can land any more
+            if landed:
+                with self._lock:
+                    self._late.remove(entry)
+                entry.release()
+                log.info("late GPU copies landed; their slots are released", extra={"restore": entry.restore})
+        with self._lock:
+            return len(self._late)
+
+    def _check_usable(self) -> None:
+        if self.driver.lost is not None:
+            raise FailedPrecondition(f"the GPU reported a sticky error ({self.driver.lost}); every pool on it is out "
+                                     "of service and the daemon exits to be restarted")
+        self.reap()
+        with self._lock:
+            if any(entry.restore for entry in self._late):
+                raise FailedPrecondition("a restore copy into this pool missed its deadline and has not landed yet; "
+                                         "the pool is out of service until it does")
+
+    def close(self) -> None:
+        """Destroy the engine's streams (late copies keep their slots: they may still land)."""
+        if self.driver.lost is not None:
+            return
+        for stream in self._streams.values():
+            if not stream.retired:
+                stream.retired = True
+                self.driver.destroy_stream(stream.handle)

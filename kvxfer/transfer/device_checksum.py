@@ -123,7 +123,7 @@ def merge(lanes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """XXH3's initial lanes (as int64 bits) and its secret, on ``device``."""
     init = torch.tensor(np.array(INIT_LANES, dtype=np.uint64).view(np.int64), device=device)
     return init, torch.tensor(list(SECRET), dtype=torch.uint8, device=device)
@@ -152,7 +152,17 @@ def lanes(data: torch.Tensor, spans: np.ndarray, num_warps: int = NUM_WARPS) -> 
     aligned = data.data_ptr() % 8 == 0 and not (spans % 8).any()
     words = data[:data.numel() // 8 * 8].view(torch.int64) if aligned else data
     out = torch.empty((len(spans), 8), dtype=torch.int64, device=data.device)
-    init, secret = _constants(data.device)
-    _xxh3_lanes_kernel[(len(spans),)](words, torch.from_numpy(spans).to(data.device), init, secret, out,
-                                      ALIGNED=aligned, num_warps=num_warps)
+    init, secret = constants(data.device)
+    _xxh3_lanes_kernel[(len(spans),)](words, _upload(spans, data.device), init, secret, out, ALIGNED=aligned,
+                                      num_warps=num_warps)
     return out
+
+
+def _upload(spans: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The spans on ``device``, in stream order and without a host synchronisation: a copy from
+    pageable memory would wait for the stream (for the engine's ready event: an engine that hangs
+    would hang the submit with it). torch keeps the pinned buffer until the copy has run."""
+    host = torch.from_numpy(spans)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -23,11 +23,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvxfer.errors import Internal
+from kvxfer.errors import Internal, KvxferError
 from kvxfer.index.slots import slot_array
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
-from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 
 #: Bytes per chunk: small enough that a chunk just copied is hashed from the last-level cache.
 CHUNK_BYTES = 4 << 20
@@ -68,7 +68,8 @@ class _Chunk:
 
 class CheckedCopier:
     """Offload and restore with checksums over one engine and its host tier. Raises the copy's error
-    (after every chunk in flight has completed: no bytes move once it returns)."""
+    after every chunk in flight has completed (no bytes move once it returns), or ``LateCopies``
+    naming the chunks that missed their deadline and may still land."""
 
     def __init__(self, engine: CopyEngine, host: HostTier, chunk_bytes: int | None = None) -> None:
         self.engine = engine
@@ -147,6 +148,7 @@ class CheckedCopier:
     def _run(self, n: int, start: Callable[[int, int], _Chunk], finish: Callable[[_Chunk], None],
              cancelled: Callable[[], bool] | None, result: PipelineResult) -> None:
         in_flight: deque[_Chunk] = deque()
+        current: _Chunk | None = None  # the chunk being finished
         try:
             for a in range(0, n, self.chunk):
                 if cancelled is not None and cancelled():
@@ -154,13 +156,25 @@ class CheckedCopier:
                     break
                 in_flight.append(start(a, self.chunk))
                 if len(in_flight) >= self.depth:
-                    finish(in_flight.popleft())
+                    current = in_flight.popleft()
+                    finish(current)
+                    current = None
             while in_flight:
-                finish(in_flight.popleft())
-        finally:
-            for chunk in in_flight:  # an error left these in flight: let them land before returning
-                if chunk.handle is not None:
+                current = in_flight.popleft()
+                finish(current)
+                current = None
+        except KvxferError as exc:
+            # Let every chunk in flight land before returning; those that cannot (past their
+            # deadline) are named with their slots, which must stay reserved until they do.
+            chunks = ([current] if current is not None else []) + list(in_flight)
+            in_flight.clear()
+            for chunk in chunks:
+                if chunk is not current and chunk.handle is not None:
                     chunk.handle.settle()
+            late = [c for c in chunks if c.handle is not None and c.handle.late]
+            if late:
+                raise LateCopies(str(exc), [s for c in late for s in c.slots], [c.handle for c in late]) from None
+            raise
 
 
 def _mismatches(got: list[int], expected: list[int]) -> set[int]:

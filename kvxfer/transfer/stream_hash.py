@@ -44,6 +44,7 @@ class StreamHasher:
     def __init__(self, pool: torch.Tensor, block_bytes: int) -> None:
         self.pool, self.block_bytes = pool, block_bytes
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
+        device_checksum.constants(pool.device)  # now, not in a submit: their upload synchronises
 
     def enqueue(self, stream: int, blocks: Sequence[int]) -> PendingSums:
         """Hash ``blocks`` on ``stream`` (a CUstream address) after what is enqueued there."""

@@ -24,6 +24,7 @@ class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_STATUS_RESOURCE_EXHAUSTED: _ClassVar[BlockStatus]
     BLOCK_STATUS_FAILED: _ClassVar[BlockStatus]
     BLOCK_STATUS_CANCELLED: _ClassVar[BlockStatus]
+    BLOCK_STATUS_DEADLINE_EXCEEDED: _ClassVar[BlockStatus]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -43,6 +44,7 @@ BLOCK_STATUS_DATA_LOSS: BlockStatus
 BLOCK_STATUS_RESOURCE_EXHAUSTED: BlockStatus
 BLOCK_STATUS_FAILED: BlockStatus
 BLOCK_STATUS_CANCELLED: BlockStatus
+BLOCK_STATUS_DEADLINE_EXCEEDED: BlockStatus
 TIER_UNSPECIFIED: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier

@@ -1,244 +1,210 @@
-"""The CUDA copy engine's logic on a CPU: marshalling, polling, errors, cancellation.
+"""The CUDA copy engine on the CUDA simulator (tests/cudasim): streams that really run later, an
+engine in another process writing KV on its own stream, events, contexts of two GPUs.
 
-The driver is FakeCudaLibrary (tests/fake_cuda.py), a ctypes stand-in that performs
-the copies on host memory; what only a GPU can show runs in ``kvxfer devcheck``.
+What only a GPU can show (bandwidth, the device XXH3 as compiled) runs in ``kvxfer devcheck``.
 """
 
-import json
-import subprocess
+import threading
+import time
 
 import pytest
 import torch
 
-from kvxfer.devcheck.plot import plot
-from kvxfer.errors import DeadlineExceeded, FailedPrecondition
-from kvxfer.geometry.checksum import rows_checksums
-from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
-from kvxfer.memory.cuda_driver import (CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                                       CU_STREAM_NON_BLOCKING, CudaError, Driver, load_library)
-from kvxfer.memory.cuda_mem import ipc_handle_from_torch
+from kvxfer.errors import InvalidArgument
+from kvxfer.geometry.layout import PRESETS, KVSpec
+from kvxfer.memory import cuda_driver
+from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, Driver
 from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome
-from kvxfer.serving.batch import TransferBatch
+from kvxfer.serving.batch import TransferBatch, TransferKind
+from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, Direction
 from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.plan import plan_copies
-from tests.conftest import PYTHON, ROOT, python_env
-from tests.fake_cuda import FakeCudaLibrary
+from tests.cudasim.engine import SimEngine
 
 SPEC = KVSpec(3, 24, 4, 2, 8, torch.float16)  # 768 B blocks
+SPAN = 768
 
 
-def _engine(layout: str, lib: FakeCudaLibrary, capacity: int = 16, **kw):
-    pl = PoolLayout(SPEC, PRESETS[layout])
-    pool = torch.randint(0, 256, (pl.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    host = HostTier(capacity, pl.block_bytes)
-    return pl, pool, host, CudaCopyEngine(pool.data_ptr(), pl, host, Driver(lib), **kw)
+def gpu_pool(name: str, device: int = 0, layout: str = "BLHNC", capacity: int = 16, on_device: bool = False,
+             deadline_s: float = 30.0) -> PoolManager:
+    """A daemon-owned pool on simulated GPU ``device`` with its pinned host tier, as the registry builds it."""
+    pool = Pool.create(name, SPEC, PRESETS[layout], device=f"cuda:{device}")
+    group = CacheGroup(name, pool.layout, capacity, pin_device=device)
+    engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, group.host, cuda_driver.driver(device),
+                            deadline_s=deadline_s, pool=pool.storage if on_device else None)
+    return PoolManager(pool, group, engine=engine)
+
+
+def fill(manager: PoolManager, seed: int = 3) -> torch.Tensor:
+    """Random KV in the whole pool (written before any copy is enqueued)."""
+    data = torch.randint(0, 256, (manager.pool.layout.nbytes,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+    manager.pool.storage.copy_(data)
+    return data
+
+
+def offload(manager: PoolManager, blocks: list[int], keys: list[bytes], event: bytes = b"") -> list[Outcome]:
+    batch = TransferBatch.build(TransferKind.OFFLOAD, "ns", blocks, keys, SPEC.num_blocks, ready_event=event)
+    return manager.run(batch).outcomes
 
 
 @pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "LHBNC"])
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "looped"])
-def test_the_plan_reaches_the_driver_whole_and_moves_the_same_bytes(layout, batched):
-    lib = FakeCudaLibrary(batched=batched)
-    pl, pool, host, engine = _engine(layout, lib)
+def test_the_plan_reaches_the_driver_whole_and_moves_the_same_bytes(cuda_sim, layout, batched):
+    pool = Pool.create("p", SPEC, PRESETS[layout], device="cuda:0")
+    data = torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8)
+    pool.storage.copy_(data)
+    host = HostTier(16, pool.layout.block_bytes, pin_device=0)
+    engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, Driver(cuda_sim, use_batch=batched))
     blocks, slots = [7, 3, 4, 5, 20], [2, 9, 10, 11, 0]
+    cuda_sim.calls.clear()
     handle = engine.submit(CopyBatch(Direction.TO_HOST, blocks, slots))
     handle.wait()
-    reference = HostTier(16, pl.block_bytes)
-    CpuCopyEngine(pool.clone(), pl, reference).submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
+    reference = HostTier(16, pool.layout.block_bytes)
+    CpuCopyEngine(data.clone(), pool.layout, reference).submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
     assert torch.equal(host.buffer, reference.buffer)
-    descriptors = len(plan_copies(pl, blocks, slots))
-    copies = [c for c in lib.calls if c[0] in ("cuMemcpyBatchAsync", "cuMemcpyAsync")]
-    if batched:  # one call carrying every descriptor, in stream order for live KV
-        assert handle.calls == 1 and copies == [("cuMemcpyBatchAsync", copies[0][1], descriptors,
-                                                 (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,) * descriptors)]
-    else:
-        assert handle.calls == descriptors == len(copies)
+    descriptors = len(plan_copies(pool.layout, blocks, slots))
+    copies = [c for c in cuda_sim.calls if c in ("cuMemcpyBatchAsync", "cuMemcpyAsync")]
+    assert copies == (["cuMemcpyBatchAsync"] if batched else ["cuMemcpyAsync"] * descriptors)
+    assert handle.calls == (1 if batched else descriptors)
     back = list(reversed(blocks))
     engine.submit(CopyBatch(Direction.TO_POOL, back, slots)).wait()
-    expected = pool.clone()
-    CpuCopyEngine(expected, pl, reference).submit(CopyBatch(Direction.TO_POOL, back, slots)).wait()
-    assert torch.equal(pool, expected)
-    streams = {c[1] for c in lib.calls if c[0] in ("cuMemcpyBatchAsync", "cuMemcpyAsync")}
-    assert len(streams) == 2 and all(lib.streams[s] == CU_STREAM_NON_BLOCKING for s in streams)
-    if batched:
-        restored = len(plan_copies(pl, back, slots))
-        assert lib.calls[-1][3] == (CU_MEMCPY_SRC_ACCESS_ORDER_ANY,) * restored  # the tier bytes are stable
+    expected = data.clone()
+    CpuCopyEngine(expected, pool.layout, reference).submit(CopyBatch(Direction.TO_POOL, back, slots)).wait()
+    assert torch.equal(pool.storage, expected)
+    assert cuda_sim.pageable_copies == 0 and not cuda_sim.violations  # pinned tier, no legacy stream
+    assert CU_MEMCPY_SRC_ACCESS_ORDER_STREAM != CU_MEMCPY_SRC_ACCESS_ORDER_ANY
 
 
-def test_completion_is_polled_and_bounded_by_a_deadline():
-    lib = FakeCudaLibrary(not_ready_polls=5)
-    _, _, host, engine = _engine("BLHNC", lib)
-    engine.submit(CopyBatch(Direction.TO_HOST, [1, 2], [0, 1])).wait()  # five NOT_READY, then done
-    lib.not_ready_polls = 10**9
-    _, _, _, slow = _engine("BLHNC", lib, deadline_s=0.05)
-    with pytest.raises(DeadlineExceeded):
-        slow.submit(CopyBatch(Direction.TO_HOST, [1], [0])).wait()
+def test_an_offload_waits_for_the_engines_event_and_without_it_reads_old_bytes(cuda_sim):
+    """Not a stub: the engine (another process) writes block 3 on its stream 0.3 s late. Without its
+    event the daemon's copy captures the old bytes (the bug every GPU engine would hit); with it, the new."""
+    manager = gpu_pool("g")
+    engine = SimEngine(cuda_sim.region.path)
+    try:
+        engine("open", handle=manager.pool.descriptor.handle.ipc_handle.hex())
+        engine.forward(3 * SPAN, SPAN, 0x5A, delay_s=0.3)  # the forward pass, still running
+        assert offload(manager, [3], [b"early"]) == [Outcome.DONE]
+        assert bool((manager.host.buffer[manager.index.locate("ns", b"early")] == 0).all())  # stale KV stored
+        event = engine.forward(4 * SPAN, SPAN, 0x6B, delay_s=0.3)
+        assert offload(manager, [4], [b"late"], event) == [Outcome.DONE]
+        assert bool((manager.host.buffer[manager.index.locate("ns", b"late")] == 0x6B).all())
+        assert not cuda_sim.violations
+    finally:
+        engine.close()
 
 
-def test_a_sticky_error_takes_the_pool_out_of_service_and_never_hangs():
-    lib = FakeCudaLibrary()
-    _, _, _, engine = _engine("BLHNC", lib)
-    handle = engine.submit(CopyBatch(Direction.TO_HOST, [1], [0]))
-    lib.query_error = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
-    with pytest.raises(CudaError, match="ILLEGAL_ADDRESS"):
-        handle.wait()
-    lib.query_error = 0
-    with pytest.raises(FailedPrecondition, match="out of service"):
-        engine.submit(CopyBatch(Direction.TO_HOST, [2], [1]))
-    lib2 = FakeCudaLibrary()
-    _, _, _, other = _engine("BLHNC", lib2)
-    lib2.batch_error = 1  # invalid value: this batch fails, the engine stays usable
-    with pytest.raises(CudaError, match="INVALID_VALUE"):
-        other.submit(CopyBatch(Direction.TO_HOST, [1], [0]))
-    lib2.batch_error = 0
-    other.submit(CopyBatch(Direction.TO_HOST, [1], [0])).wait()
+def test_two_gpus_served_by_the_same_threads_keep_their_contexts(cuda_sim):
+    """A pool per GPU, used alternately from one thread, with a torch-like device switch between."""
+    first, second = gpu_pool("a", device=0), gpu_pool("b", device=1)
+    data = [fill(first, 1), fill(second, 2)]
+    other = cuda_driver.driver(1)
+    for round_ in range(3):
+        for i, manager in enumerate((first, second)):
+            cuda_sim.cuCtxSetCurrent(other._ctx if i == 0 else cuda_driver.driver(0)._ctx)  # torch.cuda.set_device
+            key = b"k%d" % round_
+            assert offload(manager, [1 + round_], [key]) == [Outcome.DONE]
+            assert manager.restore("ns", [(key, 10 + round_)]).outcomes == [Outcome.DONE]
+            got = manager.pool.storage[(10 + round_) * SPAN:(11 + round_) * SPAN]
+            assert torch.equal(got, data[i][(1 + round_) * SPAN:(2 + round_) * SPAN])
+    assert not cuda_sim.violations and first.engine.driver.lost is None
 
 
-def test_offload_waits_for_the_engines_event_and_cancels_between_chunks(shm_dir):
-    lib = FakeCudaLibrary(not_ready_polls=1)
-    with Pool.create("g", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir) as pool:
-        pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
-        host = HostTier(20, pool.layout.block_bytes)
-        from kvxfer.serving.group import CacheGroup
-
-        group = CacheGroup("g", pool.layout, 20)
-        group.host = host
-        manager = PoolManager(pool, group, engine=CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host,
-                                                                  Driver(lib)))
-        manager.copier.chunk = 2  # blocks per chunk
-        event = bytes(range(64))
-        batch = TransferBatch.build(TransferBatch.offload("ns", [(1, b"a")], 24).kind, "ns", [1, 2, 3, 4, 5],
-                                    [b"a", b"b", b"c", b"d", b"e"], 24, ready_event=event)
-        assert manager.run(batch).outcomes == [Outcome.DONE] * 5
-        opened = [c for c in lib.calls if c[0] == "cuIpcOpenEventHandle"]
-        assert opened == [("cuIpcOpenEventHandle", event)]  # once: later chunks follow on the same stream
-        waits = [i for i, c in enumerate(lib.calls) if c[0] == "cuStreamWaitEvent"]
-        first_copy = next(i for i, c in enumerate(lib.calls) if c[0] == "cuMemcpyBatchAsync")
-        assert waits and waits[0] < first_copy
-        answers = iter([False, True, True, True])
-        cancelled = manager.offload("ns", [(6, b"f"), (7, b"g"), (8, b"h"), (9, b"i"), (10, b"j")],
-                                    cancelled=lambda: next(answers))
-        assert cancelled.outcomes == [Outcome.CANCELLED] * 5 and manager.lookup("ns", [b"f"]).hits == 0
-        assert manager.index.stats().pinned == 0
-        restored = manager.restore("ns", [(b"c", 20), (b"d", 21)])
-        assert restored.outcomes == [Outcome.DONE] * 2
-        assert torch.equal(pool.storage[20 * 768:22 * 768], pool.storage[3 * 768:5 * 768])
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-hash", "device-xxh3"])
+def test_checksums_of_a_dma_engines_copies_catch_corruption(cuda_sim, on_device, monkeypatch):
+    """Tier copies hashed on the host, or blocks hashed by the device XXH3 behind their copies (Triton's
+    interpreter here, once the simulated copies have run)."""
+    manager = gpu_pool("h", capacity=20, on_device=on_device)
+    data = fill(manager)
+    manager.copier.chunk = 4  # blocks per chunk: several chunks in flight, one partial
+    assert manager.engine.hashes_copies is on_device
+    if on_device:  # no host pass at all
+        monkeypatch.setattr(manager.copier, "_tier_checksums", None)
+    keys = [b"k%d" % b for b in range(1, 11)]
+    assert offload(manager, list(range(1, 11)), keys) == [Outcome.DONE] * 10
+    slots = [manager.index.locate("ns", k) for k in keys]
+    manager.host.buffer[slots[6], 5] ^= 1  # a bit flips in the tier
+    restored = manager.restore("ns", list(zip(keys, range(11, 21))))
+    assert restored.outcomes == [Outcome.DONE] * 6 + [Outcome.DATA_LOSS] + [Outcome.DONE] * 3
+    assert torch.equal(manager.pool.storage[11 * SPAN:17 * SPAN], data[SPAN:7 * SPAN])
+    assert manager.lookup("ns", [keys[6]]).hits == 0  # the corrupt entry is dropped
 
 
-@pytest.mark.parametrize("hash_threads,on_device", [(1, False), (3, False), (1, True)],
-                         ids=["host-1-thread", "host-3-threads", "device-xxh3"])
-def test_checksums_of_a_dma_engines_copies_catch_corruption(shm_dir, monkeypatch, hash_threads, on_device):
-    """Tier copies hashed on the engine's host threads, or blocks hashed by the device XXH3 behind
-    their copies (under Triton's interpreter here, when the fake's copies have landed)."""
-    with Pool.create("h", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir) as pool:
-        pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
-        from kvxfer.serving.group import CacheGroup
+def test_a_device_checksum_that_cannot_be_enqueued_fails_the_chunk_after_its_copies_land(cuda_sim, monkeypatch):
+    manager = gpu_pool("f", on_device=True)
 
-        group = CacheGroup("h", pool.layout, 20)
-        engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, group.host, Driver(FakeCudaLibrary()),
-                                pool=pool.storage if on_device else None, hash_threads=hash_threads)
-        manager = PoolManager(pool, group, engine=engine)
-        manager.copier.chunk = 4  # blocks per chunk: several chunks, one partial
-        assert engine.hashes_copies is on_device
-        rows = group.host.buffer.numpy()
-        if on_device:  # no host pass at all
-            monkeypatch.setattr(manager.copier, "_tier_checksums", None)
-        keys = [b"k%d" % b for b in range(1, 11)]
-        assert manager.offload("ns", list(zip(range(1, 11), keys))).outcomes == [Outcome.DONE] * 10
-        slots = [manager.index.locate("ns", k) for k in keys]
-        if not on_device:
-            assert manager.copier._tier_checksums(slots) == rows_checksums(rows[s] for s in slots)
-        rows[slots[6]][5] ^= 1  # a bit flips in the tier
-        restored = manager.restore("ns", list(zip(keys, range(11, 21))))
-        assert restored.outcomes == [Outcome.DONE] * 6 + [Outcome.DATA_LOSS] + [Outcome.DONE] * 3
-        span = pool.layout.block_bytes
-        assert torch.equal(pool.storage[11 * span:17 * span], pool.storage[span:7 * span])
-        assert manager.lookup("ns", [keys[6]]).hits == 0  # the corrupt entry is dropped
+    def out_of_memory(stream, blocks):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(manager.engine._hasher, "enqueue", out_of_memory)
+    assert offload(manager, [1, 2], [b"a", b"b"]) == [Outcome.FAILED] * 2
+    assert all(s.idle() for s in cuda_sim.streams.values())  # the chunk's copies ran before the error came back
+    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.index.stats().pinned == 0
 
 
-def test_a_device_checksum_that_cannot_be_enqueued_fails_the_chunk_after_its_copies_land(shm_dir, monkeypatch):
-    lib = FakeCudaLibrary()
-    with Pool.create("f", SPEC, PRESETS["BLHNC"], shm_dir=shm_dir) as pool:
-        from kvxfer.serving.group import CacheGroup
-
-        group = CacheGroup("f", pool.layout, 8)
-        engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, group.host, Driver(lib), pool=pool.storage)
-        manager = PoolManager(pool, group, engine=engine)
-
-        def out_of_memory(stream, blocks):
-            raise torch.OutOfMemoryError("CUDA out of memory")
-
-        monkeypatch.setattr(manager.engine._hasher, "enqueue", out_of_memory)
-        assert manager.offload("ns", [(1, b"a"), (2, b"b")]).outcomes == [Outcome.FAILED] * 2
-        assert not any(lib.pending.values())  # the chunk's copies landed before the error was raised
-        assert manager.lookup("ns", [b"a"]).hits == 0 and manager.index.stats().pinned == 0
+def test_cancellation_between_chunks_publishes_nothing(cuda_sim):
+    manager = gpu_pool("c", capacity=20)
+    fill(manager)
+    manager.copier.chunk = 2
+    answers = iter([False, True, True, True])
+    result = manager.offload("ns", [(6, b"f"), (7, b"g"), (8, b"h"), (9, b"i"), (10, b"j")],
+                             cancelled=lambda: next(answers))
+    assert result.outcomes == [Outcome.CANCELLED] * 5 and manager.lookup("ns", [b"f"]).hits == 0
+    assert manager.index.stats().pinned == 0
 
 
-def test_torchs_shared_storage_handle_yields_the_cuda_ipc_handle():
-    """torch 2.x prefixes a version and a type byte (seen on an H200: 66 bytes from torch 2.11)."""
-    handle = bytes(range(64))
-    assert ipc_handle_from_torch(handle) == handle  # older torch: the bare handle
-    for version in (1, 2, 3):
-        assert ipc_handle_from_torch(bytes([version]) + b"c" + handle) == handle
-    with pytest.raises(FailedPrecondition, match="expandable_segments:False"):
-        ipc_handle_from_torch(b"\x02e" + bytes(100))
-    with pytest.raises(FailedPrecondition, match="does not know"):
-        ipc_handle_from_torch(b"\x02x" + handle)
+def test_a_bad_event_handle_fails_its_request_alone(cuda_sim):
+    manager, other = gpu_pool("x"), gpu_pool("y")
+    fill(manager)
+    engine = SimEngine(cuda_sim.region.path)
+    try:
+        engine("open", handle=manager.pool.descriptor.handle.ipc_handle.hex())
+        stale = engine.forward(0, SPAN, 1)
+        engine("sync")
+        engine("destroy")  # its creator destroyed the event: INVALID_HANDLE, not a broken device
+    finally:
+        engine.close()
+    for bad in (bytes(64), stale):  # not a handle the driver knows; a stale one
+        with pytest.raises(InvalidArgument, match="engine's CUDA event"):
+            offload(manager, [1], [b"a"], bad)
+    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.index.stats().pinned == 0
+    assert offload(manager, [1], [b"a"]) == [Outcome.DONE]  # the pool serves on
+    assert offload(other, [1], [b"a"]) == [Outcome.DONE]
+    assert manager.engine.driver.lost is None
 
 
-def test_pinning_registers_in_place_and_checks_the_memory_type():
-    lib = FakeCudaLibrary()
-    driver = Driver(lib)
-    buffer = torch.zeros(1000, dtype=torch.uint8)
-    driver.pin(buffer.data_ptr(), 1000)
-    assert lib.registered == {buffer.data_ptr(): 1000}  # exactly the size asked for: no rounding up
-    driver.unpin(buffer.data_ptr())
-    assert lib.registered == {}
+def test_submitting_behind_a_hung_engine_stream_never_blocks(cuda_sim):
+    """The engine's stream hangs (an NCCL peer that never arrives): the offload's job ends in
+    DEADLINE_EXCEEDED at its deadline, the submit itself returned at once, and another pool serves
+    meanwhile."""
+    manager, other = gpu_pool("hung", deadline_s=0.5), gpu_pool("fine", device=1)
+    fill(manager)
+    engine = SimEngine(cuda_sim.region.path)
+    try:
+        engine("open", handle=manager.pool.descriptor.handle.ipc_handle.hex())
+        event = engine.forward(2 * SPAN, SPAN, 0x11, hang=True)
+        submitted = []
+        real_submit = manager.engine.submit
 
+        def timed(batch):
+            start = time.monotonic()
+            handle = real_submit(batch)
+            submitted.append(time.monotonic() - start)
+            return handle
 
-def test_no_driver_no_device_is_a_clear_error():
-    with pytest.raises(FailedPrecondition, match="no CUDA driver"):
-        load_library("libcuda-not-here.so.1")
-
-
-def test_devcheck_without_a_gpu_says_so_and_exits_3(tmp_path):
-    proc = subprocess.run([PYTHON, "-m", "kvxfer.devcheck", "--out", str(tmp_path)], env=python_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 3, proc.stderr
-    assert len(proc.stdout.strip().splitlines()) == 1 and "no GPU" in proc.stdout
-
-
-def test_a_cuda_handle_and_its_gpu_uuid_survive_the_wire():
-    from kvxfer import wire
-    from kvxfer.memory.pool import PoolDescriptor, PoolHandle
-    from kvxfer.records import Medium
-
-    handle = PoolHandle(Medium.CUDA, ipc_handle=bytes(range(64)), device=3, offset=4096,
-                        device_uuid="GPU-6f1d2c3b-0000-1111-2222-333344445555")
-    desc = PoolDescriptor("gpu0", SPEC, PRESETS["BLHNC"], handle, epoch=77, owned=False)
-    back = wire.descriptor_from_pb(wire.pb.PoolInfo.FromString(wire.pool_info(desc).SerializeToString()))
-    assert back == desc and back.handle.device_uuid.startswith("GPU-")
-
-
-@pytest.mark.parametrize("layout", sorted(PRESETS))
-def test_gpu_views_have_the_cpu_views_strides_and_offsets(layout):
-    """The views an engine builds over a CUDA pool (checked on the meta device: same code path,
-    no memory) have exactly the shapes, strides and offsets of the CPU pool's views."""
-    pl = PoolLayout(SPEC, PRESETS[layout])
-    cpu = pl.views(torch.zeros(pl.nbytes, dtype=torch.uint8))
-    meta = pl.views(torch.empty(pl.nbytes, dtype=torch.uint8, device="meta"))
-    for (kc, vc), (km, vm) in zip(cpu, meta):
-        for c, m in ((kc, km), (vc, vm)):
-            assert (c.shape, c.stride(), c.storage_offset(), c.dtype) == (m.shape, m.stride(), m.storage_offset(),
-                                                                        m.dtype)
-
-
-def test_devcheck_plots_a_recorded_run(tmp_path):
-    report = json.loads((ROOT / "docs" / "devcheck" / "2026-11-30-3-device-checksums.json").read_text())
-    assert plot(report, str(tmp_path / "bandwidth.png"))
-    assert (tmp_path / "bandwidth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not plot({"stages": []}, str(tmp_path / "none.png"))  # the bandwidth stage did not run
+        manager.engine.submit = timed
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(offload(manager, [2], [b"h"], event)))
+        worker.start()
+        assert offload(other, [5], [b"o"]) == [Outcome.DONE]  # while the first waits on the GPU
+        worker.join(timeout=10)
+        assert result == [[Outcome.DEADLINE_EXCEEDED]] and submitted[0] < 0.2
+        assert offload(manager, [3], [b"next"]) == [Outcome.DONE]  # a fresh stream: the pool serves on
+        engine("release")
+    finally:
+        engine.close()

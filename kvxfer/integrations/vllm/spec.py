@@ -20,7 +20,7 @@ from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames
 from kvxfer.integrations.vllm.registration import check_memory, register_rank
-from kvxfer.integrations.vllm.worker import KvxferWorker
+from kvxfer.integrations.vllm.worker import KvxferWorker, cuda_ready_event, no_event
 
 log = logging.getLogger("kvxfer.vllm")
 
@@ -85,8 +85,9 @@ class KvxferOffloadingSpec(OffloadingSpec):
                           role=f"worker rank {self.rank}", on_connect=on_connect)
         log.info("kvxfer: rank %d serves its KV cache (%d blocks of %d bytes, %s) as pool %s",
                  self.rank, self.names.spec.num_blocks, expected.block_bytes, self.names.layout.spelled, pool_id)
+        ready = cuda_ready_event(kv.device) if kv.device.type == "cuda" else no_event
         self.worker = KvxferWorker(link, pool_id, lease_s=self.settings.lease_s,
-                                    flush_wait_s=self.settings.flush_wait_s)
+                                    flush_wait_s=self.settings.flush_wait_s, ready_event=ready)
         try:
             link.call(lambda client: None)  # register now if the daemon is up; later otherwise
         except (LinkDown, KvxferError) as exc:  # vLLM starts anyway and registers when the daemon is there

@@ -1,6 +1,9 @@
 """The worker side: vLLM's offloads and loads as the daemon's asynchronous jobs on this rank's pool.
 
-A store is an Offload job and a load a Restore job (``wait=False``); ``get_finished``
+A store is an Offload job and a load a Restore job (``wait=False``). On a GPU each store
+carries an interprocess event recorded on vLLM's current stream behind the forward pass
+that writes its blocks: the daemon's copy waits for it on the GPU (with asynchronous
+scheduling the pass may still be running when the store is submitted). ``get_finished``
 collects them with one non-blocking WaitJobs. vLLM's connector treats every job as a
 success, so failures are reported the way vLLM recomputes them: a load's blocks that
 did not come back DONE (NOT_FOUND, DATA_LOSS, FAILED, CANCELLED) are returned by
@@ -24,11 +27,14 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
-from kvxfer.client import SUCCESS, Client
+from kvxfer.client import SUCCESS, Client, CudaEvent
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.manager import KvxferBlocks
@@ -47,6 +53,24 @@ class _Job:
     job_id: int  # vLLM's
     direction: Direction
     blocks: list[int]
+    event: CudaEvent = None  # a store's readiness on the GPU: alive until the job ends
+
+
+def no_event() -> CudaEvent:
+    """A CPU pool's readiness: vLLM's forward pass has written the blocks when it returns."""
+    return None
+
+
+def cuda_ready_event(device: torch.device) -> Callable[[], CudaEvent]:
+    """A GPU pool's readiness: an interprocess event recorded on vLLM's current stream, behind the
+    forward pass that writes the blocks (with asynchronous scheduling it may still be running)."""
+
+    def record() -> CudaEvent:
+        event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    return record
 
 
 FENCE_NAMESPACE = "kvxfer-fence"
@@ -56,8 +80,11 @@ FENCE_KEY = b"kvxfer-fence"  # never stored: its restore finds nothing and write
 class KvxferWorker(OffloadingWorker):
     """Submits this rank's transfers to the daemon and reports them as vLLM expects."""
 
-    def __init__(self, link: DaemonLink, pool_id: str, *, lease_s: float, flush_wait_s: float) -> None:
+    def __init__(self, link: DaemonLink, pool_id: str, *, lease_s: float, flush_wait_s: float,
+                 ready_event: Callable[[], CudaEvent] = no_event) -> None:
+        """``ready_event``: makes the event each store's copy waits for (``cuda_ready_event`` for a GPU pool)."""
         self._link = link
+        self._ready_event = ready_event
         self._pool_id = pool_id
         self._lease_s = lease_s
         self._flush_wait_s = flush_wait_s
@@ -74,9 +101,10 @@ class KvxferWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvxferBlocks)
         blocks = src_spec.block_ids.tolist()
-        self._submit(_Job(job_id, Direction.STORE, blocks),
-                     lambda c: c.submit_offload(list(zip(blocks, dst_spec.keys)), pool_id=self._pool_id,
-                                                namespace=dst_spec.namespace, lease_s=self._lease_s))
+        job = _Job(job_id, Direction.STORE, blocks, self._ready_event())
+        self._submit(job, lambda c: c.submit_offload(list(zip(blocks, dst_spec.keys)), pool_id=self._pool_id,
+                                                     namespace=dst_spec.namespace, lease_s=self._lease_s,
+                                                     cuda_event=job.event))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
@@ -177,6 +205,7 @@ class KvxferWorker(OffloadingWorker):
         self._uncertain, self._strays, self._fence = [], {}, None
 
     def _end(self, job: _Job, outcomes: list[Outcome] | None, nbytes: int = 0, seconds: float = 0.0) -> None:
+        job.event = None  # the daemon's copy has run (or never will): the event may go
         failed = job.blocks if outcomes is None else [b for b, o in zip(job.blocks, outcomes) if o not in SUCCESS]
         if job.direction is Direction.LOAD:
             self._load_errors.update(failed)

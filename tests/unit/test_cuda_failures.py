@@ -1,0 +1,147 @@
+"""The GPU path's failures on the CUDA simulator: late copies, sticky errors, lifetimes of
+registered pools, streams and pinned memory. Each test fails on the code before issue 25."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from kvxfer.errors import FailedPrecondition, InvalidArgument
+from kvxfer.geometry.layout import PRESETS
+from kvxfer.memory import cuda_driver, cuda_mem
+from kvxfer.memory.cuda_driver import CU_MEMHOSTREGISTER_DEVICEMAP, CU_MEMHOSTREGISTER_PORTABLE
+from kvxfer.memory.pool import PoolHandle
+from kvxfer.records import Medium, Outcome
+from kvxfer.serving.registry import Limits, PoolRegistry
+from kvxfer.tiers.host import HostTier
+from tests.cudasim.engine import SimEngine
+from tests.unit.test_cuda_engine import SPAN, SPEC, fill, gpu_pool, offload
+
+
+def _until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_slots_of_an_offload_past_its_deadline_stay_reserved_until_its_copy_lands(cuda_sim):
+    """A late copy cannot be recalled: were its tier slots reused, it would overwrite a later job's bytes."""
+    manager = gpu_pool("q", capacity=4, deadline_s=0.3)
+    data = fill(manager)
+    engine = SimEngine(cuda_sim.region.path)
+    try:
+        engine("open", handle=manager.pool.descriptor.handle.ipc_handle.hex())
+        event = engine.forward(1 * SPAN, SPAN, 0x77, hang=True)  # the engine's stream hangs
+        assert offload(manager, [1, 2], [b"a", b"b"], event) == [Outcome.DEADLINE_EXCEEDED] * 2
+        assert manager.index.stats().pinned == 2  # held, invisible
+        assert offload(manager, [5, 6], [b"c", b"d"]) == [Outcome.DONE] * 2  # the two other slots
+        free = {manager.index.locate("ns", k) for k in (b"c", b"d")}
+        assert offload(manager, [7], [b"e"]) == [Outcome.DONE]  # evicts c: never a held slot
+        assert manager.index.locate("ns", b"e") in free
+        engine("release")  # the engine recovers: the late copy lands in the held slots
+        assert _until(lambda: manager.engine.reap() == 0)
+        assert manager.index.stats().pinned == 0 and manager.lookup("ns", [b"a"]).hits == 0
+        assert manager.restore("ns", [(b"d", 20), (b"e", 21)]).outcomes == [Outcome.DONE] * 2
+        assert torch.equal(manager.pool.storage[20 * SPAN:22 * SPAN], data[6 * SPAN:8 * SPAN])
+        assert offload(manager, [8, 9], [b"f", b"g"]) == [Outcome.DONE] * 2  # the held slots are free again
+        assert manager.index.stats().ready == 4 and manager.lookup("ns", [b"d", b"e"]).hits == 2
+    finally:
+        engine.close()
+
+
+def test_a_restore_past_its_deadline_takes_the_pool_out_of_service_until_it_lands(cuda_sim):
+    manager = gpu_pool("r", capacity=4, deadline_s=0.3)
+    data = fill(manager)
+    assert offload(manager, [1], [b"a"]) == [Outcome.DONE]
+    cuda_sim.dma.clear()  # the copy engine stalls
+    assert manager.restore("ns", [(b"a", 9)]).outcomes == [Outcome.DEADLINE_EXCEEDED]
+    assert manager.restore("ns", [(b"a", 10)]).outcomes == [Outcome.FAILED]  # out of service
+    assert manager.index.stats().pinned == 1  # the source slot is still read by the late copy
+    cuda_sim.dma.set()
+    assert _until(lambda: manager.engine.reap() == 0)
+    assert manager.restore("ns", [(b"a", 10)]).outcomes == [Outcome.DONE]
+    assert torch.equal(manager.pool.storage[10 * SPAN:11 * SPAN], data[SPAN:2 * SPAN])
+    assert manager.index.stats().pinned == 0
+
+
+def test_a_sticky_error_loses_the_device_and_every_pool_on_it_but_not_another_gpu(cuda_sim):
+    first, second, elsewhere = gpu_pool("a"), gpu_pool("b"), gpu_pool("c", device=1)
+    for m in (first, second, elsewhere):
+        fill(m)
+    told = []
+    unsubscribe = cuda_driver.on_device_lost(lambda device, error: told.append((device, error.cuda_code)))
+    try:
+        cuda_sim.inject_async(700)  # a kernel faults on device 0: CUDA_ERROR_ILLEGAL_ADDRESS
+        assert offload(first, [1], [b"a"]) == [Outcome.FAILED]
+        assert offload(second, [1], [b"a"]) == [Outcome.FAILED]  # the whole device, at once
+        assert offload(elsewhere, [1], [b"a"]) == [Outcome.DONE]
+        assert told == [(0, 700)]
+        with pytest.raises(FailedPrecondition, match="sticky error.*exits to be restarted"):
+            first.engine._check_usable()
+    finally:
+        unsubscribe()
+
+
+def test_a_registered_gpu_pool_ends_with_the_process_that_registered_it(cuda_sim):
+    """The daemon closes its IPC mapping when the engine dies, so the engine's memory can be freed."""
+    registry = PoolRegistry(Limits(checksum_on_device=False))
+    engine = SimEngine(cuda_sim.region.path)
+    try:
+        handle = bytes.fromhex(engine("alloc", nbytes=SPEC.nbytes)["handle"])
+        pool_handle = PoolHandle(Medium.CUDA, ipc_handle=handle, device_uuid=cuda_mem.device_uuid(0))
+        token = registry.handoffs.accept_identity(os.getuid(), engine.proc.pid)
+        served, _ = registry.register("eng", SPEC, PRESETS["BLHNC"], pool_handle, token, host_capacity_mib=1)
+        assert len(cuda_sim.mappings) == 1 and served.manager.run is not None
+        engine.kill()
+        assert _until(lambda: not registry.served())
+        assert _until(lambda: not cuda_sim.mappings)  # unmapped: the dead engine's memory is released
+    finally:
+        engine.close()
+        registry.close()
+
+
+def test_memory_that_cannot_be_shared_is_refused_with_what_to_change(cuda_sim, monkeypatch):
+    registry = PoolRegistry(Limits(checksum_on_device=False))
+    try:
+        gpu = cuda_driver.driver(0)
+        dead = gpu.alloc(SPEC.nbytes)
+        handle = gpu.export(dead)
+        gpu.free(dead)
+        token = registry.handoffs.accept_identity(os.getuid(), os.getpid())
+        freed = PoolHandle(Medium.CUDA, ipc_handle=handle, device_uuid=cuda_mem.device_uuid(0))
+        with pytest.raises(InvalidArgument, match="IPC memory handle"):
+            registry.register("gone", SPEC, PRESETS["BLHNC"], freed, token)
+    finally:
+        registry.close()
+
+    class VirtualMemory:  # what torch says of memory from cuMemCreate/cuMemMap (vLLM's sleep mode)
+        def untyped_storage(self):
+            return self
+
+        def _share_cuda_(self):
+            raise RuntimeError("CUDA error: invalid argument")
+
+    with pytest.raises(FailedPrecondition, match="cuMemCreate"):
+        cuda_mem.share_tensor(VirtualMemory())
+
+
+def test_host_tiers_own_their_pages_and_are_registered_portable_and_mapped(cuda_sim):
+    tiers = [HostTier(1, 100, pin_device=0), HostTier(1, 100, pin_device=0)]  # two small tiers
+    assert all(t.buffer.data_ptr() % 4096 == 0 for t in tiers)
+    flags = {f for _, _, f in cuda_sim.registered.values()}
+    assert len(cuda_sim.registered) == 2 and flags == {CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP}
+    del tiers
+    assert not cuda_sim.registered  # unregistered with the tier
+
+
+def test_an_engines_streams_go_with_it_and_pools_are_zeroed_on_a_stream(cuda_sim):
+    before = cuda_sim.live_streams()
+    manager = gpu_pool("s")
+    assert bool((manager.pool.storage == 0).all()) and not cuda_sim.violations  # zeroed, no legacy stream
+    assert cuda_sim.live_streams() == before + 2
+    manager.close()
+    assert cuda_sim.live_streams() == before
