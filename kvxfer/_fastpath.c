@@ -92,9 +92,14 @@ static PyObject *pop_owned(PyObject *self, PyObject *args) {
     Py_ssize_t removed = 0;
     if (holds_n_words(&buffer, n, "pop_owned") < 0)
         return NULL;
+    /* Dict operations compare with held keys, whose __eq__ (a bytes subclass a library caller
+     * stored) may change the caller's lists: work on snapshots that hold their items. */
+    PyObject *items = PyList_AsTuple(keys);
+    if (items == NULL)
+        goto error;
     const int64_t *slots = buffer.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *key = PyTuple_GET_ITEM(items, i);
         if (!PyBytes_CheckExact(key))
             continue; /* a slot without a key: nothing maps to it */
         PyObject *held = PyDict_GetItemWithError(space, key); /* borrowed */
@@ -113,9 +118,11 @@ static PyObject *pop_owned(PyObject *self, PyObject *args) {
             removed++;
         }
     }
+    Py_DECREF(items);
     PyBuffer_Release(&buffer);
     return PyLong_FromSsize_t(removed);
 error:
+    Py_XDECREF(items);
     PyBuffer_Release(&buffer);
     return NULL;
 }
@@ -133,15 +140,21 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "insert_new takes one slot per key, or a first slot");
         return NULL;
     }
+    PyObject *items = PyList_AsTuple(keys); /* snapshots: see pop_owned */
+    PyObject *values = slots == Py_None ? NULL : PyList_AsTuple(slots);
+    if (items == NULL || (slots != Py_None && values == NULL)) {
+        Py_XDECREF(items);
+        return NULL;
+    }
     Py_ssize_t i;
     int conflict = 0;
     for (i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *key = PyTuple_GET_ITEM(items, i);
         if (!PyBytes_CheckExact(key)) {
             conflict = 1; /* not a validated key: the Python path decides */
             break;
         }
-        PyObject *value = slots == Py_None ? PyLong_FromLongLong(first + i) : PyList_GET_ITEM(slots, i);
+        PyObject *value = slots == Py_None ? PyLong_FromLongLong(first + i) : PyTuple_GET_ITEM(values, i);
         if (value == NULL)
             break;
         if (slots != Py_None)
@@ -156,14 +169,18 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
             break;
         }
     }
-    if (i == n)
+    Py_XDECREF(values);
+    if (i == n) {
+        Py_DECREF(items);
         Py_RETURN_TRUE;
+    }
     PyObject *error_type, *error_value, *error_traceback; /* undo: the keys before i were new */
     PyErr_Fetch(&error_type, &error_value, &error_traceback);
     for (Py_ssize_t j = 0; j < i; j++)
-        if (PyDict_DelItem(space, PyList_GET_ITEM(keys, j)) < 0)
-            PyErr_Clear(); /* cannot fail: the key is there and hashes without Python code */
+        if (PyDict_DelItem(space, PyTuple_GET_ITEM(items, j)) < 0)
+            PyErr_Clear(); /* gone already: a held key's __eq__ changed the dict */
     PyErr_Restore(error_type, error_value, error_traceback);
+    Py_DECREF(items);
     if (conflict)
         Py_RETURN_FALSE;
     return NULL;
@@ -176,16 +193,20 @@ static PyObject *set_slots(PyObject *self, PyObject *args) {
     long long first;
     if (!PyArg_ParseTuple(args, "O!O!L", &PyDict_Type, &space, &PyList_Type, &keys, &first))
         return NULL;
-    const Py_ssize_t n = PyList_GET_SIZE(keys);
+    PyObject *items = PyList_AsTuple(keys); /* a snapshot: see pop_owned */
+    if (items == NULL)
+        return NULL;
+    const Py_ssize_t n = PyTuple_GET_SIZE(items);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *value = PyLong_FromLongLong(first + i);
-        if (value == NULL)
+        const int failed = value == NULL || PyDict_SetItem(space, PyTuple_GET_ITEM(items, i), value) < 0;
+        Py_XDECREF(value);
+        if (failed) {
+            Py_DECREF(items);
             return NULL;
-        const int failed = PyDict_SetItem(space, PyList_GET_ITEM(keys, i), value);
-        Py_DECREF(value);
-        if (failed < 0)
-            return NULL;
+        }
     }
+    Py_DECREF(items);
     Py_RETURN_NONE;
 }
 
@@ -199,19 +220,26 @@ static PyObject *find(PyObject *self, PyObject *args) {
     const Py_ssize_t n = PyList_GET_SIZE(keys);
     if (holds_n_words(&buffer, n, "find") < 0)
         return NULL;
+    PyObject *items = PyList_AsTuple(keys); /* a snapshot: see pop_owned */
+    if (items == NULL) {
+        PyBuffer_Release(&buffer);
+        return NULL;
+    }
     int64_t *out = buffer.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *key = PyTuple_GET_ITEM(items, i);
         PyObject *held = PyBytes_CheckExact(key) ? PyDict_GetItemWithError(space, key) : NULL; /* borrowed */
         int overflow = 0;
         out[i] = held != NULL && PyLong_CheckExact(held) ? PyLong_AsLongLongAndOverflow(held, &overflow) : -1;
         if (PyErr_Occurred()) {
+            Py_DECREF(items);
             PyBuffer_Release(&buffer);
             return NULL;
         }
         if (overflow)
             out[i] = -1;
     }
+    Py_DECREF(items);
     PyBuffer_Release(&buffer);
     Py_RETURN_NONE;
 }

@@ -105,6 +105,7 @@ class Client:
             self._channel = grpc.secure_channel(target, creds, options=options)
             self._metadata = ()
         self._target = target
+        self._token = token  # the descriptor socket asks for it too
         self._stub = pb_grpc.KVTransferStub(self._channel)
         self._registrations: dict[str, bytes] = {}  # pool id -> registration token
         self._descriptors: dict[str, PoolDescriptor] = {}
@@ -138,7 +139,8 @@ class Client:
         if old is not None and old.descriptor.epoch == desc.epoch:
             return old
         if desc.handle.medium is Medium.MEMFD:  # the daemon's own pool: it passes the descriptor
-            fd = fdpass.receive_pool(fdpass.socket_path_for(self._target), desc.pool_id, desc.epoch)
+            fd = fdpass.receive_pool(fdpass.socket_path_for(self._target), desc.pool_id, desc.epoch,
+                                     self._token)
             try:
                 pool = Pool.from_fd(desc, fd)
             except BaseException:
@@ -240,7 +242,7 @@ class Client:
         ranks in one group.
         """
         if handle.medium is Medium.CUDA:  # named by its IPC handle: the hand-off only says who registers
-            token = fdpass.hand_over(fdpass.socket_path_for(self._target), None)
+            token = fdpass.hand_over(fdpass.socket_path_for(self._target), None, self._token)
         else:
             token = self._hand_over(handle.path, fd)
         request = pb.RegisterPoolRequest(pool_id=pool_id, spec=wire.spec_to_pb(spec), layout=layout.spelled,
@@ -271,7 +273,7 @@ class Client:
             except OSError as exc:
                 raise FailedPrecondition(f"cannot open pool file {path!r}: {exc.strerror}") from None
         try:
-            return fdpass.hand_over(fdpass.socket_path_for(self._target), fd)
+            return fdpass.hand_over(fdpass.socket_path_for(self._target), fd, self._token)
         finally:
             if opened:
                 os.close(fd)

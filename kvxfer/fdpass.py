@@ -10,6 +10,9 @@ speaks one request and one answer per connection (SOCK_SEQPACKET):
   own (sealed memfd) pools, which the client maps.
 - Errors: ``ERR <STATUS_CODE> <message>``.
 
+When the daemon has a token (``token_file``), a request starts with the line
+``AUTH <token>``; without it the answer is ``ERR UNAUTHENTICATED``.
+
 This module is the client side and the wire format; the daemon's side is
 ``service/fdsocket.py``.
 """
@@ -23,6 +26,7 @@ from kvxfer.errors import KvxferError, Unavailable, error_for_code
 
 SUFFIX = ".fd"
 MAX_MESSAGE = 512
+AUTH = b"AUTH"
 TIMEOUT_S = 5.0
 
 
@@ -36,7 +40,9 @@ def socket_path_for(target: str) -> str:
     return path + SUFFIX
 
 
-def _exchange(path: str, message: bytes, fds: list[int]) -> tuple[bytes, list[int]]:
+def _exchange(path: str, message: bytes, fds: list[int], token: str | None = None) -> tuple[bytes, list[int]]:
+    if token:
+        message = AUTH + b" " + token.encode() + b"\n" + message
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(TIMEOUT_S)
         try:
@@ -57,15 +63,16 @@ def _exchange(path: str, message: bytes, fds: list[int]) -> tuple[bytes, list[in
     return answer[2:].strip(), received
 
 
-def hand_over(path: str, fd: int | None) -> bytes:
-    """Pass an open descriptor (or, for a CUDA pool, none) to the daemon; returns the registration token."""
-    answer, _ = _exchange(path, b"REGISTER", [] if fd is None else [fd])
+def hand_over(path: str, fd: int | None, token: str | None = None) -> bytes:
+    """Pass an open descriptor (or, for a CUDA pool, none) to the daemon; returns the registration token.
+    ``token``: the daemon's access token, where it has one."""
+    answer, _ = _exchange(path, b"REGISTER", [] if fd is None else [fd], token)
     return bytes.fromhex(answer.decode())
 
 
-def receive_pool(path: str, pool_id: str, epoch: int) -> int:
+def receive_pool(path: str, pool_id: str, epoch: int, token: str | None = None) -> int:
     """The descriptor of the daemon's pool ``pool_id`` (the caller closes it)."""
-    _, fds = _exchange(path, f"MAP {pool_id} {epoch}".encode(), [])
+    _, fds = _exchange(path, f"MAP {pool_id} {epoch}".encode(), [], token)
     if len(fds) != 1:
         for fd in fds:
             os.close(fd)

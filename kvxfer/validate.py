@@ -56,8 +56,9 @@ def check_count(n: int, limit: int, what: str) -> None:
 
 
 def checked_keys(keys: Sequence, *, unique: bool = True, limit: int = MAX_BATCH_BLOCKS) -> list[bytes]:
-    """The keys as a list of bytes (bytearray and memoryview keys of library callers converted),
-    each 1-MAX_KEY_BYTES long and, if ``unique``, distinct; InvalidArgument naming the first bad one."""
+    """The keys as a list of exact bytes (bytearray, memoryview and bytes-subclass keys of library callers
+    converted), each 1-MAX_KEY_BYTES long and, if ``unique``, distinct; InvalidArgument naming the first
+    bad one."""
     keys = list(keys)
     check_count(len(keys), limit, "keys")
     if not keys or (FAST is not None and FAST.keys_ok(keys, MAX_KEY_BYTES, unique)):
@@ -65,8 +66,9 @@ def checked_keys(keys: Sequence, *, unique: bool = True, limit: int = MAX_BATCH_
     # Sets over the list, built in C, beat numpy's fixed cost at 64 keys and equal it at 10,000;
     # the loop below only runs to name the bad key.
     types = set(map(type, keys))
-    if not types <= {bytes}:
-        keys = [bytes(k) if isinstance(k, bytearray | memoryview) else k for k in keys]
+    if not types <= {bytes}:  # exact bytes from here on: a subclass's __eq__ never runs inside the index
+        keys = [bytes(memoryview(k)) if isinstance(k, bytes | bytearray | memoryview) and type(k) is not bytes else k
+                for k in keys]
         types = set(map(type, keys))
     lengths = set(map(len, keys)) if types == {bytes} else {0}  # keys of a request are mostly one length
     if min(lengths) < 1 or max(lengths) > MAX_KEY_BYTES:

@@ -106,6 +106,7 @@ _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _ENV_PREFIX = "KVXFER_"
 _LISTEN_RE = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
+_TOKEN_RE = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 def _coerce(name: str, value) -> object:
@@ -303,8 +304,9 @@ def validate(config: Config) -> Config:
         raise ConfigError("gpu_copy_deadline_s: must be in (0, 3600] seconds")
     if config.max_batch_blocks > MAX_BATCH_BLOCKS:
         raise ConfigError(f"max_batch_blocks: at most {MAX_BATCH_BLOCKS}")
-    if config.max_jobs_per_client > config.max_queued_jobs:
-        raise ConfigError("max_jobs_per_client: must be at most max_queued_jobs")
+    if config.max_jobs_per_client > config.max_queued_jobs // 2:
+        raise ConfigError(f"max_jobs_per_client: must be at most half of max_queued_jobs "
+                          f"({config.max_queued_jobs // 2}), so that one client can never take every job place")
     if config.cache_group_retention_s < 0:
         raise ConfigError("cache_group_retention_s: must be >= 0")
     if not 0 < config.default_lease_s <= config.max_lease_s:
@@ -338,6 +340,7 @@ def validate(config: Config) -> Config:
         value = getattr(config, name)
         if value and not Path(value).is_file():
             raise ConfigError(f"{name}: {value} is not a readable file")
-    if config.token_file and not config.token:
-        raise ConfigError(f"token_file: {config.token_file} is empty")
+    if config.token_file and not _TOKEN_RE.fullmatch(config.token):
+        raise ConfigError(f"token_file: {config.token_file} must hold 1-256 printable ASCII characters without "
+                          "spaces (it travels in gRPC metadata and on the descriptor socket)")
     return config

@@ -164,7 +164,7 @@ class Daemon:
             os.chmod(c.socket, c.socket_mode)
             if gid >= 0:
                 os.chown(c.socket, -1, gid)
-            self.fd_socket = DescriptorSocket(c.socket + SUFFIX, self.registry, c.socket_mode, gid)
+            self.fd_socket = DescriptorSocket(c.socket + SUFFIX, self.registry, c.socket_mode, gid, c.token)
             self.addresses.append(f"unix:{c.socket}")
         if c.listen:
             creds = grpc.ssl_server_credentials([(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())])

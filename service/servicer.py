@@ -151,7 +151,8 @@ class KVTransferServicer:
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         check_count(len(request.keys), self.limits.max_batch_blocks, "keys")
         manager = self.registry.get(_ref(request.pool)).manager
-        return pb.DeleteResponse(deleted=await self._blocking(manager.delete, request.namespace, list(request.keys)))
+        # The repeated field itself, sliced a chunk at a time by the manager: no list of every key.
+        return pb.DeleteResponse(deleted=await self._blocking(manager.delete, request.namespace, request.keys))
 
     @rpc
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:

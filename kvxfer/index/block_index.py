@@ -16,13 +16,13 @@ per block on the store and load paths (measured in docs/benchmarks.md,
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from itertools import repeat
 
 import numpy as np
 
 from kvxfer.fastpath import FAST
+from kvxfer.index.entries import Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import LRU, EvictionPolicy
 from kvxfer.index.slots import SlotAllocator, int_array, slot_array
 from kvxfer.records import Outcome, TierKind
@@ -32,65 +32,6 @@ _OUTCOMES = list(Outcome)
 # Outcome codes (int8 arrays of them): plain ints, since hashing an Enum member runs Python code.
 _DONE, _ALREADY_PRESENT, _NOT_FOUND, _EXHAUSTED = (_OUTCOMES.index(o) for o in (
     Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_FOUND, Outcome.RESOURCE_EXHAUSTED))
-
-
-@dataclass(frozen=True)
-class Victim:
-    """An entry evicted to make room: what a lower tier would need to keep it."""
-
-    namespace: str
-    key: bytes
-    tier: TierKind
-    checksum: int
-    slot: int  # the tier slot it held (reused by the batch that evicted it: copy its bytes first)
-
-
-@dataclass(frozen=True)
-class Evicted:
-    """The entries one call evicted: their slots, and ``Victim``s when iterated (made only
-    when someone looks: without lower tiers nobody does)."""
-
-    tier: TierKind
-    slots: Sequence[int] = field(default_factory=list)
-    namespace_names: list[str] = field(default_factory=list)  # the index's, by namespace id
-    namespace_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
-    keys: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
-    checksums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def __iter__(self) -> Iterator[Victim]:
-        names = self.namespace_names
-        slots = self.slots.tolist() if isinstance(self.slots, np.ndarray) else self.slots
-        for ns, key, checksum, slot in zip(self.namespace_ids.tolist(), self.keys, self.checksums.tolist(), slots):
-            yield Victim(names[ns], key, self.tier, checksum, slot)
-
-
-@dataclass
-class Plan:
-    """The index's answer to a batch: one outcome per key; the slots to move, with the
-    batch position each belongs to; for a load, their checksums; the entries evicted to
-    make room (their slots are reused by this batch).
-
-    ``outcomes[positions[j]]`` belongs to ``slots[j]``; it reads DONE until the caller changes it.
-    """
-
-    outcomes: list[Outcome]
-    slots: Sequence[int]  # a range when one extent holds them
-    positions: Sequence[int]
-    checksums: list[int] = field(default_factory=list)
-    evicted: Evicted | None = None
-
-
-@dataclass(frozen=True)
-class IndexStats:
-    tier: TierKind
-    capacity: int
-    used: int
-    ready: int
-    pinned: int
-    evictions: int
 
 
 class BlockIndex:
@@ -105,11 +46,14 @@ class BlockIndex:
         self._state = np.zeros(capacity, dtype=np.int8)
         self._pins = np.zeros(capacity, dtype=np.int32)
         self._checksum = np.zeros(capacity, dtype=np.uint64)
-        self._owner_ns = np.zeros(capacity, dtype=np.int32)  # index into _ns_names
+        self._owner_ns = np.zeros(capacity, dtype=np.int32)  # a key of _ns_names
         self._owner_key = np.empty(capacity, dtype=object)
+        # A namespace's structures live while it holds a key: ids of emptied ones are reused, so
+        # clients naming ever new namespaces cost nothing once their blocks are gone.
         self._spaces: dict[str, dict[bytes, int]] = {}  # namespace -> key -> slot
         self._ns_ids: dict[str, int] = {}
-        self._ns_names: list[str] = []
+        self._ns_names: dict[int, str] = {}
+        self._free_ns_ids: list[int] = []
         self._lock = threading.Lock()
         self._evictions = 0
 
@@ -155,6 +99,7 @@ class BlockIndex:
             self._pins[at] = 1
             self._owner_ns[at] = self._ns_ids[namespace]
             self._owner_key[at] = stored if one_extent else _objects(stored)  # (bytes are scalars to numpy)
+            self._release_if_empty(namespace)  # nothing stored (the tier was full of pinned entries)
             return Plan(outcomes, slots, positions, evicted=evicted)
 
     def complete_store(self, slots: Sequence[int], checksums: list[int | None]) -> None:
@@ -270,9 +215,17 @@ class BlockIndex:
         space = self._spaces.get(namespace)
         if space is None:
             space = self._spaces[namespace] = {}
-            self._ns_ids[namespace] = len(self._ns_names)
-            self._ns_names.append(namespace)
+            ns = self._free_ns_ids.pop() if self._free_ns_ids else len(self._ns_names)
+            self._ns_ids[namespace], self._ns_names[ns] = ns, namespace
         return space
+
+    def _release_if_empty(self, namespace: str) -> None:
+        """Forget a namespace that holds no key (every live entry's key is in its namespace's space)."""
+        if not self._spaces.get(namespace, True):
+            del self._spaces[namespace]
+            ns = self._ns_ids.pop(namespace)
+            del self._ns_names[ns]
+            self._free_ns_ids.append(ns)
 
     @staticmethod
     def _find(space: dict[bytes, int], keys: list[bytes]) -> np.ndarray:
@@ -334,8 +287,10 @@ class BlockIndex:
         """Remove up to n entries the policy names and free their slots (whose bytes stay until reused)."""
         at = self._policy.victims(n, self._evictable)
         self._evictions += len(at)
-        keys = self._owner_key[at]
-        evicted = Evicted(self.tier, at, self._ns_names, self._owner_ns[at], keys, self._checksum[at])
+        keys, owners = self._owner_key[at], self._owner_ns[at]
+        ids = [int(owners[0])] if owners.size and (owners == owners[0]).all() else np.unique(owners).tolist()
+        names = {ns: self._ns_names[ns] for ns in ids}  # now: _forget may release these ids
+        evicted = Evicted(self.tier, at, names, owners, keys, self._checksum[at])
         self._forget(at, keys)
         self._state[at] = FREE
         self._slots.release_many(at)
@@ -367,13 +322,15 @@ class BlockIndex:
         for ns in [int(owners[0])] if one else np.unique(owners).tolist():
             mine = at if one else at[owners == ns]
             keys = (owner_keys if one and owner_keys is not None else self._owner_key[mine]).tolist()
-            space = self._spaces[self._ns_names[ns]]
+            name = self._ns_names[ns]
+            space = self._spaces[name]
             if FAST is not None:  # one pass in C: look up, and delete where the key maps to this slot
                 FAST.pop_owned(space, keys, np.ascontiguousarray(mine, dtype=np.int64))
-                continue
-            popped = np.fromiter(map(space.pop, keys, repeat(-1)), dtype=np.int64, count=len(keys))  # in C
-            other = np.flatnonzero((popped != mine) & (popped >= 0))  # a key that maps to another slot stays
-            space.update(zip([keys[i] for i in other.tolist()], popped[other].tolist()))
+            else:
+                popped = np.fromiter(map(space.pop, keys, repeat(-1)), dtype=np.int64, count=len(keys))  # in C
+                other = np.flatnonzero((popped != mine) & (popped >= 0))  # a key that maps to another slot stays
+                space.update(zip([keys[i] for i in other.tolist()], popped[other].tolist()))
+            self._release_if_empty(name)
         self._owner_key[at] = None
 
 
@@ -396,3 +353,6 @@ def _objects(values: list) -> np.ndarray:
     out = np.empty(len(values), dtype=object)
     out[:] = values
     return out
+
+
+__all__ = ["BlockIndex", "Evicted", "IndexStats", "Plan", "Victim"]

@@ -65,8 +65,12 @@ class HandOffs:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidArgument("the descriptor handed over is not a regular file or memfd")
-            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if flags & os.O_ACCMODE != os.O_RDWR:
                 raise PermissionDenied("the descriptor handed over is not open for reading and writing")
+            if flags & os.O_APPEND:  # every write would land at the end of the file, whatever its offset
+                raise InvalidArgument("the descriptor handed over is open with O_APPEND: open the pool's file "
+                                      "without it")
             if (st.st_dev, st.st_ino) in served:
                 raise PermissionDenied("the descriptor handed over is memory this daemon already serves")
             return self._keep(HandOff(fd, uid, pid, st.st_dev, st.st_ino, time.monotonic() + self.expiry_s))

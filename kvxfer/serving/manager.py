@@ -26,6 +26,8 @@ from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.validate import check_namespace, checked_keys
 
 
+#: Keys a Delete handles at a time: its memory is bounded by this, not by the request.
+DELETE_CHUNK = 1024
 #: Told of each transfer as it ends: its kind and result (bytes, seconds, outcomes).
 TransferObserver = Callable[[TransferKind, TransferResult], None]
 
@@ -194,10 +196,19 @@ class PoolManager:
         return LookupResult(hits, tiers)
 
     def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
-        """Remove these keys from every tier; a key named twice is removed once. Returns how many were."""
+        """Remove these keys from every tier; a key named twice is removed once. Returns how many were.
+
+        Work is bounded per request: the keys are checked, then deleted, ``DELETE_CHUNK`` at a time
+        (a malformed key anywhere changes nothing)."""
         check_namespace(namespace)
-        keys = list(dict.fromkeys(checked_keys(keys, unique=False)))  # the tiers' indexes take distinct keys
-        return self.group.delete(namespace, keys)
+        chunks = range(0, len(keys), DELETE_CHUNK)
+        for a in chunks:
+            checked_keys(keys[a:a + DELETE_CHUNK], unique=False)
+        removed = 0
+        for a in chunks:  # the tiers' indexes take distinct keys
+            removed += self.group.delete(namespace, list(dict.fromkeys(checked_keys(keys[a:a + DELETE_CHUNK],
+                                                                                   unique=False))))
+        return removed
 
     def stats(self) -> StoreStats:
         tiers = self.group.tier_stats()

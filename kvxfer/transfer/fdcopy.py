@@ -10,6 +10,7 @@ register a sealed memfd for the mapped engine.
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 from kvxfer.geometry.checksum import rows_checksums
@@ -42,6 +43,8 @@ class FdCopyEngine(CopyEngine):
             return CompletedHandle(Internal("a CUDA event handle reached the descriptor copy engine"))
         try:
             self._check_size()
+            if batch.direction is Direction.TO_POOL:
+                self._check_no_append()
             move = os.preadv if batch.direction is Direction.TO_HOST else os.pwritev
             tier = self._tier
             for pool_offset, pieces in file_calls(plan_copies(self._layout, batch.blocks, batch.slots)):
@@ -65,6 +68,12 @@ class FdCopyEngine(CopyEngine):
                 pos += os.preadv(self._fd, [view[pos:pos + r.length]], self._offset + r.offset)
             out.append(buf)
         return rows_checksums(out)
+
+    def _check_no_append(self) -> None:
+        """The open file description is shared with the client, who may set O_APPEND on it later (F_SETFL):
+        then every pwrite would land at the end of the file (Linux), growing it by a block a restore."""
+        if fcntl.fcntl(self._fd, fcntl.F_GETFL) & os.O_APPEND:
+            raise OSError(0, "the pool's descriptor was switched to O_APPEND; restores into it are refused")
 
     def _check_size(self) -> None:
         size = os.fstat(self._fd).st_size

@@ -81,7 +81,7 @@ def test_leases_expire_when_the_client_is_killed(make_daemon):
     # that: many are still queued when the client dies, however fast the copies run
     pool = {**SMALL_POOL, "spec": {**SMALL_POOL["spec"], "num_layers": 256, "head_size": 128},
             "host_capacity_mib": 200}
-    daemon = make_daemon({"pools": [pool], "max_jobs_per_client": 256, "copy_threads": 1})  # a core for the client
+    daemon = make_daemon({"pools": [pool], "max_jobs_per_client": 256, "max_queued_jobs": 512, "copy_threads": 1})  # a core for the client
     worker = start_worker("submit_and_hang", daemon.target, "rank0", 100, 30, 0.05)
     submitted = json.loads(worker.stdout.readline())["submitted"]
     worker.send_signal(signal.SIGKILL)

@@ -43,6 +43,8 @@ BAD_CONFIGS = {
     "newline pool id": ({"pools": [{**SMALL_POOL, "id": "evil\n"}]}, "pools[0].id"),
     "huge pool id": ({"pools": [{**SMALL_POOL, "id": "p" * 100_000}]}, "long)"),
     "per-client above pool bound": ({"max_jobs_per_client": 300}, "max_jobs_per_client"),
+    "one client may fill the queue": ({"max_jobs_per_client": 256}, "one client can never take every job place"),
+    "no GPU copy deadline": ({"gpu_copy_deadline_s": 0}, "gpu_copy_deadline_s"),
     "batch above maximum": ({"max_batch_blocks": 70000}, "max_batch_blocks"),
     "negative retention": ({"cache_group_retention_s": -1}, "cache_group_retention_s"),
     "no copy threads": ({"copy_threads": 0}, "copy_threads: must be 1-64"),

@@ -143,3 +143,47 @@ def test_the_c_passes_under_address_sanitizer_and_ubsan(tmp_path):
     run = subprocess.run([sys.executable, str(here / "fastpath_stress.py"), str(module)], capture_output=True,
                          text=True, timeout=120, env=env)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-4000:]
+
+
+HOSTILE_KEY = """
+import numpy as np
+from kvxfer.fastpath import FAST
+
+victims = []
+
+
+class Evil(bytes):  # a library caller's key whose comparison empties the caller's list of keys
+    __hash__ = bytes.__hash__
+
+    def __eq__(self, other):
+        for victim in victims:
+            victim.clear()
+        return bytes.__eq__(self, other)
+
+
+keys = [b"k%d" % i for i in range(4000)]
+victims.append(keys)
+out = np.empty(len(keys), dtype=np.int64)
+FAST.find({Evil(keys[0]): 1}, keys, out)
+more = [b"k%d" % i for i in range(4000)]
+victims[:] = [more]
+assert FAST.insert_new({Evil(more[-1]): 1}, more, 10, None) is False  # conflict at the end: undone
+owned = [b"k%d" % i for i in range(4000)]
+victims[:] = [owned]
+FAST.pop_owned({Evil(owned[0]): 0, **{k: i for i, k in enumerate(owned[1:], 1)}}, owned,
+               np.arange(len(owned), dtype=np.int64))
+print("survived", int(out[0]))
+"""
+
+
+def test_a_key_whose_comparison_changes_the_callers_list_never_crashes_the_c_passes():
+    proc = subprocess.run([sys.executable, "-c", HOSTILE_KEY], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0 and "survived 1" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_keys_of_bytes_subclasses_enter_the_index_as_exact_bytes(monkeypatch):
+    for fast in (FAST, None):
+        monkeypatch.setattr(validate, "FAST", fast)
+        checked = validate.checked_keys([SubBytes(b"a"), b"b", bytearray(b"c")])
+        assert checked == [b"a", b"b", b"c"] and {type(k) for k in checked} == {bytes}

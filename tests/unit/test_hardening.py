@@ -116,3 +116,22 @@ def test_sweep_removes_only_this_users_abandoned_regular_files(shm_dir):
     removed = sweep_stale(shm_dir)
     assert removed == [mine]
     assert link.is_symlink() and planted.exists()
+
+
+def test_the_default_limits_leave_most_job_places_to_other_clients():
+    from service.config import Config, validate
+
+    config = validate(Config())
+    assert config.max_jobs_per_client * 2 <= config.max_queued_jobs
+
+
+def test_a_token_must_be_one_printable_word(tmp_path):
+    from service.config import Config, ConfigError, validate
+
+    token = tmp_path / "token"
+    for bad in ("two words", "x" * 257, "caf\u00e9"):
+        token.write_text(bad)
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            validate(Config(token_file=str(token)))
+    token.write_text("ok-token_1\n")
+    validate(Config(token_file=str(token)))

@@ -138,3 +138,28 @@ def test_duplicate_store_while_in_flight_is_already_present():
     assert index.prepare_store(NS, [b"a"]).outcomes == [PRESENT]
     index.complete_store(plan.slots, [1])
     assert index.stats().pinned == 0
+
+
+def test_a_namespace_costs_nothing_once_its_blocks_are_gone():
+    """Clients naming ever new namespaces (one per request, say) leave no structure behind."""
+    import tracemalloc
+
+    index = BlockIndex(TierKind.HOST, 4)
+
+    def churn(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            plan = index.prepare_store(f"ns{i}", [b"k"])  # evicts the oldest namespace's block
+            index.complete_store(plan.slots, [i])
+            if i % 3 == 0:
+                index.delete(f"ns{i}", [b"k"])
+
+    churn(0, 1000)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    churn(1000, 20_000)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(index._spaces) == len(index._ns_ids) == len(index._ns_names) <= 4
+    assert grown < 20_000  # bytes, for 20,000 namespaces (450 B each before)
+    evicted = index.prepare_store("last", [b"a", b"b", b"c", b"d"]).evicted
+    assert {v.namespace for v in evicted} <= {f"ns{i}" for i in range(20_990, 21_000)}  # names as they were
