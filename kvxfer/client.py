@@ -320,11 +320,12 @@ class Client:
         pool_id = pool_id or self.default_pool
         if pool_id is None:
             self.default_pool = pool_id = self.pool_info().pool_id  # the daemon's only pool
+        token = self._registrations.get(pool_id, b"")  # a pool this client registered: its transfers show it
         mapped = self._mapped.get(pool_id)
         if mapped is not None:
-            return pb.PoolRef(pool_id=pool_id, epoch=mapped.descriptor.epoch)
+            return pb.PoolRef(pool_id=pool_id, epoch=mapped.descriptor.epoch, registration_token=token)
         desc = self._descriptors.get(pool_id) or self.pool_info(pool_id)
-        return pb.PoolRef(pool_id=pool_id, epoch=desc.epoch)
+        return pb.PoolRef(pool_id=pool_id, epoch=desc.epoch, registration_token=token)
 
     def _transfer(self, method, request, partial: bool, timeout: float | None) -> TransferResult:
         response = self._call(method, request, timeout)

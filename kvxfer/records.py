@@ -51,6 +51,7 @@ class PoolRef:
 
     pool_id: str
     epoch: int
+    token: bytes = b""  # a registered pool's registration token: its registrant's transfers present it
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ Shared by the daemon (service/) and the client, so both read the wire the same w
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.memory.pool import PoolDescriptor, PoolHandle
@@ -37,13 +39,16 @@ def spec_from_pb(msg: pb.KVSpec) -> KVSpec:
                   parse_dtype(msg.dtype))
 
 
-def pool_info(desc: PoolDescriptor, cache_group: str = "") -> pb.PoolInfo:
+def pool_info(desc: PoolDescriptor, cache_group: str = "", shared: bool = True) -> pb.PoolInfo:
+    """``shared=False`` (a registered pool, to anyone): no path or IPC handle, which only its registrant
+    may use (a CUDA IPC handle lets whoever holds it map the engine's memory)."""
     pl = desc.pool_layout
+    handle = desc.handle if shared else replace(desc.handle, path="", ipc_handle=b"")
     return pb.PoolInfo(
         pool_id=desc.pool_id, epoch=desc.epoch, spec=spec_to_pb(desc.spec), layout=desc.layout.spelled,
         layout_name=desc.layout.name, strides={a.value: s for a, s in pl.strides.items()}, nbytes=pl.nbytes,
         block_bytes=pl.block_bytes, owned=desc.owned, runs_per_block=pl.runs_per_block,
-        handle=handle_to_pb(desc.handle), cache_group=cache_group,
+        handle=handle_to_pb(handle), cache_group=cache_group,
     )
 
 

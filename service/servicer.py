@@ -45,7 +45,7 @@ class RequestLimits:
 
 
 def _ref(msg: pb.PoolRef) -> PoolRef:
-    return PoolRef(msg.pool_id, msg.epoch)
+    return PoolRef(msg.pool_id, msg.epoch, msg.registration_token)
 
 
 def _statuses(result: TransferResult) -> dict:
@@ -85,7 +85,7 @@ class KVTransferServicer:
 
     async def _transfer(self, kind: TransferKind, request, blocks: Sequence[int],
                         keys: Sequence[bytes]) -> pb.TransferResponse:
-        served = self.registry.get(_ref(request.pool))
+        served = self.registry.get(_ref(request.pool), registrant=True)
         jobs, limit = served.jobs, self.limits.max_batch_blocks
         check_count(len(blocks), limit, "slots")
         check_count(len(keys), limit, "keys")
@@ -113,7 +113,7 @@ class KVTransferServicer:
     # -- RPCs ------------------------------------------------------------------------
     @rpc
     async def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context) -> pb.GetPoolInfoResponse:
-        return pb.GetPoolInfoResponse(pools=[wire.pool_info(s.descriptor, s.cache_group)
+        return pb.GetPoolInfoResponse(pools=[wire.pool_info(s.descriptor, s.cache_group, shared=s.descriptor.owned)
                                              for s in self.registry.served(request.pool_id)])
 
     @rpc
@@ -150,7 +150,7 @@ class KVTransferServicer:
     @rpc
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         check_count(len(request.keys), self.limits.max_batch_blocks, "keys")
-        manager = self.registry.get(_ref(request.pool)).manager
+        manager = self.registry.get(_ref(request.pool), registrant=True).manager
         # The repeated field itself, sliced a chunk at a time by the manager: no list of every key.
         return pb.DeleteResponse(deleted=await self._blocking(manager.delete, request.namespace, request.keys))
 

@@ -268,8 +268,9 @@ class PoolRegistry:
                                      "as its handle says")
         return pool.fd
 
-    def get(self, ref: PoolRef) -> ServedPool:
-        """A live pool whose epoch matches; FAILED_PRECONDITION otherwise."""
+    def get(self, ref: PoolRef, registrant: bool = False) -> ServedPool:
+        """A live pool whose epoch matches; FAILED_PRECONDITION otherwise. ``registrant``: the request
+        moves or deletes blocks, which on a registered pool only its registrant may (PERMISSION_DENIED)."""
         if not ref.pool_id:
             raise InvalidArgument("a request must name its pool (pool.pool_id)")
         with self._lock:
@@ -280,6 +281,10 @@ class PoolRegistry:
         if ref.epoch != epoch:
             raise FailedPrecondition(f"stale epoch {ref.epoch} for pool {shown(ref.pool_id)} (now {epoch}): "
                                      "call GetPoolInfo and map the pool again")
+        if registrant and served.token_digest and not hmac.compare_digest(token_digest(bytes(ref.token)),
+                                                                           served.token_digest):
+            raise PermissionDenied(f"pool {shown(ref.pool_id)} was registered by another client: only its "
+                                   "registrant (with the registration token it was given) moves its blocks")
         return served
 
     def served(self, pool_id: str = "") -> list[ServedPool]:

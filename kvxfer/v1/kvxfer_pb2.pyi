@@ -51,12 +51,14 @@ TIER_DISK: Tier
 TIER_REMOTE: Tier
 
 class PoolRef(_message.Message):
-    __slots__ = ("pool_id", "epoch")
+    __slots__ = ("pool_id", "epoch", "registration_token")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    registration_token: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., registration_token: _Optional[bytes] = ...) -> None: ...
 
 class KVSpec(_message.Message):
     __slots__ = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size", "dtype")

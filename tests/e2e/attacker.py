@@ -117,7 +117,7 @@ def link_race(target: str, secret: str, own_dir: str, tries: int) -> dict:
                 counts["refused"] += 1
                 continue
             counts["registered"] += 1
-            ref = pb.PoolRef(pool_id="race", epoch=reply.pool.epoch)
+            ref = pb.PoolRef(pool_id="race", epoch=reply.pool.epoch, registration_token=reply.registration_token)
             if counts["registered"] % 50 == 1:  # what does the daemon's pool hold? ours, never the secret
                 key = f"k{i}".encode()
                 stub.Offload(pb.OffloadRequest(pool=ref, namespace="race", slots=[1], keys=[key]), timeout=10)
@@ -142,8 +142,16 @@ def join_and_unregister(target: str, own_dir: str, victim_pool: str, victim_grou
                                                                  victim_group)),
                    "join_daemon_group": _code(lambda: _register(stub, "j2", "", fdpass.hand_over(fds, own),
                                                                 "rank0"))}
-        epoch = stub.GetPoolInfo(pb.GetPoolInfoRequest(pool_id=victim_pool), timeout=10).pools[0].epoch
-        ref = pb.PoolRef(pool_id=victim_pool, epoch=epoch)
+        info = stub.GetPoolInfo(pb.GetPoolInfoRequest(pool_id=victim_pool), timeout=10).pools[0]
+        results["victims_path_shown"] = bool(info.handle.path)
+        ref = pb.PoolRef(pool_id=victim_pool, epoch=info.epoch)
+        for name, call in (("offload_victims_pool", lambda: stub.Offload(pb.OffloadRequest(
+                               pool=ref, namespace="x", slots=[1], keys=[b"k"]), timeout=10)),
+                           ("restore_into_victims_pool", lambda: stub.Restore(pb.RestoreRequest(
+                               pool=ref, namespace="x", slots=[2], keys=[b"k"]), timeout=10)),
+                           ("delete_in_victims_group", lambda: stub.Delete(pb.DeleteRequest(
+                               pool=ref, namespace="x", keys=[b"k"]), timeout=10))):
+            results[name] = _code(call)
         results["unregister_without_token"] = _code(lambda: stub.UnregisterPool(
             pb.UnregisterPoolRequest(pool=ref), timeout=10))
         results["unregister_wrong_token"] = _code(lambda: stub.UnregisterPool(

@@ -78,6 +78,8 @@ def test_groups_admit_their_creator_and_only_the_registrant_unregisters(shared_d
     finally:
         out, err = holder.communicate("", timeout=60)
     assert got == {"join_victims_group": "PERMISSION_DENIED", "join_daemon_group": "PERMISSION_DENIED",
+                   "victims_path_shown": False, "offload_victims_pool": "PERMISSION_DENIED",
+                   "restore_into_victims_pool": "PERMISSION_DENIED", "delete_in_victims_group": "PERMISSION_DENIED",
                    "unregister_without_token": "PERMISSION_DENIED", "unregister_wrong_token": "PERMISSION_DENIED",
                    "own_group": "OK"}, got
     assert holder.returncode == 0, err
