@@ -221,7 +221,7 @@ def _remote(raw) -> RemoteSettings | None:
     if not isinstance(raw, dict):
         raise ConfigError("remote: must be a mapping with a url")
     allowed = {"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
-               "write_through", "max_inflight"}
+               "write_through", "max_inflight", "secret_file"}
     unknown = set(raw) - allowed
     if unknown:
         raise ConfigError(f"remote: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -232,17 +232,20 @@ def _remote(raw) -> RemoteSettings | None:
     if "@" in url.split("://", 1)[1].split("/", 1)[0]:
         raise ConfigError("remote.url: no credentials in the url; use username and password_file")
     text = {}
-    for key in ("username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix"):
+    for key in ("username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "secret_file"):
         value = raw.get(key, "kvxfer:" if key == "key_prefix" else "")
         if not isinstance(value, str) or len(value) > 4096:
             raise ConfigError(f"remote.{key}: must be a string")
         text[key] = value
-    for key in ("password_file", "tls_ca", "tls_cert", "tls_key"):
+    for key in ("password_file", "tls_ca", "tls_cert", "tls_key", "secret_file"):
         if text[key] and not Path(text[key]).is_file():
             raise ConfigError(f"remote.{key}: {shown(text[key])} is not a readable file")
     if (text["tls_ca"] or text["tls_cert"]) and not scheme.startswith("rediss"):
         raise ConfigError("remote: TLS files given but the url is not rediss:// (refusing to send in the clear)")
     password = Path(text["password_file"]).read_text().strip() if text["password_file"] else ""
+    secret = Path(text["secret_file"]).read_bytes().strip() if text["secret_file"] else b""
+    if text["secret_file"] and len(secret) < 16:
+        raise ConfigError("remote.secret_file: at least 16 bytes (the key that authenticates every value)")
     timeout = raw.get("timeout_ms", 200)
     inflight = raw.get("max_inflight", 256)
     write_through = raw.get("write_through", False)
@@ -253,7 +256,7 @@ def _remote(raw) -> RemoteSettings | None:
     if not isinstance(write_through, bool):
         raise ConfigError(f"remote.write_through: true or false, got {shown(write_through)}")
     return RemoteSettings(url, text["username"], password, text["tls_ca"], text["tls_cert"], text["tls_key"],
-                          text["key_prefix"], timeout / 1000, write_through, inflight)
+                          text["key_prefix"], timeout / 1000, write_through, inflight, secret)
 
 
 def _disk(raw) -> DiskSettings | None:

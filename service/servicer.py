@@ -103,7 +103,10 @@ class KVTransferServicer:
             client_id, lease_s = _check_client_id(request.client_id), request.lease_ms / 1000
             return pb.TransferResponse(job_id=await self._blocking(lambda: jobs.submit(batch(), client_id, lease_s)))
         pool = served.manager.pool
-        if len(blocks) * pool.layout.block_bytes <= INLINE_BYTES and not pool.is_cuda:  # a GPU may stall: thread
+        # Inline only a copy between memory and memory: a GPU may stall, and a group with a disk or Redis
+        # tier may promote or demote through them (a hung file or a slow Redis): those go to a thread.
+        memory_only = not pool.is_cuda and not served.manager.group.lower
+        if memory_only and len(blocks) * pool.layout.block_bytes <= INLINE_BYTES:
             done = jobs.run_or_queue(batch())
         else:
             done = await self._blocking(lambda: jobs.run_or_queue(batch()))  # ran at once if the pool was idle

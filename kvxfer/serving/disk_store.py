@@ -272,7 +272,16 @@ class DiskStore:
 def _lock_directory(directory: Path, wait_s: float = 10.0) -> int:
     """An exclusive lock on the tier's directory: another daemon (or a store of this one not
     yet finished writing) using it makes this one wait, then refuse."""
-    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    path = directory / ".lock"
+    try:  # never through a link: a dangling one would make the daemon create a file elsewhere
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise FailedPrecondition(f"disk tier directory {directory}: cannot open its .lock ({exc.strerror})") \
+                from None
+        log.warning("a link in place of the disk tier's lock file was removed", extra={"path": str(path)})
+        path.unlink()  # the link itself, never its target
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + wait_s
     while True:
         try:

@@ -45,6 +45,11 @@ class BlockFormat:
         """Stored with every block below host memory: a block of another format is never served."""
         return hashlib.sha256(repr(self).encode()).digest()
 
+    def bound_to(self, group: str) -> bytes:
+        """The fingerprint of this format in cache group ``group``: a block another group wrote (a file
+        or value copied across by someone who can write the tier) is never served here."""
+        return hashlib.sha256(b"kvxfer-group\0" + self.fingerprint + group.encode()).digest()
+
 
 class CacheGroup:
     """One host tier and the index over it, and the disk and remote tiers below it when there are."""
@@ -58,7 +63,7 @@ class CacheGroup:
         # Held from a batch's slot reservation until the blocks it evicted are copied out of
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
-        fingerprint, nbytes = self.format.fingerprint, layout.block_bytes
+        fingerprint, nbytes = self.format.bound_to(name), layout.block_bytes
         self.disk = DiskStore(disk, name, fingerprint, nbytes) if disk is not None else None
         self.remote = RemoteStore(remote, name, fingerprint, nbytes) if remote is not None else None
 

@@ -4,7 +4,12 @@ One Redis value per block: its header (``kvxfer.tiers.record``: format version, 
 format fingerprint, checksum, namespace, key) and its bytes, written with one SET, so
 that a reader never sees bytes without their checksum. The Redis key is ``key_prefix``,
 the cache group, the namespace and the key, NUL-separated (binary-safe; a rank's cache
-group keeps tensor-parallel shards of one key apart). Redis may evict any value
+group keeps tensor-parallel shards of one key apart). The header's fingerprint binds the
+value to its cache group and the header names its namespace and key, so a value copied
+under another group's or key's name is never served; with ``secret`` (shared by the
+daemons of a tier) each value also carries an HMAC-SHA256 under its full key, so that no
+one who can write the database but lacks the secret can plant a block (a value that
+fails it is DATA_LOSS and deleted). Redis may evict any value
 (``maxmemory-policy``): a missing value is a miss, never an error.
 
 Writes run on one thread from a bounded queue (``max_inflight``): when it is full a
@@ -16,6 +21,8 @@ one call tries again. The host and disk paths never wait on Redis.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import queue
 import threading
@@ -42,6 +49,7 @@ FAILURES = (redis.RedisError, RedisClusterException, OSError)
 BATCH = 32  # values per pipelined round trip
 MAX_HEADER = 48 + 128 * 4 + 256 + 64  # fixed part, a namespace (UTF-8), a key, and room
 MAX_BACKOFF_S = 30.0
+MAC_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class RemoteSettings:
     timeout_s: float = 0.2
     write_through: bool = False  # every stored block goes to Redis too, not only those leaving the host tier
     max_inflight: int = 256
+    secret: bytes = field(default=b"", repr=False)  # shared by the daemons of a tier: values carry a MAC under it
 
     @property
     def cluster(self) -> bool:
@@ -169,7 +178,8 @@ class RemoteStore:
             pipe = self.client.pipeline(transaction=False)
             for namespace, key, checksum, index in batch:
                 header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes)
-                pipe.set(self.key(namespace, key), self._staging.with_header(index, header))
+                name, value = self.key(namespace, key), self._staging.with_header(index, header)
+                pipe.set(name, value if not self.settings.secret else bytes(value) + self._mac(name, value))
             pipe.execute()
         except FAILURES as exc:
             self.breaker.failed(exc)
@@ -236,9 +246,20 @@ class RemoteStore:
         host_index.complete_store(plan.slots, [checksums.get(s) for s in plan.slots])
         return failed
 
+    def _mac(self, name: bytes, value) -> bytes:
+        """HMAC-SHA256 of a value under its full Redis key: whoever lacks the secret can neither forge a
+        value nor move one to another key."""
+        mac = hmac.new(self.settings.secret, name, hashlib.sha256)
+        mac.update(value)
+        return mac.digest()
+
     def _unpack(self, namespace: str, key: bytes, value: bytes, out: torch.Tensor) -> tuple[Outcome, int]:
-        split = len(value) - self.slot_bytes
         try:
+            if self.settings.secret:
+                value, mac = value[:-MAC_BYTES], value[-MAC_BYTES:]
+                if not hmac.compare_digest(self._mac(self.key(namespace, key), value), mac):
+                    raise DiskCorrupt("forged")
+            split = len(value) - self.slot_bytes
             if split != header_length(namespace, key):
                 raise DiskCorrupt("truncated")
             got = decode_header(value[:split], self.fingerprint, self.slot_bytes)

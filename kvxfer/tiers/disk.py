@@ -13,12 +13,20 @@ dropped then (reading every byte of a large tier at start would take minutes).
 
 Capacity is in bytes on disk: every file is exactly ``HEADER_BYTES + slot_bytes`` long,
 headers included (the filesystem rounds each up to its block size).
+
+Whoever can write inside the directory is not trusted: every name is opened relative to
+a directory descriptor and never through a link (``O_NOFOLLOW``), without waiting on a
+FIFO or device (``O_NONBLOCK``, then a type check); only regular files of the daemon's
+uid with mode 0600 are read or adopted (anything else is removed, never followed: a link
+is removed, not its target); the header's fingerprint binds a file to its cache group.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +38,9 @@ from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
 
 HEADER_BYTES = 4096  # page-aligned data; 2% of a 192 KiB block
 _DIR_SLOTS = 4096  # files per directory
+FILE_MODE = 0o600
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,15 @@ class DiskTier(Tier):
         super().__init__(capacity, slot_bytes)
         self.directory = Path(directory)
         self.fingerprint = fingerprint
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(mode=0o700, exist_ok=True)
+            self._top = os.open(self.directory, _DIR_FLAGS)  # a link here is refused, not followed
+        except OSError as exc:
+            raise OSError(exc.errno, f"disk tier directory {self.directory}: {exc.strerror} (it must be a "
+                                     "directory, not a link)") from None
+        self._uid = os.geteuid()
+        weakref.finalize(self, os.close, self._top)  # when no reader or writer can use it any more
 
     @property
     def file_bytes(self) -> int:
@@ -72,46 +91,78 @@ class DiskTier(Tier):
     def path(self, slot: int) -> Path:
         return self.directory / f"{slot // _DIR_SLOTS:04x}" / f"{slot:08x}.kvb"
 
+    @staticmethod
+    def _names(slot: int) -> tuple[str, str]:
+        return f"{slot // _DIR_SLOTS:04x}", f"{slot:08x}.kvb"
+
+    def _subdir(self, name: str, create: bool = False) -> int:
+        """A descriptor of one of the tier's subdirectories, never through a link."""
+        if create:
+            try:
+                os.mkdir(name, 0o700, dir_fd=self._top)
+            except FileExistsError:
+                pass
+        return os.open(name, _DIR_FLAGS, dir_fd=self._top)
+
+    def _adoptable(self, st: os.stat_result) -> bool:
+        """A file this tier wrote: regular, the daemon's, mode 0600, one block long."""
+        return (stat.S_ISREG(st.st_mode) and st.st_uid == self._uid and stat.S_IMODE(st.st_mode) == FILE_MODE
+                and st.st_size == self.file_bytes)
+
     # -- writing -----------------------------------------------------------------
     def write_batch(self, blocks: list[Block]) -> list[OSError | None]:
         """Make each block's file durable (write, fsync, rename, fsync the directories);
         one error or None per block. A failed block leaves its slot's previous file."""
         errors: list[OSError | None] = []
-        renamed: dict[Path, list[int]] = {}  # directory -> the blocks renamed into it
-        for block in blocks:
-            final = self.path(block.slot)
-            tmp = final.with_suffix(".tmp")
-            try:
-                final.parent.mkdir(exist_ok=True)
-                header = encode_header(self.fingerprint, block.namespace, block.key, block.checksum,
-                                       self.slot_bytes, pad_to=HEADER_BYTES)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        renamed: dict[str, list[int]] = {}  # directory -> the blocks renamed into it
+        dirs: dict[str, int] = {}
+        try:
+            for block in blocks:
+                sub_name, final = self._names(block.slot)
+                tmp = final[:-len(".kvb")] + ".tmp"
+                sub = -1
                 try:
-                    _write_all(fd, [header, block.data])
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, final)
-                renamed.setdefault(final.parent, []).append(len(errors))
-                errors.append(None)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                errors.append(exc)
-        for directory, members in renamed.items():  # the renames durable: once per directory per batch
-            try:
-                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    sub = dirs.get(sub_name) or dirs.setdefault(sub_name, self._subdir(sub_name, create=True))
+                    header = encode_header(self.fingerprint, block.namespace, block.key, block.checksum,
+                                           self.slot_bytes, pad_to=HEADER_BYTES)
+                    _unlink(tmp, sub)  # whatever is there (a planted link): removed, never followed
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
+                                 dir_fd=sub)
+                    try:
+                        os.fchmod(fd, FILE_MODE)  # whatever the umask
+                        _write_all(fd, [header, block.data])
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.rename(tmp, final, src_dir_fd=sub, dst_dir_fd=sub)
+                    renamed.setdefault(sub_name, []).append(len(errors))
+                    errors.append(None)
+                except OSError as exc:
+                    if sub >= 0:
+                        _unlink(tmp, sub)
+                    errors.append(exc)
+            for sub_name, members in renamed.items():  # the renames durable: once per directory per batch
                 try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError as exc:  # the renames may not survive a crash: not durable, not published
-                for i in members:
-                    errors[i] = exc
+                    os.fsync(dirs[sub_name])
+                except OSError as exc:  # the renames may not survive a crash: not durable, not published
+                    for i in members:
+                        errors[i] = exc
+        finally:
+            for fd in dirs.values():
+                os.close(fd)
         return errors
 
     def discard(self, slot: int) -> None:
         """Remove a slot's file (a deleted key must not come back after a restart)."""
-        self.path(slot).unlink(missing_ok=True)
+        sub_name, name = self._names(slot)
+        try:
+            sub = self._subdir(sub_name)
+        except FileNotFoundError:
+            return
+        try:
+            _unlink(name, sub)
+        finally:
+            os.close(sub)
 
     # -- reading -----------------------------------------------------------------
     def read_into(self, slot: int, namespace: str, key: bytes, checksum: int, out: memoryview) -> None:
@@ -120,8 +171,19 @@ class DiskTier(Tier):
         ``DiskCorrupt``: the file is not that block or its bytes fail the checksum (drop
         it); ``OSError``: the device failed.
         """
-        fd = os.open(self.path(slot), os.O_RDONLY | os.O_CLOEXEC)
+        sub_name, name = self._names(slot)
+        sub = self._subdir(sub_name)
         try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=sub)  # a FIFO or a device never makes this wait
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise DiskCorrupt("foreign_file") from None  # a link where a block file should be
+            raise
+        finally:
+            os.close(sub)
+        try:
+            if not self._adoptable(os.fstat(fd)):
+                raise DiskCorrupt("foreign_file")
             header = os.pread(fd, HEADER_BYTES, 0)
             got = decode_header(header, self.fingerprint, self.slot_bytes, HEADER_BYTES)
             if got != (namespace, key, checksum):
@@ -139,37 +201,57 @@ class DiskTier(Tier):
         """Every valid file's header, oldest first; invalid files removed and counted by reason."""
         found: list[Stored] = []
         dropped: Counter = Counter()
-        for sub in sorted(p for p in self.directory.iterdir() if p.is_dir()):
-            for path in sub.iterdir():
-                reason = self._check(path, found)
-                if reason is not None:
-                    dropped[reason] += 1
-                    path.unlink(missing_ok=True)
+        with os.scandir(self._top) as entries:
+            top = sorted(entries, key=lambda e: e.name)
+        for entry in top:
+            if entry.is_symlink():  # a link among the subdirectories: removed itself, its target never touched
+                dropped["foreign_file"] += 1
+                _unlink(entry.name, self._top)
+                continue
+            if not entry.is_dir(follow_symlinks=False):
+                continue  # the lock file
+            sub = self._subdir(entry.name)
+            try:
+                with os.scandir(sub) as files:
+                    for file in list(files):
+                        reason = self._check(entry.name, file, sub, found)
+                        if reason is not None:
+                            dropped[reason] += 1
+                            _unlink(file.name, sub)
+            finally:
+                os.close(sub)
         found.sort(key=lambda s: s.mtime)
         return found, dropped
 
-    def _check(self, path: Path, found: list[Stored]) -> str | None:
-        if path.suffix != ".kvb":
+    def _check(self, sub_name: str, file: os.DirEntry, sub: int, found: list[Stored]) -> str | None:
+        if not file.name.endswith(".kvb"):
             return "incomplete"  # a .tmp a crash left, or a stranger
         try:
-            slot = int(path.stem, 16)
+            slot = int(file.name[:-len(".kvb")], 16)
         except ValueError:
             return "bad_name"
-        if not 0 <= slot < self.capacity or path != self.path(slot):
+        if not 0 <= slot < self.capacity or self._names(slot) != (sub_name, file.name):
             return "out_of_range"  # the tier was made smaller
         try:
-            st = path.stat()
-            if st.st_size != self.file_bytes:
-                return "truncated"
-            with path.open("rb") as f:
-                namespace, key, checksum = decode_header(f.read(HEADER_BYTES), self.fingerprint, self.slot_bytes,
-                                                         HEADER_BYTES)
+            fd = os.open(file.name, _READ_FLAGS, dir_fd=sub)
+        except OSError:
+            return "foreign_file" if file.is_symlink() else "unreadable"
+        try:
+            st = os.fstat(fd)
+            if not self._adoptable(st):
+                return "truncated" if stat.S_ISREG(st.st_mode) and st.st_uid == self._uid and \
+                    stat.S_IMODE(st.st_mode) == FILE_MODE else "foreign_file"
+            namespace, key, checksum = decode_header(os.pread(fd, HEADER_BYTES, 0), self.fingerprint,
+                                                     self.slot_bytes, HEADER_BYTES)
         except DiskCorrupt as bad:
             return str(bad)
         except OSError:
             return "unreadable"
+        finally:
+            os.close(fd)
         found.append(Stored(slot, namespace, key, checksum, st.st_mtime))
         return None
+
 
 
 def _write_all(fd: int, buffers: list) -> None:
@@ -183,3 +265,13 @@ def _write_all(fd: int, buffers: list) -> None:
             views.pop(0)
         if views and written:
             views[0] = views[0][written:]
+
+
+def _unlink(name: str, directory: int) -> None:
+    """Remove a name (a link itself, never its target) in a directory, if there."""
+    try:
+        os.unlink(name, dir_fd=directory)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        pass  # a directory planted where a block file should be: left alone, never adopted

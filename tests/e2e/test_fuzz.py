@@ -147,3 +147,53 @@ def test_any_request_gets_a_proper_status_and_changes_nothing(target):
     channel.close()
     print(sorted(seen.items()))
     assert any(k.endswith(":OK") for k in seen) and any(k.endswith(":INVALID_ARGUMENT") for k in seen)
+
+
+def test_any_descriptor_request_gets_a_proper_answer_and_changes_nothing(target, tmp_path):
+    """The descriptor socket (``<socket>.fd``): any message, with none or one descriptor of any kind."""
+    import os
+    import socket
+
+    from kvxfer import fdpass
+
+    daemon, client, epochs, _ = target
+    path = fdpass.socket_path_for(daemon.target)
+    regular = tmp_path / "file"
+    regular.write_bytes(bytes(4096))
+    os.mkfifo(tmp_path / "fifo")
+    kinds = {"none": lambda: None, "file": lambda: os.open(regular, os.O_RDWR),
+             "read-only": lambda: os.open(regular, os.O_RDONLY),
+             "append": lambda: os.open(regular, os.O_RDWR | os.O_APPEND),
+             "fifo": lambda: os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK),
+             "dir": lambda: os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), "socket": lambda: socket.socket().detach(),
+             "memfd": lambda: os.memfd_create("fz")}
+    messages = st.one_of(st.binary(max_size=600), st.sampled_from([b"REGISTER", b"MAP rank0", b"MAP rank0 x"]),
+                         st.builds(lambda p, e: b"MAP %s %d" % (p, e), st.sampled_from([b"rank0", b"lbhnc", b"zz"]),
+                                   st.sampled_from([epochs["rank0"], 0, 2**63])),
+                         st.builds(lambda t, m: b"AUTH " + t + b"\n" + m, st.binary(max_size=40),
+                                   st.sampled_from([b"REGISTER", b"MAP"])))
+    answers: dict[str, int] = {}
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(message=messages, kind=st.sampled_from(sorted(kinds)))
+    def check(message, kind):
+        fd = kinds[kind]()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(5)
+            sock.connect(path)
+            try:
+                socket.send_fds(sock, [message or b" "], [] if fd is None else [fd])
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            answer, fds, _, _ = socket.recv_fds(sock, fdpass.MAX_MESSAGE, 1)
+        for received in fds:
+            os.close(received)
+        assert answer.startswith((b"OK", b"ERR ")) and b"Traceback" not in answer, answer
+        code = answer.split()[1].decode() if answer.startswith(b"ERR ") else "OK"
+        assert code in ALLOWED | {"UNAUTHENTICATED"}, (message, kind, answer)
+        answers[code] = answers.get(code, 0) + 1
+
+    check()
+    assert client.health() == "SERVING" and daemon.proc.poll() is None
+    assert answers.get("OK") and answers.get("INVALID_ARGUMENT"), answers

@@ -1,5 +1,6 @@
 """The disk tier with real files: demotion and promotion bit-exact, the index rebuilt, bad files dropped."""
 
+import errno
 import os
 import stat
 
@@ -113,15 +114,20 @@ def test_a_foreign_block_format_is_never_served(tmp_path):
     group2.close(5)
 
 
-def test_a_failing_device_fails_the_block_and_marks_the_tier_degraded(tmp_path):
+def test_a_failing_device_fails_the_block_and_marks_the_tier_degraded(tmp_path, monkeypatch):
     pool, group, manager = store(tmp_path)
     fill(pool, 4)
     offload_all(manager, range(1, 17))
     assert group.disk.flush(10)
     victim = group.disk.index.entries()[0]
-    path = group.disk.tier.path(victim[2])
-    path.unlink()
-    path.mkdir()  # reads of it fail with an OS error, as a dead sector would
+    read_into = group.disk.tier.read_into
+
+    def dead_sector(slot, *args):
+        if slot == victim[2]:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_into(slot, *args)
+
+    monkeypatch.setattr(group.disk.tier, "read_into", dead_sector)
     result = manager.restore("ns", [(victim[1], 40), (b"k16", 41)])
     assert result.outcomes == [Outcome.FAILED, Outcome.DONE]
     stats = group.disk.stats()

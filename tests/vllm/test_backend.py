@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvxfer import Client
+from kvxfer.errors import PermissionDenied
 from service import launch
 from kvxfer.integrations.vllm.drive import Engine
 from kvxfer.integrations.vllm.link import LinkDown
@@ -168,9 +169,12 @@ def test_tensor_parallel_ranks_each_serve_a_pool_and_a_block_counts_only_if_ever
         for rank in (0, 1):  # each rank restored its own heads
             assert torch.equal(engine.block_bytes(engine.block_tables["B"][:4], rank), stored[:, :, rank:rank + 1])
 
-        with Client(daemon.target) as client:  # rank 1 loses the last two blocks
-            keys = engine.offload_keys(PROMPT)
-            assert client.delete(keys[2:], pool_id=names.pool_id(1), namespace=names.namespace(None)) == 2
+        rank1 = engine.ranks[1].connector.spec.worker._link.client  # its registrant: only it may delete there
+        keys = engine.offload_keys(PROMPT)  # rank 1 loses the last two blocks
+        assert rank1.delete(keys[2:], pool_id=names.pool_id(1), namespace=names.namespace(None)) == 2
+        with Client(daemon.target) as client:  # anyone else is refused
+            with pytest.raises(PermissionDenied):
+                client.delete(keys[:2], pool_id=names.pool_id(1), namespace=names.namespace(None))
         engine.reset_prefix_cache()
         reports = run_alone(engine, "C", PROMPT + TAIL)
         assert external_hits(reports, "C") == 32  # the minimum over the ranks
@@ -250,9 +254,9 @@ def test_blocks_evicted_between_lookup_and_load_are_recomputed(daemon, make_engi
     engine.add("B", PROMPT + TAIL)
     engine.step()  # the Lookup: all four blocks are there
     names = engine.worker.spec.names
-    with Client(daemon.target) as client:  # ... and two are gone before the load runs
-        assert client.delete(engine.offload_keys(PROMPT)[2:], pool_id=names.pool_id(0),
-                             namespace=names.namespace(None)) == 2
+    client = engine.worker.spec.worker._link.client  # the pool's registrant: ... two are gone before the load
+    assert client.delete(engine.offload_keys(PROMPT)[2:], pool_id=names.pool_id(0),
+                         namespace=names.namespace(None)) == 2
     reports = engine.run({"B"})
     assert external_hits(reports, "B") == 64 and sum(len(r.load_errors) for r in reports) == 2
     assert computed(reports, "B") == 32 + len(TAIL)  # exactly the two NOT_FOUND blocks were recomputed

@@ -1,0 +1,254 @@
+"""Attackers who can write inside a tier, and failures anyone can cause there, against real daemons
+(issue 26, items 5-8): the disk tier's directory, and the Redis database."""
+
+import os
+import shutil
+import signal
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxfer import Client
+from kvxfer.records import Outcome, TierKind
+from service import launch
+from tests.e2e.conftest import SMALL_POOL
+from tests.e2e.redis_server import REDIS, RedisServer
+from tests.e2e.test_disk import Writer, wait_demoted
+from tests.helpers import read_block
+
+pytestmark = pytest.mark.e2e
+POOLS = [{**SMALL_POOL, "host_capacity_mib": 0.5}, {**SMALL_POOL, "id": "rank1", "host_capacity_mib": 0.5}]
+
+
+def _disk_daemon(path: Path) -> launch.DaemonProcess:
+    return launch.spawn({"grace_period_s": 10, "log_level": "info", "pools": POOLS,
+                         "disk": {"path": str(path), "capacity_gib": 0.01}})
+
+
+def _key_of(path: Path) -> bytes:
+    """The key in a block file's header (kvxfer.tiers.record: 68 fixed bytes, namespace, key)."""
+    header = path.read_bytes()[:4096]
+    ns_len, key_len = struct.unpack_from("<HH", header, 64)
+    return header[68 + ns_len:68 + ns_len + key_len]
+
+
+def _files(group_dir: Path) -> dict[bytes, Path]:
+    return {_key_of(p): p for p in sorted(group_dir.glob("*/*.kvb"))}
+
+
+def test_a_fifo_in_place_of_a_block_file_never_stops_the_daemon(tmp_path):
+    daemon = _disk_daemon(tmp_path / "disk")
+    try:
+        writer = Writer(daemon, b"fifo-")
+        writer.offload(48)  # a host tier of 32 blocks: 16 go down to disk
+        wait_demoted(daemon, 16)
+        for path in _files(tmp_path / "disk" / "rank0").values():
+            path.unlink()
+            os.mkfifo(path)  # an open() of it would wait for a writer for ever
+        on_disk = list(writer.shadow)[:4]
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(writer.client.restore(
+            [(on_disk[0], 3)], pool_id="rank0", partial=True, timeout=20).outcomes))
+        thread.start()
+        with Client(daemon.target) as client:
+            for _ in range(10):
+                start = time.monotonic()
+                assert client.health(timeout=2) == "SERVING" and time.monotonic() - start < 0.5
+                time.sleep(0.02)
+        thread.join(timeout=20)
+        assert outcome == [[Outcome.DATA_LOSS]]  # not a block file: dropped, reported, never waited on
+        writer.close()
+    finally:
+        daemon.cleanup()
+
+
+def test_links_and_planted_files_in_the_disk_tier_are_never_followed_or_adopted(tmp_path):
+    disk = tmp_path / "disk"
+    daemon = _disk_daemon(disk)
+    writer = Writer(daemon, b"plant-")
+    try:
+        writer.offload(48)
+        wait_demoted(daemon, 16)
+        shadow = writer.shadow
+    finally:
+        writer.close()
+        daemon.stop(signal.SIGTERM)  # the host tier goes down to disk too
+        daemon.cleanup()
+    group = disk / "rank0"
+    files = _files(group)
+    (linked, target), (foreign, copied) = list(files.items())[:2], list(files.items())[2:4]
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_bytes(b"x" * 100)
+    (group / "00ff").symlink_to(victim)  # a linked subdirectory: its target must never be scanned
+    (group / ".lock").unlink()
+    (group / ".lock").symlink_to(tmp_path / "outside")  # a dangling link: nothing may be created there
+    linked[1].unlink()
+    linked[1].symlink_to(target[1])  # a link to another block file
+    os.chown(foreign[1], 65534, 65534)  # another user's file, writable by all
+    os.chmod(foreign[1], 0o666)
+    other_group = disk / "rank1" / copied[1].relative_to(group)
+    other_group.parent.mkdir(exist_ok=True)
+    shutil.copy2(copied[1], other_group)  # a block file copied into another cache group's directory
+    restarted = _disk_daemon(disk)
+    try:
+        assert (victim / "precious").exists() and not (tmp_path / "outside").exists()
+        assert not (group / "00ff").exists()  # the link itself is gone
+        with Client(restarted.target) as client:
+            tiers = client.lookup([linked[0], foreign[0], target[0], copied[0]], pool_ids=["rank0"]).tiers
+            assert tiers == [None, None, TierKind.DISK, TierKind.DISK]  # neither adopted; the real ones are
+            assert client.lookup([copied[0]], pool_ids=["rank1"]).tiers == [None]  # rank0's file is not rank1's
+            pool = client.map_pool("rank0")
+            assert client.restore([(target[0], 5)], pool_id="rank0").outcomes == [Outcome.DONE]
+            assert torch.equal(read_block(pool.storage, pool.layout, 5), shadow[target[0]])
+    finally:
+        restarted.cleanup()
+
+
+@pytest.fixture
+def redis_server():
+    if REDIS is None:
+        pytest.skip("needs Debian's redis-server (.ci/run installs it)")
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+def _redis_daemon(server: RedisServer, **remote) -> launch.DaemonProcess:
+    return launch.spawn({"grace_period_s": 5, "log_level": "info", "pools": POOLS,
+                         "remote": server.config(write_through=True, **remote)})
+
+
+def _offload(daemon, pool_id: str, key: bytes) -> torch.Tensor:
+    with Client(daemon.target) as client:
+        pool = client.map_pool(pool_id)
+        data = torch.randint(0, 256, (pool.layout.block_bytes,), dtype=torch.uint8)
+        pool.storage[pool.layout.block_bytes:2 * pool.layout.block_bytes] = data  # BLHNC: block 1
+        assert client.offload([(1, key)], pool_id=pool_id).outcomes == [Outcome.DONE]
+        return data
+
+
+def _restore(daemon, pool_id: str, key: bytes) -> Outcome:
+    with Client(daemon.target) as client:
+        return client.restore([(key, 7)], pool_id=pool_id, partial=True).outcomes[0]
+
+
+def _stored(server: RedisServer, n: int) -> dict[bytes, bytes]:
+    client = server.client()
+    deadline = time.monotonic() + 20
+    while len(names := client.keys("*")) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return {name: client.get(name) for name in names}
+
+
+def test_another_groups_value_under_this_groups_key_is_never_served(redis_server):
+    daemon = _redis_daemon(redis_server)
+    try:
+        _offload(daemon, "rank1", b"moved")
+        ((name, value),) = _stored(redis_server, 1).items()
+        redis_server.client().set(name.replace(b"rank1", b"rank0"), value)  # same namespace and key
+        assert _restore(daemon, "rank0", b"moved") is Outcome.NOT_FOUND  # was DONE with rank1's bytes
+        assert _restore(daemon, "rank1", b"moved") is Outcome.DONE
+    finally:
+        daemon.cleanup()
+
+
+def test_with_a_secret_forged_or_moved_values_are_data_loss_and_deleted(redis_server, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    writer = _redis_daemon(redis_server, secret_file=str(secret))
+    reader = _redis_daemon(redis_server, secret_file=str(secret))  # another node: it finds them in Redis
+    try:
+        _offload(writer, "rank0", b"real")
+        _offload(writer, "rank0", b"other")
+        _offload(writer, "rank0", b"kept")
+        values = _stored(redis_server, 3)
+        client = redis_server.client()
+        (real,) = [n for n in values if n.endswith(b"real")]
+        (other,) = [n for n in values if n.endswith(b"other")]
+        assert _restore(reader, "rank0", b"kept") is Outcome.DONE  # what the writer stored is served
+        client.set(other, values[real])  # a valid value moved under another key
+        assert _restore(reader, "rank0", b"other") is Outcome.DATA_LOSS and not client.exists(other)
+        body = values[real][:-32]  # header and block, which anyone can write: the MAC needs the secret
+        client.set(real, body + os.urandom(32))
+        assert _restore(reader, "rank0", b"real") is Outcome.DATA_LOSS and not client.exists(real)
+        assert secret.read_bytes().hex() not in reader.log_text()
+    finally:
+        writer.cleanup()
+        reader.cleanup()
+
+
+class SlowProxy:
+    """A TCP proxy in front of Redis that holds every answer ``delay_s`` (a slow Redis, under the timeout)."""
+
+    def __init__(self, upstream_port: int, delay_s: float) -> None:
+        import socket
+
+        self.delay_s, self.upstream = delay_s, ("127.0.0.1", upstream_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.closed:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pipe, args=(conn, up, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, conn, self.delay_s), daemon=True).start()
+
+    def _pipe(self, src, dst, delay_s: float) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                time.sleep(delay_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            src.close()
+            dst.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+
+
+def test_a_slow_redis_never_slows_the_daemons_answers(redis_server):
+    """Restores that wait 150 ms a round trip for Redis run on worker threads: health stays fast."""
+    writer = _redis_daemon(redis_server)
+    proxy = SlowProxy(redis_server.port, 0.15)
+    config = redis_server.config(url=f"redis://127.0.0.1:{proxy.port}/0")
+    reader = launch.spawn({"grace_period_s": 5, "log_level": "info", "pools": POOLS, "remote": config})
+    try:
+        keys = [b"slow%02d" % i for i in range(12)]
+        for key in keys:
+            _offload(writer, "rank0", key)
+        _stored(redis_server, len(keys))
+        done: list[Outcome] = []
+        thread = threading.Thread(target=lambda: done.extend(_restore(reader, "rank0", k) for k in keys))
+        thread.start()
+        latencies = []
+        with Client(reader.target) as client:
+            while thread.is_alive():
+                start = time.monotonic()
+                assert client.health(timeout=5) == "SERVING"
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.01)
+        thread.join()
+        assert done == [Outcome.DONE] * len(keys)  # each one waited for the slow Redis
+        latencies.sort()
+        assert len(latencies) > 20 and latencies[int(len(latencies) * 0.99)] < 0.1, latencies[-5:]
+    finally:
+        proxy.close()
+        writer.cleanup()
+        reader.cleanup()
