@@ -69,3 +69,25 @@ def test_devcheck_plots_a_recorded_run(tmp_path):
     assert plot(report, str(tmp_path / "bandwidth.png"))
     assert (tmp_path / "bandwidth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plot({"stages": []}, str(tmp_path / "none.png"))  # the bandwidth stage did not run
+
+
+def test_an_offloads_event_travels_as_its_64_byte_ipc_handle():
+    from kvxfer.client import event_handle
+    from kvxfer.errors import InvalidArgument
+
+    handle = bytes(range(64))
+    assert event_handle(None) == b"" and event_handle(handle) == handle and event_handle(bytearray(handle)) == handle
+
+    class Recorded:  # what torch.cuda.Event(interprocess=True) answers
+        def ipc_handle(self):
+            return handle
+
+    class NotShareable:  # torch's answer for an event created without interprocess=True
+        def ipc_handle(self):
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+    assert event_handle(Recorded()) == handle
+    with pytest.raises(InvalidArgument, match="interprocess=True"):
+        event_handle(NotShareable())
+    with pytest.raises(InvalidArgument, match="64 bytes"):
+        event_handle(b"short")
