@@ -140,10 +140,20 @@ def test_no_daemon_at_start_then_one_arrives(tmp_path, make_engine):
 
 @pytest.mark.parametrize("extra, message", [
     ({"timeout_s": -1}, "timeout_s"), ({"retry_s": "soon"}, "retry_s"), ({"socket": ""}, "socket"),
-    ({"lease_s": True}, "lease_s"), ({"cache_group": 7}, "cache_group")])
+    ({"lease_s": True}, "lease_s"), ({"cache_group": 7}, "cache_group"),
+    ({"timout_s": 1}, "timout_s: not a setting.*did you mean 'timeout_s'"),
+    ({"cpu_bytes_to_use": 1 << 30}, "cpu_bytes_to_use: not a setting"),  # vLLM's CPU backend's: no effect here
+    ({"blocks_per_chunk": 2}, "one GPU block under each key"), ({"block_size": 32}, "groups 2 under one")])
 def test_bad_settings_stop_vllm_at_start_with_the_setting_named(daemon, make_engine, extra, message):
     with pytest.raises(ValueError, match=message):
         make_engine(daemon.config["socket"], settings=extra)
+
+
+@pytest.mark.parametrize("extra", [{"blocks_per_chunk": 1}, {"block_size": 16}, {"offload_prompt_only": True}])
+def test_vllms_own_settings_that_keep_one_block_a_key_are_accepted(daemon, make_engine, extra):
+    engine = make_engine(daemon.config["socket"], settings=extra)
+    run_alone(engine, "A", PROMPT)
+    assert engine.outputs["A"] == [engine.expected_token(PROMPT)]
 
 
 def test_recompute_is_required_so_a_lost_block_never_fails_a_request(daemon):

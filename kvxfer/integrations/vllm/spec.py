@@ -6,6 +6,7 @@ value stops vLLM at start-up with a message that names it, never later.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,10 @@ from kvxfer.integrations.vllm.registration import check_memory, register_rank
 from kvxfer.integrations.vllm.worker import KvxferWorker, cuda_ready_event, no_event
 
 log = logging.getLogger("kvxfer.vllm")
+#: vLLM's own keys in the same extra config that apply whatever the offloading backend (its CPU
+#: backend's keys, cpu_bytes_to_use and the like, would do nothing here: they are refused too).
+VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
+                       "offload_prompt_only", "self_describing_kv_events", "sync_load_budget_bytes"})
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,13 @@ class Settings:
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
         known = {name for name in cls.__dataclass_fields__}
+        unknown = sorted(set(extra) - known - VLLM_KEYS, key=str)
+        if unknown:  # a misspelt key must not be dropped in silence
+            name = str(unknown[0])
+            near = difflib.get_close_matches(name, sorted(known | VLLM_KEYS), n=1)
+            raise ValueError(f"kv_connector_extra_config.{name}: not a setting of kvxfer or of vLLM's offloading "
+                             f"connector{f' (did you mean {near[0]!r}?)' if near else ''}; kvxfer's settings: "
+                             f"{sorted(known)}")
         ours = {k: v for k, v in extra.items() if k in known}
         for name, value in ours.items():
             default = getattr(cls, name)
@@ -62,6 +74,10 @@ class KvxferOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig, names: EngineNames) -> None:
         super().__init__(config)
         self.settings = Settings.parse(dict(self.extra_config))
+        if self.blocks_per_chunk != 1:  # the worker pairs GPU blocks with keys one to one
+            raise ValueError(f"kvxfer stores one GPU block under each key; kv_connector_extra_config's block_size "
+                             f"or blocks_per_chunk groups {self.blocks_per_chunk} under one: remove them (or set "
+                             "blocks_per_chunk: 1)")
         self.names = names
         self.rank = config.parallel.rank
         self.allocation = SharedKVAllocation(names.pool_id(self.rank))
