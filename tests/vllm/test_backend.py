@@ -1,5 +1,6 @@
 """The kvxfer backend under vLLM's own scheduler and connector, against a real daemon subprocess."""
 
+import logging
 import signal
 import time
 
@@ -113,7 +114,7 @@ def test_a_daemon_killed_mid_run_costs_hits_never_requests(daemon, make_engine):
         engine.reset_prefix_cache()
         run_alone(engine, "again", PROMPT)  # stored through the new daemon once the link is back
         engine.reset_prefix_cache()
-        time.sleep(RETRY_S)  # the scheduler asked before the worker registered: it asks again after retry_s
+        time.sleep(0.3)  # the scheduler's lookups may have come before the worker registered: asked again soon
         reports = run_alone(engine, "again-hit", PROMPT + TAIL)
         assert external_hits(reports, "again-hit") == 64
         assert engine.outputs["again-hit"] == [engine.expected_token(PROMPT + TAIL)]
@@ -121,11 +122,16 @@ def test_a_daemon_killed_mid_run_costs_hits_never_requests(daemon, make_engine):
         restarted.cleanup()
 
 
-def test_no_daemon_at_start_then_one_arrives(tmp_path, make_engine):
+def test_no_daemon_at_start_then_one_arrives(tmp_path, make_engine, caplog):
+    caplog.set_level(logging.WARNING, logger="kvxfer.vllm")
     socket = str(tmp_path / "late.sock")
     engine = make_engine(socket)
     reports = run_alone(engine, "A", PROMPT)
     assert engine.outputs["A"] == [engine.expected_token(PROMPT)] and external_hits(reports, "A") == 0
+    gone = [r.getMessage() for r in caplog.records if r.name == "kvxfer.vllm" and "is gone" in r.getMessage()]
+    for role in ("worker rank 0", "scheduler"):  # each side says it once, naming the socket and the cause
+        (line,) = [m for m in gone if f"kvxfer {role}:" in m]
+        assert socket in line and "()" not in line, line
     daemon = launch.spawn({**DAEMON, "socket": socket})
     try:
         engine.reset_prefix_cache()

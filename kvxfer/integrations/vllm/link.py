@@ -22,11 +22,14 @@ from kvxfer.errors import DeadlineExceeded, FailedPrecondition, KvxferError, Not
 log = logging.getLogger("kvxfer.vllm")
 T = TypeVar("T")
 
+#: How soon a daemon that answered but did not know the pool is asked again.
+SETTLE_S = 0.1
 #: Errors after which the daemon no longer knows this engine's pools or jobs.
 GONE = (Unavailable, FailedPrecondition, NotFound)
 
 
 class LinkState(enum.Enum):
+    STARTING = "starting"  # no call made yet
     UP = "up"
     SLOW = "slow"  # the daemon may still run our jobs: keep the session, retry later
     GONE = "gone"  # the daemon lost our pools and jobs: reconnect and register again
@@ -36,8 +39,8 @@ class LinkDown(Exception):
     """The daemon is not reachable now. ``gone``: it lost this engine's pools and jobs.
     ``unsure``: this call was sent and timed out, so the daemon may still carry it out."""
 
-    def __init__(self, gone: bool, unsure: bool = False) -> None:
-        super().__init__("kvxfer daemon gone" if gone else "kvxfer daemon slow")
+    def __init__(self, gone: bool, unsure: bool = False, cause: str = "") -> None:
+        super().__init__(f"kvxfer daemon {'gone' if gone else 'slow'}{': ' + cause if cause else ''}")
         self.gone = gone
         self.unsure = unsure
 
@@ -53,25 +56,28 @@ class DaemonLink:
         self.role = role
         self._on_connect = on_connect
         self._client: Client | None = None
-        self.state = LinkState.GONE
+        self.state = LinkState.STARTING
         self._next_try = 0.0
+        self._cause = ""  # why the link is down, for the LinkDown of calls made while it rests
         self.connects = 0
 
     def call(self, fn: Callable[[Client], T]) -> T:
         """Run ``fn(client)``; raises ``LinkDown`` if the daemon is down (now or recently), or the
         ``KvxferError`` of a refusal (the daemon is up but said no: full, invalid)."""
         if self.resting:
-            raise LinkDown(self.state is LinkState.GONE)
+            raise LinkDown(self.state is LinkState.GONE, cause=self._cause)
+        connecting = self._client is None
         try:
-            if self._client is None:
+            if connecting:
                 self._client = self._connect()
+            connecting = False
             result = fn(self._client)
         except GONE as exc:
-            self._down(LinkState.GONE, exc)
-            raise LinkDown(True) from None
+            self._down(LinkState.GONE, exc, settling=not connecting)
+            raise LinkDown(True, cause=self._cause) from None
         except DeadlineExceeded as exc:
             self._down(LinkState.SLOW, exc)
-            raise LinkDown(False, unsure=True) from None
+            raise LinkDown(False, unsure=True, cause=self._cause) from None
         if self.state is not LinkState.UP:
             log.warning("kvxfer %s: daemon at %s is serving; offloading on", self.role, self.target)
             self.state = LinkState.UP
@@ -88,19 +94,24 @@ class DaemonLink:
             if isinstance(exc, (*GONE, DeadlineExceeded)):
                 raise
             self._down(LinkState.GONE, exc)  # refused (e.g. too many pools): try the whole session again later
-            raise LinkDown(True) from None
+            raise LinkDown(True, cause=self._cause) from None
         self.connects += 1
         return client
 
-    def _down(self, state: LinkState, exc: KvxferError) -> None:
+    def _down(self, state: LinkState, exc: KvxferError, settling: bool = False) -> None:
+        """The link is down; ``settling``: the daemon answered a call (not a registration) but did not
+        know the pool: a restarted daemon while this engine's workers register again."""
         if state is LinkState.GONE and self._client is not None:
             self._client.close()
             self._client = None
-        if self.state is not state:
+        self._cause = str(exc)
+        if self.state is not state:  # once per change, with where and why
             log.warning("kvxfer %s: daemon at %s is %s (%s); vLLM goes on without it and retries every %.1f s",
                         self.role, self.target, state.value, exc, self.retry_s)
         self.state = state
-        self._next_try = time.monotonic() + self.retry_s
+        # Such a daemon is asked again soon; one that does not answer, or refuses a registration, after retry_s.
+        settling = settling and isinstance(exc, (FailedPrecondition, NotFound))
+        self._next_try = time.monotonic() + (min(SETTLE_S, self.retry_s) if settling else self.retry_s)
 
     @property
     def resting(self) -> bool:

@@ -106,7 +106,9 @@ class KvxferOffloadingSpec(OffloadingSpec):
                                     flush_wait_s=self.settings.flush_wait_s, ready_event=ready)
         try:
             link.call(lambda client: None)  # register now if the daemon is up; later otherwise
-        except (LinkDown, KvxferError) as exc:  # vLLM starts anyway and registers when the daemon is there
+        except LinkDown:  # vLLM starts anyway and registers when the daemon is there (the link said why)
+            pass
+        except KvxferError as exc:
             log.warning("kvxfer: rank %d not registered yet: %s", self.rank, exc)
         return self.worker
 
