@@ -278,3 +278,27 @@ def test_blocks_evicted_between_lookup_and_load_are_recomputed(daemon, make_engi
     assert computed(reports, "B") == 32 + len(TAIL)  # exactly the two NOT_FOUND blocks were recomputed
     assert engine.outputs["B"] == [engine.expected_token(PROMPT + TAIL)]
     assert pool_stats(daemon, engine).outcomes.get("not_found") == 2
+
+
+def test_after_a_daemon_restart_the_engine_is_back_long_before_retry_s(tmp_path, make_engine):
+    """The restarted daemon answers but knows no pool until the worker registers again: both sides ask
+    again after 0.1 s, not after retry_s (5 s here)."""
+    socket = str(tmp_path / "restart.sock")
+    first = launch.spawn({**DAEMON, "socket": socket})
+    engine = make_engine(socket, settings={"retry_s": 5.0})
+    run_alone(engine, "A", PROMPT)
+    first.stop(signal.SIGKILL)
+    first.cleanup()
+    second = launch.spawn({**DAEMON, "socket": socket})
+    try:
+        start = time.monotonic()
+        for i in range(3):  # the first calls meet a daemon that does not know the pools yet
+            engine.reset_prefix_cache()
+            run_alone(engine, f"B{i}", PROMPT)
+            time.sleep(0.15)
+        engine.reset_prefix_cache()
+        reports = run_alone(engine, "C", PROMPT + TAIL)
+        assert external_hits(reports, "C") == 64 and time.monotonic() - start < 4
+        assert engine.outputs["C"] == [engine.expected_token(PROMPT + TAIL)]
+    finally:
+        second.cleanup()
