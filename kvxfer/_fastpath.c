@@ -5,13 +5,27 @@
  * False where something is off and leaves the rest (which key or slot is wrong, and
  * the message) to the Python code beside it (kvxfer/validate.py,
  * kvxfer/index/block_index.py), which also runs alone where this module is not built.
- * Only exact bytes and exact ints are handled, so no hash or comparison here can run
- * Python code, and the lists cannot change under a pass.
+ * Only exact bytes and exact ints are handled as keys and slots. A key already held in a
+ * dict may be of a bytes subclass (a library caller's), whose __eq__ runs Python code that
+ * can change the caller's lists: so each item is held while the dict looks at it, and the
+ * list's length is read again before each item (a list that shrank ends the pass with
+ * RuntimeError, never a read past its end).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+/* items[i] with a reference of its own, or NULL with RuntimeError if the list is now shorter. */
+static PyObject *hold_item(PyObject *items, Py_ssize_t i) {
+    if (i >= PyList_GET_SIZE(items)) {
+        PyErr_SetString(PyExc_RuntimeError, "a list changed during a bookkeeping pass");
+        return NULL;
+    }
+    PyObject *item = PyList_GET_ITEM(items, i);
+    Py_INCREF(item);
+    return item;
+}
 
 /* 0 if ``buffer`` holds n 8-byte ints; else -1, the buffer released and ValueError set. */
 static int holds_n_words(Py_buffer *buffer, Py_ssize_t n, const char *what) {
@@ -92,37 +106,29 @@ static PyObject *pop_owned(PyObject *self, PyObject *args) {
     Py_ssize_t removed = 0;
     if (holds_n_words(&buffer, n, "pop_owned") < 0)
         return NULL;
-    /* Dict operations compare with held keys, whose __eq__ (a bytes subclass a library caller
-     * stored) may change the caller's lists: work on snapshots that hold their items. */
-    PyObject *items = PyList_AsTuple(keys);
-    if (items == NULL)
-        goto error;
     const int64_t *slots = buffer.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyTuple_GET_ITEM(items, i);
-        if (!PyBytes_CheckExact(key))
+        PyObject *key = hold_item(keys, i);
+        if (key == NULL)
+            goto error;
+        if (!PyBytes_CheckExact(key)) {
+            Py_DECREF(key);
             continue; /* a slot without a key: nothing maps to it */
+        }
         PyObject *held = PyDict_GetItemWithError(space, key); /* borrowed */
-        if (held == NULL) {
-            if (PyErr_Occurred())
-                goto error;
-            continue;
-        }
-        if (!PyLong_CheckExact(held))
-            continue;
         int overflow = 0;
-        const long long slot = PyLong_AsLongLongAndOverflow(held, &overflow);
-        if (!overflow && slot == slots[i]) {
-            if (PyDict_DelItem(space, key) < 0)
-                goto error;
-            removed++;
-        }
+        const long long slot = held != NULL && PyLong_CheckExact(held) ? PyLong_AsLongLongAndOverflow(held, &overflow)
+                                                                      : -1;
+        const int gone = !PyErr_Occurred() && held != NULL && !overflow && slot == slots[i] &&
+                         PyDict_DelItem(space, key) == 0;
+        Py_DECREF(key);
+        if (PyErr_Occurred())
+            goto error;
+        removed += gone;
     }
-    Py_DECREF(items);
     PyBuffer_Release(&buffer);
     return PyLong_FromSsize_t(removed);
 error:
-    Py_XDECREF(items);
     PyBuffer_Release(&buffer);
     return NULL;
 }
@@ -140,28 +146,26 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "insert_new takes one slot per key, or a first slot");
         return NULL;
     }
-    PyObject *items = PyList_AsTuple(keys); /* snapshots: see pop_owned */
-    PyObject *values = slots == Py_None ? NULL : PyList_AsTuple(slots);
-    if (items == NULL || (slots != Py_None && values == NULL)) {
-        Py_XDECREF(items);
-        return NULL;
-    }
     Py_ssize_t i;
     int conflict = 0;
     for (i = 0; i < n; i++) {
-        PyObject *key = PyTuple_GET_ITEM(items, i);
+        PyObject *key = hold_item(keys, i);
+        if (key == NULL)
+            break;
         if (!PyBytes_CheckExact(key)) {
+            Py_DECREF(key);
             conflict = 1; /* not a validated key: the Python path decides */
             break;
         }
-        PyObject *value = slots == Py_None ? PyLong_FromLongLong(first + i) : PyTuple_GET_ITEM(values, i);
-        if (value == NULL)
+        PyObject *value = slots == Py_None ? PyLong_FromLongLong(first + i) : hold_item(slots, i);
+        if (value == NULL) {
+            Py_DECREF(key);
             break;
-        if (slots != Py_None)
-            Py_INCREF(value);
+        }
         const Py_ssize_t size = PyDict_GET_SIZE(space);
         PyObject *held = PyDict_SetDefault(space, key, value); /* borrowed */
         Py_DECREF(value); /* space holds it now, if it took it */
+        Py_DECREF(key);
         if (held == NULL)
             break;
         if (PyDict_GET_SIZE(space) != size + 1) { /* the key was there: nothing inserted */
@@ -169,18 +173,18 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
             break;
         }
     }
-    Py_XDECREF(values);
-    if (i == n) {
-        Py_DECREF(items);
+    if (i == n)
         Py_RETURN_TRUE;
-    }
     PyObject *error_type, *error_value, *error_traceback; /* undo: the keys before i were new */
     PyErr_Fetch(&error_type, &error_value, &error_traceback);
-    for (Py_ssize_t j = 0; j < i; j++)
-        if (PyDict_DelItem(space, PyTuple_GET_ITEM(items, j)) < 0)
-            PyErr_Clear(); /* gone already: a held key's __eq__ changed the dict */
+    for (Py_ssize_t j = 0; j < i && j < PyList_GET_SIZE(keys); j++) {
+        PyObject *key = PyList_GET_ITEM(keys, j);
+        Py_INCREF(key);
+        if (PyDict_DelItem(space, key) < 0)
+            PyErr_Clear(); /* gone already: a held key's __eq__ changed the dict or the list */
+        Py_DECREF(key);
+    }
     PyErr_Restore(error_type, error_value, error_traceback);
-    Py_DECREF(items);
     if (conflict)
         Py_RETURN_FALSE;
     return NULL;
@@ -193,20 +197,16 @@ static PyObject *set_slots(PyObject *self, PyObject *args) {
     long long first;
     if (!PyArg_ParseTuple(args, "O!O!L", &PyDict_Type, &space, &PyList_Type, &keys, &first))
         return NULL;
-    PyObject *items = PyList_AsTuple(keys); /* a snapshot: see pop_owned */
-    if (items == NULL)
-        return NULL;
-    const Py_ssize_t n = PyTuple_GET_SIZE(items);
+    const Py_ssize_t n = PyList_GET_SIZE(keys);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *value = PyLong_FromLongLong(first + i);
-        const int failed = value == NULL || PyDict_SetItem(space, PyTuple_GET_ITEM(items, i), value) < 0;
+        PyObject *key = hold_item(keys, i);
+        PyObject *value = key == NULL ? NULL : PyLong_FromLongLong(first + i);
+        const int failed = value == NULL || PyDict_SetItem(space, key, value) < 0;
         Py_XDECREF(value);
-        if (failed) {
-            Py_DECREF(items);
+        Py_XDECREF(key);
+        if (failed)
             return NULL;
-        }
     }
-    Py_DECREF(items);
     Py_RETURN_NONE;
 }
 
@@ -220,26 +220,24 @@ static PyObject *find(PyObject *self, PyObject *args) {
     const Py_ssize_t n = PyList_GET_SIZE(keys);
     if (holds_n_words(&buffer, n, "find") < 0)
         return NULL;
-    PyObject *items = PyList_AsTuple(keys); /* a snapshot: see pop_owned */
-    if (items == NULL) {
-        PyBuffer_Release(&buffer);
-        return NULL;
-    }
     int64_t *out = buffer.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyTuple_GET_ITEM(items, i);
+        PyObject *key = hold_item(keys, i);
+        if (key == NULL) {
+            PyBuffer_Release(&buffer);
+            return NULL;
+        }
         PyObject *held = PyBytes_CheckExact(key) ? PyDict_GetItemWithError(space, key) : NULL; /* borrowed */
         int overflow = 0;
         out[i] = held != NULL && PyLong_CheckExact(held) ? PyLong_AsLongLongAndOverflow(held, &overflow) : -1;
+        Py_DECREF(key);
         if (PyErr_Occurred()) {
-            Py_DECREF(items);
             PyBuffer_Release(&buffer);
             return NULL;
         }
         if (overflow)
             out[i] = -1;
     }
-    Py_DECREF(items);
     PyBuffer_Release(&buffer);
     Py_RETURN_NONE;
 }
