@@ -38,7 +38,8 @@ from tests.cudasim.memory import MemoryCalls
 from tests.cudasim.region import Region
 from tests.cudasim.rules import (CTX_BASE, EVENT_DISABLE_TIMING, EVENT_INTERPROCESS, EVENT_MAGIC, INVALID_CONTEXT,
                                  INVALID_HANDLE, INVALID_VALUE, LEGACY_STREAMS, NAMES, NOT_FOUND, NOT_PERMITTED,
-                                 NOT_READY, ILLEGAL_ADDRESS, SUCCESS, Event, Stream, value_of, api)
+                                 NOT_READY, ILLEGAL_ADDRESS, SUCCESS, Event, Stream, api, read_handle, value_of,
+                                 write_handle)
 
 class CudaSim(MemoryCalls):
     """The driver library of one process over a shared ``Region``."""
@@ -298,8 +299,7 @@ class CudaSim(MemoryCalls):
         if flags & (EVENT_INTERPROCESS | EVENT_DISABLE_TIMING) != EVENT_INTERPROCESS | EVENT_DISABLE_TIMING:
             self.violations.append("an event without INTERPROCESS|DISABLE_TIMING was exported")
             return INVALID_VALUE
-        raw = EVENT_MAGIC + struct.pack("<qqq", e.index, e.gen, os.getpid())
-        ctypes.memmove(ctypes.addressof(phandle.contents), raw.ljust(64, b"\0"), 64)
+        write_handle(phandle, EVENT_MAGIC, e.index, e.gen)
         return SUCCESS
 
     @api
@@ -307,15 +307,12 @@ class CudaSim(MemoryCalls):
         device = self._current()
         if device is None:
             return INVALID_CONTEXT
-        raw = ctypes.string_at(ctypes.addressof(handle), 64)
-        if raw[:8] != EVENT_MAGIC:
-            return INVALID_VALUE
-        index, gen, creator = struct.unpack_from("<qqq", raw, 8)
-        if creator == os.getpid():
+        opened = read_handle(handle, EVENT_MAGIC, len(self.region.events))
+        if opened == INVALID_CONTEXT:
             self.violations.append("an IPC event handle was opened in the process that created it")
-            return INVALID_CONTEXT
-        if not 0 <= index < len(self.region.events):
-            return INVALID_VALUE
+        if isinstance(opened, int):
+            return opened
+        index, gen = opened
         slot = self.region.events[index]
         if slot.gen != gen or slot.live != 1:
             self.violations.append("an IPC event handle was opened after its creator destroyed the event")

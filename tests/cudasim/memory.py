@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import struct
 
 from tests.cudasim.rules import (ALREADY_REGISTERED, ILLEGAL_ADDRESS, INVALID_CONTEXT, INVALID_HANDLE, INVALID_VALUE,
-                                 MEM_MAGIC, NOT_INITIALIZED, NOT_REGISTERED, PAGE, SUCCESS, Sticky, value_of, api)
+                                 MEM_MAGIC, NOT_INITIALIZED, NOT_REGISTERED, PAGE, SUCCESS, Sticky, api, read_handle,
+                                 value_of, write_handle)
 
 
 class MemoryCalls:
@@ -126,23 +126,19 @@ class MemoryCalls:
         entry = self.allocations.get(value_of(ptr))
         if entry is None:
             return INVALID_VALUE
-        raw = MEM_MAGIC + struct.pack("<qqq", entry[0], entry[1], os.getpid())
-        ctypes.memmove(ctypes.addressof(phandle.contents), raw.ljust(64, b"\0"), 64)
+        write_handle(phandle, MEM_MAGIC, *entry)
         return SUCCESS
 
     @api
     def cuIpcOpenMemHandle_v2(self, pptr, handle, flags):
         if self._current() is None:
             return INVALID_CONTEXT
-        raw = ctypes.string_at(ctypes.addressof(handle), 64)
-        if raw[:8] != MEM_MAGIC:
-            return INVALID_VALUE
-        index, gen, owner = struct.unpack_from("<qqq", raw, 8)
-        if owner == os.getpid():
+        opened = read_handle(handle, MEM_MAGIC, len(self.region.allocs))
+        if opened == INVALID_CONTEXT:
             self.violations.append("a memory handle was opened in the process that exported it")
-            return INVALID_CONTEXT
-        if not 0 <= index < len(self.region.allocs):
-            return INVALID_VALUE
+        if isinstance(opened, int):
+            return opened
+        index, gen = opened
         slot = self.region.allocs[index]
         if not slot.live or slot.gen != gen:
             return INVALID_HANDLE

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import random
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -107,3 +109,21 @@ def api(fn):
 
 UNCHECKED = {"cuGetErrorName", "cuCtxSetCurrent", "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2",
              "cuInit", "cuDeviceGet", "cuDeviceGetCount"}
+
+
+def write_handle(phandle, magic: bytes, index: int, gen: int) -> None:
+    """A 64-byte IPC handle naming entry ``index`` (generation ``gen``) of the region, made here."""
+    raw = magic + struct.pack("<qqq", index, gen, os.getpid())
+    ctypes.memmove(ctypes.addressof(phandle.contents), raw.ljust(64, b"\0"), 64)
+
+
+def read_handle(handle, magic: bytes, entries: int) -> tuple[int, int] | int:
+    """(index, generation) of a handle another process made, or the error CUDA gives for it
+    (INVALID_CONTEXT: opened in the process that made it)."""
+    raw = ctypes.string_at(ctypes.addressof(handle), 64)
+    if raw[:8] != magic:
+        return INVALID_VALUE
+    index, gen, maker = struct.unpack_from("<qqq", raw, 8)
+    if maker == os.getpid():
+        return INVALID_CONTEXT
+    return (index, gen) if 0 <= index < entries else INVALID_VALUE
