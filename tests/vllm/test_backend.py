@@ -302,3 +302,18 @@ def test_after_a_daemon_restart_the_engine_is_back_long_before_retry_s(tmp_path,
         assert engine.outputs["C"] == [engine.expected_token(PROMPT + TAIL)]
     finally:
         second.cleanup()
+
+
+def test_replicas_share_blocks_by_model_id_whatever_path_they_load_the_weights_from(daemon, make_engine):
+    """Each engine here loads its (identical) weights from a directory of its own."""
+    for model_id, hits in ((None, 0), ("qwen-tiny@sha256:1f2e", 64)):
+        settings = {"model_id": model_id} if model_id else {}
+        first = make_engine(daemon.config["socket"], settings=settings)
+        run_alone(first, "A", PROMPT)
+        second = make_engine(daemon.config["socket"], settings=settings)
+        time.sleep(RETRY_S)
+        reports = run_alone(second, "B", PROMPT + TAIL)
+        assert external_hits(reports, "B") == hits, model_id
+        assert second.outputs["B"] == [second.expected_token(PROMPT + TAIL)]
+        first.close()
+        second.close()

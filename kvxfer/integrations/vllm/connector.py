@@ -49,12 +49,23 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
     if layout is None:
         raise ValueError("kvxfer: vLLM's KV-cache layout is not resolved yet")
     transfer = vllm_config.kv_transfer_config
+    settings = Settings.parse(transfer.kv_connector_extra_config)
     return EngineNames(
-        engine_id=transfer.engine_id or "", model=vllm_config.model_config.model,
+        engine_id=transfer.engine_id or "", model=model_identity(vllm_config, settings),
         spec=KVSpec(num_layers, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
                     spec.dtype),
         layout=kvxfer_layout(layout), world_size=vllm_config.parallel_config.world_size,
-        group_prefix=Settings.parse(transfer.kv_connector_extra_config).cache_group)
+        group_prefix=settings.cache_group)
+
+
+def model_identity(vllm_config: VllmConfig, settings: Settings) -> str:
+    """What the KV bytes depend on besides the geometry: the weights and the dtype they run in. By
+    default the model as vLLM was given it (path or name) and its revision: replicas that load the
+    same weights from different paths set the same ``model_id`` to share blocks, and a weight update
+    sets a new one, after which the old blocks are never served."""
+    model = vllm_config.model_config
+    weights = settings.model_id or f"{model.model}@{model.revision or ''}"
+    return f"{weights}|{model.dtype}"
 
 
 class KvxferConnector(OffloadingConnector):

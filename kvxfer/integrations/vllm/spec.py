@@ -40,6 +40,7 @@ class Settings:
     lease_s: float = 30.0  # the daemon cancels a job whose engine went silent this long
     flush_wait_s: float = 30.0  # log (and keep waiting) when a flush of stores takes longer
     cache_group: str = ""  # prefix of the cache groups; engines that share it share a host tier
+    model_id: str = ""  # the weights' identity (default: the model path or name, its revision, its dtype)
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
