@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from kvxfer.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from kvxfer.validate import shown
 
 TOKEN_BYTES = 16
 EXPIRY_S = 10.0
@@ -121,3 +122,16 @@ class HandOffs:
 def _close(handoff: HandOff) -> None:
     if handoff.fd >= 0:
         os.close(handoff.fd)
+
+
+def check_path_names(path: str, dev: int, ino: int) -> None:
+    """A registered pool's published path (what other processes map) must name the file handed over."""
+    if not path:
+        return
+    try:
+        st = os.stat(path)
+        same = (st.st_dev, st.st_ino) == (dev, ino)
+    except (OSError, ValueError):
+        same = False  # one answer for "absent" and "another file": no oracle for other users' paths
+    if not same:
+        raise InvalidArgument(f"pool path {shown(path)} does not name the file whose descriptor was handed over")

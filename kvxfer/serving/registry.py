@@ -22,11 +22,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.handoff import HandOff, HandOffs, file_identity, token_digest
+from kvxfer.serving.handoff import HandOff, HandOffs, check_path_names, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.serving.lifetimes import ProcessWatch
 from kvxfer.geometry.layout import KVSpec, Layout
@@ -70,6 +69,7 @@ class ServedPool:
     jobs: JobRunner
     owner: str = DAEMON
     token_digest: bytes = b""  # of the registration token that may unregister it
+    registrant_pid: int = 0  # the registering process, as the descriptor socket saw it (0: unknown)
 
     @property
     def descriptor(self) -> PoolDescriptor:
@@ -107,7 +107,7 @@ class PoolRegistry:
         self._watch = ProcessWatch(self._registrant_exited)
 
     def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
-            token: bytes = b"") -> ServedPool:
+            token: bytes = b"", registrant_pid: int = 0) -> ServedPool:
         """Serve a mapped pool (owned, or registered) in a cache group (default: its own id).
 
         A new group gets a host tier of ``host_capacity_blocks``; an existing group keeps its
@@ -140,7 +140,8 @@ class PoolRegistry:
             entry.idle_since = None
             jobs = JobRunner(manager, self._job_ids, self.limits.max_queued_jobs, self.limits.default_lease_s,
                              self.limits.max_lease_s, self.limits.max_jobs_per_client)
-            served = self._pools[pool_id] = ServedPool(manager, jobs, owner, token_digest(token) if token else b"")
+            served = self._pools[pool_id] = ServedPool(manager, jobs, owner, token_digest(token) if token else b"",
+                                                       registrant_pid)
             return served
 
     def create(self, pool_id: str, spec: KVSpec, layout: Layout, device: str = "auto",
@@ -165,6 +166,7 @@ class PoolRegistry:
             raise FailedPrecondition("this daemon does not accept registered pools (allow_register: false)")
         handoff = self.handoffs.take(token)
         try:
+            self._end_lost_registration(pool_id, handoff)
             pool, capacity = self._map_registered(pool_id, spec, layout, handle, handoff, host_capacity_mib)
         except BaseException:
             if handoff.fd >= 0:
@@ -172,7 +174,8 @@ class PoolRegistry:
             raise
         unregister_token = secrets.token_bytes(16)
         try:
-            served = self.add(pool, capacity, cache_group, owner=f"uid:{handoff.uid}", token=unregister_token)
+            served = self.add(pool, capacity, cache_group, owner=f"uid:{handoff.uid}", token=unregister_token,
+                              registrant_pid=handoff.pid)
         except BaseException:
             pool.close()
             raise
@@ -209,7 +212,7 @@ class PoolRegistry:
                                   "MEDIUM_CUDA (its IPC handle)")
         if handoff.fd < 0:
             raise InvalidArgument("a shared-memory pool needs its descriptor handed over")
-        _check_path_names(handle.path, handoff.dev, handoff.ino)
+        check_path_names(handle.path, handoff.dev, handoff.ino)
         # A sealed memfd cannot shrink: map it and copy at memory speed. Any other file
         # may be shrunk under us: reach it through its descriptor only (no SIGBUS).
         return Pool.from_fd(descriptor, handoff.fd, mapped=size_sealed(handoff.fd)), capacity
@@ -241,6 +244,19 @@ class PoolRegistry:
         self._release(served)
         return cancelled
 
+    def _end_lost_registration(self, pool_id: str, handoff: HandOff) -> None:
+        """The same process registering a pool id again: the answer to its earlier registration was lost
+        (a deadline), so it never got the token. That registration ends, and this one replaces it."""
+        with self._lock:
+            old = self._pools.get(pool_id)
+        mine = old is not None and handoff.pid > 0 and (old.registrant_pid, old.owner) == (handoff.pid,
+                                                                                            f"uid:{handoff.uid}")
+        if mine:  # else someone else's, or unknown: AlreadyExists below
+            self._watch.forget(pool_id)
+            self._end(old, drain_timeout=0.0)
+            log.warning("a pool was registered again by its registrant (the answer to the first registration was "
+                        "lost); the first registration ended", extra={"pool": pool_id, "pid": handoff.pid})
+
     def _registrant_exited(self, pool_id: str) -> None:
         """The process that registered ``pool_id`` exited without unregistering it: nothing may touch
         its memory any more, and the daemon must not keep it (a GPU's would stay allocated)."""
@@ -256,8 +272,9 @@ class PoolRegistry:
                     extra={"pool": pool_id, "cancelled_jobs": cancelled, "cache_group": served.cache_group})
 
     def accept_handoff(self, fd: int, uid: int, pid: int) -> bytes:
-        """Keep a descriptor a client passed; returns the token RegisterPool presents."""
-        return self.handoffs.accept(fd, uid, pid, self._served_files())
+        """Keep a descriptor a client passed; returns the token RegisterPool presents. Memory the same
+        process registered already may come again (its first registration's answer may have been lost)."""
+        return self.handoffs.accept(fd, uid, pid, self._served_files(except_pid=pid))
 
     def pool_fd(self, pool_id: str, epoch: int) -> int:
         """The descriptor of one of the daemon's own memfd pools, for a client to map."""
@@ -365,9 +382,10 @@ class PoolRegistry:
             log.info("cache groups released", extra={"cache_groups": gone})
         return gone
 
-    def _served_files(self) -> set[tuple[int, int]]:
+    def _served_files(self, except_pid: int = 0) -> set[tuple[int, int]]:
         with self._lock:
-            pools = [s.manager.pool for s in self._pools.values()]
+            pools = [s.manager.pool for s in self._pools.values()
+                     if except_pid <= 0 or s.registrant_pid != except_pid]
         return {file_identity(p.fd) for p in pools if p.fd is not None}
 
 
@@ -377,19 +395,6 @@ def capacity_blocks(mib: float, block_bytes: int) -> int:
     if blocks < 1:
         raise InvalidArgument(f"a host tier of {mib} MiB holds no block of {block_bytes} bytes")
     return blocks
-
-
-def _check_path_names(path: str, dev: int, ino: int) -> None:
-    """A registered pool's published path (what other processes map) must name the file handed over."""
-    if not path:
-        return
-    try:
-        st = os.stat(path)
-        same = (st.st_dev, st.st_ino) == (dev, ino)
-    except (OSError, ValueError):
-        same = False  # one answer for "absent" and "another file": no oracle for other users' paths
-    if not same:
-        raise InvalidArgument(f"pool path {shown(path)} does not name the file whose descriptor was handed over")
 
 
 __all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool", "capacity_blocks"]

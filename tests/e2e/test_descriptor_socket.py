@@ -84,3 +84,53 @@ def test_a_registered_file_in_append_mode_is_refused_and_never_grows(make_daemon
         assert engine.stat().st_size == SPEC.nbytes  # never a byte at the end
         assert client.health() == "SERVING"
         os.close(fd)
+
+
+REGISTER_ELSEWHERE = """
+import os, sys
+from kvxfer.client import Client
+from kvxfer.errors import KvxferError
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory.pool import PoolHandle
+from kvxfer.records import Medium
+import torch
+spec = KVSpec(2, 16, 4, 2, 8, torch.float16)
+theirs = os.open(sys.argv[2], os.O_RDWR)
+own = os.memfd_create("own")
+os.ftruncate(own, spec.nbytes)
+with Client(sys.argv[1]) as client:
+    for what, pool_id, fd in (("their memory", "other", theirs), ("their pool id", "eng", own)):
+        try:
+            client.register_pool(pool_id, spec, Layout.parse("BLHNC"), PoolHandle(Medium.SHM), fd=fd)
+            print(what, "OK")
+        except KvxferError as exc:
+            print(what, exc.code)
+"""
+
+
+def test_a_registration_whose_answer_was_lost_is_replaced_by_its_registrant_only(make_daemon):
+    """A registration can succeed at the daemon after the engine's deadline: the engine never got the
+    token, and registering again must not find its own memory "already served" for ever."""
+    import subprocess
+
+    from tests.conftest import PYTHON, python_env
+
+    daemon = make_daemon()
+    engine = daemon.shm_dir / "engine"
+    engine.write_bytes(bytes(SPEC.nbytes))
+    fd = os.open(engine, os.O_RDWR)
+    lost = Client(daemon.target, "lost")  # registers, and its answer is "lost" (never used again)
+    first = lost.register_pool("eng", SPEC, Layout.parse("BLHNC"), PoolHandle(Medium.SHM), fd=fd)
+    with Client(daemon.target, "retry") as client:  # the same process tries again
+        again = client.register_pool("eng", SPEC, Layout.parse("BLHNC"), PoolHandle(Medium.SHM), fd=fd)
+        assert again.epoch != first.epoch
+        assert client.offload([(1, b"a")], pool_id="eng").outcomes == [Outcome.DONE]
+        with pytest.raises(Exception, match="registered by another client|stale epoch"):
+            lost.unregister_pool("eng")  # the lost registration's token is dead
+        other = subprocess.run([PYTHON, "-c", REGISTER_ELSEWHERE, daemon.target, str(engine)], env=python_env(),
+                               capture_output=True, text=True, timeout=60)
+        assert other.stdout.split("\n")[:2] == ["their memory PERMISSION_DENIED", "their pool id ALREADY_EXISTS"], \
+            other.stdout + other.stderr
+        client.unregister_pool("eng")
+    lost.close()
+    os.close(fd)
