@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.records import TierKind
 from kvxfer.tiers.base import Tier
@@ -78,9 +79,9 @@ class DiskTier(Tier):
         try:
             self.directory.mkdir(mode=0o700, exist_ok=True)
             self._top = os.open(self.directory, _DIR_FLAGS)  # a link here is refused, not followed
-        except OSError as exc:
-            raise OSError(exc.errno, f"disk tier directory {self.directory}: {exc.strerror} (it must be a "
-                                     "directory, not a link)") from None
+        except OSError as exc:  # a clear refusal at start or registration, never a traceback
+            raise FailedPrecondition(f"disk tier directory {self.directory}: {exc.strerror} (it must be a "
+                                     "directory the daemon can write, not a link)") from None
         self._uid = os.geteuid()
         weakref.finalize(self, os.close, self._top)  # when no reader or writer can use it any more
 
@@ -122,7 +123,9 @@ class DiskTier(Tier):
                 tmp = final[:-len(".kvb")] + ".tmp"
                 sub = -1
                 try:
-                    sub = dirs.get(sub_name) or dirs.setdefault(sub_name, self._subdir(sub_name, create=True))
+                    if sub_name not in dirs:  # (a descriptor may be 0: no truth test on it)
+                        dirs[sub_name] = self._subdir(sub_name, create=True)
+                    sub = dirs[sub_name]
                     header = encode_header(self.fingerprint, block.namespace, block.key, block.checksum,
                                            self.slot_bytes, pad_to=HEADER_BYTES)
                     _unlink(tmp, sub)  # whatever is there (a planted link): removed, never followed
@@ -172,15 +175,17 @@ class DiskTier(Tier):
         it); ``OSError``: the device failed.
         """
         sub_name, name = self._names(slot)
-        sub = self._subdir(sub_name)
+        sub = -1
         try:
+            sub = self._subdir(sub_name)
             fd = os.open(name, _READ_FLAGS, dir_fd=sub)  # a FIFO or a device never makes this wait
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise DiskCorrupt("foreign_file") from None  # a link where a block file should be
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise DiskCorrupt("foreign_file") from None  # a link (or a file) where ours should be
             raise
         finally:
-            os.close(sub)
+            if sub >= 0:
+                os.close(sub)
         try:
             if not self._adoptable(os.fstat(fd)):
                 raise DiskCorrupt("foreign_file")

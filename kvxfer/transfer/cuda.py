@@ -167,23 +167,25 @@ class CudaCopyEngine(CopyEngine):
         if batch.ready_event:  # a handle that does not open fails this request alone, before any copy
             self.driver.wait_ipc_event(stream.handle, batch.ready_event)
         if batch.direction is Direction.TO_HOST:
-            calls = self.driver.copy(tier.tolist(), pool.tolist(), plan.nbytes.tolist(), stream.handle,
-                                     CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+            calls = self.driver.copy(tier, pool, plan.nbytes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
         else:
-            calls = self.driver.copy(pool.tolist(), tier.tolist(), plan.nbytes.tolist(), stream.handle,
-                                     CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
-        sums = self._enqueue_checksums(stream, batch.blocks) if self._hasher is not None else None
+            calls = self.driver.copy(pool, tier, plan.nbytes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
+        sums = self._enqueue_checksums(stream, batch) if self._hasher is not None else None
         handle = CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s, sums)
         handle.calls = calls
         return handle
 
-    def _enqueue_checksums(self, stream: _Stream, blocks: list[int]) -> PendingSums:
+    def _enqueue_checksums(self, stream: _Stream, batch: CopyBatch) -> PendingSums:
         """The device XXH3 behind the copies just enqueued on ``stream``. If it cannot be enqueued,
-        those copies land before the error is raised: no copy outlives a failed submit."""
+        those copies land before the error is raised (no copy outlives a failed submit), or, past the
+        deadline, the batch's slots are named as held by late copies."""
         try:
-            return self._hasher.enqueue(stream.handle.value, blocks)
+            return self._hasher.enqueue(stream.handle.value, batch.blocks)
         except RuntimeError as exc:  # torch or Triton: out of device memory, a failed launch
-            CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s).wait()
+            try:
+                CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s).wait()
+            except LateCopies as late:
+                raise LateCopies(str(late), list(batch.slots), late.handles) from exc
             raise Internal(f"the device checksum could not be enqueued: {exc}") from None
 
     def pool_checksums(self, blocks: list[int]) -> list[int]:
@@ -195,10 +197,13 @@ class CudaCopyEngine(CopyEngine):
         scratch = np.zeros((len(blocks), self.layout.block_bytes), dtype=np.uint8)
         plan = plan_copies(self.layout, blocks, list(range(len(blocks))))
         stream = self._streams[Direction.TO_HOST]
-        self.driver.copy((scratch.ctypes.data + plan.tier_offsets).tolist(),
-                         (self._pool_ptr + plan.pool_offsets).tolist(), plan.nbytes.tolist(), stream.handle,
-                         CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s).wait()
+        self.driver.copy(scratch.ctypes.data + plan.tier_offsets, self._pool_ptr + plan.pool_offsets, plan.nbytes,
+                         stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        try:
+            CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s).wait()
+        except LateCopies as late:  # the scratch buffer lives until the copy into it has landed
+            self.quarantine(late.handles, lambda: scratch.size, restore=False)
+            raise
         return rows_checksums(scratch)
 
     # -- late copies ---------------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvxfer.errors import Internal, KvxferError
+from kvxfer.errors import Internal
 from kvxfer.index.slots import slot_array
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
@@ -163,7 +163,7 @@ class CheckedCopier:
                 current = in_flight.popleft()
                 finish(current)
                 current = None
-        except KvxferError as exc:
+        except BaseException as exc:  # a copy's error, or a bug: either way no copy may outlive the call
             # Let every chunk in flight land before returning; those that cannot (past their
             # deadline) are named with their slots, which must stay reserved until they do.
             chunks = ([current] if current is not None else []) + list(in_flight)
@@ -172,8 +172,12 @@ class CheckedCopier:
                 if chunk is not current and chunk.handle is not None:
                     chunk.handle.settle()
             late = [c for c in chunks if c.handle is not None and c.handle.late]
-            if late:
-                raise LateCopies(str(exc), [s for c in late for s in c.slots], [c.handle for c in late]) from None
+            slots = [s for c in late for s in c.slots]
+            handles: list[CopyHandle] = [c.handle for c in late]
+            if isinstance(exc, LateCopies):  # a submit that failed after its copies were enqueued names its own
+                slots, handles = exc.slots + slots, exc.handles + handles
+            if handles:
+                raise LateCopies(str(exc), slots, handles) from exc
             raise
 
 
