@@ -60,6 +60,15 @@ def event_handle(event: CudaEvent) -> bytes:
     return raw
 
 
+def _ns(deadline: float | None) -> int:
+    """A ``time.monotonic()`` deadline as the wire's CLOCK_MONOTONIC nanoseconds (0: none)."""
+    if deadline is None:
+        return 0
+    if not 0 < deadline < 2 ** 63 / 1e9:
+        raise InvalidArgument(f"deadline must be a time.monotonic() value, got {deadline!r}")
+    return max(1, int(deadline * 1e9))
+
+
 class BlockFailures(KvxferError):
     """Some blocks of a well-formed request failed; ``outcomes`` has every block's outcome."""
 
@@ -158,7 +167,8 @@ class Client:
     # -- blocks ----------------------------------------------------------------
     def offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                 namespace: str | None = None, partial: bool = False, best_effort: bool = False,
-                timeout: float | None = None, cuda_event: CudaEvent = None) -> TransferResult | None:
+                timeout: float | None = None, cuda_event: CudaEvent = None,
+                deadline: float | None = None) -> TransferResult | None:
         """Copy (block, key) pairs into the daemon's tiers (a block is the API's ``slot``).
 
         ``best_effort=True``: if the daemon is down, slow or full, return None instead of
@@ -166,10 +176,12 @@ class Client:
         ``cuda_event`` (GPU pools): recorded after the kernels that wrote these blocks (see
         ``event_handle``); the daemon's copy waits for it on the GPU. Without it the copy
         waits for nothing and may read the blocks before they are written.
+        ``deadline`` (a ``time.monotonic()`` value of this host): no block copied after it is
+        stored (DEADLINE_EXCEEDED), so the engine may overwrite the blocks once it passed.
         """
         request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     slots=[p[0] for p in pairs], keys=[p[1] for p in pairs],
-                                    cuda_event_handle=event_handle(cuda_event))
+                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=_ns(deadline))
         try:
             return self._transfer(self._stub.Offload, request, partial or best_effort, timeout)
         except _DROPPABLE:
@@ -178,18 +190,25 @@ class Client:
             raise
 
     def restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
-                namespace: str | None = None, partial: bool = False, timeout: float | None = None) -> TransferResult:
-        """Copy stored (key, block) pairs into the pool blocks this engine chose."""
+                namespace: str | None = None, partial: bool = False, timeout: float | None = None,
+                deadline: float | None = None) -> TransferResult:
+        """Copy stored (key, block) pairs into the pool blocks this engine chose.
+
+        ``deadline`` (a ``time.monotonic()`` value of this host): no copy into the pool starts
+        after it; blocks not written by then are DEADLINE_EXCEEDED. Allow a few milliseconds for
+        a copy started just before it to land before reusing the blocks."""
         ref = self._ref(pool_id)
         request = pb.RestoreRequest(pool=ref, namespace=namespace or self.namespace,
-                                    keys=[p[0] for p in pairs], slots=[p[1] for p in pairs])
+                                    keys=[p[0] for p in pairs], slots=[p[1] for p in pairs],
+                                    pool_deadline_ns=_ns(deadline))
         return self._transfer(self._stub.Restore, request, partial, timeout)
 
     # -- asynchronous jobs -------------------------------------------------------
     def submit_offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                        namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None,
-                       cuda_event: CudaEvent = None) -> int:
-        """Queue an offload; returns its job id at once. Do not write the blocks until it is finished.
+                       cuda_event: CudaEvent = None, deadline: float | None = None) -> int:
+        """Queue an offload; returns its job id at once. Do not write the blocks until it is finished
+        (or ``deadline``, as for ``offload``, has passed).
 
         The job's lease (``lease_s``, 0: the daemon's default) is renewed by every
         ``wait_jobs`` call; if this client stops calling, the daemon cancels the job.
@@ -198,15 +217,18 @@ class Client:
         request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     slots=[p[0] for p in pairs], keys=[p[1] for p in pairs], wait=False,
                                     lease_ms=int(lease_s * 1000), client_id=self.client_id,
-                                    cuda_event_handle=event_handle(cuda_event))
+                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=_ns(deadline))
         return self._call(self._stub.Offload, request, timeout).job_id
 
     def submit_restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
-                       namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None) -> int:
-        """Queue a restore; returns its job id at once. Do not read the blocks until it is finished."""
+                       namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None,
+                       deadline: float | None = None) -> int:
+        """Queue a restore; returns its job id at once. Do not read the blocks until it is finished
+        (``deadline`` as for ``restore``)."""
         request = pb.RestoreRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     keys=[p[0] for p in pairs], slots=[p[1] for p in pairs], wait=False,
-                                    lease_ms=int(lease_s * 1000), client_id=self.client_id)
+                                    lease_ms=int(lease_s * 1000), client_id=self.client_id,
+                                    pool_deadline_ns=_ns(deadline))
         return self._call(self._stub.Restore, request, timeout).job_id
 
     def wait_jobs(self, job_ids: Sequence[int] = (), *, wait_s: float = 0.0, wait_all: bool = False,

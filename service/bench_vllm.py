@@ -29,17 +29,44 @@ from service import launch
 from service.config import DEFAULT_POOL
 
 
-def _load_once(engine, prompt: list[int], tag: str) -> tuple[float, float]:
-    """Store ``prompt``, forget it locally, then time the load of all its blocks: (lookup s, load s)."""
+class _Timed:
+    """Seconds spent inside some methods of an object (the backend's share of a scheduler step)."""
+
+    def __init__(self, obj, names: list[str]) -> None:
+        self.seconds = 0.0
+        for name in names:
+            setattr(obj, name, self._wrap(getattr(obj, name)))
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def _restore_seconds(engine) -> float:
+    """What the daemon reports its restores into the engine's pool took (copy and verification)."""
+    worker = engine.worker.spec.worker
+    names = engine.worker.spec.names
+    return worker._link.client.stats(names.pool_id(0))[0].restored.seconds
+
+
+def _load_once(engine, prompt: list[int], tag: str, backend: _Timed) -> tuple[float, float, float, float]:
+    """Store ``prompt``, forget it locally, then time the load of all its blocks: (lookup step s, the
+    backend's share of it s, scheduled -> loaded s, the daemon's restore s)."""
     engine.add(f"{tag}-store", prompt)
     engine.run({f"{tag}-store"})
     engine.reset_prefix_cache()
     engine.zero_kv()
     req = f"{tag}-load"
     engine.add(req, prompt + [7, 8, 9])
-    lookup_start = time.perf_counter()
+    lookup_start, backend.seconds = time.perf_counter(), 0.0
     engine.step()  # vLLM asks about every block; the backend sends one Lookup at the step's end
-    lookup = time.perf_counter() - lookup_start
+    lookup, share = time.perf_counter() - lookup_start, backend.seconds
+    restored = _restore_seconds(engine)
     start = None
     while True:
         step_start = time.perf_counter()
@@ -52,7 +79,7 @@ def _load_once(engine, prompt: list[int], tag: str) -> tuple[float, float]:
             loaded = time.perf_counter() - start
             break
     engine.run({req})
-    return lookup, loaded
+    return lookup, share, loaded, _restore_seconds(engine) - restored
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,10 +107,11 @@ def run(args: argparse.Namespace) -> int:
         gen = torch.Generator().manual_seed(0)
         src = torch.randperm(args.blocks + 63, generator=gen)[:args.blocks].add(1)  # scattered, like vLLM's
         buffer = torch.empty(args.blocks, block, dtype=torch.uint8)
+        backend = _Timed(engine.scheduler.connector.connector_scheduler.manager, ["lookup", "on_schedule_end"])
         rows = []
         for rep in range(args.reps):
             prompt = [1000 + rep] + torch.randint(3, 999, (args.blocks * 16 - 1,), generator=gen).tolist()
-            lookup, loaded = _load_once(engine, prompt, f"r{rep}")
+            lookup, share, loaded, restore = _load_once(engine, prompt, f"r{rep}", backend)
             t0 = time.perf_counter()
             torch.index_select(flat, 0, src, out=buffer)  # the same bytes, gathered by a plain copy
             copy = time.perf_counter() - t0
@@ -91,19 +119,22 @@ def run(args: argparse.Namespace) -> int:
             torch.index_select(flat, 0, src, out=buffer)
             rows_checksums(buffer.numpy())
             copy_hash = time.perf_counter() - t0
-            rows.append((lookup, loaded, copy, copy_hash))
+            rows.append((lookup, share, loaded, restore, copy, copy_hash))
             progress.step(f"rep {rep}: loaded in {loaded * 1e3:.1f} ms, plain copy {copy * 1e3:.1f} ms")
         nbytes = args.blocks * block
-        lookup, loaded, copy, copy_hash = (statistics.median(col) for col in zip(*rows))
+        lookup, share, loaded, restore, copy, copy_hash = (statistics.median(col) for col in zip(*rows))
         table = [["kvxfer backend: scheduled -> loaded", loaded * 1e3, nbytes / loaded / GB, 1.0],
+                 ["  of which the daemon's restore", restore * 1e3, nbytes / restore / GB, loaded / restore],
                  ["plain gather copy, same bytes", copy * 1e3, nbytes / copy / GB, loaded / copy],
                  ["copy + checksum, same bytes", copy_hash * 1e3, nbytes / copy_hash / GB, loaded / copy_hash]]
         print(f"{args.blocks} blocks of {human_bytes(block)} ({nbytes / (1 << 20):.0f} MiB), "
-              f"median of {args.reps}; the Lookup step before: {lookup * 1e3:.1f} ms")
+              f"median of {args.reps}; the Lookup step before: {lookup * 1e3:.1f} ms, of which the backend "
+              f"(its lookup calls and the Lookup RPC) {share * 1e3:.2f} ms")
         print(format_table(["path", "ms", "GB/s", "kvxfer time / this"], table))
         print("vLLM's CPU offloading backend: not run here (its worker needs CUDA or XPU KV tensors)")
         if args.json:
-            print(json.dumps({"blocks": args.blocks, "block_bytes": block, "lookup_s": lookup, "loaded_s": loaded,
+            print(json.dumps({"blocks": args.blocks, "block_bytes": block, "lookup_s": lookup, "lookup_backend_s": share,
+                              "loaded_s": loaded, "restore_s": restore,
                               "copy_s": copy, "copy_hash_s": copy_hash}))
     finally:
         engine.close()

@@ -96,8 +96,12 @@ class KVTransferServicer:
             raise FailedPrecondition(f"pool {shown(served.descriptor.pool_id)} is not a CUDA pool: a "
                                      "cuda_event_handle goes with CUDA pools only")
 
+        # The engine's CLOCK_MONOTONIC is ours: it runs on this host (its pool is local memory).
+        deadline = request.pool_deadline_ns / 1e9 if request.pool_deadline_ns else None
+
         def batch() -> TransferBatch:  # the one validation of the request, where it enters
-            return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit, ready_event)
+            return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit, ready_event,
+                                       deadline)
 
         if request.HasField("wait") and not request.wait:
             client_id, lease_s = _check_client_id(request.client_id), request.lease_ms / 1000

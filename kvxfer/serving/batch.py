@@ -31,13 +31,15 @@ class TransferBatch:
     blocks: list[int]
     keys: list[bytes]
     ready_event: bytes = b""  # offload of a CUDA pool: the engine's IPC event to wait for
+    deadline: float | None = None  # time.monotonic(): no pool copy starts after it, none ending after it counts
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     @classmethod
     def build(cls, kind: TransferKind, namespace: str, blocks: Sequence[int], keys: Sequence[bytes],
-              num_blocks: int, limit: int = MAX_BATCH_BLOCKS, ready_event: bytes = b"") -> TransferBatch:
+              num_blocks: int, limit: int = MAX_BATCH_BLOCKS, ready_event: bytes = b"",
+              deadline: float | None = None) -> TransferBatch:
         """Validate a request whole (namespace, blocks of a pool of ``num_blocks``, keys) and build it."""
         check_namespace(namespace)
         blocks = list(blocks)
@@ -47,19 +49,21 @@ class TransferBatch:
         keys = checked_keys(keys, limit=limit)
         if ready_event and (kind is not TransferKind.OFFLOAD or len(ready_event) != IPC_HANDLE_BYTES):
             raise InvalidArgument(f"a CUDA event handle has {IPC_HANDLE_BYTES} bytes and goes with an offload")
-        return cls(kind, namespace, blocks, keys, bytes(ready_event))
+        return cls(kind, namespace, blocks, keys, bytes(ready_event), deadline)
 
     @classmethod
-    def offload(cls, namespace: str, pairs: Sequence[tuple[int, bytes]], num_blocks: int) -> TransferBatch:
+    def offload(cls, namespace: str, pairs: Sequence[tuple[int, bytes]], num_blocks: int,
+                deadline: float | None = None) -> TransferBatch:
         """From (block, key) pairs."""
         blocks, keys = _columns(pairs)
-        return cls.build(TransferKind.OFFLOAD, namespace, blocks, keys, num_blocks)
+        return cls.build(TransferKind.OFFLOAD, namespace, blocks, keys, num_blocks, deadline=deadline)
 
     @classmethod
-    def restore(cls, namespace: str, pairs: Sequence[tuple[bytes, int]], num_blocks: int) -> TransferBatch:
+    def restore(cls, namespace: str, pairs: Sequence[tuple[bytes, int]], num_blocks: int,
+                deadline: float | None = None) -> TransferBatch:
         """From (key, block) pairs."""
         keys, blocks = _columns(pairs)
-        return cls.build(TransferKind.RESTORE, namespace, blocks, keys, num_blocks)
+        return cls.build(TransferKind.RESTORE, namespace, blocks, keys, num_blocks, deadline=deadline)
 
 
 def _columns(pairs: Sequence[tuple]) -> tuple[list, list]:

@@ -82,7 +82,10 @@ class PoolManager:
         further block is touched; an offload then publishes none of its keys, a
         restore reports the blocks not done CANCELLED.
         """
-        result = _RUN[batch.kind](self, batch, cancelled)
+        if batch.deadline is not None and time.monotonic() > batch.deadline:  # the engine stopped waiting
+            result = TransferResult([Outcome.DEADLINE_EXCEEDED] * len(batch), 0, 0.0)
+        else:
+            result = _RUN[batch.kind](self, batch, cancelled)
         counts = _tally(result.outcomes)
         with self._lock:
             for outcome, n in counts.items():
@@ -110,14 +113,18 @@ class PoolManager:
         try:
             if slots:
                 start = time.perf_counter()
-                done = self.copier.to_host(_at(batch.blocks, plan.positions), slots, cancelled, batch.ready_event)
+                done = self.copier.to_host(_at(batch.blocks, plan.positions), slots, cancelled, batch.ready_event,
+                                           batch.deadline)
                 seconds = time.perf_counter() - start
                 if done.cancelled:  # nothing of a cancelled offload becomes visible
                     _set(plan.outcomes, plan.positions, Outcome.CANCELLED)
-                else:
-                    checksums = done.checksums
-                    moved = self._count(TransferKind.OFFLOAD, len(slots), seconds)
-                    self.group.write_through(batch.namespace, _at(batch.keys, plan.positions), slots, checksums)
+                else:  # the blocks copied by the deadline (all of them, without one) become visible
+                    n = done.completed
+                    _set(plan.outcomes, plan.positions[n:], Outcome.DEADLINE_EXCEEDED)
+                    checksums = done.checksums + [None] * (len(slots) - n)
+                    moved = self._count(TransferKind.OFFLOAD, n, seconds)
+                    self.group.write_through(batch.namespace, _at(batch.keys, plan.positions[:n]), slots[:n],
+                                             checksums[:n])
         except LateCopies as exc:
             late = exc
             _set(plan.outcomes, plan.positions, Outcome.DEADLINE_EXCEEDED)
@@ -168,11 +175,14 @@ class PoolManager:
         try:
             if slots:
                 start = time.perf_counter()
-                done = self.copier.to_pool(slots, plan.checksums, _at(batch.blocks, positions), cancelled)
+                done = self.copier.to_pool(slots, plan.checksums, _at(batch.blocks, positions), cancelled,
+                                           batch.deadline)
                 corrupt = done.corrupt
-                _set(plan.outcomes, positions[done.completed:], Outcome.CANCELLED)
+                stopped = Outcome.DEADLINE_EXCEEDED if done.expired else Outcome.CANCELLED
+                _set(plan.outcomes, positions[done.completed:], stopped)
                 seconds = time.perf_counter() - start
-                moved = self._count(TransferKind.RESTORE, done.completed - len(corrupt), seconds)
+                good = done.completed - sum(1 for j in corrupt if j < done.completed)
+                moved = self._count(TransferKind.RESTORE, good, seconds)
         except LateCopies as exc:
             late = exc
             _set(plan.outcomes, positions, Outcome.DEADLINE_EXCEEDED)

@@ -14,11 +14,15 @@ Otherwise restore verifies what landed in the pool where a block is one span of 
 pool this process can read cheaply; elsewhere it verifies the contiguous tier copy
 before copying. Chunk size and the choices above are measured in
 docs/benchmarks.md. Cancellation (a job's lease) is asked between chunks and comes
-back as data (``PipelineResult.cancelled``).
+back as data (``PipelineResult.cancelled``), and so does the engine's deadline
+(``PipelineResult.expired``): no chunk starts after it, and a chunk that lands after
+it does not count as moved, since the engine may have stopped waiting and reused its
+blocks by then.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +59,7 @@ class PipelineResult:
     checksums: list[int] = field(default_factory=list)  # offload: of each completed block's tier copy
     corrupt: set[int] = field(default_factory=set)  # restore: indices whose bytes failed verification
     cancelled: bool = False
+    expired: bool = False  # the deadline passed: blocks after ``completed`` were not moved in time
 
 
 @dataclass
@@ -82,15 +87,19 @@ class CheckedCopier:
         self._rows = host.buffer.numpy()
 
     def to_host(self, blocks: list[int], slots: Sequence[int], cancelled: Callable[[], bool] | None = None,
-                ready_event: bytes = b"") -> PipelineResult:
+                ready_event: bytes = b"", deadline: float | None = None) -> PipelineResult:
         """Copy pool ``blocks`` into tier ``slots``; the checksum of each slot's new bytes.
 
         ``ready_event``: the engine's event the first chunk waits for (later chunks follow it
-        on the same stream)."""
+        on the same stream). ``deadline`` (time.monotonic()): only blocks whose copy ended by
+        then count; the others may hold bytes the engine wrote after it gave up."""
         result = PipelineResult()
 
         def finish(chunk: _Chunk) -> None:
             sums = chunk.handle.wait()
+            if _past(deadline) or result.expired:
+                result.expired = True
+                return
             result.checksums += sums if sums is not None else self._tier_checksums(chunk.slots)
             result.completed = chunk.start + len(chunk.slots)
 
@@ -99,14 +108,16 @@ class CheckedCopier:
                                                   ready_event if a == 0 else b""))
             return _Chunk(a, blocks[a:a + c], slots[a:a + c], [], handle)
 
-        self._run(len(slots), start, finish, cancelled, result)
+        self._run(len(slots), start, finish, cancelled, deadline, result)
         return result
 
     def to_pool(self, slots: Sequence[int], expected: list[int], blocks: list[int],
-                cancelled: Callable[[], bool] | None = None) -> PipelineResult:
+                cancelled: Callable[[], bool] | None = None, deadline: float | None = None) -> PipelineResult:
         """Copy tier ``slots`` into pool ``blocks``, verified against ``expected``.
 
         Blocks in ``corrupt`` hold undefined bytes and must be reported failed, never read.
+        ``deadline`` (time.monotonic()): no chunk starts after it; blocks that landed after it
+        are not ``completed`` (the engine may have reused them by then).
         """
         fused = self.engine.hashes_copies
         verify_after = fused or (self.engine.descriptors_per_block == 1 and self.engine.hashes_pool)
@@ -129,9 +140,12 @@ class CheckedCopier:
                 got = sums if fused else self.engine.pool_checksums(chunk.blocks)
                 bad = _mismatches(got, chunk.expected)
                 result.corrupt |= {chunk.start + j for j in bad}
+            if _past(deadline) or result.expired:
+                result.expired = True
+                return
             result.completed = chunk.start + len(chunk.expected)
 
-        self._run(len(slots), start, finish, cancelled, result)
+        self._run(len(slots), start, finish, cancelled, deadline, result)
         return result
 
     def _tier_checksums(self, slots: Sequence[int]) -> list[int]:
@@ -146,13 +160,16 @@ class CheckedCopier:
                                        self.engine.hash_threads)
 
     def _run(self, n: int, start: Callable[[int, int], _Chunk], finish: Callable[[_Chunk], None],
-             cancelled: Callable[[], bool] | None, result: PipelineResult) -> None:
+             cancelled: Callable[[], bool] | None, deadline: float | None, result: PipelineResult) -> None:
         in_flight: deque[_Chunk] = deque()
         current: _Chunk | None = None  # the chunk being finished
         try:
             for a in range(0, n, self.chunk):
                 if cancelled is not None and cancelled():
                     result.cancelled = True
+                    break
+                if _past(deadline) or result.expired:
+                    result.expired = True
                     break
                 in_flight.append(start(a, self.chunk))
                 if len(in_flight) >= self.depth:
@@ -179,6 +196,10 @@ class CheckedCopier:
             if handles:
                 raise LateCopies(str(exc), slots, handles) from exc
             raise
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
 
 
 def _mismatches(got: list[int], expected: list[int]) -> set[int]:

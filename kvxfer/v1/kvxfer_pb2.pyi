@@ -140,7 +140,7 @@ class GetPoolInfoResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id", "cuda_event_handle")
+    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id", "cuda_event_handle", "pool_deadline_ns")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class OffloadRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    POOL_DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -157,10 +158,11 @@ class OffloadRequest(_message.Message):
     lease_ms: int
     client_id: str
     cuda_event_handle: bytes
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., cuda_event_handle: _Optional[bytes] = ...) -> None: ...
+    pool_deadline_ns: int
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., cuda_event_handle: _Optional[bytes] = ..., pool_deadline_ns: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms", "client_id")
+    __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms", "client_id", "pool_deadline_ns")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,7 @@ class RestoreRequest(_message.Message):
     WAIT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -175,7 +178,8 @@ class RestoreRequest(_message.Message):
     wait: bool
     lease_ms: int
     client_id: str
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
+    pool_deadline_ns: int
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., pool_deadline_ns: _Optional[int] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("job_id", "statuses", "bytes", "seconds")

@@ -187,3 +187,22 @@ def test_a_cuda_event_handle_is_refused_cleanly_for_a_cpu_pool(daemon):
             stub.Offload(request, timeout=10)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "CUDA pool" in err.value.details()
         assert client.lookup([b"e"], pool_ids=["rank0"]).hits == 0  # nothing changed
+
+
+def test_a_transfer_past_the_engines_deadline_moves_nothing(daemon):
+    """The deadline travels on the wire (this host's CLOCK_MONOTONIC): past it, no copy starts."""
+    with Client(daemon.target, "deadline", pool_id="rank0") as client:
+        pool = client.map_pool()
+        keys = [b"deadline-%d" % i for i in range(3)]
+        past, future = time.monotonic() - 0.001, time.monotonic() + 30
+        late = client.offload(list(zip([5, 6, 7], keys)), deadline=past, partial=True)
+        assert late.outcomes == [Outcome.DEADLINE_EXCEEDED] * 3 and client.lookup(keys).hits == 0
+        assert client.offload(list(zip([5, 6, 7], keys)), deadline=future).outcomes == [Outcome.DONE] * 3
+        before = bytes(pool.storage.numpy())
+        late = client.restore(list(zip(keys, [20, 21, 22])), deadline=past, partial=True)
+        assert late.outcomes == [Outcome.DEADLINE_EXCEEDED] * 3 and bytes(pool.storage.numpy()) == before
+        job = client.submit_restore(list(zip(keys, [20, 21, 22])), deadline=past)
+        assert client.wait_jobs([job], wait_s=5, wait_all=True)[job].outcomes == [Outcome.DEADLINE_EXCEEDED] * 3
+        assert client.restore(list(zip(keys, [20, 21, 22])), deadline=future).outcomes == [Outcome.DONE] * 3
+        with pytest.raises(InvalidArgument, match="time.monotonic"):
+            client.restore(list(zip(keys, [20, 21, 22])), deadline=-1.0)

@@ -5,6 +5,7 @@ import torch
 
 from kvxfer.errors import Internal, InvalidArgument
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
+from kvxfer.serving.batch import TransferBatch
 from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome
@@ -145,3 +146,66 @@ def test_pool_checksums_match_tier_checksums(pool):
     m.offload(NS, [(7, b"k"), (2, b"j")])
     slots = [m.index.locate(NS, b"k"), m.index.locate(NS, b"j")]
     assert m.engine.pool_checksums([7, 2]) == m.host.checksums(slots)
+
+
+class Clock:
+    """time.monotonic() and perf_counter() that only the copies move."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+
+class Ticking(CopyEngine):
+    """The CPU engine, each batch taking one second of ``clock``."""
+
+    def __init__(self, inner: CopyEngine, clock: Clock) -> None:
+        self.inner, self.clock = inner, clock
+
+    @property
+    def descriptors_per_block(self) -> int:
+        return self.inner.descriptors_per_block
+
+    @property
+    def hashes_copies(self) -> bool:
+        return self.inner.hashes_copies
+
+    def submit(self, batch: CopyBatch):
+        handle = self.inner.submit(batch)
+        self.clock.now += 1.0
+        return handle
+
+    def pool_checksums(self, blocks):
+        return self.inner.pool_checksums(blocks)
+
+
+def test_the_engines_deadline_stops_copies_and_what_landed_after_it_never_counts(pool, monkeypatch):
+    from kvxfer.serving import manager as manager_module
+    from kvxfer.transfer import pipeline
+    from kvxfer.transfer.pipeline import CheckedCopier
+
+    clock = Clock()
+    monkeypatch.setattr(pipeline, "time", clock)
+    monkeypatch.setattr(manager_module, "time", clock)
+    m = PoolManager(pool, 16)
+    m.engine = Ticking(m.engine, clock)
+    m.copier = CheckedCopier(m.engine, m.host, chunk_bytes=2 * pool.layout.block_bytes)  # 2 blocks a chunk
+    keys = [b"k%d" % i for i in range(6)]
+    # Chunk 1 lands at 101 (in time), chunk 2 starts at 101 and lands at 102 (late), chunk 3 never starts.
+    done = m.run(TransferBatch.offload(NS, list(zip(range(1, 7), keys)), SPEC.num_blocks, deadline=101.5))
+    assert done.outcomes == [Outcome.DONE] * 2 + [Outcome.DEADLINE_EXCEEDED] * 4
+    assert m.lookup(NS, keys).hits == 2 and m.index.stats().pinned == 0
+    assert m.index.stats().used == 2  # the late blocks' slots were released, never published
+
+    before = pool.storage.clone()
+    late = m.run(TransferBatch.restore(NS, [(keys[0], 9), (keys[1], 10)], SPEC.num_blocks, deadline=clock.now - 1))
+    assert late.outcomes == [Outcome.DEADLINE_EXCEEDED] * 2 and torch.equal(pool.storage, before)  # untouched
+    m.copier = CheckedCopier(m.engine, m.host, chunk_bytes=pool.layout.block_bytes)  # 1 block a chunk
+    half = m.run(TransferBatch.restore(NS, [(keys[0], 9), (keys[1], 10)], SPEC.num_blocks, deadline=clock.now + 1.5))
+    assert half.outcomes == [Outcome.DONE, Outcome.DEADLINE_EXCEEDED]  # the second landed after the deadline
+    assert torch.equal(read_block(pool.storage, pool.layout, 9), read_block(before, pool.layout, 1))
+    assert m.index.stats().pinned == 0 and m.lookup(NS, keys[:2]).hits == 2  # entries stay; only the copy was late

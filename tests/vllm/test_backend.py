@@ -10,7 +10,7 @@ import torch
 from kvxfer import Client
 from kvxfer.errors import PermissionDenied
 from service import launch
-from kvxfer.integrations.vllm.drive import Engine
+from kvxfer.integrations.vllm.drive import Engine, Model
 from kvxfer.integrations.vllm.link import LinkDown
 from tests.vllm.conftest import DAEMON, RETRY_S, kv_transfer
 from tests.vllm.tiermem import flip_byte
@@ -38,9 +38,16 @@ def pool_stats(daemon, engine):
         return client.stats(pool_id)[0]
 
 
+#: vLLM's production settings beside today's: the V2 model runner (ActiveKVConnector), the asynchronous
+#: scheduler with its batch queue, both together.
+MODES = {"v1": {}, "v2-runner": {"runner": "v2"}, "async-scheduling": {"async_scheduling": True},
+         "v2-async": {"runner": "v2", "async_scheduling": True}}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", ["BLHNC", "LBHNC"])  # the connector's, and vLLM's default
-def test_a_prefix_stored_by_one_request_is_loaded_bit_exact_by_the_next(daemon, make_engine, layout):
-    engine = make_engine(daemon.config["socket"], layout=layout)
+def test_a_prefix_stored_by_one_request_is_loaded_bit_exact_by_the_next(daemon, make_engine, layout, mode):
+    engine = make_engine(daemon.config["socket"], layout=layout, **MODES[mode])
     run_alone(engine, "A", PROMPT)
     stored = engine.block_bytes(engine.block_tables["A"][:4])
     assert torch.equal(stored, engine.expected_block_bytes(PROMPT, 4))
@@ -146,7 +153,9 @@ def test_no_daemon_at_start_then_one_arrives(tmp_path, make_engine, caplog):
 
 @pytest.mark.parametrize("extra, message", [
     ({"timeout_s": -1}, "timeout_s"), ({"retry_s": "soon"}, "retry_s"), ({"socket": ""}, "socket"),
-    ({"lease_s": True}, "lease_s"), ({"cache_group": 7}, "cache_group"),
+    ({"lease_s": True}, "lease_s"), ({"cache_group": 7}, "cache_group"), ({"deadline_s": 0}, "deadline_s"),
+    ({"forget_on_reset": "yes"}, "forget_on_reset: true or false"),
+    ({"flush_wait_s": 30}, "flush_wait_s: not a setting"),  # replaced by deadline_s
     ({"timout_s": 1}, "timout_s: not a setting.*did you mean 'timeout_s'"),
     ({"cpu_bytes_to_use": 1 << 30}, "cpu_bytes_to_use: not a setting"),  # vLLM's CPU backend's: no effect here
     ({"blocks_per_chunk": 2}, "one GPU block under each key"), ({"block_size": 32}, "groups 2 under one")])
@@ -169,9 +178,10 @@ def test_recompute_is_required_so_a_lost_block_never_fails_a_request(daemon):
         Engine(config, num_blocks=64)
 
 
-def test_tensor_parallel_ranks_each_serve_a_pool_and_a_block_counts_only_if_every_rank_has_it(daemon):
+@pytest.mark.parametrize("mode", ["v1", "v2-async"])
+def test_tensor_parallel_ranks_each_serve_a_pool_and_a_block_counts_only_if_every_rank_has_it(daemon, mode):
     engine = Engine(kv_transfer({"socket": daemon.config["socket"], "retry_s": RETRY_S}), num_blocks=64,
-                    tensor_parallel=2)
+                    tensor_parallel=2, **MODES[mode])
     try:
         names = engine.worker.spec.names
         with Client(daemon.target) as client:
@@ -304,16 +314,35 @@ def test_after_a_daemon_restart_the_engine_is_back_long_before_retry_s(tmp_path,
         second.cleanup()
 
 
-def test_replicas_share_blocks_by_model_id_whatever_path_they_load_the_weights_from(daemon, make_engine):
-    """Each engine here loads its (identical) weights from a directory of its own."""
-    for model_id, hits in ((None, 0), ("qwen-tiny@sha256:1f2e", 64)):
-        settings = {"model_id": model_id} if model_id else {}
-        first = make_engine(daemon.config["socket"], settings=settings)
-        run_alone(first, "A", PROMPT)
-        second = make_engine(daemon.config["socket"], settings=settings)
+def test_replicas_share_blocks_by_their_weights_whatever_path_they_load_them_from(daemon, make_engine):
+    """Each engine loads its weights from a directory of its own: the same bytes share blocks, other
+    bytes never do, and ``model_id`` names the weights explicitly."""
+    cases = [(Model(), {}, Model(), {}, 64),  # same weights, two paths
+             (Model(), {}, Model(weights_seed=1), {}, 0),  # a fine-tune: nothing in common
+             (Model(), {"model_id": "tiny@v2"}, Model(weights_seed=1), {"model_id": "tiny@v2"}, 64)]
+    for i, (model_a, settings_a, model_b, settings_b, hits) in enumerate(cases):
+        prompt = [i + 1] + PROMPT[1:]
+        first = make_engine(daemon.config["socket"], settings=settings_a, model=model_a)
+        run_alone(first, "A", prompt)
+        second = make_engine(daemon.config["socket"], settings=settings_b, model=model_b)
         time.sleep(RETRY_S)
-        reports = run_alone(second, "B", PROMPT + TAIL)
-        assert external_hits(reports, "B") == hits, model_id
-        assert second.outputs["B"] == [second.expected_token(PROMPT + TAIL)]
+        reports = run_alone(second, "B", prompt + TAIL)
+        assert external_hits(reports, "B") == hits, i
+        assert second.outputs["B"] == [second.expected_token(prompt + TAIL)]
         first.close()
         second.close()
+
+
+def test_forget_on_reset_stops_serving_what_was_stored_before_a_weight_update(daemon, make_engine):
+    engine = make_engine(daemon.config["socket"], settings={"forget_on_reset": True})
+    run_alone(engine, "A", PROMPT)
+    engine.reset_prefix_cache()  # new weights loaded in place: the old blocks must not come back
+    engine.zero_kv()
+    reports = run_alone(engine, "B", PROMPT + TAIL)
+    assert external_hits(reports, "B") == 0 and computed(reports, "B") == len(PROMPT + TAIL)
+    replica = make_engine(daemon.config["socket"], settings={"forget_on_reset": True})
+    replica.reset_prefix_cache()  # a replica that took the same weight update: the same generation
+    time.sleep(RETRY_S)
+    reports = run_alone(replica, "C", PROMPT + TAIL)
+    assert external_hits(reports, "C") == 64  # what B stored after the update
+    assert replica.outputs["C"] == [replica.expected_token(PROMPT + TAIL)]

@@ -1,6 +1,8 @@
-"""A GPU rank's stores carry the event the daemon's copy waits for, alive until their job ends."""
+"""The worker's books: a GPU rank's stores carry the event the daemon's copy waits for, alive until
+their job ends; every job carries a deadline, and no wait outlasts it."""
 
 import gc
+import time
 import weakref
 from types import SimpleNamespace
 
@@ -8,6 +10,7 @@ import numpy as np
 
 from kvxfer.client import FinishedJobs
 from kvxfer.integrations.vllm.manager import KvxferBlocks
+from kvxfer.integrations.vllm import worker as worker_module
 from kvxfer.integrations.vllm.worker import KvxferWorker, no_event
 from kvxfer.records import Outcome, TransferResult
 
@@ -20,22 +23,44 @@ class RecordingDaemon:
     """The daemon as the worker's link sees it: it records submissions and reports what it is told."""
 
     retry_s = 0.1
+    timeout_s = 0.1
+    target = "unix:/nowhere"
     client = None
 
     def __init__(self) -> None:
         self.offloads: list[weakref.ref | None] = []
+        self.deadlines: list[float] = []
         self.finished: dict[int, TransferResult] = {}
 
     def call(self, fn):
         return fn(self)
 
-    def submit_offload(self, pairs, cuda_event=None, **kwargs) -> int:
+    def submit_offload(self, pairs, cuda_event=None, deadline=None, **kwargs) -> int:
         self.offloads.append(weakref.ref(cuda_event) if cuda_event is not None else None)  # the daemon holds none
+        self.deadlines.append(deadline)
         return len(self.offloads)
 
-    def wait_jobs(self, job_ids=(), **kwargs) -> FinishedJobs:
+    def submit_restore(self, pairs, deadline=None, **kwargs) -> int:
+        self.offloads.append(None)
+        self.deadlines.append(deadline)
+        return len(self.offloads)
+
+    def wait_jobs(self, job_ids=(), wait_s=0.0, **kwargs) -> FinishedJobs:
         done, self.finished = self.finished, {}
+        if not done:
+            time.sleep(wait_s)  # a daemon that answers nothing in time
         return FinishedJobs(done)
+
+
+def _recorder(made: list[weakref.ref]):
+    """A ready_event factory that keeps a weak reference to every event it makes."""
+
+    def record() -> ReadyEvent:
+        event = ReadyEvent()
+        made.append(weakref.ref(event))
+        return event
+
+    return record
 
 
 def _store(worker: KvxferWorker, job_id: int, blocks: list[int]) -> None:
@@ -46,13 +71,8 @@ def _store(worker: KvxferWorker, job_id: int, blocks: list[int]) -> None:
 def test_each_store_carries_its_ready_event_until_its_job_ends():
     daemon = RecordingDaemon()
     made: list[weakref.ref] = []
-
-    def record() -> ReadyEvent:
-        event = ReadyEvent()
-        made.append(weakref.ref(event))
-        return event
-
-    worker = KvxferWorker(daemon, "pool0", lease_s=5, flush_wait_s=1, ready_event=record)
+    record = _recorder(made)
+    worker = KvxferWorker(daemon, "pool0", lease_s=5, deadline_s=5, ready_event=record)
     _store(worker, 10, [1, 2])
     _store(worker, 11, [3])
     assert [o() for o in daemon.offloads] == [m() for m in made] and all(m() for m in made)
@@ -68,6 +88,48 @@ def test_each_store_carries_its_ready_event_until_its_job_ends():
 
 def test_a_cpu_rank_passes_no_event():
     daemon = RecordingDaemon()
-    worker = KvxferWorker(daemon, "pool0", lease_s=5, flush_wait_s=1, ready_event=no_event)
+    worker = KvxferWorker(daemon, "pool0", lease_s=5, deadline_s=5, ready_event=no_event)
     _store(worker, 1, [4])
     assert daemon.offloads == [None]
+
+
+def _load(worker: KvxferWorker, job_id: int, blocks: list[int]) -> None:
+    keys = [b"k%d" % b for b in blocks]
+    worker.submit_load(job_id, KvxferBlocks(keys, "ns"), SimpleNamespace(block_ids=np.array(blocks)))
+
+
+def test_no_wait_outlasts_the_deadline_and_the_late_answer_is_dropped(monkeypatch):
+    monkeypatch.setattr(worker_module, "LANDING_S", 0.05)
+    daemon = RecordingDaemon()
+    worker = KvxferWorker(daemon, "pool0", lease_s=5, deadline_s=0.2, ready_event=no_event)
+    before = time.monotonic()
+    _load(worker, 7, [5, 6])
+    assert before + 0.2 <= daemon.deadlines[0] <= time.monotonic() + 0.2  # sent with the job
+    worker.wait({7})  # a sync load: the daemon never answers
+    waited = time.monotonic() - before
+    assert 0.25 <= waited < 0.25 + 0.3
+    assert worker.take_load_errors() == {5, 6} and worker.given_up == 1  # vLLM recomputes them
+    assert [r.job_id for r in worker.get_finished()] == [7]
+    daemon.finished = {1: TransferResult([Outcome.DONE] * 2)}  # the daemon's late answer: dropped
+    assert worker.get_finished() == [] and worker.take_load_errors() == set()
+    assert not worker._running
+
+
+def test_get_finished_gives_up_on_an_asynchronous_job_at_its_deadline(monkeypatch):
+    monkeypatch.setattr(worker_module, "LANDING_S", 0.0)
+    daemon = RecordingDaemon()
+    made: list[weakref.ref] = []
+    record = _recorder(made)
+    worker = KvxferWorker(daemon, "pool0", lease_s=5, deadline_s=0.1, ready_event=record)
+    _store(worker, 3, [1])
+    _load(worker, 4, [2])
+    assert worker.get_finished() == []
+    time.sleep(0.12)
+    assert sorted(r.job_id for r in worker.get_finished()) == [3, 4]
+    assert worker.take_load_errors() == {2} and worker.dropped_stores == 1
+    gc.collect()
+    assert made[0]() is not None  # the daemon may still wait on the store's event: kept until it answers
+    daemon.finished = {1: TransferResult([Outcome.DEADLINE_EXCEEDED]), 2: TransferResult([Outcome.DEADLINE_EXCEEDED])}
+    assert worker.get_finished() == []
+    gc.collect()
+    assert made[0]() is None

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.request import Request
 
 from kvxfer.geometry.layout import KVSpec
+from kvxfer.integrations.vllm import identity
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames, kvxfer_layout
 from kvxfer.integrations.vllm.spec import KvxferOffloadingSpec, Settings
@@ -59,13 +60,11 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
 
 
 def model_identity(vllm_config: VllmConfig, settings: Settings) -> str:
-    """What the KV bytes depend on besides the geometry: the weights and the dtype they run in. By
-    default the model as vLLM was given it (path or name) and its revision: replicas that load the
-    same weights from different paths set the same ``model_id`` to share blocks, and a weight update
-    sets a new one, after which the old blocks are never served."""
+    """The weights (by content, or ``model_id``), the architecture and the precision: replicas
+    loading the same weights from different paths share blocks; other weights never match."""
     model = vllm_config.model_config
-    weights = settings.model_id or f"{model.model}@{model.revision or ''}"
-    return f"{weights}|{model.dtype}"
+    return identity.model_identity(model.model, model.revision, model.hf_config.to_dict(), model.dtype,
+                                   model.quantization, settings.model_id)
 
 
 class KvxferConnector(OffloadingConnector):

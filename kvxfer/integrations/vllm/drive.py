@@ -4,8 +4,13 @@ Used by the backend's tests and by ``kvxfer bench vllm``. Everything that decide
 is looked up, loaded, stored, recomputed or fenced is vLLM's own code (Scheduler,
 the connector in both roles, allocate_kv_cache); only the model is replaced: its
 "forward pass" writes, for every scheduled token, KV bytes that are a function of the
-token's prefix (so a block's right content is known) and samples a token from it. The
-order of the worker-side calls is that of vLLM's KVConnectorModelRunnerMixin.
+token's prefix (so a block's right content is known) and samples a token from it.
+
+``runner="v1"`` calls the worker-side connector in the order of vLLM's
+KVConnectorModelRunnerMixin; ``runner="v2"`` through vLLM's own ActiveKVConnector, the
+V2 model runner's. ``async_scheduling=True`` runs vLLM's AsyncScheduler with a batch
+queue of two, as EngineCore.step_with_batch_queue does: a step is scheduled before
+the previous step's output has reached the scheduler.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+from collections import deque
 import tempfile
 import time
 import uuid
@@ -30,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -37,6 +44,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.utils import allocate_kv_cache
 
 EOS = 2
@@ -44,12 +52,14 @@ EOS = 2
 
 @dataclass(frozen=True)
 class Model:
-    """A tiny Llama: its config.json is all vLLM needs (no weights are loaded)."""
+    """A tiny Llama: its config.json is all vLLM needs (no weights are loaded); a weights file of
+    ``weights_seed``'s bytes names the weights (kvxfer's model identity reads it)."""
 
     num_layers: int = 2
     num_kv_heads: int = 2
     head_size: int = 16
     dtype: torch.dtype = torch.bfloat16
+    weights_seed: int = 0
 
     def write_config(self, directory: Path) -> Path:
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -59,6 +69,9 @@ class Model:
                   "max_position_embeddings": 1 << 16, "rms_norm_eps": 1e-5,
                   "torch_dtype": str(self.dtype).removeprefix("torch."), "bos_token_id": 1, "eos_token_id": EOS}
         (directory / "config.json").write_text(json.dumps(config))
+        weights = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(
+            self.weights_seed))
+        (directory / "model.safetensors").write_bytes(weights.numpy().tobytes())
         return directory
 
 
@@ -95,6 +108,11 @@ class Rank:
         self.connector.register_kv_caches(kv_caches)
         self.layers = [kv_caches[name].view(torch.uint8) for name in layer_names]  # [B, H, N, C bytes] each
         self.heads = slice(rank * num_heads, (rank + 1) * num_heads)
+        # The V2 model runner's connector driver, as GPUModelRunner builds it (its __init__ would fetch
+        # the process-wide connector and register the caches again).
+        self.v2 = ActiveKVConnector.__new__(ActiveKVConnector)
+        self.v2.vllm_config, self.v2.kv_connector = config, self.connector
+        self.v2._pending_load_kwargs, self.v2._disabled = None, False
 
 
 class Engine:
@@ -103,8 +121,10 @@ class Engine:
 
     def __init__(self, kv_transfer: KVTransferConfig, *, num_blocks: int, model: Model = Model(),
                  block_size: int = 16, max_batched_tokens: int = 8192, layout: str = "BLHNC",
-                 tensor_parallel: int = 1) -> None:
-        self.model, self.block_size = model, block_size
+                 tensor_parallel: int = 1, runner: str = "v1", async_scheduling: bool = False) -> None:
+        if runner not in ("v1", "v2"):
+            raise ValueError(f"runner: v1 or v2, got {runner!r}")
+        self.model, self.block_size, self.runner = model, block_size, runner
         self._dir = tempfile.TemporaryDirectory(prefix="kvx-vllm-")
         kv_transfer.engine_id = kv_transfer.engine_id or uuid.uuid4().hex
         max_len = block_size * (num_blocks - 1)  # one request may fill the whole cache
@@ -113,7 +133,8 @@ class Engine:
                                      seed=0, max_model_len=max_len, skip_tokenizer_init=True),
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
             scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched_tokens,
-                                             max_model_len=max_len, is_encoder_decoder=False),
+                                             max_model_len=max_len, is_encoder_decoder=False,
+                                             async_scheduling=async_scheduling),
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
             kv_transfer_config=kv_transfer, device_config=DeviceConfig("cpu"))
         self.config.cache_config.kv_cache_layout = layout  # what the engine core resolves (BLHNC: the connector's)
@@ -129,7 +150,10 @@ class Engine:
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(block_size, hash_fn)
-        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
+        self._queue: deque = deque()  # async scheduling: (scheduler output, merged runner output, report)
+        self._unseen: dict[str, list[int]] = {}  # req id -> tokens sampled in batches still queued
+        scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=block_size, log_stats=True)
         self.ranks = []
@@ -182,21 +206,50 @@ class Engine:
 
     # -- stepping ---------------------------------------------------------------------
     def step(self) -> StepReport:
+        """One engine step: schedule, run every worker, hand the output to the scheduler (with
+        asynchronous scheduling, the previous step's output, once two are queued)."""
+        if self._queue and not self.scheduler.has_requests():  # nothing to schedule: the queued batch's output
+            updated = self._update(*self._queue.popleft())
+            return StepReport({}, {}, updated.loaded, updated.load_errors)
         output = self.scheduler.schedule()
+        merged, report = self._execute(output)
+        if not isinstance(self.scheduler, AsyncScheduler):
+            return self._update(output, merged, report)
+        # What was scheduled now, and what the batch whose output the scheduler takes now loaded.
+        self._queue.append((output, merged, report))
+        step = StepReport(report.scheduled, report.external_hits)
+        if len(self._queue) >= 2 or output.total_num_scheduled_tokens == 0:
+            updated = self._update(*self._queue.popleft())
+            step.loaded, step.load_errors = updated.loaded, updated.load_errors
+        return step
+
+    def _execute(self, output) -> tuple[ModelRunnerOutput, StepReport]:
+        """Every worker's execute_model for one scheduled batch, and their merged output."""
         report = StepReport(dict(output.num_scheduled_tokens))
         meta = output.kv_connector_metadata
         for job in getattr(meta, "load_jobs", {}).values():
             report.external_hits[job.req_id] = len(job.dst_spec.block_ids) * self.block_size
         positions = self._positions(output.num_scheduled_tokens)
+        v2 = self.runner == "v2"
         for rank in self.ranks:  # every worker's forward pass writes its heads ...
-            self._before_forward(rank, output)
+            rank.v2.pre_forward(output) if v2 else self._before_forward(rank, output)
             self._forward(rank, positions)
         sampled = self._sample(positions)  # ... and attention reads them all
-        runner_outputs = [self._after_forward(rank, output, sampled) for rank in self.ranks]
+        for req_id, tokens in sampled.items():
+            self._unseen.setdefault(req_id, []).extend(tokens)
+        after = self._after_forward_v2 if v2 else self._after_forward
+        runner_outputs = [after(rank, output, sampled) for rank in self.ranks]
         for runner_output in runner_outputs:
-            report.load_errors |= runner_output.kv_connector_output.invalid_block_ids
+            report.load_errors |= runner_output.kv_connector_output.invalid_block_ids or set()
         merged = self._aggregator.aggregate(runner_outputs)
         report.loaded = set(merged.kv_connector_output.finished_recving or ())
+        return merged, report
+
+    def _update(self, output, merged: ModelRunnerOutput, report: StepReport) -> StepReport:
+        """The scheduler takes a batch's output (vLLM's update_from_output)."""
+        for req_id, tokens in zip(merged.req_ids, merged.sampled_token_ids):
+            unseen = self._unseen.get(req_id, [])
+            del unseen[:len(tokens)]
         for outputs in self.scheduler.update_from_output(output, merged).values():
             for out in outputs.outputs:
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -229,10 +282,21 @@ class Engine:
                                  sampled_token_ids=[sampled.get(r, []) for r in req_ids],
                                  kv_connector_output=connector_output)
 
+    def _after_forward_v2(self, rank: Rank, output, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
+        """The V2 model runner's: ActiveKVConnector.finish_forward and post_forward."""
+        rank.v2.finish_forward()
+        connector_output = rank.v2.post_forward(output.finished_req_ids)
+        req_ids = list(output.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+                                 kv_connector_output=connector_output)
+
     def busy(self) -> bool:
-        """What makes vLLM's engine loop step: requests, or stores of finished ones still in flight."""
+        """What makes vLLM's engine loop step: requests, queued batches, or stores of finished requests
+        still in flight."""
         connector = self.scheduler.connector
-        return self.scheduler.has_requests() or bool(connector and connector.has_pending_push_work())
+        return (self.scheduler.has_requests() or bool(self._queue)
+                or bool(connector and connector.has_pending_push_work()))
 
     def run(self, req_ids: set[str], max_steps: int = 2000, idle_sleep_s: float = 0.001) -> list[StepReport]:
         """Step until every named request finished and, like vLLM's engine loop, until idle."""
@@ -258,6 +322,11 @@ class Engine:
         """Write the KV of the scheduled tokens (this rank's heads)."""
         for req_id, where in positions.items():
             tokens = list(self.scheduler.requests[req_id].all_token_ids)[:int(where[-1]) + 1]
+            # Asynchronous scheduling may run a position whose input token the scheduler has not seen
+            # (sampled by a batch still queued): on a GPU it comes from the device; its KV is redone
+            # if that batch's output is discarded.
+            tokens += self._unseen.get(req_id, [])[:int(where[-1]) + 1 - len(tokens)]
+            tokens += [0] * (int(where[-1]) + 1 - len(tokens))
             payload = self._payload(prefix_hashes(tokens)[int(where[0]):])[:, :, rank.heads]  # [L, n, H, C bytes]
             blocks = torch.tensor(self.block_tables[req_id])[where // self.block_size]
             for layer, values in zip(rank.layers, payload):

@@ -38,20 +38,24 @@ class KvxferBlocks(LoadStoreSpec):
 class KvxferManager(OffloadingManager):
     """Answers vLLM's offloading scheduler from the daemon; keeps no copy of its index."""
 
-    def __init__(self, link: DaemonLink, names: EngineNames) -> None:
+    def __init__(self, link: DaemonLink, names: EngineNames, forget_on_reset: bool = False) -> None:
+        """``forget_on_reset``: a reset of vLLM's prefix cache (after a weight update in place) starts a
+        new generation of namespaces, so that no block stored before it is served again."""
         self._link = link
         self._names = names
+        self._forget_on_reset = forget_on_reset
+        self.generation = 0
         self._pool_ids = names.pool_ids()
         self._salts: dict[str, str | None] = {}  # req id -> cache_salt (set by the connector)
         self._answers: dict[str, dict[OffloadKey, bool]] = {}  # req id -> key -> present
-        self._asked: dict[str, list[OffloadKey]] = {}  # req id -> keys to look up this step
+        self._asked: dict[str, dict[OffloadKey, None]] = {}  # req id -> keys to look up this step, in order
         self.lookups = 0
 
     def set_tenant(self, req_id: str, cache_salt: str | None) -> None:
         self._salts[req_id] = cache_salt
 
     def namespace(self, req_context: ReqContext) -> str:
-        return self._names.namespace(self._salts.get(req_context.req_id))
+        return self._names.namespace(self._salts.get(req_context.req_id), self.generation)
 
     # -- lookups -------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -60,15 +64,17 @@ class KvxferManager(OffloadingManager):
             return LookupResult.HIT if answers[key] else LookupResult.MISS
         if self._link.resting:
             return LookupResult.MISS  # the daemon is down: no hits, and no step spent waiting
-        asked = self._asked.setdefault(req_context.req_id, [])
-        if key not in asked:
-            asked.append(key)
+        asked = self._asked.get(req_context.req_id)
+        if asked is None:
+            asked = self._asked[req_context.req_id] = {}
+        asked[key] = None  # an ordered set: vLLM asks each key again until the step ends
         return LookupResult.RETRY
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         asked, self._asked = self._asked, {}
-        for req_id, keys in asked.items():
-            namespace = self._names.namespace(self._salts.get(req_id))
+        for req_id, ordered in asked.items():
+            keys = list(ordered)
+            namespace = self._names.namespace(self._salts.get(req_id), self.generation)
             try:
                 found = self._link.call(lambda c: c.lookup(keys, pool_ids=self._pool_ids, namespace=namespace))
                 hits = found.hits
@@ -105,6 +111,8 @@ class KvxferManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self._answers.clear()  # the daemon's tiers are shared: a reset of vLLM's cache does not empty them
+        if self._forget_on_reset:  # ... but this engine no longer sees what it stored before
+            self.generation += 1
 
     def shutdown(self) -> None:
         self._link.close()

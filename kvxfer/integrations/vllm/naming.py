@@ -68,6 +68,7 @@ class EngineNames:
         prefix = _UNSAFE.sub("-", self.group_prefix)[:24] or "vllm"
         return f"{prefix}-{self.fingerprint}-r{rank}"
 
-    def namespace(self, cache_salt: str | None) -> str:
+    def namespace(self, cache_salt: str | None, generation: int = 0) -> str:
+        """``generation``: how many times the engine forgot what it stored (``forget_on_reset``)."""
         tenant = _digest(cache_salt) if cache_salt else "shared"
-        return f"vllm:{self.fingerprint}:{tenant}"
+        return f"vllm:{self.fingerprint}:{tenant}" + (f":g{generation}" if generation else "")

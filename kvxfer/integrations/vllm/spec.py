@@ -38,9 +38,10 @@ class Settings:
     timeout_s: float = 1.0  # deadline of every call (submits, polls, lookups)
     retry_s: float = 2.0  # after a failure, no call to the daemon for this long
     lease_s: float = 30.0  # the daemon cancels a job whose engine went silent this long
-    flush_wait_s: float = 30.0  # log (and keep waiting) when a flush of stores takes longer
+    deadline_s: float = 5.0  # a transfer moves its blocks within this long, or fails (loads are recomputed)
     cache_group: str = ""  # prefix of the cache groups; engines that share it share a host tier
-    model_id: str = ""  # the weights' identity (default: the model path or name, its revision, its dtype)
+    model_id: str = ""  # the weights' identity (default: from their bytes, or the hub name and revision)
+    forget_on_reset: bool = False  # reset_prefix_cache (a weight update in place) stops serving older blocks
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
@@ -55,7 +56,10 @@ class Settings:
         ours = {k: v for k, v in extra.items() if k in known}
         for name, value in ours.items():
             default = getattr(cls, name)
-            if isinstance(default, float):
+            if isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"kv_connector_extra_config.{name}: true or false, got {value!r}")
+            elif isinstance(default, float):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
                     raise ValueError(f"kv_connector_extra_config.{name}: a number of seconds in (0, 3600], "
                                      f"got {value!r}")
@@ -87,7 +91,7 @@ class KvxferOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
                           role="scheduler")
-        return KvxferManager(link, self.names)
+        return KvxferManager(link, self.names, self.settings.forget_on_reset)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         kv = kv_caches.tensors[0].tensor
@@ -104,7 +108,7 @@ class KvxferOffloadingSpec(OffloadingSpec):
                  self.rank, self.names.spec.num_blocks, expected.block_bytes, self.names.layout.spelled, pool_id)
         ready = cuda_ready_event(kv.device) if kv.device.type == "cuda" else no_event
         self.worker = KvxferWorker(link, pool_id, lease_s=self.settings.lease_s,
-                                    flush_wait_s=self.settings.flush_wait_s, ready_event=ready)
+                                    deadline_s=self.settings.deadline_s, ready_event=ready)
         try:
             link.call(lambda client: None)  # register now if the daemon is up; later otherwise
         except LinkDown:  # vLLM starts anyway and registers when the daemon is there (the link said why)

@@ -10,10 +10,14 @@ did not come back DONE (NOT_FOUND, DATA_LOSS, FAILED, CANCELLED) are returned by
 ``take_load_errors`` and vLLM recomputes exactly those blocks. A store the daemon
 refused or lost is simply not there later (a future miss).
 
-A job is reported finished only when the daemon says so, or when the daemon is gone
-(its process exited or restarted: nothing of it can touch the pool any more), never
-on a timeout alone: vLLM may reuse a block as soon as its job is reported, and a
-daemon that is only slow may still be copying it. A submission that timed out is
+A job is reported finished when the daemon says so, when the daemon is gone (its
+process exited or restarted: nothing of it can touch the pool any more), or when its
+deadline has passed: every job carries one (``deadline_s`` after its submission) and
+the daemon starts no copy of the job's blocks after it and counts none that lands
+after it, so once it has passed, plus ``LANDING_S`` for a copy started just before
+it, vLLM may reuse the blocks (a load's blocks are then recomputed, a store is
+dropped). No step waits longer than that on a slow or stopped daemon; the daemon's
+late answer is read and dropped. A submission that timed out is
 *uncertain* (the daemon may have queued it or not). The daemon runs a pool's jobs in
 submission order, so a *fence* settles it: a one-block restore of a key nobody stores
 (it writes nothing), submitted after it. When the fence finishes, every uncertain job
@@ -48,12 +52,23 @@ class Direction(enum.Enum):
     LOAD = "load"
 
 
+#: How long after a job's deadline a copy the daemon started just before it may still land (one
+#: chunk: milliseconds; this allows for a loaded host).
+LANDING_S = 0.5
+
+
 @dataclass
 class _Job:
     job_id: int  # vLLM's
     direction: Direction
     blocks: list[int]
+    deadline: float  # time.monotonic(): the daemon moves none of the blocks after it
     event: CudaEvent = None  # a store's readiness on the GPU: alive until the job ends
+    ended: bool = False  # reported to vLLM (the daemon's answer, if one comes, is dropped)
+
+    @property
+    def give_up_at(self) -> float:
+        return self.deadline + LANDING_S
 
 
 def no_event() -> CudaEvent:
@@ -80,14 +95,15 @@ FENCE_KEY = b"kvxfer-fence"  # never stored: its restore finds nothing and write
 class KvxferWorker(OffloadingWorker):
     """Submits this rank's transfers to the daemon and reports them as vLLM expects."""
 
-    def __init__(self, link: DaemonLink, pool_id: str, *, lease_s: float, flush_wait_s: float,
+    def __init__(self, link: DaemonLink, pool_id: str, *, lease_s: float, deadline_s: float,
                  ready_event: Callable[[], CudaEvent] = no_event) -> None:
-        """``ready_event``: makes the event each store's copy waits for (``cuda_ready_event`` for a GPU pool)."""
+        """``deadline_s``: how long after its submission a job may move its blocks (then it fails).
+        ``ready_event``: makes the event each store's copy waits for (``cuda_ready_event`` for a GPU pool)."""
         self._link = link
         self._ready_event = ready_event
         self._pool_id = pool_id
         self._lease_s = lease_s
-        self._flush_wait_s = flush_wait_s
+        self._deadline_s = deadline_s
         self._running: dict[int, _Job] = {}  # the daemon's job id -> the job
         self._uncertain: list[_Job] = []  # submissions that timed out, oldest first
         self._fence: int | None = None  # the daemon's id of the fence settling them
@@ -96,15 +112,16 @@ class KvxferWorker(OffloadingWorker):
         self._load_errors: set[int] = set()
         self.dropped_stores = 0
         self.failed_load_blocks = 0
+        self.given_up = 0  # jobs reported failed at their deadline, the daemon not having answered
 
     # -- submitting ----------------------------------------------------------------
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvxferBlocks)
         blocks = src_spec.block_ids.tolist()
-        job = _Job(job_id, Direction.STORE, blocks, self._ready_event())
+        job = _Job(job_id, Direction.STORE, blocks, time.monotonic() + self._deadline_s, self._ready_event())
         self._submit(job, lambda c: c.submit_offload(list(zip(blocks, dst_spec.keys)), pool_id=self._pool_id,
                                                      namespace=dst_spec.namespace, lease_s=self._lease_s,
-                                                     cuda_event=job.event))
+                                                     cuda_event=job.event, deadline=job.deadline))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
@@ -113,9 +130,10 @@ class KvxferWorker(OffloadingWorker):
         blocks = dst_spec.block_ids.tolist()
         # A chunk's first blocks may be ones vLLM holds already: the last len(blocks) keys are to load.
         keys = src_spec.keys[len(src_spec.keys) - len(blocks):]
-        self._submit(_Job(job_id, Direction.LOAD, blocks),
-                     lambda c: c.submit_restore(list(zip(keys, blocks)), pool_id=self._pool_id,
-                                                namespace=src_spec.namespace, lease_s=self._lease_s))
+        job = _Job(job_id, Direction.LOAD, blocks, time.monotonic() + self._deadline_s)
+        self._submit(job, lambda c: c.submit_restore(list(zip(keys, blocks)), pool_id=self._pool_id,
+                                                     namespace=src_spec.namespace, lease_s=self._lease_s,
+                                                     deadline=job.deadline))
         return True
 
     def _submit(self, job: _Job, submit) -> None:
@@ -134,30 +152,46 @@ class KvxferWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         if self._running or self._uncertain:
             self._collect(wait_s=0.0)
+            self._give_up(time.monotonic())
         finished, self._finished = self._finished, []
         return finished
 
-    def wait(self, job_ids: set[int], give_up_s: float | None = None) -> None:
-        """Until the named jobs finished (vLLM is about to reuse their blocks) or the daemon is gone
-        (or ``give_up_s`` passed: only at shutdown, when no block will be reused)."""
-        started = first = time.monotonic()
-        while give_up_s is None or time.monotonic() - first < give_up_s:
-            mine = [daemon_id for daemon_id, job in self._running.items() if job.job_id in job_ids]
-            unsure = any(job.job_id in job_ids for job in self._uncertain)
-            if not mine and not unsure:
-                return
-            self._collect(None if unsure else mine, wait_s=1.0)
-            if time.monotonic() - started > self._flush_wait_s:
-                log.error("kvxfer: still waiting for %d jobs after %.0f s; the daemon is alive but not answering",
-                          len(mine), time.monotonic() - started)
-                started = time.monotonic()
+    def wait(self, job_ids: set[int]) -> None:
+        """Until the named jobs finished (vLLM is about to reuse their blocks, or a forward pass reads
+        them), the daemon is gone, or their deadlines passed (then they fail: vLLM recomputes)."""
+        while True:
+            pending = [(daemon_id, job) for daemon_id, job in self._running.items()
+                       if job.job_id in job_ids and not job.ended]
+            pending += [(None, job) for job in self._uncertain if job.job_id in job_ids and not job.ended]
+            now = time.monotonic()
+            if not pending or now >= max(job.give_up_at for _, job in pending):
+                break
+            unsure = any(daemon_id is None for daemon_id, _ in pending)
+            left = max(job.give_up_at for _, job in pending) - now
+            self._collect(None if unsure else [d for d, _ in pending], wait_s=min(1.0, left), budget_s=left)
+        self._give_up(time.monotonic(), job_ids)
 
-    def _collect(self, daemon_ids: list[int] | None = None, wait_s: float = 0.0) -> None:
-        """One WaitJobs: the named jobs (all of them), or any finished job of this worker."""
+    def _give_up(self, now: float, job_ids: set[int] | None = None) -> None:
+        """Report as failed the (named) jobs whose deadline has passed: the daemon moves none of
+        their blocks any more. Its answer, if one comes, is read and dropped."""
+        late = [job for job in [*self._running.values(), *self._uncertain]
+                if not job.ended and now >= job.give_up_at and (job_ids is None or job.job_id in job_ids)]
+        for job in late:
+            self.given_up += 1
+            self._end(job, None, settled=False)  # a stopped daemon may still wait on a store's event
+        if late:
+            log.warning("kvxfer: %d transfers reached their deadline (%.1f s) without an answer from the daemon "
+                        "at %s; their blocks count as failed (loads are recomputed)", len(late), self._deadline_s,
+                        self._link.target)
+
+    def _collect(self, daemon_ids: list[int] | None = None, wait_s: float = 0.0, budget_s: float | None = None) -> None:
+        """One WaitJobs: the named jobs (all of them), or any finished job of this worker; the
+        call takes at most ``budget_s`` (default: the link's timeout, plus ``wait_s``)."""
         if self._uncertain and self._fence is None:
             self._submit_fence()
+        timeout = None if budget_s is None else max(0.01, min(self._link.timeout_s + wait_s, budget_s))
         try:
-            finished = self._link.call(lambda c: c.wait_jobs(daemon_ids or (), wait_s=wait_s,
+            finished = self._link.call(lambda c: c.wait_jobs(daemon_ids or (), wait_s=wait_s, timeout=timeout,
                                                              wait_all=bool(daemon_ids), pool_id=self._pool_id))
         except LinkDown as down:
             if down.gone:  # nothing of that daemon can touch the pool any more: every job ends, failed
@@ -204,8 +238,14 @@ class KvxferWorker(OffloadingWorker):
             self._end(job, None)
         self._uncertain, self._strays, self._fence = [], {}, None
 
-    def _end(self, job: _Job, outcomes: list[Outcome] | None, nbytes: int = 0, seconds: float = 0.0) -> None:
-        job.event = None  # the daemon's copy has run (or never will): the event may go
+    def _end(self, job: _Job, outcomes: list[Outcome] | None, nbytes: int = 0, seconds: float = 0.0,
+             settled: bool = True) -> None:
+        """Report a job to vLLM (once); ``settled``: the daemon answered, or never will."""
+        if settled:
+            job.event = None  # the daemon's copy has run (or never will): the event may go
+        if job.ended:  # given up at its deadline: reported already
+            return
+        job.ended = True
         failed = job.blocks if outcomes is None else [b for b, o in zip(job.blocks, outcomes) if o not in SUCCESS]
         if job.direction is Direction.LOAD:
             self._load_errors.update(failed)
@@ -225,7 +265,7 @@ class KvxferWorker(OffloadingWorker):
             try:
                 pending = {job.job_id for job in [*self._running.values(), *self._uncertain]}
                 if pending:
-                    self.wait(pending, give_up_s=self._flush_wait_s)
+                    self.wait(pending)
                 client.unregister_pool(self._pool_id, drain_s=1.0)
             except (LinkDown, KvxferError) as exc:
                 log.warning("kvxfer: could not unregister pool %s: %s", self._pool_id, exc)
