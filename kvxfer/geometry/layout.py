@@ -84,7 +84,7 @@ class KVSpec:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # no tensor made: this is on every request's path
 
     def axis_size(self, axis: Axis) -> int:
         return {
