@@ -2,7 +2,8 @@
 
 For BLHNC and LBHNC (32 layers) at 64 KiB, 512 KiB (16 KiB pages) and 1 MiB spans,
 consecutive and scattered blocks, batched (cuMemcpyBatchAsync) and looped
-(cudaMemcpyAsync per descriptor) submission: GB/s each way, descriptors per job and
+(cudaMemcpyAsync per descriptor) submission, and for LBHNC staged (a kernel gathers
+each block's runs into device memory, then one descriptor a block): GB/s each way, descriptors per job and
 submit time per descriptor; then, for scattered batched jobs, the same through the
 checked pipeline (checksums on: the device XXH3, host hashing on several threads,
 several chunk sizes). The baseline is one contiguous copy of the same bytes between
@@ -25,6 +26,7 @@ from kvxfer.transfer.base import CopyBatch, Direction
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.transfer.plan import plan_copies
+from kvxfer.transfer.staging import wants_staging
 
 KIB, MIB = 1 << 10, 1 << 20
 LAYERS, HEAD = 32, 128
@@ -48,15 +50,16 @@ def _timed(fn) -> float:
     return statistics.median(times)
 
 
-def _case(pl: PoolLayout, pool: torch.Tensor, host, n: int, scattered: bool, driver) -> dict:
-    engine = CudaCopyEngine(pool.data_ptr(), pl, host, driver)
+def _case(pl: PoolLayout, pool: torch.Tensor, host, n: int, scattered: bool, driver, staged: bool = False) -> dict:
+    """One submission method; ``staged``: runs gathered into staging by a kernel, one descriptor a block."""
+    engine = CudaCopyEngine(pool.data_ptr(), pl, host, driver, pool=pool if staged else None, device_checksums=False)
     if scattered:
         g = torch.Generator().manual_seed(n)
         blocks = (torch.randperm(pl.spec.num_blocks // 2 - 1, generator=g)[:n] * 2 + 1).tolist()
         slots = torch.randperm(n, generator=g).tolist()
     else:
         blocks, slots = list(range(1, n + 1)), list(range(n))
-    out = {"descriptors_per_job": len(plan_copies(pl, blocks, slots))}
+    out = {"descriptors_per_job": n if staged else len(plan_copies(pl, blocks, slots))}
     for direction in (Direction.TO_HOST, Direction.TO_POOL):
         submits = []
 
@@ -90,9 +93,12 @@ def bandwidth(ctx: dict) -> dict:
                 src = pool.storage[:n * span]
                 base = {"d2h": _gbps(n * span, _timed(lambda: flat.copy_(src, non_blocking=True))),
                         "h2d": _gbps(n * span, _timed(lambda: src.copy_(flat, non_blocking=True)))}
+                methods = [("batched", batched, False), ("looped", looped, False)]
+                if wants_staging(pool.layout):
+                    methods.append(("staged", batched, True))
                 for scattered in (False, True):
-                    for label, driver in (("batched", batched), ("looped", looped)):
-                        r = _case(pool.layout, pool.storage, host, n, scattered, driver)
+                    for label, driver, staged in methods:
+                        r = _case(pool.layout, pool.storage, host, n, scattered, driver, staged)
                         rows.append({"layout": name, "span_kib": span // KIB, "blocks": n,
                                      "placement": "scattered" if scattered else "consecutive", "submission": label,
                                      **r, "baseline_d2h_gbps": base["d2h"], "baseline_h2d_gbps": base["h2d"],

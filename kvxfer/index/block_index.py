@@ -91,8 +91,8 @@ class BlockIndex:
                 codes[new[len(slots):]] = _EXHAUSTED
                 outcomes, positions = _outcomes(codes), taken.tolist()
                 stored = [keys[i] for i in positions]
-            if fast is None:
-                space.update(zip(stored, slots))  # pairs straight in: twice as fast as merging a dict of them
+            if fast is None:  # (eviction may have emptied and released the namespace: take it anew)
+                self._space(namespace).update(zip(stored, slots))  # pairs straight in: 2x merging a dict
             one_extent = isinstance(slots, range)  # slices then, not gathers
             at = slice(slots.start, slots.stop) if one_extent else slot_array(slots)
             self._state[at] = PENDING

@@ -1,10 +1,8 @@
-"""The CUDA driver API through ctypes: memory, IPC, streams, events, batched copies.
+"""The CUDA driver API through ctypes: memory, IPC, streams, events, batched copies, host functions.
 
-Why the driver API by hand: ``cuMemcpyBatchAsync`` (CUDA 12.8+) takes a whole copy
-plan in one call, and the cuda-python 13 binding dropped its ``failIdx`` argument;
-resolving the symbol with ``cuGetProcAddress`` at the 12.8 ABI (as vLLM does) gives
-the same entry point on 12.x and 13.x drivers. One binding for every call keeps
-one set of rules (DESIGN.md section 14):
+By hand because ``cuMemcpyBatchAsync`` (CUDA 12.8+) takes a whole copy plan in one call and the
+cuda-python 13 binding dropped its ``failIdx``; its symbol at the 12.8 ABI (``cuGetProcAddress``,
+as vLLM does) is the same on 12.x and 13.x drivers. One binding, one set of rules (DESIGN.md 14):
 
 - Context: every entry pushes its device's primary context and pops it on the way
   out, so torch's device switches and pools of several GPUs served by the same
@@ -15,9 +13,8 @@ one set of rules (DESIGN.md section 14):
   daemon) are told once, so that the process exits and is restarted.
 - Fork: a child of a process that used CUDA cannot use it; ``driver`` refuses there.
 
-Nothing here needs a GPU to be tested: ``Driver`` takes its library as an argument,
-and the tests drive it with a simulator that obeys CUDA's ordering rules
-(``tests/cudasim``).
+Nothing here needs a GPU to be tested: ``Driver`` takes its library as an argument, and the
+tests drive it with a simulator that obeys CUDA's ordering rules (``tests/cudasim``).
 """
 
 from __future__ import annotations
@@ -76,6 +73,7 @@ class Uuid(ctypes.Structure):
 #: cuMemcpyBatchAsync at the 12.8 ABI.
 BatchFn = ctypes.CFUNCTYPE(c_int, POINTER(c_uint64), POINTER(c_uint64), POINTER(c_size_t), c_size_t,
                            POINTER(MemcpyAttributes), POINTER(c_size_t), c_size_t, POINTER(c_size_t), c_void_p)
+HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)  # CUhostFn: void fn(void *user_data)
 
 
 class CudaError(FailedPrecondition):
@@ -114,6 +112,7 @@ class Driver:
         self._check(lib.cuDevicePrimaryCtxRetain(ctypes.pointer(ctx), self._dev), "cuDevicePrimaryCtxRetain")
         self._ctx = ctx
         self._batch = self._resolve_batch() if use_batch else None
+        self._host_fns: dict[int, object] = {}  # host functions enqueued and not yet called
 
     @property
     def batched(self) -> bool:
@@ -228,6 +227,23 @@ class Driver:
                             "waiting for the engine's CUDA event (cuStreamWaitEvent)", ClientHandleError)
             finally:
                 self.lib.cuEventDestroy_v2(event)  # the wait is enqueued: it holds what it needs
+
+    def launch_host(self, stream: c_void_p, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in ``stream``'s order on a driver thread (cuLaunchHostFunc): work on "device"
+        memory that is host memory (the simulator). ``fn`` must make no CUDA call."""
+        def call(_user) -> None:
+            try:
+                fn()
+            finally:
+                self._host_fns.pop(id(callback), None)
+
+        callback = HOST_FN(call)
+        self._host_fns[id(callback)] = callback  # alive until the driver has called it
+        with self.scope():
+            code = self.lib.cuLaunchHostFunc(stream, callback, None)
+        if code != CUDA_SUCCESS:
+            self._host_fns.pop(id(callback), None)
+        self._check(code, "cuLaunchHostFunc")
 
     # -- copies ----------------------------------------------------------------------
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: c_void_p, access_order: int) -> int:
@@ -344,8 +360,7 @@ class Driver:
 
 
 class ClientHandleError(InvalidArgument):
-    """A handle a client supplied did not open or could not be waited for: that request's fault,
-    not the device's."""
+    """A handle a client supplied did not open or could not be waited for: the request's fault."""
 
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
@@ -370,8 +385,7 @@ def driver(device: int = 0) -> Driver:
 
 
 def on_device_lost(listener: Callable[[int, CudaError], None]) -> Callable[[], None]:
-    """Call ``listener(device, error)`` (from the thread that saw it) when a device reports a sticky
-    error; returns what unsubscribes it."""
+    """Call ``listener(device, error)`` (from the thread that saw it) on a sticky error; returns the unsubscriber."""
     _LOST_LISTENERS.append(listener)
     return lambda: _LOST_LISTENERS.remove(listener)
 

@@ -49,6 +49,11 @@ def _as_tensor(memory: _DeviceMemory) -> torch.Tensor:
     return tensor
 
 
+def device_buffer(gpu: Driver, nbytes: int) -> torch.Tensor:
+    """Device memory of the daemon's own (never shared): a flat uint8 tensor, freed with it."""
+    return _as_tensor(_DeviceMemory(gpu, gpu.alloc(nbytes), nbytes, opened_by_ipc=False))
+
+
 def why_unusable(device: int = 0) -> str | None:
     """Why a CUDA pool cannot be served on ``device`` here, or None when it can."""
     try:

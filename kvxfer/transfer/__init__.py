@@ -26,8 +26,8 @@ def _through_fd(pool: Pool, host: HostTier, checksum_on_device: bool, threads: i
 
 def _cuda(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, deadline_s: float) -> CopyEngine:
     return CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(pool.cuda_device),
-                          deadline_s=deadline_s, pool=pool.storage if checksum_on_device else None,
-                          hash_threads=threads)
+                          deadline_s=deadline_s, pool=pool.storage, hash_threads=threads,
+                          device_checksums=checksum_on_device)
 
 
 #: (pool medium, how this process reaches it, tier) -> engine factory.

@@ -8,7 +8,10 @@ own non-blocking stream, each submitted chunk one event; ``wait`` polls the even
 (there is no timed wait in CUDA) until it completes or ``deadline_s`` passes.
 Given the pool's tensor, block-major pools have their checksums computed by the
 device XXH3 behind each chunk's copies on the same stream (``stream_hash``);
-otherwise the pipeline hashes the tier copies on the engine's host threads.
+otherwise the pipeline hashes the tier copies on the engine's host threads. Layouts
+whose runs are short (layer-major, per-layer) move through staging buffers in device
+memory, gathered and scattered by a kernel on the same stream (``staging``): one
+descriptor per block instead of one per run.
 
 Failures (DESIGN.md section 14):
 - A copy past its deadline cannot be recalled: its stream is retired (later chunks get
@@ -25,7 +28,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TypeVar
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +43,7 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 from kvxfer.transfer import device_checksum
 from kvxfer.transfer.plan import plan_copies
+from kvxfer.transfer.staging import Stager, wants_staging
 from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
 
 #: First and longest sleep between event polls. The longest bounds how late a request's last
@@ -46,12 +51,17 @@ from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
 POLL_S = (0.00002, 0.0001)
 DEADLINE_S = 30.0
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
 class _Stream:
     handle: object  # the CUstream
     retired: bool = False  # a copy on it missed its deadline: nothing new goes on it
+    # Its two staging buffers, used in turn: stream order keeps a buffer's next use behind its last.
+    # A retired stream keeps them (through its late copies' handles) until its work has run.
+    staging: list[torch.Tensor] = field(default_factory=list)
+    turn: int = 0
 
 
 @dataclass(eq=False)
@@ -111,11 +121,13 @@ class CudaCopyEngine(CopyEngine):
     """Moves blocks between a pool in device memory and a pinned host tier."""
 
     def __init__(self, pool_ptr: int, layout: PoolLayout, host: HostTier, driver: Driver,
-                 deadline_s: float = DEADLINE_S, pool: torch.Tensor | None = None, hash_threads: int = 1) -> None:
-        """``pool``: the pool's device tensor, given to checksum blocks with the device XXH3 in
-        stream order with their copies (block-major layouts: a block is one span;
-        ``stream_hash``) instead of on the host. ``hash_threads``: host threads that hash tier
-        copies otherwise (offload, and restore's check of the tier copy)."""
+                 deadline_s: float = DEADLINE_S, pool: torch.Tensor | None = None, hash_threads: int = 1,
+                 device_checksums: bool = True) -> None:
+        """``pool``: the pool's device tensor, given to move layouts of short runs through staging
+        and, with ``device_checksums``, to checksum blocks with the device XXH3 in stream order
+        with their copies (block-major layouts: a block is one span; ``stream_hash``) instead of
+        on the host. ``hash_threads``: host threads that hash tier copies otherwise (offload, and
+        restore's check of the tier copy)."""
         if hash_threads < 1:
             raise Internal(f"a copy engine needs at least one hash thread, got {hash_threads}")
         if host.slot_bytes != layout.block_bytes:
@@ -126,8 +138,9 @@ class CudaCopyEngine(CopyEngine):
         self._streams = {Direction.TO_HOST: _Stream(driver.stream()), Direction.TO_POOL: _Stream(driver.stream())}
         self._late: list[_Quarantined] = []
         self._lock = threading.Lock()  # the late list: the job thread and the reaper both look
-        device_hashed = pool is not None and layout.runs_per_block == 1
+        device_hashed = pool is not None and device_checksums and layout.runs_per_block == 1
         self._hasher = StreamHasher(pool, layout.block_bytes) if device_hashed else None
+        self._stager = Stager(pool, layout, driver) if pool is not None and wants_staging(layout) else None
         self._hash_threads = hash_threads
 
     @property
@@ -154,39 +167,89 @@ class CudaCopyEngine(CopyEngine):
 
     def describe(self) -> str:
         hashing = "device XXH3" if self._hasher is not None else f"host, {self._hash_threads} threads"
-        return f"{type(self).__name__} (checksums: {hashing})"
+        moving = "staged in device memory" if self._stager is not None else "DMA descriptors"
+        return f"{type(self).__name__} (runs: {moving}; checksums: {hashing})"
 
     def submit(self, batch: CopyBatch) -> CudaHandle:
         """Enqueue the batch's descriptors; the batch's ``ready_event`` (an IPC event handle of the
         engine's) makes the copy wait for the engine's writes without blocking any host thread."""
         self._check_usable()
-        plan = plan_copies(self.layout, batch.blocks, batch.slots)
-        pool = self._pool_ptr + plan.pool_offsets
-        tier = self._host_ptr + plan.tier_offsets
         stream = self._streams[batch.direction]
         if batch.ready_event:  # a handle that does not open fails this request alone, before any copy
             self.driver.wait_ipc_event(stream.handle, batch.ready_event)
-        if batch.direction is Direction.TO_HOST:
-            calls = self.driver.copy(tier, pool, plan.nbytes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        if self._stager is not None and self._staging_ready(stream):
+            calls = self._staged_copies(stream, batch)
         else:
-            calls = self.driver.copy(pool, tier, plan.nbytes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
+            plan = plan_copies(self.layout, batch.blocks, batch.slots)
+            pool = self._pool_ptr + plan.pool_offsets
+            tier = self._host_ptr + plan.tier_offsets
+            if batch.direction is Direction.TO_HOST:
+                calls = self.driver.copy(tier, pool, plan.nbytes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+            else:
+                calls = self.driver.copy(pool, tier, plan.nbytes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
         sums = self._enqueue_checksums(stream, batch) if self._hasher is not None else None
         handle = CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s, sums)
         handle.calls = calls
         return handle
 
+    def _staged_copies(self, stream: _Stream, batch: CopyBatch) -> int:
+        """The batch through ``stream``'s staging buffers, a buffer's worth at a time: offload gathers
+        blocks into a buffer and moves its rows to their tier slots, restore the reverse. Both DMAs
+        read and write in stream order (STREAM): a buffer is reused two rounds later."""
+        stager, block = self._stager, self.layout.block_bytes
+
+        def rounds() -> int:
+            calls = 0
+            for a in range(0, len(batch.blocks), stager.rows):
+                blocks, slots = batch.blocks[a:a + stager.rows], np.asarray(batch.slots[a:a + stager.rows], np.int64)
+                buffer = stream.staging[stream.turn]
+                stream.turn ^= 1
+                rows = buffer.data_ptr() + np.arange(len(blocks), dtype=np.int64) * block
+                tier, sizes = self._host_ptr + slots * block, np.full(len(blocks), block, dtype=np.int64)
+                if batch.direction is Direction.TO_HOST:
+                    stager.enqueue(stream.handle, buffer, blocks, to_staging=True)
+                    calls += self.driver.copy(tier, rows, sizes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+                else:
+                    calls += self.driver.copy(rows, tier, sizes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+                    stager.enqueue(stream.handle, buffer, blocks, to_staging=False)
+            return calls
+
+        return self._enqueue_or_land(stream, batch, rounds)
+
+    def _staging_ready(self, stream: _Stream) -> bool:
+        """Whether ``stream`` has its staging buffers (made on first use). Device memory too short for
+        them leaves the layout on DMA descriptors (slower, never wrong), said once."""
+        try:
+            while len(stream.staging) < 2:
+                stream.staging.append(self._stager.buffer())
+        except CudaError as exc:
+            if exc.sticky:
+                raise
+            log.warning("no device memory for staging buffers; this pool's blocks move run by run",
+                        extra={"error": str(exc)})
+            stream.staging.clear()
+            self._stager = None
+            return False
+        return True
+
     def _enqueue_checksums(self, stream: _Stream, batch: CopyBatch) -> PendingSums:
-        """The device XXH3 behind the copies just enqueued on ``stream``. If it cannot be enqueued,
-        those copies land before the error is raised (no copy outlives a failed submit), or, past the
+        """The device XXH3 behind the copies just enqueued on ``stream``."""
+        return self._enqueue_or_land(stream, batch, lambda: self._hasher.enqueue(stream.handle.value, batch.blocks))
+
+    def _enqueue_or_land(self, stream: _Stream, batch: CopyBatch, enqueue: Callable[[], T]) -> T:
+        """Enqueue device work (copies, kernels) on ``stream``. If some of it cannot be enqueued, what
+        was lands before the error is raised (no copy outlives a failed submit), or, past the
         deadline, the batch's slots are named as held by late copies."""
         try:
-            return self._hasher.enqueue(stream.handle.value, batch.blocks)
-        except RuntimeError as exc:  # torch or Triton: out of device memory, a failed launch
+            return enqueue()
+        except (RuntimeError, CudaError) as exc:  # torch or Triton: out of device memory, a failed launch
+            if isinstance(exc, CudaError) and exc.sticky:
+                raise
             try:
                 CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s).wait()
             except LateCopies as late:
                 raise LateCopies(str(late), list(batch.slots), late.handles) from exc
-            raise Internal(f"the device checksum could not be enqueued: {exc}") from None
+            raise Internal(f"device work behind a copy could not be enqueued: {exc}") from None
 
     def pool_checksums(self, blocks: list[int]) -> list[int]:
         """The blocks' checksums: on the device where it can (after the restore stream's copies),

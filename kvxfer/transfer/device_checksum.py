@@ -153,12 +153,12 @@ def lanes(data: torch.Tensor, spans: np.ndarray, num_warps: int = NUM_WARPS) -> 
     words = data[:data.numel() // 8 * 8].view(torch.int64) if aligned else data
     out = torch.empty((len(spans), 8), dtype=torch.int64, device=data.device)
     init, secret = constants(data.device)
-    _xxh3_lanes_kernel[(len(spans),)](words, _upload(spans, data.device), init, secret, out, ALIGNED=aligned,
+    _xxh3_lanes_kernel[(len(spans),)](words, upload(spans, data.device), init, secret, out, ALIGNED=aligned,
                                       num_warps=num_warps)
     return out
 
 
-def _upload(spans: np.ndarray, device: torch.device) -> torch.Tensor:
+def upload(spans: np.ndarray, device: torch.device) -> torch.Tensor:
     """The spans on ``device``, in stream order and without a host synchronisation: a copy from
     pageable memory would wait for the stream (for the engine's ready event: an engine that hangs
     would hang the submit with it). torch keeps the pinned buffer until the copy has run."""

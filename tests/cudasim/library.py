@@ -85,6 +85,14 @@ class CudaSim(MemoryCalls):
         self.streams[stream].put(fn)
         return SUCCESS
 
+    @api
+    def cuLaunchHostFunc(self, stream, fn, user_data):
+        s = self._stream(stream)
+        if isinstance(s, int):
+            return s
+        s.put(lambda: fn(user_data))
+        return SUCCESS
+
     def live_streams(self) -> int:
         return len(self.streams)
 

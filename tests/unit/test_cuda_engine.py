@@ -31,12 +31,15 @@ SPAN = 768
 
 
 def gpu_pool(name: str, device: int = 0, layout: str = "BLHNC", capacity: int = 16, on_device: bool = False,
-             deadline_s: float = 30.0) -> PoolManager:
-    """A daemon-owned pool on simulated GPU ``device`` with its pinned host tier, as the registry builds it."""
+             deadline_s: float = 30.0, staged: bool = False) -> PoolManager:
+    """A daemon-owned pool on simulated GPU ``device`` with its pinned host tier, as the registry builds it
+    (``on_device``: block-major blocks hashed by the device XXH3; ``staged``: layouts of short runs
+    through staging buffers)."""
     pool = Pool.create(name, SPEC, PRESETS[layout], device=f"cuda:{device}")
     group = CacheGroup(name, pool.layout, capacity, pin_device=device)
     engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, group.host, cuda_driver.driver(device),
-                            deadline_s=deadline_s, pool=pool.storage if on_device else None)
+                            deadline_s=deadline_s, pool=pool.storage if on_device or staged else None,
+                            device_checksums=on_device)
     return PoolManager(pool, group, engine=engine)
 
 
@@ -81,17 +84,24 @@ def test_the_plan_reaches_the_driver_whole_and_moves_the_same_bytes(cuda_sim, la
     assert CU_MEMCPY_SRC_ACCESS_ORDER_STREAM != CU_MEMCPY_SRC_ACCESS_ORDER_ANY
 
 
-def test_an_offload_waits_for_the_engines_event_and_without_it_reads_old_bytes(cuda_sim):
-    """Not a stub: the engine (another process) writes block 3 on its stream 0.3 s late. Without its
-    event the daemon's copy captures the old bytes (the bug every GPU engine would hit); with it, the new."""
-    manager = gpu_pool("g")
+@pytest.mark.parametrize("layout", ["BLHNC", "LBHNC"], ids=["dma", "staged"])
+def test_an_offload_waits_for_the_engines_event_and_without_it_reads_old_bytes(cuda_sim, layout, monkeypatch):
+    """Not a stub: the engine (another process) writes the pool on its stream 0.3 s late. Without its
+    event the daemon's copy (or its staging kernel) captures the old bytes (the bug every GPU engine
+    would hit); with it, the new."""
+    from kvxfer.transfer import staging
+
+    monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 4 * SPAN)
+    manager = gpu_pool("g", layout=layout, staged=True)
+    assert (manager.engine._stager is not None) is (layout == "LBHNC")
     engine = SimEngine(cuda_sim.region.path)
     try:
         engine("open", handle=manager.pool.descriptor.handle.ipc_handle.hex())
-        engine.forward(3 * SPAN, SPAN, 0x5A, delay_s=0.3)  # the forward pass, still running
+        everything = manager.pool.layout.nbytes  # every run of every block
+        engine.forward(0, everything, 0x5A, delay_s=0.3)  # the forward pass, still running
         assert offload(manager, [3], [b"early"]) == [Outcome.DONE]
         assert bool((manager.host.buffer[manager.index.locate("ns", b"early")] == 0).all())  # stale KV stored
-        event = engine.forward(4 * SPAN, SPAN, 0x6B, delay_s=0.3)
+        event = engine.forward(0, everything, 0x6B, delay_s=0.3)
         assert offload(manager, [4], [b"late"], event) == [Outcome.DONE]
         assert bool((manager.host.buffer[manager.index.locate("ns", b"late")] == 0x6B).all())
         assert not cuda_sim.violations
@@ -208,3 +218,66 @@ def test_submitting_behind_a_hung_engine_stream_never_blocks(cuda_sim):
         engine("release")
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
+def test_layouts_of_short_runs_move_through_staging_one_descriptor_a_block(cuda_sim, layout, monkeypatch):
+    """Gathered by a kernel in stream order into two staging buffers used in turn (3 blocks each here,
+    so a batch takes several rounds), then one descriptor a block: the same tier bytes as the copy
+    plan, and back into other blocks bit-exact, under the simulator's random stream delays."""
+    from kvxfer.transfer import staging
+
+    monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 3 * SPAN)
+    manager = gpu_pool("s", layout=layout, capacity=20, staged=True)
+    data = fill(manager)
+    assert manager.engine.describe().startswith("CudaCopyEngine (runs: staged") and manager.engine._stager.rows == 3
+    blocks, keys = [7, 3, 4, 5, 20, 11, 1, 9], [b"s%d" % i for i in range(8)]
+    cuda_sim.calls.clear()
+    assert offload(manager, blocks, keys) == [Outcome.DONE] * 8
+    assert cuda_sim.calls.count("cuLaunchHostFunc") == 3  # three rounds of at most three blocks
+    slots = [manager.index.locate("ns", k) for k in keys]
+    reference = HostTier(20, manager.pool.layout.block_bytes)
+    CpuCopyEngine(data.clone(), manager.pool.layout, reference).submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
+    assert torch.equal(manager.host.buffer[slots], reference.buffer[slots])  # the tier format is the plan's
+
+    targets = [21, 2, 8, 6, 10, 12, 13, 15]
+    assert manager.restore("ns", list(zip(keys, targets))).outcomes == [Outcome.DONE] * 8
+    expected = data.clone()
+    CpuCopyEngine(expected, manager.pool.layout, reference).submit(CopyBatch(Direction.TO_POOL, targets, slots)).wait()
+    assert torch.equal(manager.pool.storage, expected)
+    assert cuda_sim.pageable_copies == 0 and not cuda_sim.violations  # staging is device memory, in stream order
+    assert len(manager.engine._streams[Direction.TO_HOST].staging) == 2
+
+
+def test_a_staging_kernel_that_cannot_be_enqueued_fails_the_chunk_after_its_copies_land(cuda_sim, monkeypatch):
+    from kvxfer.transfer import staging
+
+    monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 2 * SPAN)
+    manager = gpu_pool("k", layout="LBHNC", staged=True)
+    fill(manager)
+    real, launches = manager.engine._stager.enqueue, []
+
+    def fail_the_second(*args, **kwargs):
+        launches.append(1)
+        if len(launches) == 2:
+            raise RuntimeError("Triton: launch failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager.engine._stager, "enqueue", fail_the_second)
+    assert offload(manager, [1, 2, 3, 4], [b"a", b"b", b"c", b"d"]) == [Outcome.FAILED] * 4
+    assert all(s.idle() for s in cuda_sim.streams.values())  # the first round's copies ran before the error
+    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.index.stats().pinned == 0
+
+
+def test_without_device_memory_for_staging_blocks_move_run_by_run(cuda_sim, monkeypatch):
+    from kvxfer.transfer import staging
+
+    monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 1 << 40)  # more than any device has
+    manager = gpu_pool("m", layout="LBHNC", staged=True)
+    data = fill(manager)
+    assert offload(manager, [1, 2, 3], [b"a", b"b", b"c"]) == [Outcome.DONE] * 3
+    assert manager.engine._stager is None and "cuLaunchHostFunc" not in cuda_sim.calls
+    assert manager.restore("ns", [(b"c", 9)]).outcomes == [Outcome.DONE]
+    for run in manager.pool.layout.block_runs(9):
+        source = manager.pool.layout.block_runs(3)[manager.pool.layout.block_runs(9).index(run)]
+        assert torch.equal(manager.pool.storage[run.offset:run.end], data[source.offset:source.end])

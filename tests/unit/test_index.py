@@ -163,3 +163,14 @@ def test_a_namespace_costs_nothing_once_its_blocks_are_gone():
     assert grown < 20_000  # bytes, for 20,000 namespaces (450 B each before)
     evicted = index.prepare_store("last", [b"a", b"b", b"c", b"d"]).evicted
     assert {v.namespace for v in evicted} <= {f"ns{i}" for i in range(20_990, 21_000)}  # names as they were
+
+
+def test_a_store_that_evicts_its_own_namespace_empty_keeps_the_namespace():
+    """Found by the store model: every entry of a namespace evicted to make room for that namespace's
+    new keys released the namespace while the store was inserting into it (KeyError)."""
+    index = BlockIndex(TierKind.HOST, 2)
+    index.complete_store(index.prepare_store("m", [b"k1", b"k2"]).slots, [1, 2])
+    plan = index.prepare_store("m", [b"k3", b"k4"])  # both old entries evicted: "m" empty for a moment
+    assert plan.outcomes == [Outcome.DONE] * 2 and len(plan.evicted) == 2
+    index.complete_store(plan.slots, [3, 4])
+    assert index.contains("m", [b"k1", b"k2", b"k3", b"k4"]) == [False, False, True, True]
