@@ -281,3 +281,36 @@ def test_without_device_memory_for_staging_blocks_move_run_by_run(cuda_sim, monk
     for run in manager.pool.layout.block_runs(9):
         source = manager.pool.layout.block_runs(3)[manager.pool.layout.block_runs(9).index(run)]
         assert torch.equal(manager.pool.storage[run.offset:run.end], data[source.offset:source.end])
+
+
+def test_a_long_plan_goes_to_the_driver_in_sub_batches(cuda_sim, monkeypatch):
+    """The copies of one call start while the next is submitted; a call that fails after others
+    were enqueued lets them land before the chunk fails."""
+    from kvxfer.transfer import cuda
+
+    monkeypatch.setattr(cuda, "SUB_BATCH", 3)
+    manager = gpu_pool("b", layout="LBHNC", capacity=20)  # no pool tensor: DMA, one descriptor a run
+    data = fill(manager)
+    blocks, keys = [1, 5, 9, 13], [b"b%d" % i for i in range(4)]
+    runs = len(plan_copies(manager.pool.layout, blocks, list(range(4))))
+    cuda_sim.calls.clear()
+    assert offload(manager, blocks, keys) == [Outcome.DONE] * 4
+    assert cuda_sim.calls.count("cuMemcpyBatchAsync") == -(-runs // 3)
+    assert manager.restore("ns", list(zip(keys, [2, 6, 10, 14]))).outcomes == [Outcome.DONE] * 4
+    for source, target in zip(blocks, [2, 6, 10, 14]):
+        for a, b in zip(manager.pool.layout.block_runs(source), manager.pool.layout.block_runs(target)):
+            assert torch.equal(manager.pool.storage[b.offset:b.end], data[a.offset:a.end])
+
+    real, made = manager.engine.driver.copy, []
+
+    def fail_the_second(*args):
+        made.append(1)
+        if len(made) == 2:
+            raise cuda_driver.CudaError("cuMemcpyBatchAsync failed: CUDA_ERROR_INVALID_VALUE", 1)
+        return real(*args)
+
+    monkeypatch.setattr(manager.engine.driver, "copy", fail_the_second)
+    assert offload(manager, [3, 7, 11], [b"x", b"y", b"z"]) == [Outcome.FAILED] * 3
+    assert all(s.idle() for s in cuda_sim.streams.values())  # the first call's copies ran before the error
+    assert manager.lookup("ns", [b"x"]).hits == 0 and manager.index.stats().pinned == 0
+    assert not cuda_sim.violations
