@@ -1,4 +1,5 @@
-"""The device check's stages: environment, pool, round trip, corruption, bandwidth, GPU tests."""
+"""The device check's stages: environment, pool, round trip, corruption, bandwidth, staging and
+interference, GPU tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import torch
 
-from kvxfer.devcheck import gpu_stages
+from kvxfer.devcheck import gpu_stages, interference
 from kvxfer.devcheck.bandwidth import bandwidth
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.geometry.layout import PRESETS, KVSpec
@@ -118,4 +119,5 @@ def gpu_tests(ctx: dict) -> dict:
 
 
 STAGES = [("environment", environment), ("pool_allocation", pool_allocation), ("round_trip", round_trip),
-          ("corruption", corruption), *gpu_stages.STAGES, ("bandwidth", bandwidth), ("gpu_tests", gpu_tests)]
+          ("corruption", corruption), *gpu_stages.STAGES, ("bandwidth", bandwidth), *interference.STAGES,
+          ("gpu_tests", gpu_tests)]

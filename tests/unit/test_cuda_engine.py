@@ -314,3 +314,16 @@ def test_a_long_plan_goes_to_the_driver_in_sub_batches(cuda_sim, monkeypatch):
     assert all(s.idle() for s in cuda_sim.streams.values())  # the first call's copies ran before the error
     assert manager.lookup("ns", [b"x"]).hits == 0 and manager.index.stats().pinned == 0
     assert not cuda_sim.violations
+
+
+def test_the_device_checks_staging_stage_runs_on_the_simulator(cuda_sim, monkeypatch):
+    """``kvxfer devcheck``'s staging stage (what a lent GPU will run) compares staged and plain DMA to
+    the byte: here on the simulator, small, so that the prepared run does not fail on a typo."""
+    from kvxfer.devcheck import interference
+    from kvxfer.transfer import staging
+
+    monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 4 * 1024)
+    result = interference.staging_on_the_gpu({"staging_blocks": 6, "staging_spec": {
+        "num_layers": 4, "block_size": 2, "num_kv_heads": 2, "head_size": 32}})
+    assert result["bit_identical"] and result["runs_per_block"] == 4 and result["blocks"] == 6
+    assert {"staged_d2h_gbps", "staged_h2d_gbps", "dma_d2h_gbps", "dma_h2d_gbps"} <= result.keys()
