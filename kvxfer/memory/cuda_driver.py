@@ -29,6 +29,8 @@ from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_
 import numpy as np
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
+from kvxfer.memory.cuda_abi import (HOST_FN, IPC_HANDLE_BYTES, BatchFn, IpcEventHandle, IpcMemHandle,
+                                    MemcpyAttributes, Uuid)
 
 CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
 #: Errors that leave the context unusable until the process exits: ECC uncorrectable, illegal
@@ -43,37 +45,9 @@ CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_HOST = 2, 1
 CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED = 99
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 0x1, 0x3
 BATCH_ABI_VERSION = 12080  # cuMemcpyBatchAsync with failIdx
-IPC_HANDLE_BYTES = 64
 LIBRARY = "libcuda.so.1"
 
 
-class MemLocation(ctypes.Structure):
-    _fields_ = [("type", c_int), ("id", c_int)]
-
-
-class MemcpyAttributes(ctypes.Structure):
-    """CUmemcpyAttributes: how the copies of one range of a batch access their operands."""
-
-    _fields_ = [("srcAccessOrder", c_int), ("srcLocHint", MemLocation), ("dstLocHint", MemLocation),
-                ("flags", c_uint)]
-
-
-class IpcEventHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
-
-
-class IpcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
-
-
-class Uuid(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
-
-
-#: cuMemcpyBatchAsync at the 12.8 ABI.
-BatchFn = ctypes.CFUNCTYPE(c_int, POINTER(c_uint64), POINTER(c_uint64), POINTER(c_size_t), c_size_t,
-                           POINTER(MemcpyAttributes), POINTER(c_size_t), c_size_t, POINTER(c_size_t), c_void_p)
-HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)  # CUhostFn: void fn(void *user_data)
 
 
 class CudaError(FailedPrecondition):
@@ -208,6 +182,11 @@ class Driver:
     def destroy(self, event: c_void_p) -> None:
         with self.scope():
             self.lib.cuEventDestroy_v2(event)
+
+    def wait_event(self, stream: c_void_p, event: c_void_p) -> None:
+        """Make ``stream`` wait for what ``event`` (this process's, recorded) marks (cuStreamWaitEvent)."""
+        with self.scope():
+            self._check(self.lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
 
     def wait_ipc_event(self, stream: c_void_p, handle: bytes) -> None:
         """Make ``stream`` wait for an event another process recorded (the engine's KV writes).

@@ -7,7 +7,8 @@ host-to-device stream with ANY (the tier bytes are stable). Each direction has i
 own non-blocking stream, each submitted chunk one event; ``wait`` polls the event
 (there is no timed wait in CUDA) until it completes or ``deadline_s`` passes.
 Given the pool's tensor, block-major pools have their checksums computed by the
-device XXH3 behind each chunk's copies on the same stream (``stream_hash``);
+device XXH3 behind each chunk's copies, on a side stream joined to the copy stream
+by an event (``stream_hash``): the next chunk's copies never queue behind a hash;
 otherwise the pipeline hashes the tier copies on the engine's host threads. Layouts
 whose runs are short (layer-major, per-layer) move through staging buffers in device
 memory, gathered and scattered by a kernel on the same stream (``staging``): one
@@ -65,6 +66,7 @@ class _Stream:
     # A retired stream keeps them (through its late copies' handles) until its work has run.
     staging: list[torch.Tensor] = field(default_factory=list)
     turn: int = 0
+    side: object = None  # the CUstream its chunks' device XXH3 runs on (made on first use), retired with it
 
 
 @dataclass(eq=False)
@@ -184,8 +186,11 @@ class CudaCopyEngine(CopyEngine):
             calls = self._staged_copies(stream, batch)
         else:
             calls = self._planned_copies(stream, batch)
-        sums = self._enqueue_checksums(stream, batch) if self._hasher is not None else None
-        handle = CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s, sums)
+        if self._hasher is not None:
+            sums, done = self._enqueue_checksums(stream, batch)
+            handle = CudaHandle(self, stream, done, self.deadline_s, sums)
+        else:
+            handle = CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s)
         handle.calls = calls
         return handle
 
@@ -243,9 +248,22 @@ class CudaCopyEngine(CopyEngine):
             return False
         return True
 
-    def _enqueue_checksums(self, stream: _Stream, batch: CopyBatch) -> PendingSums:
-        """The device XXH3 behind the copies just enqueued on ``stream``."""
-        return self._enqueue_or_land(stream, batch, lambda: self._hasher.enqueue(stream.handle.value, batch.blocks))
+    def _enqueue_checksums(self, stream: _Stream, batch: CopyBatch) -> tuple[PendingSums, object]:
+        """The device XXH3 of the chunk's blocks on the copy stream's side stream, behind the copies
+        just enqueued (an event joins them): the next chunk's copies never wait for a hash. Returns
+        the sums and the event that completes after both copy and hash."""
+        def enqueue() -> tuple[PendingSums, object]:
+            if stream.side is None:
+                stream.side = self.driver.stream()
+            copied = self.driver.record(stream.handle)
+            try:
+                self.driver.wait_event(stream.side, copied)
+            finally:
+                self.driver.destroy(copied)  # the wait is enqueued: it holds what it needs
+            sums = self._hasher.enqueue(stream.side.value, batch.blocks)
+            return sums, self.driver.record(stream.side)
+
+        return self._enqueue_or_land(stream, batch, enqueue)
 
     def _enqueue_or_land(self, stream: _Stream, batch: CopyBatch, enqueue: Callable[[], T]) -> T:
         """Enqueue device work (copies, kernels) on ``stream``. If some of it cannot be enqueued, what
@@ -292,6 +310,8 @@ class CudaCopyEngine(CopyEngine):
                 if current is stream:
                     self._streams[direction] = _Stream(self.driver.stream())
         self.driver.destroy_stream(stream.handle)
+        if stream.side is not None:
+            self.driver.destroy_stream(stream.side)
         log.warning("a GPU copy missed its deadline; its stream is retired and its slots held until it lands",
                     extra={"deadline_s": self.deadline_s})
 
@@ -335,3 +355,5 @@ class CudaCopyEngine(CopyEngine):
             if not stream.retired:
                 stream.retired = True
                 self.driver.destroy_stream(stream.handle)
+                if stream.side is not None:
+                    self.driver.destroy_stream(stream.side)

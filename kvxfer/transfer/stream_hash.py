@@ -1,10 +1,10 @@
-"""Block checksums by the device XXH3, enqueued on a copy's own stream.
+"""Block checksums by the device XXH3, enqueued on the stream it is given: the copy engine's
+side stream, which waits (an event) for the chunk's copies.
 
-Offload hashes each pool block on the device-to-host stream right after its copy
-is enqueued (the same bytes the copy reads: after the engine's ready event,
-before anything later on that stream); restore hashes each block where it landed,
-after the host-to-device copy. The eight lanes per block come back to pinned
-memory on the same stream, so the chunk's one event covers copy, hash and lanes,
+Offload hashes each pool block after its copy (the same bytes the copy reads: after the
+engine's ready event, which the copy stream waited for); restore hashes each block where
+it landed, after the host-to-device copy. The eight lanes per block come back to pinned
+memory on the same stream, so the event recorded after them covers copy, hash and lanes,
 and the host only merges them (``device_checksum.merge``, vectorised). A block
 whose DMA copy went wrong then fails its check at restore (DATA_LOSS), and a
 block an engine rewrote during its offload never passes as whole.

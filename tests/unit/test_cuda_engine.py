@@ -136,7 +136,11 @@ def test_checksums_of_a_dma_engines_copies_catch_corruption(cuda_sim, on_device,
     if on_device:  # no host pass at all
         monkeypatch.setattr(manager.copier, "_tier_checksums", None)
     keys = [b"k%d" % b for b in range(1, 11)]
+    cuda_sim.calls.clear()
     assert offload(manager, list(range(1, 11)), keys) == [Outcome.DONE] * 10
+    if on_device:  # hashed on a side stream joined by an event a chunk: the copy stream never waits for it
+        assert manager.engine._streams[Direction.TO_HOST].side is not None
+        assert cuda_sim.calls.count("cuStreamWaitEvent") == 3  # three chunks
     slots = [manager.index.locate("ns", k) for k in keys]
     manager.host.buffer[slots[6], 5] ^= 1  # a bit flips in the tier
     restored = manager.restore("ns", list(zip(keys, range(11, 21))))
