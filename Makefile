@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-vllm serve bench bench-peer proto devcheck clean
+.PHONY: install test test-vllm serve bench bench-peer proto devcheck devcheck-wheels clean
 
 # (Re)install when the project's metadata or its C copy loop changes; torch is pinned to the local
 # CPU build.
@@ -56,9 +56,19 @@ bench-peer: $(STAMP) $(LMCACHE_STAMP)
 	$(VENV)/bin/kvxfer bench peer --lmcache-python $(LMCACHE_VENV)/bin/python $(BENCH_ARGS)
 
 # On a GPU machine: everything only a GPU can show, results in devcheck-out/devcheck.json.
-# Needs no install and no gRPC (the lent machines have neither): it runs from the checkout.
+# Needs no install: it runs from the checkout, and what the machine lacks comes from the wheels
+# in devcheck-wheels/ (make devcheck-wheels, where there is a network).
 devcheck:
 	PYTHONPATH=. $(PYTHON) -m kvxfer.devcheck --out devcheck-out $(DEVCHECK_ARGS)
+
+# Where there is a network: the cp312 wheels of what the daemon imports and a lent GPU machine
+# lacks (about 9 MB, git-ignored). Carry devcheck-wheels/ with the tree; the check installs them.
+DEVCHECK_WHEELS := grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
+	pyyaml==6.0.4 redis==8.1.0 prometheus-client==0.26.0 xxhash==4.1.0
+devcheck-wheels:
+	$(PYTHON) -m pip download -q --dest devcheck-wheels --only-binary=:all: --no-deps --python-version 3.12 \
+		--implementation cp --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux_2_28_x86_64 $(DEVCHECK_WHEELS)
 
 # Regenerate kvxfer/v1 from protos/ (committed; tests/unit/test_proto_current.py checks it).
 proto: $(STAMP)

@@ -10,6 +10,7 @@ from pathlib import Path
 from kvxfer.devcheck.report import run_stages
 
 NO_GPU_EXIT = 3
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (the device check runs from one)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,10 +25,14 @@ def run(args: argparse.Namespace) -> int:
         print("kvxfer devcheck: no GPU here (torch sees no CUDA device); nothing to check, see README for what "
               "has not run on a GPU")
         return NO_GPU_EXIT
+    from kvxfer.devcheck.bootstrap import prepare
+
+    prepared = prepare(ROOT)  # before the daemon's modules are imported: they need what it installs
+    print(f"[devcheck] prepared: {prepared}", flush=True)
     from kvxfer.devcheck import stages
     from kvxfer.devcheck.plot import plot
 
-    status = run_stages(args.out, stages.STAGES, quick=args.quick)
+    status = run_stages(args.out, stages.STAGES, quick=args.quick, prepared=prepared)
     report = json.loads((Path(args.out) / "devcheck.json").read_text())
     try:
         plot(report, str(Path(args.out) / "devcheck.png"))

@@ -154,5 +154,3 @@ def _beside(a, b, seconds: float, alone: float, make_loop, engine, blocks) -> di
         worker.join()
     return {"tflops": round(during, 1), "slowdown": round(1 - during / alone, 4)}
 
-
-STAGES = [("staging_on_the_gpu", staging_on_the_gpu), ("interference", interference)]

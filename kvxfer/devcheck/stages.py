@@ -118,6 +118,8 @@ def gpu_tests(ctx: dict) -> dict:
     return {"summary": tail[-1] if tail else "", "output": tail}
 
 
-STAGES = [("environment", environment), ("pool_allocation", pool_allocation), ("round_trip", round_trip),
-          ("corruption", corruption), *gpu_stages.STAGES, ("bandwidth", bandwidth), *interference.STAGES,
-          ("gpu_tests", gpu_tests)]
+#: (name, stage, time cap in seconds), most valuable first: a run cut short still says the most
+#: (report.BUDGET_S is the whole run's). Correctness, then speed, then the GPU tests.
+STAGES = [("environment", environment, 30), ("pool_allocation", pool_allocation, 30), ("round_trip", round_trip, 60),
+          ("corruption", corruption, 30), *gpu_stages.STAGES, ("staging_on_the_gpu", interference.staging_on_the_gpu, 60),
+          ("bandwidth", bandwidth, 180), ("interference", interference.interference, 60), ("gpu_tests", gpu_tests, 120)]
