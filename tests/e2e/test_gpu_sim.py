@@ -123,3 +123,16 @@ def test_a_gpu_that_breaks_stops_the_daemon_with_exit_69(gpu_daemon, cuda_sim):
         assert daemon.proc.wait(timeout=30) == 69
     log = daemon.log_text()
     assert "GPU lost" in log and '"exit_code": 69' in log
+
+
+def test_the_device_checks_daemon_stage_runs_on_the_simulator(cuda_sim):
+    """``kvxfer devcheck``'s stage for what users run (the daemon over gRPC with a CUDA pool, this
+    process as the engine) runs here against a daemon on the simulated GPU, small."""
+    from kvxfer.devcheck.daemon_stage import daemon_over_grpc
+
+    result = daemon_over_grpc({"daemon_command": [PYTHON, "-m", "tests.cudasim.daemon", cuda_sim.region.path],
+                               "daemon_blocks": 16, "daemon_host_mib": 1, "latency_calls": 20,
+                               "daemon_spec": {"num_layers": 2, "block_size": 4, "num_kv_heads": 2, "head_size": 16}})
+    assert result["bit_identical"] and result["random_event_handle"] == "failed"
+    assert result["metrics_bytes"] == {k: float(v) for k, v in result["client_told_bytes"].items()}
+    assert result["client_told_bytes"]["offload"] > 16 * 512 and result["pool_on"] == "cpu"  # (the simulator's)
