@@ -7,13 +7,17 @@
 ARG VARIANT=cpu
 
 # -- bases: where Python and torch come from ------------------------------------------------
+# BUILD_PACKAGES leave with the sources; RUNTIME_PACKAGES stay: on a GPU, Triton compiles its
+# kernels' launcher with a C compiler (and Python's headers) at run time.
 FROM python:3.11-slim-bookworm AS base-cpu
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
-    BUILD_PACKAGES="gcc libc6-dev"
+    BUILD_PACKAGES="gcc libc6-dev" \
+    RUNTIME_PACKAGES=""
 
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-    BUILD_PACKAGES="gcc libc6-dev python3-dev"
+    BUILD_PACKAGES="" \
+    RUNTIME_PACKAGES="gcc libc6-dev python3-dev"
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
@@ -29,24 +33,28 @@ COPY kvxfer ./kvxfer
 COPY service ./service
 COPY setup.py ./
 # gcc (and Python's headers) build the C copy loop and the bookkeeping passes (kvxfer/transfer/_fused.c,
-# kvxfer/_fastpath.c) and leave with the sources. BUILD_PACKAGES is a list: split on purpose.
+# kvxfer/_fastpath.c). The package lists are lists: split on purpose.
 # hadolint ignore=DL3008,SC2086
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} \
+ && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} ${RUNTIME_PACKAGES} \
  && python3 -m venv /opt/kvxfer \
  && /opt/kvxfer/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && /opt/kvxfer/bin/pip install --no-cache-dir /src \
- && apt-get purge -y --auto-remove ${BUILD_PACKAGES} \
+ && if [ -n "${BUILD_PACKAGES}" ]; then apt-get purge -y --auto-remove ${BUILD_PACKAGES}; fi \
  && rm -rf /src /var/lib/apt/lists/* \
  && groupadd --gid 2000 kvxfer \
- && useradd --uid 1000 --gid 2000 --no-create-home --shell /usr/sbin/nologin kvxfer
+ && useradd --uid 1000 --gid 2000 --no-create-home --shell /usr/sbin/nologin kvxfer \
+ && install -d -o 1000 -g 2000 /var/cache/kvxfer
 WORKDIR /
 ENV PATH=/opt/kvxfer/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    TRITON_HOME=/var/cache/kvxfer \
+    TRITON_CACHE_DIR=/var/cache/kvxfer/triton
 USER 1000:2000
-# The config (a ConfigMap) and the socket directory (an emptyDir shared with the engine).
-VOLUME ["/etc/kvxfer", "/run/kvxfer"]
+# The config (a ConfigMap), the socket directory (an emptyDir shared with the engine) and the run-time
+# cache (Triton's kernels and launcher; the root filesystem is read-only in the chart).
+VOLUME ["/etc/kvxfer", "/run/kvxfer", "/var/cache/kvxfer"]
 EXPOSE 9400
 ENTRYPOINT ["kvxfer"]
 CMD ["serve", "--config", "/etc/kvxfer/config/kvxfer.yaml"]

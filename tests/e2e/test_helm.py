@@ -107,6 +107,11 @@ def test_the_pod_runs_kvxfer_as_a_hardened_native_sidecar_sharing_socket_and_shm
     assert transfer["kv_load_failure_policy"] == "recompute"
     metrics_port = int(config["metrics_listen"].rsplit(":", 1)[1])
     assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in sidecar["ports"]
+    # Triton's run-time cache (kernels, the launcher it compiles) on a writable volume, not the root
+    env = {e["name"]: e["value"] for e in sidecar["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+    assert env["TRITON_CACHE_DIR"].startswith(env["TRITON_HOME"] + "/") and mounts[env["TRITON_HOME"]] == "kvxfer-cache"
+    assert "emptyDir" in volumes["kvxfer-cache"]
 
 
 def _mib(quantity: str) -> int:

@@ -22,13 +22,17 @@ exec:
     {{- if .Values.kvxfer.tcp.enabled }}
     - {name: grpc-tls, containerPort: {{ .Values.kvxfer.tcp.port }}, protocol: TCP}
     {{- end }}
-  {{- if eq .Values.gpu.mode "devicePlugin" }}
   env:
+    # Triton compiles its kernels and their launcher at run time into its home: a volume, since
+    # the root filesystem is read-only (the image keeps the C compiler the launcher needs).
+    - {name: TRITON_HOME, value: /var/cache/kvxfer}
+    - {name: TRITON_CACHE_DIR, value: /var/cache/kvxfer/triton}
+    {{- if eq .Values.gpu.mode "devicePlugin" }}
     # The engine holds the GPU through the device plugin; this container sees every GPU of the
     # node and serves the engine's by its UUID (README "GPUs": the security cost).
     - {name: NVIDIA_VISIBLE_DEVICES, value: all}
     - {name: NVIDIA_DRIVER_CAPABILITIES, value: "compute,utility"}
-  {{- end }}
+    {{- end }}
   startupProbe:
     {{- include "kvxfer.probe" . | nindent 4 }}
     {{- toYaml .Values.kvxfer.startupProbe | nindent 4 }}
@@ -54,6 +58,7 @@ exec:
     - {name: kvxfer-shm, mountPath: /dev/shm}
     - {name: kvxfer-config, mountPath: /etc/kvxfer/config, readOnly: true}
     - {name: kvxfer-tmp, mountPath: /tmp}
+    - {name: kvxfer-cache, mountPath: /var/cache/kvxfer}
     {{- if .Values.kvxfer.tcp.enabled }}
     - {name: kvxfer-tls, mountPath: /etc/kvxfer/tls, readOnly: true}
     {{- end }}
@@ -73,6 +78,8 @@ exec:
   emptyDir: {medium: Memory, sizeLimit: {{ include "kvxfer.shmSizeMiB" . }}Mi}
 - name: kvxfer-tmp
   emptyDir: {sizeLimit: 64Mi}
+- name: kvxfer-cache
+  emptyDir: {sizeLimit: 256Mi}
 - name: kvxfer-config
   configMap: {name: {{ include "kvxfer.fullname" . }}-config}
 {{- if .Values.kvxfer.tcp.enabled }}
