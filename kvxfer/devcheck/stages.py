@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from kvxfer.devcheck import daemon_stage, gpu_stages, interference
+from kvxfer.devcheck import daemon_stage, engine_stages, gpu_stages, interference
 from kvxfer.devcheck.bandwidth import bandwidth
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.geometry.layout import PRESETS, KVSpec
@@ -122,5 +122,6 @@ def gpu_tests(ctx: dict) -> dict:
 #: (report.BUDGET_S is the whole run's). Correctness, then speed, then the GPU tests.
 STAGES = [("environment", environment, 30), ("pool_allocation", pool_allocation, 30), ("round_trip", round_trip, 60),
           ("corruption", corruption, 30), ("daemon_over_grpc", daemon_stage.daemon_over_grpc, 90),
-          *gpu_stages.STAGES, ("staging_on_the_gpu", interference.staging_on_the_gpu, 60),
+          ("engine_tensor_over_grpc", engine_stages.engine_tensor_over_grpc, 90),
+          ("dead_engine_returns_memory", engine_stages.dead_engine_returns_memory, 60), *gpu_stages.STAGES, ("staging_on_the_gpu", interference.staging_on_the_gpu, 60),
           ("bandwidth", bandwidth, 180), ("interference", interference.interference, 60), ("gpu_tests", gpu_tests, 120)]
