@@ -22,7 +22,7 @@ import torch
 
 from kvxfer.client import Client
 from kvxfer.records import Outcome
-from service import launch
+from kvxfer.devcheck.daemon_process import Daemon
 
 #: 256 KiB blocks (16 layers, 16 tokens, 4 KV heads of 128, bf16), as the round trip stage.
 SPEC = {"num_layers": 16, "block_size": 16, "num_kv_heads": 4, "head_size": 128, "dtype": "bfloat16"}
@@ -55,7 +55,7 @@ def daemon_over_grpc(ctx: dict) -> dict:
     port = _free_port()
     pool = {"id": "gpu", "device": "cuda:0", "layout": "BLHNC", "spec": spec,
             "host_capacity_mib": ctx.get("daemon_host_mib", 2 * n * 256 // 1024 + 16)}
-    daemon = launch.spawn({"pools": [pool], "log_level": "warning", "metrics_listen": f"127.0.0.1:{port}"},
+    daemon = Daemon({"pools": [pool], "log_level": "warning", "metrics_listen": f"127.0.0.1:{port}"},
                           command=ctx.get("daemon_command"))
     out: dict = {"blocks": n}
     try:
@@ -128,6 +128,6 @@ def daemon_over_grpc(ctx: dict) -> dict:
             if moved != {k: float(v) for k, v in told.items()}:
                 raise AssertionError(f"/metrics counts {moved}, the client was told {told}")
     finally:
-        daemon.cleanup()
+        daemon.close()
     out["bit_identical"] = True
     return out
