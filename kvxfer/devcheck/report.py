@@ -29,15 +29,16 @@ def _expire(signum, frame) -> None:
 
 
 def run_stages(out: str, stages: list[tuple], quick: bool = False, prepared: dict | None = None,
-               budget_s: float = BUDGET_S) -> int:
+               budget_s: float = BUDGET_S, settings: dict | None = None) -> int:
     """Run every stage ((name, fn) or (name, fn, cap_s); a failed one does not stop the others);
-    0 when all passed. ``prepared``: what the bootstrap did, recorded first."""
+    0 when all passed. ``prepared``: what the bootstrap did, recorded first; ``settings``: given to
+    every stage (sizes, the daemon's command: the tests run stages on the CUDA simulator so)."""
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "devcheck.json"
     report: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "prepared": prepared or {},
                     "stages": []}
-    context: dict = {"quick": quick, "prepared": prepared or {}}
+    context: dict = {"quick": quick, "prepared": prepared or {}, **(settings or {})}
     failed, began = 0, time.perf_counter()
     previous = signal.signal(signal.SIGALRM, _expire)
     for name, stage, *cap in stages:

@@ -136,3 +136,23 @@ def test_the_device_checks_daemon_stage_runs_on_the_simulator(cuda_sim):
     assert result["bit_identical"] and result["random_event_handle"] == "failed"
     assert result["metrics_bytes"] == {k: float(v) for k, v in result["client_told_bytes"].items()}
     assert result["client_told_bytes"]["offload"] > 16 * 512 and result["pool_on"] == "cpu"  # (the simulator's)
+
+
+def test_the_device_checks_driver_runs_the_stages_the_simulator_can(cuda_sim, tmp_path, monkeypatch):
+    """The stage driver and the stages as the device check lists them, on the simulator: a stage
+    that crashes in its own plumbing or report code shows here, not on a lent GPU."""
+    from kvxfer.devcheck import stages
+    from kvxfer.devcheck.report import run_stages
+    from kvxfer.transfer import staging
+
+    monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 8 * 1024)
+    chosen = [s for s in stages.STAGES if s[0] in ("daemon_over_grpc", "staging_on_the_gpu")]
+    small = {"num_layers": 2, "block_size": 4, "num_kv_heads": 2, "head_size": 16}
+    status = run_stages(str(tmp_path), chosen, prepared={"copy_loop": "test"}, settings={
+        "daemon_command": [PYTHON, "-m", "tests.cudasim.daemon", cuda_sim.region.path], "daemon_blocks": 16,
+        "daemon_host_mib": 1, "latency_calls": 10, "daemon_spec": small, "staging_blocks": 6,
+        "staging_spec": {**small, "num_layers": 4}})
+    report = json.loads((tmp_path / "devcheck.json").read_text())
+    assert status == 0, report
+    assert [s["stage"] for s in report["stages"]] == ["daemon_over_grpc", "staging_on_the_gpu"]
+    assert all(s["result"]["bit_identical"] for s in report["stages"])
