@@ -24,7 +24,7 @@ from kvxfer.client import Client
 from kvxfer.records import Outcome
 from kvxfer.devcheck.daemon_process import Daemon
 
-#: 256 KiB blocks (16 layers, 16 tokens, 4 KV heads of 128, bf16), as the round trip stage.
+#: 512 KiB blocks (16 layers, 16 tokens, 4 KV heads of 128, bf16), as the round trip stage.
 SPEC = {"num_layers": 16, "block_size": 16, "num_kv_heads": 4, "head_size": 128, "dtype": "bfloat16"}
 
 
@@ -53,8 +53,11 @@ def daemon_over_grpc(ctx: dict) -> dict:
     n = ctx.get("daemon_blocks", 256 if ctx.get("quick") else 2048)
     spec = {**SPEC, **ctx.get("daemon_spec", {}), "num_blocks": 2 * n + 2}
     port = _free_port()
+    block_kib = spec["num_layers"] * 2 * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * 2 // 1024
+    # Room for the synchronous and the asynchronous keys, the latency calls' and two more.
     pool = {"id": "gpu", "device": "cuda:0", "layout": "BLHNC", "spec": spec,
-            "host_capacity_mib": ctx.get("daemon_host_mib", 2 * n * 256 // 1024 + 16)}
+            "host_capacity_mib": ctx.get("daemon_host_mib", (2 * n + ctx.get("latency_calls", 200) + 2) * block_kib
+                                         // 1024 + 16)}
     daemon = Daemon({"pools": [pool], "log_level": "warning", "metrics_listen": f"127.0.0.1:{port}"},
                           command=ctx.get("daemon_command"))
     out: dict = {"blocks": n}
@@ -62,7 +65,7 @@ def daemon_over_grpc(ctx: dict) -> dict:
         with Client(daemon.target, pool_id="gpu", timeout=60) as client:
             mapped = client.map_pool()  # by IPC handle and GPU UUID, in this process
             storage, block = mapped.storage, mapped.layout.block_bytes
-            storage.view(torch.int64)[: storage.numel() // 8].random_()
+            storage.view(torch.int64).random_()
             _settle(storage)
             out["block_bytes"], out["pool_on"] = block, str(storage.device)
             blocks, targets = list(range(1, 2 * n, 2)), list(range(2, 2 * n + 1, 2))  # odd out, even in

@@ -20,7 +20,7 @@ from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome
 from kvxfer.serving.manager import PoolManager
 
-#: 2,048 blocks of 256 KiB moved in the round trip (a 1 GiB pool of 4,096 blocks).
+#: 2,048 blocks of 512 KiB moved in the round trip (a 2 GiB pool of 4,096 blocks).
 ROUND_TRIP = KVSpec(16, 4096, 16, 4, 128, torch.bfloat16)
 NS = "devcheck"
 

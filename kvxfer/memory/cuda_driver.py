@@ -264,11 +264,14 @@ class Driver:
         return BatchFn(pfn.value)
 
     # -- device memory -----------------------------------------------------------------
-    def alloc(self, nbytes: int) -> int:
-        """``nbytes`` of device memory, zeroed on a stream of its own (not the legacy stream)."""
+    def alloc(self, nbytes: int, zeroed: bool = True) -> int:
+        """``nbytes`` of device memory, ``zeroed`` on a stream of its own (not the legacy stream) before
+        it returns: a host synchronisation, so scratch memory allocated on a submit path is not zeroed."""
         ptr = c_uint64()
         with self.scope():
             self._check(self.lib.cuMemAlloc_v2(ctypes.pointer(ptr), c_size_t(nbytes)), f"cuMemAlloc({nbytes})")
+        if not zeroed:
+            return ptr.value
         try:
             stream = self.stream()
             try:

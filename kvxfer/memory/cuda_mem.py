@@ -50,8 +50,9 @@ def _as_tensor(memory: _DeviceMemory) -> torch.Tensor:
 
 
 def device_buffer(gpu: Driver, nbytes: int) -> torch.Tensor:
-    """Device memory of the daemon's own (never shared): a flat uint8 tensor, freed with it."""
-    return _as_tensor(_DeviceMemory(gpu, gpu.alloc(nbytes), nbytes, opened_by_ipc=False))
+    """Device memory of the daemon's own (never shared, never zeroed: no host synchronisation, so it
+    may be made on a submit path): a flat uint8 tensor, freed with it."""
+    return _as_tensor(_DeviceMemory(gpu, gpu.alloc(nbytes, zeroed=False), nbytes, opened_by_ipc=False))
 
 
 def why_unusable(device: int = 0) -> str | None:

@@ -239,6 +239,8 @@ def test_layouts_of_short_runs_move_through_staging_one_descriptor_a_block(cuda_
     cuda_sim.calls.clear()
     assert offload(manager, blocks, keys) == [Outcome.DONE] * 8
     assert cuda_sim.calls.count("cuLaunchHostFunc") == 3  # three rounds of at most three blocks
+    assert cuda_sim.calls.count("cuMemAlloc_v2") == 2  # the buffers, made in the first submit ...
+    assert "cuStreamSynchronize" not in cuda_sim.calls  # ... without a host synchronisation (not zeroed)
     slots = [manager.index.locate("ns", k) for k in keys]
     reference = HostTier(20, manager.pool.layout.block_bytes)
     CpuCopyEngine(data.clone(), manager.pool.layout, reference).submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
