@@ -26,6 +26,7 @@ from kvxfer.transfer.base import CopyBatch, Direction
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.transfer.plan import plan_copies
+from kvxfer.transfer.planner import CostTable, Method, fit
 from kvxfer.transfer.staging import wants_staging
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -50,9 +51,12 @@ def _timed(fn) -> float:
     return statistics.median(times)
 
 
-def _case(pl: PoolLayout, pool: torch.Tensor, host, n: int, scattered: bool, driver, staged: bool = False) -> dict:
-    """One submission method; ``staged``: runs gathered into staging by a kernel, one descriptor a block."""
-    engine = CudaCopyEngine(pool.data_ptr(), pl, host, driver, pool=pool if staged else None, device_checksums=False)
+def _case(pl: PoolLayout, pool: torch.Tensor, host, n: int, scattered: bool, driver, label: str) -> dict:
+    """One submission method (``label``: a planner Method's value; staged: runs gathered into
+    staging by a kernel, one descriptor a block)."""
+    staged = label == Method.STAGED.value
+    engine = CudaCopyEngine(pool.data_ptr(), pl, host, driver, pool=pool if staged else None, device_checksums=False,
+                            costs=CostTable.only(Method(label)))
     if scattered:
         g = torch.Generator().manual_seed(n)
         blocks = (torch.randperm(pl.spec.num_blocks // 2 - 1, generator=g)[:n] * 2 + 1).tolist()
@@ -93,12 +97,12 @@ def bandwidth(ctx: dict) -> dict:
                 src = pool.storage[:n * span]
                 base = {"d2h": _gbps(n * span, _timed(lambda: flat.copy_(src, non_blocking=True))),
                         "h2d": _gbps(n * span, _timed(lambda: src.copy_(flat, non_blocking=True)))}
-                methods = [("batched", batched, False), ("looped", looped, False)]
+                methods = [("batched", batched), ("looped", looped)]
                 if wants_staging(pool.layout):
-                    methods.append(("staged", batched, True))
+                    methods.append(("staged", batched))
                 for scattered in (False, True):
-                    for label, driver, staged in methods:
-                        r = _case(pool.layout, pool.storage, host, n, scattered, driver, staged)
+                    for label, driver in methods:
+                        r = _case(pool.layout, pool.storage, host, n, scattered, driver, label)
                         rows.append({"layout": name, "span_kib": span // KIB, "blocks": n,
                                      "placement": "scattered" if scattered else "consecutive", "submission": label,
                                      **r, "baseline_d2h_gbps": base["d2h"], "baseline_h2d_gbps": base["h2d"],
@@ -107,7 +111,8 @@ def bandwidth(ctx: dict) -> dict:
                 variants = CHECKED if (name, span) == ("BLHNC", 1024 * KIB) else CHECKED[:1]
                 for r in _checked(pool, group, n, base, variants):
                     rows.append({"layout": name, "span_kib": span // KIB, "checksums": True, **r})
-    return {"rows": rows, "measured_bytes": measure}
+    # The copy planner's table from these rows (`python -m kvxfer.transfer.planner` writes it to costs.json).
+    return {"rows": rows, "measured_bytes": measure, "cost_table": fit(rows, "this run").to_dict()}
 
 
 #: Checked variants: (host hash threads, chunk MiB or None for the pipeline's, checksums by the

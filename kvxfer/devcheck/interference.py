@@ -22,6 +22,7 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import device_checksum
 from kvxfer.transfer.base import CopyBatch, Direction
 from kvxfer.transfer.cuda import CudaCopyEngine
+from kvxfer.transfer.planner import CostTable, Method
 
 #: LBHNC at 32 layers with 16 KiB runs (512 KiB blocks), as the bandwidth stage's middle row.
 STAGED_SPEC = dict(num_layers=32, block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
@@ -53,8 +54,9 @@ def staging_on_the_gpu(ctx: dict) -> dict:
         block = pool.layout.block_bytes
         staged_tier, plain_tier = HostTier(n, block, pin_device=0), HostTier(n, block, pin_device=0)
         ptr = pool.storage.data_ptr()
-        staged = CudaCopyEngine(ptr, pool.layout, staged_tier, driver, pool=pool.storage, device_checksums=False)
-        plain = CudaCopyEngine(ptr, pool.layout, plain_tier, driver)
+        staged = CudaCopyEngine(ptr, pool.layout, staged_tier, driver, pool=pool.storage, device_checksums=False,
+                                costs=CostTable.only(Method.STAGED))
+        plain = CudaCopyEngine(ptr, pool.layout, plain_tier, driver, costs=CostTable.only(Method.BATCHED))
         if staged._stager is None:
             raise AssertionError(f"LBHNC with runs of {pool.layout.run_length} B was not staged")
         blocks = _scattered(spec.num_blocks, n, 1)  # odd blocks out, even blocks in: never the same

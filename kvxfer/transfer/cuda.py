@@ -12,7 +12,8 @@ by an event (``stream_hash``): the next chunk's copies never queue behind a hash
 otherwise the pipeline hashes the tier copies on the engine's host threads. Layouts
 whose runs are short (layer-major, per-layer) move through staging buffers in device
 memory, gathered and scattered by a kernel on the same stream (``staging``): one
-descriptor per block instead of one per run.
+descriptor per block instead of one per run. Which way each batch goes (batched or looped
+DMA, or staging) is the cost table's choice (``planner``).
 
 Failures (DESIGN.md section 14):
 - A copy past its deadline cannot be recalled: its stream is retired (later chunks get
@@ -44,6 +45,7 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 from kvxfer.transfer import device_checksum
 from kvxfer.transfer.plan import plan_copies
+from kvxfer.transfer.planner import CostTable, Method, Planner
 from kvxfer.transfer.staging import Stager, wants_staging
 from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
 
@@ -85,6 +87,7 @@ class CudaHandle(CopyHandle):
         self._deadline = time.monotonic() + deadline_s
         self._sums = sums  # the device XXH3 of the chunk's blocks, enqueued behind its copies
         self.calls = 0  # driver calls the submission made (tools and the device check read it)
+        self.method: Method | None = None  # how the planner had it move
 
     def wait(self) -> list[int] | None:
         self._settle()
@@ -127,12 +130,13 @@ class CudaCopyEngine(CopyEngine):
 
     def __init__(self, pool_ptr: int, layout: PoolLayout, host: HostTier, driver: Driver,
                  deadline_s: float = DEADLINE_S, pool: torch.Tensor | None = None, hash_threads: int = 1,
-                 device_checksums: bool = True) -> None:
+                 device_checksums: bool = True, costs: CostTable | None = None) -> None:
         """``pool``: the pool's device tensor, given to move layouts of short runs through staging
         and, with ``device_checksums``, to checksum blocks with the device XXH3 in stream order
         with their copies (block-major layouts: a block is one span; ``stream_hash``) instead of
         on the host. ``hash_threads``: host threads that hash tier copies otherwise (offload, and
-        restore's check of the tier copy)."""
+        restore's check of the tier copy). ``costs``: the planner's cost table (the repository's
+        measured one by default)."""
         if hash_threads < 1:
             raise Internal(f"a copy engine needs at least one hash thread, got {hash_threads}")
         if host.slot_bytes != layout.block_bytes:
@@ -146,6 +150,8 @@ class CudaCopyEngine(CopyEngine):
         device_hashed = pool is not None and device_checksums and layout.runs_per_block == 1
         self._hasher = StreamHasher(pool, layout.block_bytes) if device_hashed else None
         self._stager = Stager(pool, layout, driver) if pool is not None and wants_staging(layout) else None
+        self.planner = Planner(layout, costs or CostTable.load(), driver.batched,
+                               self._stager.rows if self._stager is not None else 0)
         self._hash_threads = hash_threads
 
     @property
@@ -182,31 +188,34 @@ class CudaCopyEngine(CopyEngine):
         stream = self._streams[batch.direction]
         if batch.ready_event:  # a handle that does not open fails this request alone, before any copy
             self.driver.wait_ipc_event(stream.handle, batch.ready_event)
-        if self._stager is not None and self._staging_ready(stream):
+        method = self.planner.choose(batch.direction, len(batch.blocks))
+        if method is Method.STAGED and not (self._stager is not None and self._staging_ready(stream)):
+            method = Method.BATCHED if self.driver.batched else Method.LOOPED
+        if method is Method.STAGED:
             calls = self._staged_copies(stream, batch)
         else:
-            calls = self._planned_copies(stream, batch)
+            calls = self._planned_copies(stream, batch, looped=method is Method.LOOPED)
         if self._hasher is not None:
             sums, done = self._enqueue_checksums(stream, batch)
             handle = CudaHandle(self, stream, done, self.deadline_s, sums)
         else:
             handle = CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s)
-        handle.calls = calls
+        handle.calls, handle.method = calls, method
         return handle
 
-    def _planned_copies(self, stream: _Stream, batch: CopyBatch) -> int:
-        """The copy plan's descriptors, ``SUB_BATCH`` to a driver call: the copies of the first call
-        start while the next is submitted."""
+    def _planned_copies(self, stream: _Stream, batch: CopyBatch, looped: bool = False) -> int:
+        """The copy plan's descriptors, ``SUB_BATCH`` to a driver call (``looped``: one a call): the
+        copies of the first call start while the next is submitted."""
         plan = plan_copies(self.layout, batch.blocks, batch.slots)
         pool, tier = self._pool_ptr + plan.pool_offsets, self._host_ptr + plan.tier_offsets
         to_host = batch.direction is Direction.TO_HOST
         dst, src = (tier, pool) if to_host else (pool, tier)
         order = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM if to_host else CU_MEMCPY_SRC_ACCESS_ORDER_ANY
         if len(plan) <= SUB_BATCH:
-            return self.driver.copy(dst, src, plan.nbytes, stream.handle, order)
+            return self.driver.copy(dst, src, plan.nbytes, stream.handle, order, looped)
         return self._enqueue_or_land(stream, batch, lambda: sum(
             self.driver.copy(dst[a:a + SUB_BATCH], src[a:a + SUB_BATCH], plan.nbytes[a:a + SUB_BATCH], stream.handle,
-                             order) for a in range(0, len(plan), SUB_BATCH)))
+                             order, looped) for a in range(0, len(plan), SUB_BATCH)))
 
     def _staged_copies(self, stream: _Stream, batch: CopyBatch) -> int:
         """The batch through ``stream``'s staging buffers, a buffer's worth at a time: offload gathers

@@ -1,0 +1,71 @@
+"""The device check's stage that chooses the block checksum's format (issue 28).
+
+Today a block's checksum is XXH3-64 of its one span: one Triton program per block, whose
+1 KiB steps are sequential (XXH3 scrambles its lanes between them), so a single 2 MiB
+block hashes in about 0.8 ms against about 40 us of copy (H200, before the loads were
+pipelined). The candidate format: XXH3-64 over the little-endian XXH3-64s of fixed
+64 KiB pieces, one program per piece, verifiable on any host. This stage measures both
+on the same bytes beside the copy alone (a pinned device-to-host copy of them), for a
+single 2 MiB block (a decode-time store) and for 16 MiB chunks, and checks each against
+its host reference; the format changes only if the figures say so (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+import xxhash
+
+from kvxfer.transfer import device_checksum
+
+PIECE = 64 << 10
+REPS = 20
+
+
+def piece_checksum(block: bytes, piece: int = PIECE) -> int:
+    """The candidate format, on the host: XXH3-64 of the pieces' XXH3-64s (8 bytes little-endian each)."""
+    sums = np.array([xxhash.xxh3_64_intdigest(block[a:a + piece]) for a in range(0, len(block), piece)],
+                    dtype="<u8")
+    return xxhash.xxh3_64_intdigest(sums.tobytes())
+
+
+def _ms(fn) -> float:
+    times = []
+    for _ in range(REPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 4)
+
+
+def _case(data: torch.Tensor, pinned: torch.Tensor, block: int, blocks: int) -> dict:
+    nbytes = block * blocks
+    whole = np.array([(b * block, block) for b in range(blocks)], dtype=np.int64)
+    pieces = np.array([(a, PIECE) for a in range(0, nbytes, PIECE)], dtype=np.int64)
+    copy = _ms(lambda: pinned[:nbytes].copy_(data[:nbytes], non_blocking=True))
+    whole_ms = _ms(lambda: device_checksum.lanes(data, whole))
+    pieces_ms = _ms(lambda: device_checksum.lanes(data, pieces))
+    return {"block_kib": block >> 10, "blocks": blocks, "copy_ms": copy, "whole_span_hash_ms": whole_ms,
+            "pieces_hash_ms": pieces_ms, "copy_then_whole_vs_copy": round((copy + whole_ms) / copy, 2),
+            "copy_then_pieces_vs_copy": round((copy + pieces_ms) / copy, 2)}
+
+
+def checksum_formats(ctx: dict) -> dict:
+    block = 2 << 20
+    data = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+    data.view(torch.int64).random_()
+    pinned = torch.empty(data.numel(), dtype=torch.uint8).pin_memory()
+    host = data.cpu().numpy().tobytes()
+    # Both formats equal their host references, on the same bytes.
+    whole = device_checksum.checksums(data, [0], [block])[0]
+    piece_sums = device_checksum.checksums(data, list(range(0, block, PIECE)), [PIECE] * (block // PIECE))
+    pieces = xxhash.xxh3_64_intdigest(np.array(piece_sums, dtype="<u8").tobytes())
+    assert whole == xxhash.xxh3_64_intdigest(host[:block]), "whole-span XXH3 differs from xxhash"
+    assert pieces == piece_checksum(host[:block]), "piece format differs from its host reference"
+    rows = [_case(data, pinned, block, 1), _case(data, pinned, block, 8), _case(data, pinned, 1 << 20, 16)]
+    return {"piece_bytes": PIECE, "equal_to_host": True, "rows": rows}
