@@ -37,7 +37,7 @@ import torch
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.index.block_index import BlockIndex, Evicted
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import EventCounts, StagingBuffers, take_batch
+from kvxfer.serving.staging import EventCounts, StagingBuffers, Tombstones, take_batch
 from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.host import HostTier
@@ -63,6 +63,7 @@ class _Staged:
     checksum: int
     data: np.ndarray  # the block's bytes: a staging buffer's (the host slot is reused) or a pinned slot's
     buffer: int | None = None  # the staging buffer to give back once written
+    seq: int = 0  # its place among writes and Deletes (``Tombstones``)
 
 
 class DiskStore:
@@ -78,6 +79,7 @@ class DiskStore:
         self._lock_fd = _lock_directory(self.tier.directory)  # one store per directory, in any process
         self.index = BlockIndex(TierKind.DISK, self.tier.slots)
         self.events = EventCounts()
+        self.tombstones = Tombstones()
         self.degraded = False
         self.index_seconds = self._rebuild()
         self._reads = threading.BoundedSemaphore(settings.queue_blocks)
@@ -117,8 +119,9 @@ class DiskStore:
             if index is None:  # every staging buffer in use: the disk is behind
                 self.events.add("demotions_dropped", 1)
                 continue
+            seq = self.tombstones.staged(victim.namespace, victim.key)
             self._queue.put_nowait(_Staged(victim.namespace, victim.key, victim.checksum,
-                                           self._staging.block(index), index))
+                                           self._staging.block(index), index, seq))
 
     def _write_loop(self) -> None:
         while True:
@@ -141,32 +144,48 @@ class DiskStore:
     def write_now(self, namespace: str, blocks: list[tuple[bytes, int, torch.Tensor]]) -> int:
         """Write (key, checksum, bytes) blocks not on disk yet, on this thread; returns how many were."""
         present = self.index.contains(namespace, [k for k, _, _ in blocks])
-        staged = [_Staged(namespace, k, c, data.numpy()) for (k, c, data), there in zip(blocks, present) if not there]
+        staged = [_Staged(namespace, k, c, data.numpy(), seq=self.tombstones.staged(namespace, k))
+                  for (k, c, data), there in zip(blocks, present) if not there]
         return self.write(staged)
 
     def write(self, staged: list[_Staged]) -> int:
-        """Make blocks durable and publish them in the disk index; returns how many were."""
+        """Make blocks durable and publish them in the disk index; returns how many were. A block
+        whose key was deleted after it was staged is not published, and its file is removed."""
         written = 0
-        for namespace in dict.fromkeys(s.namespace for s in staged):
-            items = {s.key: s for s in staged if s.namespace == namespace}
-            plan = self.index.prepare_store(namespace, list(items))
-            self.events.add("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
-            checksums: list[int | None] = [None] * len(plan.slots)
-            try:  # whatever happens, the prepared entries are completed (else they stay pinned, unseen)
-                keys = list(items)
-                blocks = [Block(slot, namespace, keys[i], items[keys[i]].checksum, memoryview(items[keys[i]].data))
-                          for i, slot in zip(plan.positions, plan.slots)]
-                for j, err in enumerate(self._write_durably(blocks)):
-                    if err is None:
-                        checksums[j] = blocks[j].checksum
-                        written += 1
+        try:
+            for namespace in dict.fromkeys(s.namespace for s in staged):
+                written += self._write_namespace(namespace, {s.key: s for s in staged if s.namespace == namespace})
+        finally:
+            for item in staged:
+                self.tombstones.done(item.namespace, item.key)
+        return written
+
+    def _write_namespace(self, namespace: str, items: dict[bytes, _Staged]) -> int:
+        plan = self.index.prepare_store(namespace, list(items))
+        self.events.add("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
+        checksums: list[int | None] = [None] * len(plan.slots)
+        keys = list(items)
+        errors: list[OSError | None] = [OSError(errno.EIO, "not written")] * len(plan.slots)  # until they are
+        blocks = [Block(slot, namespace, keys[i], items[keys[i]].checksum, memoryview(items[keys[i]].data))
+                  for i, slot in zip(plan.positions, plan.slots)]
+        try:  # whatever happens, the prepared entries are completed (else they stay pinned, unseen)
+            errors = self._write_durably(blocks)
+        finally:
+            with self.tombstones.publishing:  # a Delete either sees these published or they see it
+                deleted = 0
+                for j, (block, err) in enumerate(zip(blocks, errors)):
+                    if err is None and not self.tombstones.alive(namespace, block.key, items[block.key].seq):
+                        self.tier.discard(block.slot)  # durable, and deleted since it was staged
+                        deleted += 1
+                    elif err is None:
+                        checksums[j] = block.checksum
                     elif err.errno != errno.ENOSPC:
                         self._degrade("write", err)
-            finally:
+                self.events.add("deleted_while_queued", deleted)
                 self.events.add("demoted", sum(c is not None for c in checksums))
-                self.events.add("write_errors", sum(c is None for c in checksums))
+                self.events.add("write_errors", sum(e is not None for e in errors))
                 self.index.complete_store(plan.slots, checksums)
-        return written
+        return sum(c is not None for c in checksums)
 
     def _write_durably(self, blocks: list[Block]) -> list[OSError | None]:
         errors = self.tier.write_batch(blocks)
@@ -233,10 +252,13 @@ class DiskStore:
 
     # -- the rest ------------------------------------------------------------------
     def delete(self, namespace: str, keys: list[bytes]) -> int:
-        plan = self.index.prepare_load(namespace, keys)
-        for slot in plan.slots:
-            self.tier.discard(slot)  # a deleted key must not come back after a restart
-        self.index.complete_load(plan.slots, set(range(len(plan.slots))))
+        """Remove the keys' blocks, and the writes of them still queued or half-written."""
+        with self.tombstones.publishing:
+            self.tombstones.delete(namespace, keys)
+            plan = self.index.prepare_load(namespace, keys)
+            for slot in plan.slots:
+                self.tier.discard(slot)  # a deleted key must not come back after a restart
+            self.index.complete_load(plan.slots, set(range(len(plan.slots))))
         return len(plan.slots)
 
     def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:

@@ -39,7 +39,7 @@ from redis.exceptions import RedisClusterException
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.index.block_index import BlockIndex, Evicted
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import EventCounts, StagingBuffers, take_batch
+from kvxfer.serving.staging import EventCounts, StagingBuffers, Tombstones, take_batch
 from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header, header_length
 
@@ -136,6 +136,7 @@ class RemoteStore:
         self._connect_lock = threading.Lock()
         self.breaker = Breaker(settings.url.split("@")[-1])  # never the credentials of a URL
         self.events = EventCounts()
+        self.tombstones = Tombstones()
         self._queue: queue.Queue = queue.Queue(settings.max_inflight + 1)  # + the stop mark
         self._staging = StagingBuffers(settings.max_inflight, slot_bytes, headroom=MAX_HEADER)
         self._writer = threading.Thread(target=self._write_loop, name=f"kvxfer-remote-{group}", daemon=True)
@@ -161,7 +162,8 @@ class RemoteStore:
             if index is None:
                 self.events.add("stores_dropped")
                 continue
-            self._queue.put_nowait((namespace, key, checksum, index))  # never full: one place per buffer
+            seq = self.tombstones.staged(namespace, key)
+            self._queue.put_nowait((namespace, key, checksum, index, seq))  # never full: one place per buffer
 
     def _write_loop(self) -> None:
         while True:
@@ -171,25 +173,37 @@ class RemoteStore:
             self._write(take_batch(self._queue, first, BATCH))
 
     def _write(self, batch: list) -> None:
+        # Decided and sent under ``publishing``: a Delete of a key either comes after the SET (and
+        # removes it) or before the decision (and the write is dropped): a deleted key never returns.
+        alive: list = []
         try:
-            if not self.breaker.allows():
-                self.events.add("stores_dropped", len(batch))
-                return
-            pipe = self.client.pipeline(transaction=False)
-            for namespace, key, checksum, index in batch:
-                header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes)
-                name, value = self.key(namespace, key), self._staging.with_header(index, header)
-                pipe.set(name, value if not self.settings.secret else bytes(value) + self._mac(name, value))
-            pipe.execute()
+            with self.tombstones.publishing:
+                alive = [item for item in batch if self.tombstones.alive(item[0], item[1], item[4])]
+                self.events.add("deleted_while_queued", len(batch) - len(alive))
+                if alive and not self.breaker.allows():
+                    self.events.add("stores_dropped", len(alive))
+                    return
+                if alive:
+                    self._send(alive)
         except FAILURES as exc:
             self.breaker.failed(exc)
-            self.events.add("stores_dropped", len(batch))
+            self.events.add("stores_dropped", len(alive))
             return
         finally:
-            for item in batch:
-                self._staging.give_back(item[3])
-        self.breaker.succeeded()
-        self.events.add("stored", len(batch))
+            for namespace, key, _, index, _ in batch:
+                self._staging.give_back(index)
+                self.tombstones.done(namespace, key)
+        if alive:
+            self.breaker.succeeded()
+            self.events.add("stored", len(alive))
+
+    def _send(self, batch: list) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for namespace, key, checksum, index, _ in batch:
+            header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes)
+            name, value = self.key(namespace, key), self._staging.with_header(index, header)
+            pipe.set(name, value if not self.settings.secret else bytes(value) + self._mac(name, value))
+        pipe.execute()
 
     # -- lookups and restores ---------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
@@ -281,13 +295,18 @@ class RemoteStore:
         return Outcome.DONE, got[2]
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
-        if not keys or not self.breaker.allows():
+        """Remove the keys' values, and drop the writes of them still queued."""
+        if not keys:
             return 0
-        try:
-            return int(self.client.delete(*[self.key(namespace, k) for k in keys]))
-        except FAILURES as exc:
-            self.breaker.failed(exc)
-            return 0
+        with self.tombstones.publishing:
+            self.tombstones.delete(namespace, keys)
+            if not self.breaker.allows():
+                return 0
+            try:
+                return int(self.client.delete(*[self.key(namespace, k) for k in keys]))
+            except FAILURES as exc:
+                self.breaker.failed(exc)
+                return 0
 
     # -- the rest ------------------------------------------------------------------
     def stats(self) -> TierStats:

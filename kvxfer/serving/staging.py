@@ -85,3 +85,56 @@ class EventCounts:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+
+class Tombstones:
+    """Deletes that overtake queued writes: a lower tier's write staged before a Delete of its key
+    is never published (else the deleted key would come back, and survive restarts).
+
+    Each staged write gets a sequence number (``staged``); a Delete marks its keys that have
+    writes in flight with a newer one. The writer decides and publishes inside ``publishing``
+    (a lock a Delete also holds from marking to removing what is published), so a Delete either
+    sees the write published (and removes it) or the writer sees the mark (and drops it). Marks
+    live only while their key has writes in flight: memory is bounded by the queue."""
+
+    def __init__(self) -> None:
+        self.publishing = threading.Lock()  # held by the writer across decide+publish, by a Delete across mark+remove
+        self._lock = threading.Lock()  # the counters (``staged`` runs on offload paths: never waits on I/O)
+        self._seq = 0
+        self._inflight: dict[tuple[str, bytes], int] = {}
+        self._deleted: dict[tuple[str, bytes], int] = {}
+
+    def staged(self, namespace: str, key: bytes) -> int:
+        """A write of ``key`` is queued; returns its sequence number (give it to ``alive``/``done``)."""
+        with self._lock:
+            self._seq += 1
+            self._inflight[(namespace, key)] = self._inflight.get((namespace, key), 0) + 1
+            return self._seq
+
+    def delete(self, namespace: str, keys: list[bytes]) -> None:
+        """Mark the writes of ``keys`` queued so far as deleted (hold ``publishing``)."""
+        with self._lock:
+            self._seq += 1
+            for key in keys:
+                if (namespace, key) in self._inflight:
+                    self._deleted[(namespace, key)] = self._seq
+
+    def alive(self, namespace: str, key: bytes, seq: int) -> bool:
+        """Whether the write ``seq`` of ``key`` may be published (hold ``publishing``)."""
+        with self._lock:
+            return self._deleted.get((namespace, key), 0) < seq
+
+    def done(self, namespace: str, key: bytes) -> None:
+        """A write of ``key`` has been published or dropped."""
+        with self._lock:
+            left = self._inflight[(namespace, key)] - 1
+            if left:
+                self._inflight[(namespace, key)] = left
+            else:
+                del self._inflight[(namespace, key)]
+                self._deleted.pop((namespace, key), None)
+
+    def __len__(self) -> int:
+        """Keys with writes in flight (bounded by the queue)."""
+        with self._lock:
+            return len(self._inflight)

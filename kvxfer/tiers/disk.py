@@ -19,13 +19,18 @@ a directory descriptor and never through a link (``O_NOFOLLOW``), without waitin
 FIFO or device (``O_NONBLOCK``, then a type check); only regular files of the daemon's
 uid with mode 0600 are read or adopted (anything else is removed, never followed: a link
 is removed, not its target); the header's fingerprint binds a file to its cache group.
+An entry that cannot be removed by unlinking it (a directory where a block file or a
+subdirectory's name should be a directory, or the reverse) is set aside: renamed into
+``quarantine/`` for the operator, counted and logged; a start never stops on one.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
+import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -42,6 +47,8 @@ _DIR_SLOTS = 4096  # files per directory
 FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+QUARANTINE = "quarantine"  # entries set aside, for the operator to look at
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,13 @@ class DiskTier(Tier):
                 os.mkdir(name, 0o700, dir_fd=self._top)
             except FileExistsError:
                 pass
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=self._top)
+        except OSError as exc:
+            if not create or exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise
+        self.set_aside(name, self._top, name)  # a file or a link in a subdirectory's place
+        os.mkdir(name, 0o700, dir_fd=self._top)
         return os.open(name, _DIR_FLAGS, dir_fd=self._top)
 
     def _adoptable(self, st: os.stat_result) -> bool:
@@ -110,40 +124,80 @@ class DiskTier(Tier):
         return (stat.S_ISREG(st.st_mode) and st.st_uid == self._uid and stat.S_IMODE(st.st_mode) == FILE_MODE
                 and st.st_size == self.file_bytes)
 
+    def set_aside(self, name: str, directory: int, where: str) -> None:
+        """Remove ``name`` in ``directory`` (a link itself, never its target), if there; what
+        unlinking cannot remove (a directory) is renamed into ``quarantine/``, counted in the log."""
+        try:
+            os.unlink(name, dir_fd=directory)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EISDIR, errno.EPERM):
+                raise
+        quarantine = self._quarantine()
+        try:
+            aside = f"{where}-{name}-{time.time_ns()}".lstrip("-")
+            os.rename(name, aside, src_dir_fd=directory, dst_dir_fd=quarantine)
+        finally:
+            os.close(quarantine)
+        log.warning("an entry in the disk tier that is not a block file was set aside", extra={
+            "path": str(self.directory / where / name), "moved_to": str(self.directory / QUARANTINE / aside)})
+
+    def _quarantine(self) -> int:
+        try:
+            os.mkdir(QUARANTINE, 0o700, dir_fd=self._top)
+        except FileExistsError:
+            pass
+        try:
+            return os.open(QUARANTINE, _DIR_FLAGS, dir_fd=self._top)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise
+        os.unlink(QUARANTINE, dir_fd=self._top)  # a file or link in its place: ours to remove
+        os.mkdir(QUARANTINE, 0o700, dir_fd=self._top)
+        return os.open(QUARANTINE, _DIR_FLAGS, dir_fd=self._top)
+
     # -- writing -----------------------------------------------------------------
     def write_batch(self, blocks: list[Block]) -> list[OSError | None]:
-        """Make each block's file durable (write, fsync, rename, fsync the directories);
-        one error or None per block. A failed block leaves its slot's previous file."""
-        errors: list[OSError | None] = []
+        """Make each block's file durable; one error or None per block. A failed block leaves its
+        slot's previous file.
+
+        Group commit: every block is written to its temporary file first, then each file is
+        flushed (fdatasync: on a journalling filesystem the first flush commits the others'
+        data with it, so a batch costs about one device flush, not one a block), then each is
+        renamed into place and each directory flushed once."""
+        errors: list[OSError | None] = [None] * len(blocks)
+        written: list[tuple[int, int, str, str]] = []  # (block, fd, directory, temporary name)
         renamed: dict[str, list[int]] = {}  # directory -> the blocks renamed into it
         dirs: dict[str, int] = {}
         try:
-            for block in blocks:
-                sub_name, final = self._names(block.slot)
-                tmp = final[:-len(".kvb")] + ".tmp"
-                sub = -1
+            for i, block in enumerate(blocks):
                 try:
-                    if sub_name not in dirs:  # (a descriptor may be 0: no truth test on it)
-                        dirs[sub_name] = self._subdir(sub_name, create=True)
-                    sub = dirs[sub_name]
-                    header = encode_header(self.fingerprint, block.namespace, block.key, block.checksum,
-                                           self.slot_bytes, pad_to=HEADER_BYTES)
-                    _unlink(tmp, sub)  # whatever is there (a planted link): removed, never followed
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
-                                 dir_fd=sub)
-                    try:
-                        os.fchmod(fd, FILE_MODE)  # whatever the umask
-                        _write_all(fd, [header, block.data])
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    os.rename(tmp, final, src_dir_fd=sub, dst_dir_fd=sub)
-                    renamed.setdefault(sub_name, []).append(len(errors))
-                    errors.append(None)
+                    written.append((i, *self._write_tmp(block, dirs)))
                 except OSError as exc:
-                    if sub >= 0:
-                        _unlink(tmp, sub)
-                    errors.append(exc)
+                    errors[i] = exc
+            for i, fd, sub_name, tmp in written:
+                try:
+                    os.fdatasync(fd)
+                except OSError as exc:
+                    errors[i] = exc
+                finally:
+                    os.close(fd)
+            for i, _, sub_name, tmp in written:
+                sub, final = dirs[sub_name], self._names(blocks[i].slot)[1]
+                try:
+                    if errors[i] is not None:
+                        raise errors[i]
+                    try:
+                        os.rename(tmp, final, src_dir_fd=sub, dst_dir_fd=sub)
+                    except IsADirectoryError:  # a directory planted in the slot's place: set aside, once
+                        self.set_aside(final, sub, sub_name)
+                        os.rename(tmp, final, src_dir_fd=sub, dst_dir_fd=sub)
+                    renamed.setdefault(sub_name, []).append(i)
+                except OSError as exc:
+                    errors[i] = exc
+                    self.set_aside(tmp, sub, sub_name)
             for sub_name, members in renamed.items():  # the renames durable: once per directory per batch
                 try:
                     os.fsync(dirs[sub_name])
@@ -155,15 +209,36 @@ class DiskTier(Tier):
                 os.close(fd)
         return errors
 
+    def _write_tmp(self, block: Block, dirs: dict[str, int]) -> tuple[int, str, str]:
+        """A block's header and bytes in its slot's temporary file, not yet flushed; returns
+        (its open descriptor, its directory's name, its name)."""
+        sub_name, final = self._names(block.slot)
+        tmp = final[:-len(".kvb")] + ".tmp"
+        if sub_name not in dirs:  # (a descriptor may be 0: no truth test on it)
+            dirs[sub_name] = self._subdir(sub_name, create=True)
+        sub = dirs[sub_name]
+        header = encode_header(self.fingerprint, block.namespace, block.key, block.checksum, self.slot_bytes,
+                               pad_to=HEADER_BYTES)
+        self.set_aside(tmp, sub, sub_name)  # whatever is there (a planted link): never followed
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=sub)
+        try:
+            os.fchmod(fd, FILE_MODE)  # whatever the umask
+            _write_all(fd, [header, block.data])
+        except OSError:
+            os.close(fd)
+            self.set_aside(tmp, sub, sub_name)
+            raise
+        return fd, sub_name, tmp
+
     def discard(self, slot: int) -> None:
         """Remove a slot's file (a deleted key must not come back after a restart)."""
         sub_name, name = self._names(slot)
         try:
             sub = self._subdir(sub_name)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return
         try:
-            _unlink(name, sub)
+            self.set_aside(name, sub, sub_name)
         finally:
             os.close(sub)
 
@@ -209,20 +284,26 @@ class DiskTier(Tier):
         with os.scandir(self._top) as entries:
             top = sorted(entries, key=lambda e: e.name)
         for entry in top:
-            if entry.is_symlink():  # a link among the subdirectories: removed itself, its target never touched
-                dropped["foreign_file"] += 1
-                _unlink(entry.name, self._top)
+            if entry.name in (".lock", QUARANTINE):
                 continue
-            if not entry.is_dir(follow_symlinks=False):
-                continue  # the lock file
-            sub = self._subdir(entry.name)
+            if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+                # a link among the subdirectories (removed itself, its target never touched) or a stranger
+                dropped["foreign_file"] += 1
+                self.set_aside(entry.name, self._top, "")
+                continue
+            try:
+                sub = self._subdir(entry.name)
+            except OSError:  # replaced since it was listed, or unreadable: set aside, the start goes on
+                dropped["unreadable"] += 1
+                self.set_aside(entry.name, self._top, "")
+                continue
             try:
                 with os.scandir(sub) as files:
                     for file in list(files):
                         reason = self._check(entry.name, file, sub, found)
                         if reason is not None:
                             dropped[reason] += 1
-                            _unlink(file.name, sub)
+                            self.set_aside(file.name, sub, entry.name)
             finally:
                 os.close(sub)
         found.sort(key=lambda s: s.mtime)
@@ -258,7 +339,6 @@ class DiskTier(Tier):
         return None
 
 
-
 def _write_all(fd: int, buffers: list) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
@@ -270,13 +350,3 @@ def _write_all(fd: int, buffers: list) -> None:
             views.pop(0)
         if views and written:
             views[0] = views[0][written:]
-
-
-def _unlink(name: str, directory: int) -> None:
-    """Remove a name (a link itself, never its target) in a directory, if there."""
-    try:
-        os.unlink(name, dir_fd=directory)
-    except FileNotFoundError:
-        pass
-    except IsADirectoryError:
-        pass  # a directory planted where a block file should be: left alone, never adopted

@@ -276,3 +276,39 @@ def test_a_daemon_starts_and_serves_while_redis_is_down(tmp_path, scheme):
             time.sleep(0.05)
     finally:
         daemon.cleanup()
+
+
+def test_a_deleted_key_never_comes_back_from_the_write_queue(server):
+    """Issue 30, item 2, the Redis path: a block queued for Redis before a Delete of its key was
+    SET after the DEL, and every node found it again."""
+    import threading
+
+    from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
+    from tests.e2e.redis_server import PASSWORD, USER
+
+    store = RemoteStore(RemoteSettings(server.url, username=USER, password=PASSWORD, timeout_s=2), "g",
+                        b"f" * 16, 64)
+    real, entered, release = store._send, threading.Event(), threading.Event()
+
+    def held(batch):
+        entered.set()
+        release.wait(10)
+        real(batch)
+
+    store._send = held
+    blocks = [(b"k%d" % i, 0, torch.full((64,), i, dtype=torch.uint8)) for i in range(4)]
+    store.stage("ns", blocks[:1])  # the writer takes this one and is held sending it
+    assert entered.wait(10)
+    store.stage("ns", blocks[1:])  # queued behind it
+    deleter = threading.Thread(target=store.delete, args=("ns", [b"k0", b"k1", b"k2"]))
+    deleter.start()  # waits for the SET in flight, then removes it
+    time.sleep(0.2)
+    release.set()
+    deleter.join(10)
+    store.flush(10)
+    deadline = time.monotonic() + 10
+    while store.events["stored"] + store.events["deleted_while_queued"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.contains("ns", [b"k0", b"k1", b"k2", b"k3"]) == [False, False, False, True]
+    assert store.events["deleted_while_queued"] == 2 and len(store.tombstones) == 0
+    store.close(5)

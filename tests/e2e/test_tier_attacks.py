@@ -17,7 +17,7 @@ from kvxfer.records import Outcome, TierKind
 from service import launch
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import REDIS, RedisServer
-from tests.e2e.test_disk import Writer, wait_demoted
+from tests.e2e.test_disk import Writer, check_served, wait_demoted
 from tests.helpers import read_block
 
 pytestmark = pytest.mark.e2e
@@ -252,3 +252,51 @@ def test_a_slow_redis_never_slows_the_daemons_answers(redis_server):
         proxy.close()
         writer.cleanup()
         reader.cleanup()
+
+
+def test_entries_that_are_not_block_files_are_set_aside_and_the_daemon_starts(tmp_path):
+    """Issue 30, item 1: a block file that became a directory (and a subdirectory that became a
+    file, a directory at a write's temporary name, a file in the quarantine's place) stopped the
+    start with IsADirectoryError. Each is set aside into quarantine/ (or removed), the daemon
+    serves, the other blocks are intact, and the slots can be written again."""
+    disk = tmp_path / "disk"
+    daemon = _disk_daemon(disk)
+    writer = Writer(daemon, b"dir-")
+    try:
+        writer.offload(48)
+        wait_demoted(daemon, 16)
+        shadow = writer.shadow
+    finally:
+        writer.close()
+        daemon.stop(signal.SIGTERM)
+        daemon.cleanup()
+    group = disk / "rank0"
+    files = _files(group)
+    (gone_key, gone), (kept_key, kept) = list(files.items())[:2]
+    gone.unlink()
+    (gone / "inside").mkdir(parents=True)  # a block file became a directory, with something in it
+    (gone.parent / (gone.name[:-4] + ".tmp")).mkdir()  # a directory at a write's temporary name too
+    (group / "0003").write_bytes(b"not a directory")  # a file where slots 12288.. will want their subdirectory
+    (group / "quarantine").write_bytes(b"in the way")
+    restarted = _disk_daemon(disk)
+    try:
+        aside = sorted(p.name for p in (group / "quarantine").iterdir())
+        assert len(aside) == 2 and all(gone.name[:-4] in name for name in aside), aside
+        assert not gone.exists() and not (group / "0003").exists()
+        with Client(restarted.target) as client:
+            assert client.health(timeout=2) == "SERVING"
+            assert client.lookup([gone_key, kept_key], pool_ids=["rank0"]).tiers == [None, TierKind.DISK]
+            pool = client.map_pool("rank0")
+            assert client.restore([(kept_key, 5)], pool_id="rank0").outcomes == [Outcome.DONE]
+            assert torch.equal(read_block(pool.storage, pool.layout, 5), shadow[kept_key])
+        again = Writer(restarted, b"again-")  # the host tier cycles onto disk
+        try:
+            again.offload(64)
+            events = wait_demoted(restarted, 16)
+            assert events.get("write_errors", 0) == 0, events
+        finally:
+            again.close()
+        served, _ = check_served(restarted, again.shadow)  # every block served is the right one
+        assert served > 0
+    finally:
+        restarted.cleanup()

@@ -197,3 +197,57 @@ def test_a_key_named_twice_in_a_delete_is_removed_once_from_both_tiers(tmp_path)
     assert manager.lookup("ns", [b"k1"]).tiers == [None] and manager.lookup("ns", [b"k20"]).tiers == [None]
     for tier in manager.stats().tiers:
         assert tier.pinned_blocks == 0 and tier.used_blocks == tier.ready_blocks
+
+
+def test_a_directory_in_a_slots_place_is_set_aside_when_the_slot_is_written(tmp_path):
+    from kvxfer.tiers.disk import QUARANTINE, Block, DiskTier
+
+    tier = DiskTier(tmp_path / "t", 8, 64, b"f" * 16)
+    (tier.path(3) / "inside").mkdir(parents=True)  # a directory where slot 3's file goes
+    tier.path(4).with_suffix(".tmp").mkdir()  # and one at slot 4's temporary name
+    (tmp_path / "t" / QUARANTINE).symlink_to(tmp_path)  # a link where the quarantine goes: never followed
+    blocks = [Block(s, "ns", b"k%d" % s, 7, memoryview(bytes([s]) * 64)) for s in (3, 4)]
+    assert tier.write_batch(blocks) == [None, None]
+    assert tier.path(3).is_file() and tier.path(4).is_file()
+    aside = list((tmp_path / "t" / QUARANTINE).iterdir())
+    assert len(aside) == 2 and not (tmp_path / "t" / QUARANTINE).is_symlink()
+    assert {p.name for p in tmp_path.iterdir()} == {"t"}  # nothing moved into the link's target
+
+
+@pytest.mark.parametrize("when", ["queued", "half_written"])
+def test_a_deleted_key_never_comes_back_from_the_write_queue(tmp_path, when):
+    """Issue 30, item 2: Delete removed only blocks already on disk; one still queued or being
+    written was published afterwards, found by Lookup and adopted again after a restart."""
+    import threading
+
+    pool, group, manager = store(tmp_path)
+    fill(pool, 4)
+    real, entered, release = group.disk.tier.write_batch, threading.Event(), threading.Event()
+
+    def held(blocks):
+        if when == "half_written":
+            errors = real(blocks)  # durable on disk, not yet published
+            entered.set()
+            release.wait(10)
+            return errors
+        entered.set()
+        release.wait(10)
+        return real(blocks)
+
+    group.disk.tier.write_batch = held
+    offload_all(manager, range(1, 13))  # k1..k4 evicted to disk: the writer holds them
+    assert entered.wait(10)
+    offload_all(manager, range(13, 17))  # k5..k8 evicted too: queued behind the held batch
+    deleted = [b"k%d" % b for b in range(1, 9)]
+    assert manager.delete("ns", deleted) == 0  # nothing published yet
+    release.set()
+    assert group.disk.flush(10)
+    assert manager.lookup("ns", deleted).tiers == [None] * 8
+    assert group.disk.stats().events["deleted_while_queued"] == 8 and len(group.disk.tombstones) == 0
+    offload_all(manager, range(17, 21))  # a key stored again after its Delete is kept
+    assert manager.offload("ns", [(3, b"k3")]).outcomes == [Outcome.DONE]
+    assert manager.lookup("ns", [b"k3"]).tiers == [TierKind.HOST]
+    group.close(5)
+    _, again, restarted = store(tmp_path)
+    assert restarted.lookup("ns", deleted[:2] + deleted[3:]).tiers == [None] * 7  # not adopted from disk either
+    again.close(5)
