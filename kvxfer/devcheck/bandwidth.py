@@ -40,9 +40,10 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 2)
 
 
-def _timed(fn) -> float:
+def timed(fn, reps: int = REPS) -> float:
+    """The median seconds of ``reps`` runs of ``fn``, the device idle before and after each."""
     times = []
-    for _ in range(REPS):
+    for _ in range(reps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
@@ -73,7 +74,7 @@ def _case(pl: PoolLayout, pool: torch.Tensor, host, n: int, scattered: bool, dri
             submits.append(time.perf_counter() - start)
             handle.wait()
 
-        seconds = _timed(move)
+        seconds = timed(move)
         key = "d2h" if direction is Direction.TO_HOST else "h2d"
         out[f"{key}_gbps"] = _gbps(n * pl.block_bytes, seconds)
         out[f"{key}_submit_us_per_descriptor"] = round(statistics.median(submits) / out["descriptors_per_job"] * 1e6,
@@ -95,8 +96,8 @@ def bandwidth(ctx: dict) -> dict:
                 host = group.host
                 flat = host.buffer.view(-1)[:n * span]
                 src = pool.storage[:n * span]
-                base = {"d2h": _gbps(n * span, _timed(lambda: flat.copy_(src, non_blocking=True))),
-                        "h2d": _gbps(n * span, _timed(lambda: src.copy_(flat, non_blocking=True)))}
+                base = {"d2h": _gbps(n * span, timed(lambda: flat.copy_(src, non_blocking=True))),
+                        "h2d": _gbps(n * span, timed(lambda: src.copy_(flat, non_blocking=True)))}
                 methods = [("batched", batched), ("looped", looped)]
                 if wants_staging(pool.layout):
                     methods.append(("staged", batched))

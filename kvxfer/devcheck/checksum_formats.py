@@ -12,13 +12,11 @@ its host reference; the format changes only if the figures say so (docs/design.m
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
 import torch
 import xxhash
 
+from kvxfer.devcheck.bandwidth import timed
 from kvxfer.transfer import device_checksum
 
 PIECE = 64 << 10
@@ -33,14 +31,7 @@ def piece_checksum(block: bytes, piece: int = PIECE) -> int:
 
 
 def _ms(fn) -> float:
-    times = []
-    for _ in range(REPS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return round(statistics.median(times), 4)
+    return round(timed(fn, REPS) * 1e3, 4)
 
 
 def _case(data: torch.Tensor, pinned: torch.Tensor, block: int, blocks: int) -> dict:

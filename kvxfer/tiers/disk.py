@@ -104,20 +104,22 @@ class DiskTier(Tier):
         return f"{slot // _DIR_SLOTS:04x}", f"{slot:08x}.kvb"
 
     def _subdir(self, name: str, create: bool = False) -> int:
-        """A descriptor of one of the tier's subdirectories, never through a link."""
-        if create:
+        """A descriptor of one of the tier's directories, never through a link; ``create``: made
+        if missing, and a file or link in its place removed first (the link itself)."""
+        if not create:
+            return os.open(name, _DIR_FLAGS, dir_fd=self._top)
+        for attempt in (0, 1):
             try:
                 os.mkdir(name, 0o700, dir_fd=self._top)
             except FileExistsError:
                 pass
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=self._top)
-        except OSError as exc:
-            if not create or exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-                raise
-        self.set_aside(name, self._top, name)  # a file or a link in a subdirectory's place
-        os.mkdir(name, 0o700, dir_fd=self._top)
-        return os.open(name, _DIR_FLAGS, dir_fd=self._top)
+            try:
+                return os.open(name, _DIR_FLAGS, dir_fd=self._top)
+            except OSError as exc:
+                if attempt or exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+            os.unlink(name, dir_fd=self._top)
+        raise AssertionError("unreachable")
 
     def _adoptable(self, st: os.stat_result) -> bool:
         """A file this tier wrote: regular, the daemon's, mode 0600, one block long."""
@@ -135,7 +137,7 @@ class DiskTier(Tier):
         except OSError as exc:
             if exc.errno not in (errno.EISDIR, errno.EPERM):
                 raise
-        quarantine = self._quarantine()
+        quarantine = self._subdir(QUARANTINE, create=True)
         try:
             aside = f"{where}-{name}-{time.time_ns()}".lstrip("-")
             os.rename(name, aside, src_dir_fd=directory, dst_dir_fd=quarantine)
@@ -143,20 +145,6 @@ class DiskTier(Tier):
             os.close(quarantine)
         log.warning("an entry in the disk tier that is not a block file was set aside", extra={
             "path": str(self.directory / where / name), "moved_to": str(self.directory / QUARANTINE / aside)})
-
-    def _quarantine(self) -> int:
-        try:
-            os.mkdir(QUARANTINE, 0o700, dir_fd=self._top)
-        except FileExistsError:
-            pass
-        try:
-            return os.open(QUARANTINE, _DIR_FLAGS, dir_fd=self._top)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-                raise
-        os.unlink(QUARANTINE, dir_fd=self._top)  # a file or link in its place: ours to remove
-        os.mkdir(QUARANTINE, 0o700, dir_fd=self._top)
-        return os.open(QUARANTINE, _DIR_FLAGS, dir_fd=self._top)
 
     # -- writing -----------------------------------------------------------------
     def write_batch(self, blocks: list[Block]) -> list[OSError | None]:

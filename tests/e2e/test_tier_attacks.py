@@ -29,6 +29,21 @@ def _disk_daemon(path: Path) -> launch.DaemonProcess:
                          "disk": {"path": str(path), "capacity_gib": 0.01}})
 
 
+def _written_down(disk: Path, prefix: bytes) -> dict:
+    """48 blocks offloaded through a daemon with a disk tier, stopped with SIGTERM (its host tier
+    goes down to disk too); returns their shadow copies."""
+    daemon = _disk_daemon(disk)
+    writer = Writer(daemon, prefix)
+    try:
+        writer.offload(48)
+        wait_demoted(daemon, 16)
+        return writer.shadow
+    finally:
+        writer.close()
+        daemon.stop(signal.SIGTERM)
+        daemon.cleanup()
+
+
 def _key_of(path: Path) -> bytes:
     """The key in a block file's header (kvxfer.tiers.record: 68 fixed bytes, namespace, key)."""
     header = path.read_bytes()[:4096]
@@ -68,16 +83,7 @@ def test_a_fifo_in_place_of_a_block_file_never_stops_the_daemon(tmp_path):
 
 def test_links_and_planted_files_in_the_disk_tier_are_never_followed_or_adopted(tmp_path):
     disk = tmp_path / "disk"
-    daemon = _disk_daemon(disk)
-    writer = Writer(daemon, b"plant-")
-    try:
-        writer.offload(48)
-        wait_demoted(daemon, 16)
-        shadow = writer.shadow
-    finally:
-        writer.close()
-        daemon.stop(signal.SIGTERM)  # the host tier goes down to disk too
-        daemon.cleanup()
+    shadow = _written_down(disk, b"plant-")
     group = disk / "rank0"
     files = _files(group)
     (linked, target), (foreign, copied) = list(files.items())[:2], list(files.items())[2:4]
@@ -260,16 +266,7 @@ def test_entries_that_are_not_block_files_are_set_aside_and_the_daemon_starts(tm
     start with IsADirectoryError. Each is set aside into quarantine/ (or removed), the daemon
     serves, the other blocks are intact, and the slots can be written again."""
     disk = tmp_path / "disk"
-    daemon = _disk_daemon(disk)
-    writer = Writer(daemon, b"dir-")
-    try:
-        writer.offload(48)
-        wait_demoted(daemon, 16)
-        shadow = writer.shadow
-    finally:
-        writer.close()
-        daemon.stop(signal.SIGTERM)
-        daemon.cleanup()
+    shadow = _written_down(disk, b"dir-")
     group = disk / "rank0"
     files = _files(group)
     (gone_key, gone), (kept_key, kept) = list(files.items())[:2]
