@@ -280,7 +280,8 @@ def test_a_daemon_starts_and_serves_while_redis_is_down(tmp_path, scheme):
 
 def test_a_deleted_key_never_comes_back_from_the_write_queue(server):
     """Issue 30, item 2, the Redis path: a block queued for Redis before a Delete of its key was
-    SET after the DEL, and every node found it again."""
+    SET after the DEL, and every node found it again. Both orders: the Delete while the write is
+    queued (the write is dropped), and while it is being sent (the Delete waits, then removes it)."""
     import threading
 
     from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
@@ -288,27 +289,38 @@ def test_a_deleted_key_never_comes_back_from_the_write_queue(server):
 
     store = RemoteStore(RemoteSettings(server.url, username=USER, password=PASSWORD, timeout_s=2), "g",
                         b"f" * 16, 64)
-    real, entered, release = store._send, threading.Event(), threading.Event()
+    held = {"_write": threading.Event(), "_send": threading.Event()}
+    entered, release = {k: threading.Event() for k in held}, held
 
-    def held(batch):
-        entered.set()
-        release.wait(10)
-        real(batch)
+    def hold(name):
+        real = getattr(store, name)
 
-    store._send = held
+        def wrapper(batch):
+            entered[name].set()
+            release[name].wait(10)
+            real(batch)
+        return wrapper
+
     blocks = [(b"k%d" % i, 0, torch.full((64,), i, dtype=torch.uint8)) for i in range(4)]
-    store.stage("ns", blocks[:1])  # the writer takes this one and is held sending it
-    assert entered.wait(10)
-    store.stage("ns", blocks[1:])  # queued behind it
-    deleter = threading.Thread(target=store.delete, args=("ns", [b"k0", b"k1", b"k2"]))
-    deleter.start()  # waits for the SET in flight, then removes it
-    time.sleep(0.2)
-    release.set()
-    deleter.join(10)
+    store._write = hold("_write")  # the writer has the batch, not yet the lock
+    store.stage("ns", blocks[:2])
+    assert entered["_write"].wait(10)
+    store.delete("ns", [b"k0"])  # does not wait: nothing is being sent
+    release["_write"].set()
     store.flush(10)
     deadline = time.monotonic() + 10
-    while store.events["stored"] + store.events["deleted_while_queued"] < 4 and time.monotonic() < deadline:
+    while store.events["stored"] + store.events["deleted_while_queued"] < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert store.contains("ns", [b"k0", b"k1", b"k2", b"k3"]) == [False, False, False, True]
-    assert store.events["deleted_while_queued"] == 2 and len(store.tombstones) == 0
+    assert store.contains("ns", [b"k0", b"k1"]) == [False, True] and store.events["deleted_while_queued"] == 1
+
+    store._send = hold("_send")  # now held while sending, the lock taken
+    store.stage("ns", blocks[2:])
+    assert entered["_send"].wait(10)
+    deleter = threading.Thread(target=store.delete, args=("ns", [b"k2"]))
+    deleter.start()  # waits for the SET in flight, then removes it
+    time.sleep(0.2)
+    assert deleter.is_alive()
+    release["_send"].set()
+    deleter.join(10)
+    assert store.contains("ns", [b"k2", b"k3"]) == [False, True] and len(store.tombstones) == 0
     store.close(5)
