@@ -10,7 +10,8 @@ from kvxfer import cli
 #: ``kvxfer bench daemon`` starts a real daemon, so it lives beside it.
 DAEMON_BENCHES = [("daemon", "service.bench_daemon", "throughput and latency through a real daemon"),
                   ("vllm", "service.bench_vllm", "vLLM's scheduler loading 1,024 blocks through the kvxfer backend"),
-                  ("peer", "service.bench_peer", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy")]
+                  ("peer", "service.bench_peer", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy"),
+                  ("demotion", "service.bench_demotion", "host-tier evictions reaching the disk under several clients")]
 
 
 def _serve_command(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ subdirectory's name should be a directory, or the reverse) is set aside: renamed
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -151,9 +152,10 @@ class DiskTier(Tier):
         """Make each block's file durable; one error or None per block. A failed block leaves its
         slot's previous file.
 
-        Group commit: every block is written to its temporary file first, then each file is
-        flushed (fdatasync: on a journalling filesystem the first flush commits the others'
-        data with it, so a batch costs about one device flush, not one a block), then each is
+        Group commit: every block is written to its temporary file first, the writeback of all
+        of them started at once (sync_file_range), then each file flushed (fdatasync: the first
+        commits the journal transaction that holds every file's allocation, so the others find
+        little left to do and a batch costs about one device flush, not one a block), then each
         renamed into place and each directory flushed once."""
         errors: list[OSError | None] = [None] * len(blocks)
         written: list[tuple[int, int, str, str]] = []  # (block, fd, directory, temporary name)
@@ -165,9 +167,11 @@ class DiskTier(Tier):
                     written.append((i, *self._write_tmp(block, dirs)))
                 except OSError as exc:
                     errors[i] = exc
+            for _, fd, _, _ in written:
+                _start_writeback(fd)  # the device gets every file's bytes at once ...
             for i, fd, sub_name, tmp in written:
                 try:
-                    os.fdatasync(fd)
+                    os.fdatasync(fd)  # ... and the first flush commits the journal for all of them
                 except OSError as exc:
                     errors[i] = exc
                 finally:
@@ -325,6 +329,17 @@ class DiskTier(Tier):
             os.close(fd)
         found.append(Stored(slot, namespace, key, checksum, st.st_mtime))
         return None
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)  # Linux; elsewhere each fdatasync does it all
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing a file's dirty pages without waiting (an optimisation: failures show in fdatasync)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
 
 
 def _write_all(fd: int, buffers: list) -> None:

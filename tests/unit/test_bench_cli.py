@@ -47,3 +47,13 @@ def test_bench_bookkeeping_smoke(tmp_path, capsys):
 def test_bench_peer_without_an_lmcache_environment_says_how_to_get_one(tmp_path, capsys):
     assert cli.main(["bench", "peer", "--lmcache-python", str(tmp_path / "none" / "python")]) == 2
     assert "make bench-peer" in capsys.readouterr().err
+
+
+def test_bench_demotion_smoke(tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert cli.main(["bench", "demotion", "--clients", "2", "--seconds", "1", "--rate", "200", "--host-mib", "8",
+                     "--disk-gib", "0.1", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    assert "dropped share" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["stored"] > 0 and result["demoted"] > 0 and result["write_errors"] == 0
+    assert result["demoted"] + result["dropped"] <= result["stored"]
