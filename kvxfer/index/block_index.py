@@ -24,7 +24,7 @@ import numpy as np
 from kvxfer.fastpath import FAST
 from kvxfer.index.entries import Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import LRU, EvictionPolicy
-from kvxfer.index.slots import SlotAllocator, int_array, slot_array
+from kvxfer.tiers.slots import SlotAllocator, int_array, slot_array
 from kvxfer.records import Outcome, TierKind
 
 FREE, PENDING, READY, DROPPED = 0, 1, 2, 3  # slot states; DROPPED: gone from the index, still pinned

@@ -8,11 +8,11 @@ is dropped and counted, so an offload never waits on the disk. A full device (EN
 evicts the disk's least recently used blocks and retries once; any other I/O error
 skips the block, counts it and marks the tier degraded; the host path goes on.
 
-Promotion. A restore of keys the host tier does not hold asks here: the disk blocks
-are pinned, host slots reserved (evicting, and so demoting, others), the files read
-straight into those host slots on the reader threads and checked against their
-checksum; good blocks are published in the host tier (the restore then copies them as
-any host block), a block whose bytes are wrong is DATA_LOSS: its file is removed.
+Promotion (``kvxfer.serving.promotion`` does the host side for every lower tier). A
+restore of keys the host tier does not hold asks here: the disk blocks are pinned
+(``fetch``), host slots reserved, the files read straight into those host slots on the
+reader threads and checked against their checksum; a block whose bytes are wrong is
+DATA_LOSS: its file is removed.
 Reads in flight are bounded too: past the bound, keys are left to the host tier alone
 (NOT_FOUND).
 """
@@ -26,7 +26,6 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +34,12 @@ import numpy as np
 import torch
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
-from kvxfer.index.block_index import BlockIndex, Evicted
+from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, StagingBuffers, Tombstones, take_batch
 from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt
-from kvxfer.tiers.host import HostTier
+from kvxfer.tiers.lower import StagedBlock
 
 log = logging.getLogger(__name__)
 BATCH = 64  # blocks made durable per directory fsync
@@ -67,7 +66,10 @@ class _Staged:
 
 
 class DiskStore:
-    """One cache group's disk tier, its index and its workers."""
+    """One cache group's disk tier, its index and its workers (a ``LowerTier``)."""
+
+    kind = TierKind.DISK
+    takes_evictions, takes_stores, restart_warm = True, False, True
 
     def __init__(self, settings: DiskSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
         """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every file's header."""
@@ -105,23 +107,19 @@ class DiskStore:
         return time.perf_counter() - start
 
     # -- demotion ----------------------------------------------------------------
-    def stage(self, victims: Evicted, host: HostTier) -> None:
+    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
         """Copy blocks the host tier evicted out of their slots and queue them for the disk.
         Call before the slots are written again (the group's store lock held)."""
-        on_disk = set()
-        for namespace in dict.fromkeys(v.namespace for v in victims):
-            keys = [v.key for v in victims if v.namespace == namespace]
-            on_disk |= {(namespace, k) for k, there in zip(keys, self.index.contains(namespace, keys)) if there}
-        for victim in victims:
-            if (victim.namespace, victim.key) in on_disk:
+        present = self.index.contains(namespace, [key for key, _, _ in blocks])
+        for (key, checksum, data), there in zip(blocks, present):
+            if there:
                 continue
-            index = self._staging.take(host.buffer[victim.slot].numpy())
+            index = self._staging.take(data.numpy())
             if index is None:  # every staging buffer in use: the disk is behind
                 self.events.add("demotions_dropped", 1)
                 continue
-            seq = self.tombstones.staged(victim.namespace, victim.key)
-            self._queue.put_nowait(_Staged(victim.namespace, victim.key, victim.checksum,
-                                           self._staging.block(index), index, seq))
+            seq = self.tombstones.staged(namespace, key)
+            self._queue.put_nowait(_Staged(namespace, key, checksum, self._staging.block(index), index, seq))
 
     def _write_loop(self) -> None:
         while True:
@@ -141,7 +139,7 @@ class DiskStore:
                         self._staging.give_back(item.buffer)
                     self._queue.task_done()
 
-    def write_now(self, namespace: str, blocks: list[tuple[bytes, int, torch.Tensor]]) -> int:
+    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
         """Write (key, checksum, bytes) blocks not on disk yet, on this thread; returns how many were."""
         present = self.index.contains(namespace, [k for k, _, _ in blocks])
         staged = [_Staged(namespace, k, c, data.numpy(), seq=self.tombstones.staged(namespace, k))
@@ -199,49 +197,18 @@ class DiskStore:
         return errors
 
     # -- promotion ---------------------------------------------------------------
-    def promote(self, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
-                store_lock: threading.Lock, on_evicted: Callable[[Evicted], None]) -> dict[bytes, Outcome]:
-        """Move the named blocks the disk holds into the host tier; returns the keys that
-        failed: DATA_LOSS (wrong bytes: the file is removed) or FAILED (the device failed)."""
-        plan = self.index.prepare_load(namespace, keys)
-        if not plan.slots:
-            return {}
-        found = [keys[i] for i in plan.positions]  # on disk, in the plan's order
-        with store_lock:
-            host_plan = host_index.prepare_store(namespace, found)
-            on_evicted(host_plan.evicted)
-        targets = {found[i]: slot for i, slot in zip(host_plan.positions, host_plan.slots)}
-        reads = []
-        for j, (key, slot, checksum) in enumerate(zip(found, plan.slots, plan.checksums)):
-            target = targets.get(key)
-            if target is None or not self._reads.acquire(blocking=False):
-                continue  # in the host tier meanwhile, or too many reads in flight: left to the host tier
-            out = memoryview(host.buffer[target].numpy())
-            reads.append((j, key, target, checksum,
-                          self._readers.submit(self._read, slot, namespace, key, checksum, out)))
-        failed: dict[bytes, Outcome] = {}
-        corrupt: set[int] = set()
-        checksums: dict[int, int] = {}  # host slot -> checksum of what landed there
-        for j, key, target, checksum, future in reads:
-            verdict = future.result()
-            if verdict is Outcome.DONE:
-                checksums[target] = checksum
-                self.events.add("promoted", 1)
-            else:
-                failed[key] = verdict
-                if verdict is Outcome.DATA_LOSS:
-                    corrupt.add(j)
-        host_index.complete_store(host_plan.slots, [checksums.get(s) for s in host_plan.slots])
-        self.index.complete_load(plan.slots, corrupt)
-        return failed
+    def fetch(self, namespace: str, keys: list[bytes]) -> _DiskFetch:
+        """The named blocks the disk holds, pinned (not evicted, not deleted under a read) until ``end``."""
+        return _DiskFetch(self, namespace, keys)
 
     def _read(self, slot: int, namespace: str, key: bytes, checksum: int, out: memoryview) -> Outcome:
         try:
             self.tier.read_into(slot, namespace, key, checksum, out)
+            self.events.add("promoted", 1)
             return Outcome.DONE
         except DiskCorrupt:
             self.events.add("corrupt", 1)
-            self.tier.discard(slot)  # before complete_load frees the slot for another block
+            self.tier.discard(slot)  # before the fetch's end frees the slot for another block
             return Outcome.DATA_LOSS
         except OSError as exc:
             self.events.add("read_errors", 1)
@@ -261,8 +228,8 @@ class DiskStore:
             self.index.complete_load(plan.slots, set(range(len(plan.slots))))
         return len(plan.slots)
 
-    def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
-        return self.index.tiers_of(namespace, keys)
+    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        return self.index.contains(namespace, keys)
 
     def stats(self) -> TierStats:
         i = self.index.stats()
@@ -314,3 +281,26 @@ def _lock_directory(directory: Path, wait_s: float = 10.0) -> int:
                 os.close(fd)
                 raise FailedPrecondition(f"disk tier directory {directory} is in use by another daemon") from None
             time.sleep(0.05)
+
+
+class _DiskFetch:
+    """A restore's blocks on disk: pinned in the disk index, read on the reader threads."""
+
+    def __init__(self, store: DiskStore, namespace: str, keys: list[bytes]) -> None:
+        self._store, self._namespace = store, namespace
+        self._plan = store.index.prepare_load(namespace, keys)
+        self.keys = [keys[i] for i in self._plan.positions]  # on disk, in the plan's order
+
+    def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
+        store, plan, reads = self._store, self._plan, []
+        for j, out in targets:
+            if not store._reads.acquire(blocking=False):  # too many reads in flight: left to the host tier
+                reads.append(None)
+                continue
+            reads.append(store._readers.submit(store._read, plan.slots[j], self._namespace, self.keys[j],
+                                               plan.checksums[j], memoryview(out.numpy())))
+        return [(Outcome.NOT_FOUND, 0) if r is None else (r.result(), plan.checksums[j])
+                for (j, _), r in zip(targets, reads)]
+
+    def end(self, corrupt: set[int]) -> None:
+        self._store.index.complete_load(self._plan.slots, corrupt)

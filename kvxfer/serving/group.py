@@ -20,8 +20,10 @@ from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.disk_store import DiskSettings, DiskStore
+from kvxfer.serving.promotion import promote
 from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
 from kvxfer.tiers.host import HostTier
+from kvxfer.tiers.lower import LowerTier
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,13 @@ class BlockFormat:
         return hashlib.sha256(b"kvxfer-group\0" + self.fingerprint + group.encode()).digest()
 
 
+#: The lower tiers a group may have, top down (a restore asks them in this order): config
+#: section -> the class that serves it. A new tier is a row here and a class under ``serving``.
+LOWER_TIERS: list[tuple[str, type]] = [("disk", DiskStore), ("remote", RemoteStore)]
+
+
 class CacheGroup:
-    """One host tier and the index over it, and the disk and remote tiers below it when there are."""
+    """One host tier and the index over it, and the lower tiers below it (``LowerTier``), top down."""
 
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
                  disk: DiskSettings | None = None, remote: RemoteSettings | None = None) -> None:
@@ -64,12 +71,24 @@ class CacheGroup:
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
         fingerprint, nbytes = self.format.bound_to(name), layout.block_bytes
-        self.disk = DiskStore(disk, name, fingerprint, nbytes) if disk is not None else None
-        self.remote = RemoteStore(remote, name, fingerprint, nbytes) if remote is not None else None
+        settings = {"disk": disk, "remote": remote}
+        self.lower_tiers: list[LowerTier] = [make(settings[section], name, fingerprint, nbytes)
+                                             for section, make in LOWER_TIERS if settings[section] is not None]
+
+    def _tier(self, kind: TierKind) -> LowerTier | None:
+        return next((t for t in self.lower_tiers if t.kind is kind), None)
+
+    @property
+    def disk(self) -> DiskStore | None:
+        return self._tier(TierKind.DISK)  # type: ignore[return-value]
+
+    @property
+    def remote(self) -> RemoteStore | None:
+        return self._tier(TierKind.REMOTE)  # type: ignore[return-value]
 
     @property
     def lower(self) -> bool:
-        return self.disk is not None or self.remote is not None
+        return bool(self.lower_tiers)
 
     def prepare_store(self, namespace: str, keys: list[bytes]) -> Plan:
         """Host slots for new keys; the blocks evicted to make room go to the lower tiers."""
@@ -81,55 +100,53 @@ class CacheGroup:
 
     def _demote(self, victims: Evicted) -> None:
         """(store lock held) Copy evicted blocks out of their host slots before those are reused."""
-        if self.disk is not None:
-            self.disk.stage(victims, self.host)
-        if self.remote is not None and not self.remote.settings.write_through:  # else sent when stored
-            for namespace in dict.fromkeys(v.namespace for v in victims):
-                self.remote.stage(namespace, [(v.key, v.checksum, self.host.buffer[v.slot])
-                                              for v in victims if v.namespace == namespace])
+        for tier in self.lower_tiers:
+            if tier.takes_evictions:
+                for namespace in dict.fromkeys(v.namespace for v in victims):
+                    tier.stage(namespace, [(v.key, v.checksum, self.host.buffer[v.slot])
+                                           for v in victims if v.namespace == namespace])
 
     def write_through(self, namespace: str, keys: list[bytes], slots: Sequence[int], checksums: list[int | None]) -> None:
-        """With remote write-through: send blocks just stored (still pinned) to Redis as well."""
-        if self.remote is not None and self.remote.settings.write_through:
-            self.remote.stage(namespace, [(k, c, self.host.buffer[s])
-                                          for k, s, c in zip(keys, slots, checksums) if c is not None])
+        """Send blocks just stored (still pinned) to the write-through tiers as well."""
+        for tier in self.lower_tiers:
+            if tier.takes_stores:
+                tier.stage(namespace, [(k, c, self.host.buffer[s]) for k, s, c in zip(keys, slots, checksums)
+                                       if c is not None])
 
     def promote(self, namespace: str, keys: list[bytes]) -> dict[bytes, Outcome]:
-        """Bring the named keys up from disk, then Redis; returns those that failed (DATA_LOSS, FAILED)."""
+        """Bring the named keys up from the lower tiers, top down; returns those that failed
+        (DATA_LOSS, FAILED)."""
         failed: dict[bytes, Outcome] = {}
-        if self.disk is not None:
-            failed = self.disk.promote(namespace, keys, self.host, self.index, self.store_lock, self._demote)
-        if self.remote is not None:
+        for tier in self.lower_tiers:
             missing = [k for k, t in zip(keys, self.index.tiers_of(namespace, keys)) if t is None and k not in failed]
-            failed.update(self.remote.promote(namespace, missing, self.host, self.index, self.store_lock,
-                                              self._demote))
+            if missing:
+                failed.update(promote(tier, namespace, missing, self.host, self.index, self.store_lock,
+                                      self._demote))
         return failed
 
     def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
         tiers = self.index.tiers_of(namespace, keys)
-        if self.disk is not None and not all(tiers):
-            tiers = [t or d for t, d in zip(tiers, self.disk.tiers_of(namespace, keys))]
-        if self.remote is not None and not all(tiers):
+        for tier in self.lower_tiers:
             missing = [i for i, t in enumerate(tiers) if t is None]
-            found = self.remote.contains(namespace, [keys[i] for i in missing])
-            for i, there in zip(missing, found):
-                tiers[i] = TierKind.REMOTE if there else None
+            if not missing:
+                break
+            for i, there in zip(missing, tier.contains(namespace, [keys[i] for i in missing])):
+                tiers[i] = tier.kind if there else None
         return tiers
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
-        removed = self.index.delete(namespace, keys)
-        removed += self.disk.delete(namespace, keys) if self.disk is not None else 0
-        return removed + (self.remote.delete(namespace, keys) if self.remote is not None else 0)
+        return self.index.delete(namespace, keys) + sum(t.delete(namespace, keys) for t in self.lower_tiers)
 
     def tier_stats(self) -> list[TierStats]:
         i = self.index.stats()
         host = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes)
-        return [host] + [t.stats() for t in (self.disk, self.remote) if t is not None]
+        return [host] + [t.stats() for t in self.lower_tiers]
 
     def demote_all(self, timeout: float) -> int:
-        """Write the host tier's blocks that are not on disk yet, most recent first, for up
-        to ``timeout`` seconds (a rolling restart keeps the cache warm); returns how many."""
-        if self.disk is None:
+        """Write the host tier's blocks down to the tiers that keep them across restarts, most recent
+        first, for up to ``timeout`` seconds (a rolling restart keeps the cache warm); returns how many."""
+        warm = [t for t in self.lower_tiers if t.restart_warm]
+        if not warm:
             return 0
         deadline = time.monotonic() + timeout
         written = 0
@@ -137,25 +154,23 @@ class CacheGroup:
         for first in range(0, len(pending), 64):
             if time.monotonic() >= deadline:
                 break
-            batch = pending[first:first + 64]
             by_ns: dict[str, list] = {}
-            for namespace, key, slot, checksum in batch:
+            for namespace, key, slot, checksum in pending[first:first + 64]:
                 by_ns.setdefault(namespace, []).append((key, slot, checksum))
             for namespace, items in by_ns.items():
                 keys = [k for k, _, _ in items]
                 plan = self.index.prepare_load(namespace, keys)  # pinned: not reused meanwhile
                 try:
-                    written += self.disk.write_now(namespace, [
-                        (keys[i], checksum, self.host.buffer[slot])
-                        for i, slot, checksum in zip(plan.positions, plan.slots, plan.checksums)])
+                    blocks = [(keys[i], checksum, self.host.buffer[slot])
+                              for i, slot, checksum in zip(plan.positions, plan.slots, plan.checksums)]
+                    written += sum(tier.write_now(namespace, blocks) for tier in warm)
                 finally:
                     self.index.complete_load(plan.slots)
         return written
 
     def close(self, timeout: float = 0.0) -> None:
-        for tier in (self.disk, self.remote):
-            if tier is not None:
-                tier.close(timeout)
+        for tier in self.lower_tiers:
+            tier.close(timeout)
 
     def check_joins(self, layout: PoolLayout) -> None:
         """Refuse a pool whose blocks are not byte-compatible with this group's."""

@@ -27,7 +27,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,10 +36,9 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
 from kvxfer.geometry.checksum import block_checksum
-from kvxfer.index.block_index import BlockIndex, Evicted
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, StagingBuffers, Tombstones, take_batch
-from kvxfer.tiers.host import HostTier
+from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header, header_length
 
 log = logging.getLogger(__name__)
@@ -124,11 +122,16 @@ def _said(exc: Exception) -> str:
 
 
 class RemoteStore:
-    """One cache group's blocks in Redis."""
+    """One cache group's blocks in Redis (a ``LowerTier``)."""
+
+    kind = TierKind.REMOTE
+    restart_warm = False  # Redis outlives the daemon on its own
 
     def __init__(self, settings: RemoteSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
         """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every value's header."""
         self.settings = settings
+        self.takes_stores = settings.write_through  # else blocks go to Redis when the host tier evicts them
+        self.takes_evictions = not settings.write_through
         self.group = group
         self.slot_bytes = slot_bytes
         self.fingerprint = fingerprint
@@ -154,7 +157,12 @@ class RemoteStore:
         return b"\0".join([(self.settings.key_prefix + self.group).encode(), namespace.encode(), key])
 
     # -- stores ------------------------------------------------------------------
-    def stage(self, namespace: str, blocks: list[tuple[bytes, int, torch.Tensor]]) -> None:
+    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
+        """Queued like any store (Redis keeps what it holds across the daemon's restarts)."""
+        self.stage(namespace, blocks)
+        return 0
+
+    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
         """Queue (key, checksum, bytes) blocks for Redis; the bytes are copied now (into staging
         buffers: when none is free, the block is dropped and counted)."""
         for key, checksum, data in blocks:
@@ -221,12 +229,10 @@ class RemoteStore:
         self.breaker.succeeded()
         return found
 
-    def promote(self, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
-                store_lock: threading.Lock, on_evicted: Callable[[Evicted], None]) -> dict[bytes, Outcome]:
-        """Fetch the named blocks into host slots, verified, and publish them there; returns the
-        keys that failed: DATA_LOSS (a corrupted value: deleted from Redis) or FAILED."""
+    def fetch(self, namespace: str, keys: list[bytes]) -> _RemoteFetch | Nothing:
+        """The named values Redis holds, fetched now (rounds of ``BATCH``); nothing while unavailable."""
         if not keys or not self.breaker.allows():
-            return {}
+            return Nothing()
         try:
             values = []
             for first in range(0, len(keys), BATCH):  # rounds of BATCH: responses stay small
@@ -236,29 +242,10 @@ class RemoteStore:
                 values += pipe.execute()
         except FAILURES as exc:
             self.breaker.failed(exc)
-            return {}
+            return Nothing()
         self.breaker.succeeded()
         present = [(k, v) for k, v in zip(keys, values) if v is not None]  # None: evicted by Redis, a miss
-        if not present:
-            return {}
-        with store_lock:
-            plan = host_index.prepare_store(namespace, [k for k, _ in present])
-            on_evicted(plan.evicted)
-        targets = {present[i][0]: slot for i, slot in zip(plan.positions, plan.slots)}
-        failed: dict[bytes, Outcome] = {}
-        checksums: dict[int, int] = {}  # host slot -> checksum of what landed there
-        for key, value in present:
-            target = targets.get(key)
-            if target is None:
-                continue
-            verdict, checksum = self._unpack(namespace, key, value, host.buffer[target])
-            if verdict is Outcome.DONE:
-                checksums[target] = checksum
-                self.events.add("promoted")
-            else:
-                failed[key] = verdict
-        host_index.complete_store(plan.slots, [checksums.get(s) for s in plan.slots])
-        return failed
+        return _RemoteFetch(self, namespace, present)
 
     def _mac(self, name: bytes, value) -> bytes:
         """HMAC-SHA256 of a value under its full Redis key: whoever lacks the secret can neither forge a
@@ -292,6 +279,7 @@ class RemoteStore:
                 self.breaker.failed(exc)
             return Outcome.DATA_LOSS, 0
         out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        self.events.add("promoted")
         return Outcome.DONE, got[2]
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
@@ -327,3 +315,18 @@ class RemoteStore:
         self._writer.join(timeout)
         if self._client is not None:
             self._client.close()
+
+
+class _RemoteFetch:
+    """A restore's values Redis held when asked: checked and unpacked into host slots."""
+
+    def __init__(self, store: RemoteStore, namespace: str, present: list[tuple[bytes, bytes]]) -> None:
+        self._store, self._namespace = store, namespace
+        self.keys = [k for k, _ in present]
+        self._values = [v for _, v in present]
+
+    def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
+        return [self._store._unpack(self._namespace, self.keys[j], self._values[j], out) for j, out in targets]
+
+    def end(self, corrupt: set[int]) -> None:
+        self._values = []  # the values: gone with the restore

@@ -9,7 +9,7 @@ between its medium and host memory (``kvxfer.tiers.disk``).
 
 from __future__ import annotations
 
-from kvxfer.index.slots import SlotAllocator
+from kvxfer.tiers.slots import SlotAllocator
 from kvxfer.records import TierKind
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.geometry.layout import PoolLayout
-from kvxfer.index.slots import slot_array
+from kvxfer.tiers.slots import slot_array
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvxfer.index.slots import slot_array
+from kvxfer.tiers.slots import slot_array
 from kvxfer.transfer import device_checksum
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvxfer.index.block_index
-import kvxfer.index.slots
+import kvxfer.tiers.slots
 import kvxfer.validate
 from kvxfer.geometry.layout import PRESETS, KVSpec
 from kvxfer.serving.manager import PoolManager
@@ -28,7 +28,7 @@ CAPACITY = 4
 KEYS = [f"key-{i}".encode() for i in range(8)]
 NS = "model"
 
-FAST_USERS = (kvxfer.validate, kvxfer.index.block_index, kvxfer.index.slots)
+FAST_USERS = (kvxfer.validate, kvxfer.index.block_index, kvxfer.tiers.slots)
 slots_st = st.lists(st.integers(1, SPEC.num_blocks - 1), min_size=1, max_size=5, unique=True)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvxfer.index.block_index as block_index
-import kvxfer.index.slots as slots_module
+import kvxfer.tiers.slots as slots_module
 import kvxfer.validate as validate
 from kvxfer.errors import InvalidArgument
 from kvxfer.fastpath import FAST

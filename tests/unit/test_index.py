@@ -4,7 +4,7 @@ C passes (kvxfer/_fastpath.c) and on the Python passes alone."""
 import pytest
 
 import kvxfer.index.block_index as block_index
-import kvxfer.index.slots as slots_module
+import kvxfer.tiers.slots as slots_module
 from kvxfer.fastpath import FAST
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind

@@ -45,3 +45,15 @@ def test_modules_stay_small():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in Path(ROOT).glob("[ks]*/**/*.py")
              if "v1" not in p.parts}
     assert {p: n for p, n in sizes.items() if n > 400} == {}
+
+
+def test_copy_engines_and_tiers_never_import_the_index():
+    """Bookkeeping uses the tiers' slots, never the reverse (issue 30): transfer/ and tiers/ stay below index/."""
+    offenders = []
+    for package in ("transfer", "tiers"):
+        for path in (ROOT / "kvxfer" / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("kvxfer.index")]
+    assert offenders == []

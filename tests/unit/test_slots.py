@@ -1,7 +1,7 @@
 import pytest
 
 from kvxfer.errors import Internal
-from kvxfer.index.slots import SlotAllocator
+from kvxfer.tiers.slots import SlotAllocator
 
 
 def test_contiguous_first_fit_and_merge():

@@ -1,0 +1,87 @@
+"""The interface every tier below host memory implements: the disk, Redis, and whatever comes next.
+
+A cache group holds an ordered list of lower tiers and drives them through this protocol
+alone (``kvxfer.serving.group``): blocks the host tier evicts (and, for a write-through
+tier, blocks just stored) are *staged* into it, never waited for; a restore of keys the
+host tier lacks *fetches* them from the first tier that has them, straight into reserved
+host slots, with a verdict per key (``kvxfer.serving.promotion`` does the host side once
+for all tiers); a Delete removes keys from all of them, including writes still queued.
+A new tier is one class implementing this, a config section and a row in the group's
+table of tiers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvxfer.records import Outcome, TierKind, TierStats
+
+#: (key, checksum, the block's bytes in a host slot) as staged into a lower tier.
+StagedBlock = tuple[bytes, int, torch.Tensor]
+
+
+class Fetch(Protocol):
+    """The blocks of one restore a lower tier holds, held (not evicted) until ``end``."""
+
+    keys: list[bytes]  # the requested keys this tier holds, in request order
+
+    def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
+        """Copy ``keys[j]``'s verified bytes into each (j, host slot) target; per target DONE and the
+        block's checksum, DATA_LOSS (wrong bytes: removed from the tier), FAILED (the medium
+        failed) or NOT_FOUND (not read after all: left to the host tier)."""
+        ...
+
+    def end(self, corrupt: set[int]) -> None:
+        """Release what ``fetch`` held; ``corrupt``: positions in ``keys`` found DATA_LOSS."""
+        ...
+
+
+class LowerTier(Protocol):
+    """A tier below host memory, as a cache group sees it."""
+
+    kind: TierKind
+    takes_evictions: bool  # blocks the host tier evicts are staged here (demotion)
+    takes_stores: bool  # blocks just stored are staged here too (write-through)
+    restart_warm: bool  # the daemon writes the host tier down here at SIGTERM (``write_now``)
+
+    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
+        """Copy the blocks out now (their host slots are reused next) and write them later; never
+        waits on the medium (a full queue drops and counts)."""
+        ...
+
+    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
+        """Write blocks on this thread, durably; returns how many were."""
+        ...
+
+    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        ...
+
+    def fetch(self, namespace: str, keys: list[bytes]) -> Fetch:
+        ...
+
+    def delete(self, namespace: str, keys: list[bytes]) -> int:
+        """Remove the keys, and drop their writes still queued; returns how many were held."""
+        ...
+
+    def stats(self) -> TierStats:
+        ...
+
+    def flush(self, timeout: float) -> bool:
+        ...
+
+    def close(self, timeout: float = 0.0) -> None:
+        ...
+
+
+class Nothing:
+    """A fetch that found nothing."""
+
+    keys: list[bytes] = []
+
+    def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
+        return []
+
+    def end(self, corrupt: set[int]) -> None:
+        return None
