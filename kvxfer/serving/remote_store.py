@@ -1,6 +1,7 @@
 """A cache group's remote tier on Redis or Redis Cluster: blocks every daemon (node) using it shares.
 
-One Redis value per block: its header (``kvxfer.tiers.record``: format version, block
+One Redis value per block (``kvxfer.tiers.remote``: the medium's connections, circuit
+breaker and value encoding): its header (``kvxfer.tiers.record``: format version, block
 format fingerprint, checksum, namespace, key) and its bytes, written with one SET, so
 that a reader never sees bytes without their checksum. The Redis key is ``key_prefix``,
 the cache group, the namespace and the key, NUL-separated (binary-safe; a rank's cache
@@ -21,104 +22,23 @@ one call tries again. The host and disk paths never wait on Redis.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import redis
 import torch
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
 
-from kvxfer.geometry.checksum import block_checksum
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, StagingBuffers, Tombstones, take_batch
 from kvxfer.tiers.lower import Nothing, StagedBlock
-from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header, header_length
+from kvxfer.tiers.record import DiskCorrupt
+from kvxfer.tiers.remote import BATCH, FAILURES, MAX_HEADER, Breaker, RemoteSettings, connect, header, sealed, \
+    unpack
 
-log = logging.getLogger(__name__)
-#: What a failing Redis raises: its errors, the cluster client's own (not a RedisError), the socket's.
-FAILURES = (redis.RedisError, RedisClusterException, OSError)
-BATCH = 32  # values per pipelined round trip
-MAX_HEADER = 48 + 128 * 4 + 256 + 64  # fixed part, a namespace (UTF-8), a key, and room
-MAX_BACKOFF_S = 30.0
-MAC_BYTES = 32
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    """Where the remote tier lives and how to reach it (the password never appears in a repr)."""
-
-    url: str  # redis://, rediss:// (TLS), redis+cluster://, rediss+cluster://
-    username: str = ""
-    password: str = field(default="", repr=False)
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    key_prefix: str = "kvxfer:"
-    timeout_s: float = 0.2
-    write_through: bool = False  # every stored block goes to Redis too, not only those leaving the host tier
-    max_inflight: int = 256
-    secret: bytes = field(default=b"", repr=False)  # shared by the daemons of a tier: values carry a MAC under it
-
-    @property
-    def cluster(self) -> bool:
-        return "+cluster" in self.url.split("://", 1)[0]
-
-
-def connect(settings: RemoteSettings) -> redis.Redis | RedisCluster:
-    """A client that fails fast (no retries: the breaker decides when to try again)."""
-    url = settings.url.replace("+cluster", "")
-    options = dict(username=settings.username or None, password=settings.password or None,
-                   socket_timeout=settings.timeout_s, socket_connect_timeout=settings.timeout_s)
-    if url.startswith("rediss://"):
-        options.update(ssl_ca_certs=settings.tls_ca or None, ssl_certfile=settings.tls_cert or None,
-                       ssl_keyfile=settings.tls_key or None)
-    if settings.cluster:
-        return RedisCluster.from_url(url, **options)
-    return redis.Redis.from_url(url, retry_on_timeout=False, **options)
-
-
-class Breaker:
-    """Closed: calls go through. A failure opens it for a backoff that doubles while failures last."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.open_until = 0.0
-        self.backoff = 0.5
-        self.failures = 0
-        self._lock = threading.Lock()
-
-    def allows(self) -> bool:
-        return time.monotonic() >= self.open_until
-
-    @property
-    def open(self) -> bool:
-        return self.failures > 0
-
-    def succeeded(self) -> None:
-        with self._lock:
-            if self.failures:
-                log.warning("remote tier reachable again", extra={"remote": self.what})
-            self.failures, self.backoff = 0, 0.5
-
-    def failed(self, exc: Exception) -> None:
-        with self._lock:
-            if not self.failures:
-                log.error("remote tier unavailable", extra={"remote": self.what, "error": _said(exc)})
-            self.failures += 1
-            self.open_until = time.monotonic() + self.backoff
-            self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
-
-
-def _said(exc: Exception) -> str:
-    """What went wrong, for a log line: the class and Redis's message (no secrets are in either)."""
-    return f"{type(exc).__name__}: {exc}"[:300]
+__all__ = ["BATCH", "RemoteSettings", "RemoteStore"]
 
 
 class RemoteStore:
@@ -208,9 +128,9 @@ class RemoteStore:
     def _send(self, batch: list) -> None:
         pipe = self.client.pipeline(transaction=False)
         for namespace, key, checksum, index, _ in batch:
-            header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes)
-            name, value = self.key(namespace, key), self._staging.with_header(index, header)
-            pipe.set(name, value if not self.settings.secret else bytes(value) + self._mac(name, value))
+            head = header(self.fingerprint, namespace, key, checksum, self.slot_bytes)
+            name = self.key(namespace, key)
+            pipe.set(name, sealed(self.settings.secret, name, self._staging.with_header(index, head)))
         pipe.execute()
 
     # -- lookups and restores ---------------------------------------------------------
@@ -247,40 +167,23 @@ class RemoteStore:
         present = [(k, v) for k, v in zip(keys, values) if v is not None]  # None: evicted by Redis, a miss
         return _RemoteFetch(self, namespace, present)
 
-    def _mac(self, name: bytes, value) -> bytes:
-        """HMAC-SHA256 of a value under its full Redis key: whoever lacks the secret can neither forge a
-        value nor move one to another key."""
-        mac = hmac.new(self.settings.secret, name, hashlib.sha256)
-        mac.update(value)
-        return mac.digest()
-
     def _unpack(self, namespace: str, key: bytes, value: bytes, out: torch.Tensor) -> tuple[Outcome, int]:
+        name = self.key(namespace, key)
         try:
-            if self.settings.secret:
-                value, mac = value[:-MAC_BYTES], value[-MAC_BYTES:]
-                if not hmac.compare_digest(self._mac(self.key(namespace, key), value), mac):
-                    raise DiskCorrupt("forged")
-            split = len(value) - self.slot_bytes
-            if split != header_length(namespace, key):
-                raise DiskCorrupt("truncated")
-            got = decode_header(value[:split], self.fingerprint, self.slot_bytes)
-            if got[:2] != (namespace, key):
-                raise DiskCorrupt("bad_header")
-            data = memoryview(value)[split:]
-            if block_checksum(data) != got[2]:
-                raise DiskCorrupt("checksum")
+            checksum, data = unpack(value, name, namespace, key, self.fingerprint, self.slot_bytes,
+                                    self.settings.secret)
         except DiskCorrupt as bad:
             if str(bad) == "foreign_format":
                 return Outcome.NOT_FOUND, 0  # another format's block under this name: not ours to judge
             self.events.add("corrupt")
             try:
-                self.client.delete(self.key(namespace, key))
+                self.client.delete(name)
             except FAILURES as exc:
                 self.breaker.failed(exc)
             return Outcome.DATA_LOSS, 0
         out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         self.events.add("promoted")
-        return Outcome.DONE, got[2]
+        return Outcome.DONE, checksum
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove the keys' values, and drop the writes of them still queued."""

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.records import Outcome
 from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
+from kvxfer.tiers.remote import mac
 from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt, encode_header
 
@@ -53,7 +54,7 @@ def test_a_changed_redis_value_is_served_whole_or_not_at_all(edits, cut, secret)
         header = encode_header(FP, "ns", b"key", block_checksum(memoryview(data)), SLOT_BYTES)
         value = header + data
         if secret:
-            value += store._mac(store.key("ns", b"key"), value)
+            value += mac(secret, store.key("ns", b"key"), value)
         changed = _apply(value, edits, cut)
         out = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
         store.client.delete = lambda *names: 0  # a DATA_LOSS deletes the value: no Redis here
