@@ -23,20 +23,18 @@ import errno
 import fcntl
 import logging
 import os
-import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import EventCounts, StagingBuffers, Tombstones, take_batch
+from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
 from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.lower import StagedBlock
@@ -55,16 +53,6 @@ class DiskSettings:
     workers: int = 4  # threads reading blocks for restores
 
 
-@dataclass
-class _Staged:
-    namespace: str
-    key: bytes
-    checksum: int
-    data: np.ndarray  # the block's bytes: a staging buffer's (the host slot is reused) or a pinned slot's
-    buffer: int | None = None  # the staging buffer to give back once written
-    seq: int = 0  # its place among writes and Deletes (``Tombstones``)
-
-
 class DiskStore:
     """One cache group's disk tier, its index and its workers (a ``LowerTier``)."""
 
@@ -81,15 +69,13 @@ class DiskStore:
         self._lock_fd = _lock_directory(self.tier.directory)  # one store per directory, in any process
         self.index = BlockIndex(TierKind.DISK, self.tier.slots)
         self.events = EventCounts()
-        self.tombstones = Tombstones()
         self.degraded = False
         self.index_seconds = self._rebuild()
         self._reads = threading.BoundedSemaphore(settings.queue_blocks)
-        self._queue: queue.Queue[_Staged | None] = queue.Queue(settings.queue_blocks + 1)  # + the stop mark
-        self._staging = StagingBuffers(settings.queue_blocks, slot_bytes)
+        self.queue = WriteQueue(f"kvxfer-disk-write-{group}", settings.queue_blocks, slot_bytes, self.write, BATCH,
+                                on_stop=lambda: os.close(self._lock_fd))  # the directory free for the next store
+        self.tombstones = self.queue.tombstones
         self._readers = ThreadPoolExecutor(settings.workers, thread_name_prefix=f"kvxfer-disk-read-{group}")
-        self._writer = threading.Thread(target=self._write_loop, name=f"kvxfer-disk-write-{group}", daemon=True)
-        self._writer.start()
 
     def _rebuild(self) -> float:
         """The index from the files there, oldest first; invalid files are removed and counted."""
@@ -114,51 +100,27 @@ class DiskStore:
         for (key, checksum, data), there in zip(blocks, present):
             if there:
                 continue
-            index = self._staging.take(data.numpy())
-            if index is None:  # every staging buffer in use: the disk is behind
+            if not self.queue.stage(namespace, key, checksum, data.numpy()):  # the disk is behind
                 self.events.add("demotions_dropped", 1)
-                continue
-            seq = self.tombstones.staged(namespace, key)
-            self._queue.put_nowait(_Staged(namespace, key, checksum, self._staging.block(index), index, seq))
-
-    def _write_loop(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                self._queue.task_done()
-                os.close(self._lock_fd)  # the directory is free for the next store
-                return
-            batch = take_batch(self._queue, first, BATCH)
-            try:
-                self.write(batch)
-            except Exception:  # a bug: the writer must not die (and silently stop demoting); counted in write
-                log.exception("disk write batch failed")
-            finally:
-                for item in batch:
-                    if item.buffer is not None:
-                        self._staging.give_back(item.buffer)
-                    self._queue.task_done()
 
     def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
         """Write (key, checksum, bytes) blocks not on disk yet, on this thread; returns how many were."""
         present = self.index.contains(namespace, [k for k, _, _ in blocks])
-        staged = [_Staged(namespace, k, c, data.numpy(), seq=self.tombstones.staged(namespace, k))
+        staged = [Staged(namespace, k, c, data.numpy(), seq=self.tombstones.staged(namespace, k))
                   for (k, c, data), there in zip(blocks, present) if not there]
-        return self.write(staged)
-
-    def write(self, staged: list[_Staged]) -> int:
-        """Make blocks durable and publish them in the disk index; returns how many were. A block
-        whose key was deleted after it was staged is not published, and its file is removed."""
-        written = 0
         try:
-            for namespace in dict.fromkeys(s.namespace for s in staged):
-                written += self._write_namespace(namespace, {s.key: s for s in staged if s.namespace == namespace})
+            return self.write(staged)
         finally:
             for item in staged:
                 self.tombstones.done(item.namespace, item.key)
-        return written
 
-    def _write_namespace(self, namespace: str, items: dict[bytes, _Staged]) -> int:
+    def write(self, staged: list[Staged]) -> int:
+        """Make blocks durable and publish them in the disk index; returns how many were. A block
+        whose key was deleted after it was staged is not published, and its file is removed."""
+        return sum(self._write_namespace(namespace, {s.key: s for s in staged if s.namespace == namespace})
+                   for namespace in dict.fromkeys(s.namespace for s in staged))
+
+    def _write_namespace(self, namespace: str, items: dict[bytes, Staged]) -> int:
         plan = self.index.prepare_store(namespace, list(items))
         self.events.add("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
         checksums: list[int | None] = [None] * len(plan.slots)
@@ -243,18 +205,10 @@ class DiskStore:
 
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the staged demotions to be written; True if they were."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self._queue.unfinished_tasks
+        return self.queue.flush(timeout)
 
     def close(self, timeout: float = 0.0) -> None:
-        self.flush(timeout)
-        try:
-            self._queue.put(None, timeout=max(timeout, 0.1))
-        except queue.Full:
-            pass  # the writer is stuck on a dead device: it is a daemon thread
-        self._writer.join(timeout)
+        self.queue.close(timeout)
         self._readers.shutdown(wait=False, cancel_futures=True)
 
 

@@ -22,9 +22,7 @@ one call tries again. The host and disk paths never wait on Redis.
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
 
 import numpy as np
 import redis
@@ -32,7 +30,7 @@ import torch
 from redis.cluster import RedisCluster
 
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import EventCounts, StagingBuffers, Tombstones, take_batch
+from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.remote import BATCH, FAILURES, MAX_HEADER, Breaker, RemoteSettings, connect, header, sealed, \
@@ -59,11 +57,9 @@ class RemoteStore:
         self._connect_lock = threading.Lock()
         self.breaker = Breaker(settings.url.split("@")[-1])  # never the credentials of a URL
         self.events = EventCounts()
-        self.tombstones = Tombstones()
-        self._queue: queue.Queue = queue.Queue(settings.max_inflight + 1)  # + the stop mark
-        self._staging = StagingBuffers(settings.max_inflight, slot_bytes, headroom=MAX_HEADER)
-        self._writer = threading.Thread(target=self._write_loop, name=f"kvxfer-remote-{group}", daemon=True)
-        self._writer.start()
+        self.queue = WriteQueue(f"kvxfer-remote-{group}", settings.max_inflight, slot_bytes, self._write, BATCH,
+                                headroom=MAX_HEADER)
+        self.tombstones = self.queue.tombstones
 
     @property
     def client(self) -> redis.Redis | RedisCluster:
@@ -86,51 +82,35 @@ class RemoteStore:
         """Queue (key, checksum, bytes) blocks for Redis; the bytes are copied now (into staging
         buffers: when none is free, the block is dropped and counted)."""
         for key, checksum, data in blocks:
-            index = self._staging.take(data.numpy()) if self.breaker.allows() else None
-            if index is None:
+            if not (self.breaker.allows() and self.queue.stage(namespace, key, checksum, data.numpy())):
                 self.events.add("stores_dropped")
-                continue
-            seq = self.tombstones.staged(namespace, key)
-            self._queue.put_nowait((namespace, key, checksum, index, seq))  # never full: one place per buffer
 
-    def _write_loop(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            self._write(take_batch(self._queue, first, BATCH))
-
-    def _write(self, batch: list) -> None:
+    def _write(self, batch: list[Staged]) -> None:
         # Decided and sent under ``publishing``: a Delete of a key either comes after the SET (and
         # removes it) or before the decision (and the write is dropped): a deleted key never returns.
-        alive: list = []
-        try:
-            with self.tombstones.publishing:
-                alive = [item for item in batch if self.tombstones.alive(item[0], item[1], item[4])]
-                self.events.add("deleted_while_queued", len(batch) - len(alive))
-                if alive and not self.breaker.allows():
-                    self.events.add("stores_dropped", len(alive))
-                    return
-                if alive:
-                    self._send(alive)
-        except FAILURES as exc:
-            self.breaker.failed(exc)
-            self.events.add("stores_dropped", len(alive))
-            return
-        finally:
-            for namespace, key, _, index, _ in batch:
-                self._staging.give_back(index)
-                self.tombstones.done(namespace, key)
-        if alive:
-            self.breaker.succeeded()
-            self.events.add("stored", len(alive))
+        with self.tombstones.publishing:
+            alive = [s for s in batch if self.tombstones.alive(s.namespace, s.key, s.seq)]
+            self.events.add("deleted_while_queued", len(batch) - len(alive))
+            if not alive:
+                return
+            if not self.breaker.allows():
+                self.events.add("stores_dropped", len(alive))
+                return
+            try:
+                self._send(alive)
+            except FAILURES as exc:
+                self.breaker.failed(exc)
+                self.events.add("stores_dropped", len(alive))
+                return
+        self.breaker.succeeded()
+        self.events.add("stored", len(alive))
 
-    def _send(self, batch: list) -> None:
+    def _send(self, batch: list[Staged]) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for namespace, key, checksum, index, _ in batch:
-            head = header(self.fingerprint, namespace, key, checksum, self.slot_bytes)
-            name = self.key(namespace, key)
-            pipe.set(name, sealed(self.settings.secret, name, self._staging.with_header(index, head)))
+        for s in batch:
+            head = header(self.fingerprint, s.namespace, s.key, s.checksum, self.slot_bytes)
+            name = self.key(s.namespace, s.key)
+            pipe.set(name, sealed(self.settings.secret, name, self.queue.staging.with_header(s.buffer, head)))
         pipe.execute()
 
     # -- lookups and restores ---------------------------------------------------------
@@ -204,18 +184,11 @@ class RemoteStore:
         """Redis holds what it holds (shared, evicting on its own): no capacity or occupancy of ours."""
         return TierStats(TierKind.REMOTE, 0, 0, 0, 0, 0, self.slot_bytes, self.breaker.open, self.events.snapshot())
 
-    def flush(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._queue.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    def flush(self, timeout: float) -> bool:
+        return self.queue.flush(timeout)
 
     def close(self, timeout: float = 0.0) -> None:
-        self.flush(timeout)
-        try:
-            self._queue.put(None, timeout=max(timeout, 0.1))
-        except queue.Full:
-            pass
-        self._writer.join(timeout)
+        self.queue.close(timeout)
         if self._client is not None:
             self._client.close()
 

@@ -1,4 +1,5 @@
-"""What the lower tiers' stores share: staging buffers, batch draining, event counts.
+"""What the lower tiers' stores share: the write queue in front of a medium (staging buffers,
+a writer thread, batches, tombstones), and event counts.
 
 Staging buffers are preallocated memory that holds blocks on their way to a lower tier.
 
@@ -12,10 +13,16 @@ just in front of it and the two sent as one value without another copy.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def take_batch(items: queue.Queue, first, limit: int) -> list:
@@ -138,3 +145,73 @@ class Tombstones:
         """Keys with writes in flight (bounded by the queue)."""
         with self._lock:
             return len(self._inflight)
+
+
+@dataclass
+class Staged:
+    """One block on its way down: its bytes in a staging buffer (``buffer``), or in a host slot
+    pinned by the caller (``buffer`` None), and its place among writes and Deletes (``seq``)."""
+
+    namespace: str
+    key: bytes
+    checksum: int
+    data: np.ndarray
+    buffer: int | None = None
+    seq: int = 0
+
+
+class WriteQueue:
+    """A bounded queue of staged blocks written by one thread, ``batch`` at a time, through the
+    tier's ``write``; the tier decides and publishes under ``tombstones.publishing``."""
+
+    def __init__(self, name: str, count: int, nbytes: int, write: Callable[[list[Staged]], None], batch: int,
+                 headroom: int = 0, on_stop: Callable[[], None] = lambda: None) -> None:
+        self.staging = StagingBuffers(count, nbytes, headroom)
+        self.tombstones = Tombstones()
+        self._write, self._batch, self._on_stop = write, batch, on_stop
+        self._queue: queue.Queue[Staged | None] = queue.Queue(count + 1)  # + the stop mark
+        self._writer = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._writer.start()
+
+    def stage(self, namespace: str, key: bytes, checksum: int, data: np.ndarray) -> bool:
+        """Copy a block into a staging buffer and queue it; False (nothing queued) when every
+        buffer is in use: the medium is behind, the caller drops the block and counts it."""
+        index = self.staging.take(data)
+        if index is None:
+            return False
+        seq = self.tombstones.staged(namespace, key)
+        self._queue.put_nowait(Staged(namespace, key, checksum, self.staging.block(index), index, seq))  # one place a buffer
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                self._queue.task_done()
+                self._on_stop()
+                return
+            batch = take_batch(self._queue, first, self._batch)
+            try:
+                self._write(batch)
+            except Exception:  # a bug: the writer must not die (and silently stop writing); the tier counts
+                log.exception("a lower tier's write batch failed")
+            finally:
+                for item in batch:
+                    self.staging.give_back(item.buffer)
+                    self.tombstones.done(item.namespace, item.key)
+                    self._queue.task_done()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the queued blocks to be written; True if they were."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    def close(self, timeout: float = 0.0) -> None:
+        self.flush(timeout)
+        try:
+            self._queue.put(None, timeout=max(timeout, 0.1))
+        except queue.Full:
+            pass  # the writer is stuck on a dead medium: it is a daemon thread
+        self._writer.join(timeout)

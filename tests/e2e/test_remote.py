@@ -302,7 +302,7 @@ def test_a_deleted_key_never_comes_back_from_the_write_queue(server):
         return wrapper
 
     blocks = [(b"k%d" % i, 0, torch.full((64,), i, dtype=torch.uint8)) for i in range(4)]
-    store._write = hold("_write")  # the writer has the batch, not yet the lock
+    store.queue._write = hold("_write")  # the writer has the batch, not yet the lock
     store.stage("ns", blocks[:2])
     assert entered["_write"].wait(10)
     store.delete("ns", [b"k0"])  # does not wait: nothing is being sent
