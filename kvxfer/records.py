@@ -35,6 +35,7 @@ class TierKind(enum.Enum):
     HOST = "host"
     DISK = "disk"
     REMOTE = "remote"
+    SHARED_FS = "shared_fs"
 
 
 class Medium(enum.Enum):
@@ -100,9 +101,10 @@ class TierStats:
 
     @property
     def has_occupancy(self) -> bool:
-        """False for a remote tier: Redis is shared and evicts on its own, so capacity, use and
-        evictions are not ours to count (its figures here are zeros, not measurements)."""
-        return self.tier is not TierKind.REMOTE
+        """False for the tiers every node shares (Redis evicts on its own; a shared filesystem is
+        filled by every node): capacity, use and evictions are not ours to count (their figures
+        here are zeros, not measurements)."""
+        return self.tier not in (TierKind.REMOTE, TierKind.SHARED_FS)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
 from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.remote_store import RemoteSettings
+from kvxfer.serving.shared_fs_store import SharedFsSettings
 from kvxfer.serving.registry import Limits, capacity_blocks
 from kvxfer.memory.shm import resolve_group
 from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
@@ -84,13 +86,14 @@ class Config:
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
     disk: DiskSettings | None = None  # every cache group's disk tier; absent: none
     remote: RemoteSettings | None = None  # every cache group's remote tier (Redis); absent: none
+    shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier; absent: none
 
     @property
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
                       self.max_jobs_per_client, self.cache_group_retention_s, self.checksum_on_device, self.disk,
-                      self.remote, self.copy_threads, self.gpu_copy_deadline_s)
+                      self.remote, self.copy_threads, self.gpu_copy_deadline_s, self.shared_fs)
 
     @property
     def token(self) -> str:
@@ -99,7 +102,7 @@ class Config:
         return Path(self.token_file).read_text().strip()
 
 
-_SECTIONS = ("pools", "disk", "remote")
+_SECTIONS = ("pools", "disk", "remote", "shared_fs")
 _SCALARS = {f.name: f for f in fields(Config) if f.name not in _SECTIONS}
 _DISK_KEYS = {"path", "capacity_gib", "queue_blocks", "workers"}
 _MODES = {"socket_mode"}
@@ -208,7 +211,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     if len({p.id for p in pools}) != len(pools):
         raise ConfigError("pools: ids must be unique")
     return validate(replace(Config(), **values, pools=pools, disk=_disk(raw.get("disk")),
-                            remote=_remote(raw.get("remote"))))
+                            remote=_remote(raw.get("remote")), shared_fs=_shared_fs(raw.get("shared_fs"))))
 
 
 _REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
@@ -288,6 +291,31 @@ def _disk(raw) -> DiskSettings | None:
     except OSError as exc:
         raise ConfigError(f"disk.path: {shown(path)} is not a writable directory ({exc.strerror})") from None
     return DiskSettings(path, int(capacity * (1 << 30)), bounded["queue_blocks"], bounded["workers"])
+
+
+def _shared_fs(raw) -> SharedFsSettings | None:
+    """The ``shared_fs`` section: a directory on a mount every node shares, a deadline per call."""
+    if raw is None:
+        return None
+    allowed = {"path", "timeout_ms", "workers", "max_inflight"}
+    if not isinstance(raw, dict) or set(raw) - allowed:
+        raise ConfigError(f"shared_fs: must be a mapping of {sorted(allowed)} (path required)")
+    path = raw.get("path")
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ConfigError(f"shared_fs.path: must be an absolute path, got {shown(path)}")
+    bounded = {}
+    for key, default, top in (("timeout_ms", 2000, 60_000), ("workers", 8, 64), ("max_inflight", 256, 65536)):
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise ConfigError(f"shared_fs.{key}: must be an integer in [1, {top}], got {shown(value)}")
+        bounded[key] = value
+    answer: list[bool] = []  # asked on a thread: a stalled mount must not hang the start (the tier then misses)
+    probe = threading.Thread(target=lambda: answer.append(Path(path).is_dir()), daemon=True)
+    probe.start()
+    probe.join(bounded["timeout_ms"] / 1000)
+    if answer == [False]:  # not made here: a missing directory is a mount that is not there
+        raise ConfigError(f"shared_fs.path: {shown(path)} is not a directory (is the shared filesystem mounted?)")
+    return SharedFsSettings(path, bounded["timeout_ms"] / 1000, bounded["workers"], bounded["max_inflight"])
 
 
 def validate(config: Config) -> Config:

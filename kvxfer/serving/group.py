@@ -22,6 +22,7 @@ from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.disk_store import DiskSettings, DiskStore
 from kvxfer.serving.promotion import promote
 from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
+from kvxfer.serving.shared_fs_store import SharedFsSettings, SharedFsStore
 from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.lower import LowerTier
 
@@ -55,14 +56,15 @@ class BlockFormat:
 
 #: The lower tiers a group may have, top down (a restore asks them in this order): config
 #: section -> the class that serves it. A new tier is a row here and a class under ``serving``.
-LOWER_TIERS: list[tuple[str, type]] = [("disk", DiskStore), ("remote", RemoteStore)]
+LOWER_TIERS: list[tuple[str, type]] = [("disk", DiskStore), ("shared_fs", SharedFsStore), ("remote", RemoteStore)]
 
 
 class CacheGroup:
     """One host tier and the index over it, and the lower tiers below it (``LowerTier``), top down."""
 
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
-                 disk: DiskSettings | None = None, remote: RemoteSettings | None = None) -> None:
+                 disk: DiskSettings | None = None, remote: RemoteSettings | None = None,
+                 shared_fs: SharedFsSettings | None = None) -> None:
         self.name = name
         self.format = BlockFormat.of(layout)
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
@@ -71,7 +73,7 @@ class CacheGroup:
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
         fingerprint, nbytes = self.format.bound_to(name), layout.block_bytes
-        settings = {"disk": disk, "remote": remote}
+        settings = {"disk": disk, "remote": remote, "shared_fs": shared_fs}
         self.lower_tiers: list[LowerTier] = [make(settings[section], name, fingerprint, nbytes)
                                              for section, make in LOWER_TIERS if settings[section] is not None]
 

@@ -24,13 +24,11 @@ from dataclasses import dataclass, field
 
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
-from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.group import CacheGroup, DiskSettings, RemoteSettings, SharedFsSettings
 from kvxfer.serving.handoff import HandOff, HandOffs, check_path_names, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.serving.lifetimes import ProcessWatch
 from kvxfer.geometry.layout import KVSpec, Layout
-from kvxfer.serving.disk_store import DiskSettings
-from kvxfer.serving.remote_store import RemoteSettings
 from kvxfer.serving.manager import PoolManager, TransferObserver
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
@@ -61,6 +59,7 @@ class Limits:
     remote: RemoteSettings | None = None  # every cache group's remote tier on Redis (None: none)
     copy_threads: int = 2  # threads of each CPU pool's copy engine
     gpu_copy_deadline_s: float = 30.0  # a GPU copy not done by then fails its job (DEADLINE_EXCEEDED)
+    shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier (None: none)
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,8 @@ class PoolRegistry:
                     raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
                                             f"{self.limits.max_cache_groups}")
                 entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device,
-                                          disk=self.limits.disk, remote=self.limits.remote), owner)
+                                          disk=self.limits.disk, remote=self.limits.remote,
+                                          shared_fs=self.limits.shared_fs), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
             manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
                                   observer=self.observer, copy_threads=self.limits.copy_threads,

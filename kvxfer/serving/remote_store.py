@@ -33,7 +33,8 @@ from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
-from kvxfer.tiers.remote import BATCH, FAILURES, MAX_HEADER, Breaker, RemoteSettings, connect, header, sealed, \
+from kvxfer.tiers.breaker import Breaker
+from kvxfer.tiers.remote import BATCH, FAILURES, MAX_HEADER, RemoteSettings, connect, header, sealed, \
     unpack
 
 __all__ = ["BATCH", "RemoteSettings", "RemoteStore"]

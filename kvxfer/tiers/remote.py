@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import threading
-import time
 from dataclasses import dataclass, field
 
 import redis
@@ -30,7 +28,6 @@ log = logging.getLogger(__name__)
 FAILURES = (redis.RedisError, RedisClusterException, OSError)
 BATCH = 32  # values per pipelined round trip
 MAX_HEADER = 48 + 128 * 4 + 256 + 64  # fixed part, a namespace (UTF-8), a key, and room
-MAX_BACKOFF_S = 30.0
 MAC_BYTES = 32
 
 
@@ -66,43 +63,6 @@ def connect(settings: RemoteSettings) -> redis.Redis | RedisCluster:
     if settings.cluster:
         return RedisCluster.from_url(url, **options)
     return redis.Redis.from_url(url, retry_on_timeout=False, **options)
-
-
-class Breaker:
-    """Closed: calls go through. A failure opens it for a backoff that doubles while failures last."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.open_until = 0.0
-        self.backoff = 0.5
-        self.failures = 0
-        self._lock = threading.Lock()
-
-    def allows(self) -> bool:
-        return time.monotonic() >= self.open_until
-
-    @property
-    def open(self) -> bool:
-        return self.failures > 0
-
-    def succeeded(self) -> None:
-        with self._lock:
-            if self.failures:
-                log.warning("remote tier reachable again", extra={"remote": self.what})
-            self.failures, self.backoff = 0, 0.5
-
-    def failed(self, exc: Exception) -> None:
-        with self._lock:
-            if not self.failures:
-                log.error("remote tier unavailable", extra={"remote": self.what, "error": _said(exc)})
-            self.failures += 1
-            self.open_until = time.monotonic() + self.backoff
-            self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
-
-
-def _said(exc: Exception) -> str:
-    """What went wrong, for a log line: the class and Redis's message (no secrets are in either)."""
-    return f"{type(exc).__name__}: {exc}"[:300]
 
 
 def mac(secret: bytes, name: bytes, value) -> bytes:

@@ -32,6 +32,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
+    TIER_SHARED_FS: _ClassVar[Tier]
 MEDIUM_UNSPECIFIED: Medium
 MEDIUM_SHM: Medium
 MEDIUM_CUDA: Medium
@@ -49,6 +50,7 @@ TIER_UNSPECIFIED: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
 TIER_REMOTE: Tier
+TIER_SHARED_FS: Tier
 
 class PoolRef(_message.Message):
     __slots__ = ("pool_id", "epoch", "registration_token")

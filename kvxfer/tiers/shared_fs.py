@@ -1,0 +1,151 @@
+"""The shared filesystem tier's medium: a file per block on a mount every node sees (NFS, Lustre,
+GPFS, CephFS).
+
+A file is named by its block (a hash of the cache group, the namespace and the key), not by a
+slot: a node finds what another wrote with one stat, and no node indexes the others' files.
+Its contents are the disk tier's: a 4 KiB header (``kvxfer.tiers.record``: the block format's
+fingerprint bound to the cache group, the checksum, the namespace and the key) and the block.
+It is written under a temporary name unique to this process, flushed, renamed into place and
+its directory flushed, so a reader sees the old file, the new one or none, never half of one.
+Reads never follow a link or wait on a FIFO, and check the header and the checksum.
+
+A mount can stall (a server away, a lost lease): a call into it can block in the kernel for
+minutes. So every call runs on a bounded pool of threads and is waited for at most
+``timeout_s``; past it the call is a miss (or a dropped write) and a circuit breaker stops new
+calls until one probe gets through: stuck threads never pile up and nothing else waits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from kvxfer.geometry.checksum import block_checksum
+from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
+from kvxfer.tiers.breaker import Breaker
+
+HEADER_BYTES = 4096
+FILE_MODE = 0o600
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+T = TypeVar("T")
+
+
+class Stalled(Exception):
+    """The mount did not answer within the deadline (or the breaker is open after it did not)."""
+
+
+@dataclass(frozen=True)
+class SharedFsSettings:
+    """A directory on a shared mount; every node's cache group ``g`` uses ``<path>/<g>/``."""
+
+    path: str
+    timeout_s: float = 2.0  # one call into the mount, at most
+    workers: int = 8  # threads calling into the mount (stuck ones included)
+    max_inflight: int = 256  # writes staged in memory
+
+
+class SharedFs:
+    """One cache group's files on the shared mount, every call under a deadline."""
+
+    def __init__(self, settings: SharedFsSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
+        self.directory = Path(settings.path) / group
+        self.group, self.fingerprint, self.slot_bytes = group, fingerprint, slot_bytes
+        self.timeout_s = settings.timeout_s
+        self.breaker = Breaker(str(self.directory), tier="shared filesystem tier")
+        self._calls = concurrent.futures.ThreadPoolExecutor(settings.workers,
+                                                            thread_name_prefix=f"kvxfer-sharedfs-{group}")
+        self._tmp = f"{socket.gethostname()}.{os.getpid()}"
+
+    def name(self, namespace: str, key: bytes) -> Path:
+        digest = hashlib.sha256(b"\0".join([self.group.encode(), namespace.encode(), key])).hexdigest()
+        return self.directory / digest[:2] / f"{digest}.kvb"
+
+    def call(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on a mount thread, waited for at most ``timeout_s``; ``Stalled`` past it.
+        An OSError from the call itself is the call's (the mount answered)."""
+        if not self.breaker.allows():
+            raise Stalled(f"{self.directory}: not answering (backing off)")
+        future = self._calls.submit(fn, *args)
+        try:
+            result = future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            exc = Stalled(f"{self.directory}: no answer within {self.timeout_s} s")
+            self.breaker.failed(exc)
+            raise exc from None
+        self.breaker.succeeded()
+        return result
+
+    # -- the calls (run on mount threads) ---------------------------------------------
+    def write(self, namespace: str, key: bytes, checksum: int, data) -> None:
+        """Make one block's file durable under its name (replacing any)."""
+        path = self.name(namespace, key)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{self._tmp}.{threading.get_ident()}.tmp")
+        header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes, pad_to=HEADER_BYTES)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            for view in (memoryview(header), memoryview(data).cast("B")):
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fdatasync(fd)
+        except OSError:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.rename(tmp, path)
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def exists(self, namespace: str, key: bytes) -> bool:
+        try:
+            return stat.S_ISREG(os.stat(self.name(namespace, key), follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def read(self, namespace: str, key: bytes) -> tuple[int, bytearray] | None:
+        """The block's checksum and verified bytes (a private buffer: a late read never lands in a
+        host slot), None if absent; ``DiskCorrupt`` if the file is not that block, whole."""
+        try:
+            fd = os.open(self.name(namespace, key), _READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise DiskCorrupt("foreign_file") from exc  # a link or a FIFO where a block should be
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != HEADER_BYTES + self.slot_bytes:
+                raise DiskCorrupt("truncated" if stat.S_ISREG(st.st_mode) else "foreign_file")
+            got = decode_header(os.pread(fd, HEADER_BYTES, 0), self.fingerprint, self.slot_bytes, HEADER_BYTES)
+            if got[:2] != (namespace, key):
+                raise DiskCorrupt("bad_header")
+            data = bytearray(self.slot_bytes)
+            if os.preadv(fd, [data], HEADER_BYTES) != self.slot_bytes:
+                raise DiskCorrupt("truncated")
+        finally:
+            os.close(fd)
+        if block_checksum(data) != got[2]:
+            raise DiskCorrupt("checksum")
+        return got[2], data
+
+    def delete(self, namespace: str, key: bytes) -> bool:
+        try:
+            os.unlink(self.name(namespace, key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)  # threads stuck in the kernel return with the mount

@@ -1,0 +1,142 @@
+"""The shared filesystem tier (issue 30): a directory several nodes mount, every call under a deadline.
+
+Two cache groups of one name over one directory stand for two nodes. A stalled mount cannot be
+made here (it needs a server that stops answering), so it is a mount call that sleeps past the
+deadline, as a stalled NFS call blocks in the kernel."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory.pool import Pool
+from kvxfer.records import Outcome, TierKind
+from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.shared_fs_store import SharedFsSettings
+
+SPEC = KVSpec(2, 64, 16, 2, 32, torch.float16)  # 8 KiB blocks
+HOST_BLOCKS = 8
+
+
+def node(shared, timeout_s: float = 2.0) -> tuple[Pool, PoolManager]:
+    pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
+    pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
+    group = CacheGroup("g", pool.layout, HOST_BLOCKS, shared_fs=SharedFsSettings(str(shared), timeout_s))
+    return pool, PoolManager(pool, group)
+
+
+def block(pool: Pool, b: int) -> torch.Tensor:
+    span = pool.layout.block_bytes
+    return pool.storage[b * span:(b + 1) * span].clone()
+
+
+def offload(manager: PoolManager, blocks: range) -> None:
+    for start in range(blocks.start, blocks.stop, 4):
+        pairs = [(b, b"k%d" % b) for b in range(start, min(start + 4, blocks.stop))]
+        assert manager.offload("ns", pairs).outcomes == [Outcome.DONE] * len(pairs)
+
+
+def test_a_block_one_node_evicts_is_restored_by_another_bit_exact(tmp_path):
+    a_pool, a = node(tmp_path)
+    b_pool, b = node(tmp_path)
+    try:
+        offload(a, range(1, 21))  # 12 evicted from a's host tier to the shared directory
+        assert a.group.lower_tiers[0].flush(10)
+        keys = [b"k%d" % i for i in range(1, 13)]
+        assert b.lookup("ns", keys).tiers == [TierKind.SHARED_FS] * 12
+        assert b.restore("ns", [(k, 40 + i) for i, k in enumerate(keys[:4])]).outcomes == [Outcome.DONE] * 4
+        for i in range(4):
+            assert torch.equal(block(b_pool, 40 + i), block(a_pool, 1 + i))
+        stats = b.group.tier_stats()[1]
+        assert stats.tier is TierKind.SHARED_FS and stats.events["promoted"] == 4 and not stats.has_occupancy
+    finally:
+        a.group.close(5)
+        b.group.close(5)
+
+
+def test_a_changed_file_is_data_loss_and_removed_and_a_delete_is_final(tmp_path):
+    pool, manager = node(tmp_path)
+    tier = manager.group.lower_tiers[0]
+    try:
+        offload(manager, range(1, 13))  # k1..k4 evicted
+        assert tier.flush(10)
+        path = tier.fs.name("ns", b"k1")
+        raw = bytearray(path.read_bytes())
+        raw[5000] ^= 1
+        path.write_bytes(bytes(raw))
+        assert manager.restore("ns", [(b"k1", 40)]).outcomes == [Outcome.DATA_LOSS] and not path.exists()
+        assert manager.delete("ns", [b"k2"]) == 1 and manager.lookup("ns", [b"k2"]).tiers == [None]
+    finally:
+        manager.group.close(5)
+
+
+def test_a_write_queued_before_a_delete_is_never_written(tmp_path):
+    pool, manager = node(tmp_path)
+    tier = manager.group.lower_tiers[0]
+    real, entered, release = tier.queue._write, threading.Event(), threading.Event()
+
+    def held(batch):
+        entered.set()
+        release.wait(10)
+        real(batch)
+
+    tier.queue._write = held
+    try:
+        offload(manager, range(1, 13))
+        assert entered.wait(10)
+        keys = [b"k%d" % i for i in range(1, 5)]
+        manager.delete("ns", keys)
+        release.set()
+        assert tier.flush(10)
+        assert manager.lookup("ns", keys).tiers == [None] * 4 and tier.stats().events["deleted_while_queued"] == 4
+    finally:
+        manager.group.close(5)
+
+
+def test_a_stalled_mount_turns_into_misses_within_the_deadline_and_recovers(tmp_path):
+    pool, manager = node(tmp_path, timeout_s=0.2)
+    tier = manager.group.lower_tiers[0]
+    try:
+        offload(manager, range(1, 13))
+        assert tier.flush(10)
+        stalled = threading.Event()
+        real_exists, real_read = tier.fs.exists, tier.fs.read
+
+        def stall(real):
+            def call(*args):
+                if stalled.is_set():
+                    time.sleep(3)  # a call blocked in the kernel on a mount that does not answer
+                return real(*args)
+            return call
+
+        tier.fs.exists, tier.fs.read = stall(real_exists), stall(real_read)
+        stalled.set()
+        start = time.monotonic()
+        assert manager.lookup("ns", [b"k1", b"k2", b"k3"]).tiers == [None] * 3
+        assert manager.restore("ns", [(b"k1", 40)]).outcomes == [Outcome.NOT_FOUND]
+        assert time.monotonic() - start < 1.0  # one deadline, then the breaker: no call waits again
+        assert tier.stats().degraded and tier.stats().events["stalled_lookup"] >= 1
+        stalled.clear()
+        time.sleep(0.6)  # the breaker's first backoff
+        assert manager.lookup("ns", [b"k1"]).tiers == [TierKind.SHARED_FS] and not tier.stats().degraded
+    finally:
+        manager.group.close(5)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"path": "relative"}, "absolute path"),
+    ({"path": "/nonexistent-kvxfer-mount"}, "is not a directory"),
+    ({"path": "/tmp", "timeout_ms": 0}, "timeout_ms"),
+    ({"path": "/tmp", "bogus": 1}, "must be a mapping"),
+])
+def test_the_shared_fs_section_is_validated(tmp_path, section, message):
+    from service import config
+
+    path = tmp_path / "c.yaml"
+    import yaml
+    path.write_text(yaml.safe_dump({"shared_fs": section}))
+    with pytest.raises(config.ConfigError, match=message):
+        config.load(str(path))
