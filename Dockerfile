@@ -1,5 +1,5 @@
-# kvxfer images (README "Containers and GPUs"). Not built in this repository's CI: no container
-# engine runs there; hadolint checks this file.
+# kvxfer images (README "Containers and GPUs"). CI builds the CPU image with podman on a base made
+# by mmdebstrap and runs it as the chart does (tests/image); hadolint checks this file.
 #
 #   docker build --build-arg VARIANT=cpu  -t ghcr.io/kvxfer/kvxfer:0.1.0-cpu  .
 #   docker build --build-arg VARIANT=cuda -t ghcr.io/kvxfer/kvxfer:0.1.0-cuda .
@@ -10,7 +10,9 @@ ARG VARIANT=cpu
 # BUILD_PACKAGES leave with the sources; RUNTIME_PACKAGES stay: on a GPU, Triton compiles its
 # kernels' launcher with a C compiler (and Python's headers) at run time.
 FROM python:3.11-slim-bookworm AS base-cpu
-ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+# Where torch comes from (a mirror or a local index may replace it: the CI image test does).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV TORCH_INDEX_URL=${TORCH_INDEX_URL} \
     BUILD_PACKAGES="gcc libc6-dev" \
     RUNTIME_PACKAGES=""
 
