@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvxfer import cli
-
 #: ``kvxfer bench daemon`` starts a real daemon, so it lives beside it.
 DAEMON_BENCHES = [("daemon", "service.bench_daemon", "throughput and latency through a real daemon"),
                   ("vllm", "service.bench_vllm", "vLLM's scheduler loading 1,024 blocks through the kvxfer backend"),
@@ -34,7 +32,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, commands=[_serve_parser], benches=DAEMON_BENCHES)
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["health"]:  # an exec probe, every few seconds: gRPC only, nothing else imported
+        from kvxfer import health
+
+        return health.main(args[1:])
+    from kvxfer import cli
+
+    return cli.main(args, commands=[_serve_parser], benches=DAEMON_BENCHES)
 
 
 if __name__ == "__main__":

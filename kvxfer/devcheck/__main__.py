@@ -19,8 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
+    try:
+        import torch
+    except ImportError:  # a Python without torch (make devcheck runs the system python3): one line
+        print(f"kvxfer devcheck: {sys.executable} has no torch; run it with the Python that has torch "
+              "and CUDA (make devcheck PYTHON=...)")
+        return NO_GPU_EXIT
     if not torch.cuda.is_available():
         print("kvxfer devcheck: no GPU here (torch sees no CUDA device); nothing to check, see README for what "
               "has not run on a GPU")

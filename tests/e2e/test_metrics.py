@@ -206,3 +206,26 @@ def test_kvxfer_status_shows_pools_tiers_and_rates(make_daemon):
     down = subprocess.run([PYTHON, "-m", "service.cli", "status", "--target", "unix:/nonexistent.sock",
                            "--timeout", "1"], env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "unix:/nonexistent.sock" in down.stderr and "Traceback" not in down.stderr
+
+
+PROBE = """import sys, time
+start = time.perf_counter()
+from service import cli
+rc = cli.main(sys.argv[1:])
+print(f"seconds={time.perf_counter() - start:.4f}")
+print("heavy=" + ",".join(m for m in ("torch", "numpy", "kvxfer.client", "kvxfer.memory") if m in sys.modules))
+sys.exit(rc)
+"""
+
+
+def test_the_health_probe_imports_grpc_only_and_answers(daemon):
+    """Issue 31, item 3: the chart's exec probe imported torch and the benchmarks (2.4-5.4 s a call).
+    Its import footprint is checked; its wall time is printed, as a figure, not asserted."""
+    probe = subprocess.run([PYTHON, "-c", PROBE, "health", "--target", daemon.target], env=python_env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0 and "SERVING" in probe.stdout, probe.stderr
+    assert "heavy=\n" in probe.stdout + "\n", probe.stdout  # none of them
+    print(probe.stdout.strip().splitlines()[-2])
+    down = subprocess.run([PYTHON, "-m", "service.cli", "health", "--target", "unix:/nonexistent.sock", "--timeout",
+                           "1"], env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1 and "no answer" in down.stderr and "Traceback" not in down.stderr
