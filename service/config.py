@@ -6,6 +6,7 @@ the setting. Unknown keys are errors too, so a typo never passes silently.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import threading
@@ -112,8 +113,9 @@ _LISTEN_RE = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
 _TOKEN_RE = re.compile(r"[\x21-\x7e]{1,256}")
 
 
-def _coerce(name: str, value) -> object:
-    """One scalar setting from YAML, environment or flags, validated."""
+def _coerce(name: str, value, source: str = "the config file") -> object:
+    """One scalar setting from YAML, environment or flags, validated to its exact type; the
+    message names where the value came from."""
     kind = _SCALARS[name].type
     try:
         if name in _MODES:
@@ -129,14 +131,28 @@ def _coerce(name: str, value) -> object:
                 raise ValueError
             return text in {"true", "1", "yes"}
         if kind == "int":
+            if isinstance(value, bool | float):  # 2.7 threads is a mistake, not 2
+                raise ValueError
+            return int(str(value).strip()) if isinstance(value, str) else int(value)
+        if kind == "float":
             if isinstance(value, bool):
                 raise ValueError
-            return int(value)
-        if kind == "float":
             return float(value)
         return "" if value is None else str(value)
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{name}: invalid value {shown(value)}") from None
+        expected = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(str(kind), "a value")
+        if name in _MODES:
+            expected = "an octal mode such as 0660"
+        raise ConfigError(f"{name} (from {source}): invalid value {shown(value)}, expected {expected}") from None
+
+
+def _unknown(names: set[str], known: list[str], where: str) -> ConfigError:
+    """An unknown-key error that suggests the nearest known key for each."""
+    hints = []
+    for name in sorted(names):
+        near = difflib.get_close_matches(str(name), known, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return ConfigError(f"{where}unknown settings [{', '.join(hints)}]; see README's Configuration for every key")
 
 
 def _pool(raw: dict, index: int) -> PoolConfig:
@@ -166,8 +182,8 @@ def _pool(raw: dict, index: int) -> PoolConfig:
         layout = Layout.parse(str(merged["layout"]))
     except ConfigError:
         raise
-    except InvalidArgument as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    except InvalidArgument as exc:  # the config's words, not the library's class names
+        raise ConfigError(f"{where}: {str(exc).replace('KVSpec.', 'spec.')}") from None
     capacity = merged["host_capacity_mib"]
     if isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0:
         raise ConfigError(f"{where}.host_capacity_mib: must be a positive number, got {shown(capacity)}")
@@ -193,15 +209,18 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
         raw = dict(loaded or {})
     unknown = set(raw) - set(_SCALARS) - set(_SECTIONS)
     if unknown:
-        raise ConfigError(f"unknown settings {sorted(unknown)}; allowed: {sorted([*_SCALARS, *_SECTIONS])}")
+        raise _unknown(unknown, [*_SCALARS, *_SECTIONS], "")
+    sources = {name: f"config file {path}" for name in raw}
     env = os.environ if env is None else env
     for name in _SCALARS:
         if _ENV_PREFIX + name.upper() in env:
             raw[name] = env[_ENV_PREFIX + name.upper()]
+            sources[name] = f"environment variable {_ENV_PREFIX + name.upper()}"
     for name, value in (overrides or {}).items():
         if value is not None:
             raw[name] = value
-    values = {name: _coerce(name, raw[name]) for name in _SCALARS if name in raw}
+            sources[name] = f"flag --{name.replace('_', '-')}"
+    values = {name: _coerce(name, raw[name], sources[name]) for name in _SCALARS if name in raw}
     pools_raw = raw.get("pools")
     if pools_raw is None:
         pools_raw = [{}]

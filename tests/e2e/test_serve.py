@@ -23,8 +23,8 @@ pytestmark = pytest.mark.e2e
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
 BAD_CONFIGS = {
-    "unknown setting": ({"sockett": "/tmp/x.sock"}, "unknown settings ['sockett']"),
-    "bad mode": ({"socket_mode": "999"}, "socket_mode: invalid value"),
+    "unknown setting": ({"sockett": "/tmp/x.sock"}, "unknown settings ['sockett' (did you mean 'socket'?)]"),
+    "bad mode": ({"socket_mode": "999"}, "expected an octal mode"),
     "bad workers": ({"workers": 0}, "workers: must be at least 1"),
     "bad level": ({"log_level": "loud"}, "log_level"),
     "tcp without tls": ({"listen": "127.0.0.1:7777"}, "refusing to serve without TLS and a token"),
@@ -34,7 +34,7 @@ BAD_CONFIGS = {
     "bad layout": ({"pools": [{**SMALL_POOL, "layout": "XYZ"}]}, "unknown layout"),
     "bad dtype": ({"pools": [{**SMALL_POOL, "spec": {"dtype": "float64"}}]}, "unknown dtype"),
     "bad spec key": ({"pools": [{**SMALL_POOL, "spec": {"num_layer": 3}}]}, "unknown keys ['num_layer']"),
-    "zero blocks": ({"pools": [{**SMALL_POOL, "spec": {"num_blocks": 0}}]}, "num_blocks"),
+    "zero blocks": ({"pools": [{**SMALL_POOL, "spec": {"num_blocks": 0}}]}, "pools[0]: spec.num_blocks"),
     "bad device": ({"pools": [{**SMALL_POOL, "device": "tpu"}]}, "device"),
     "tiny host tier": ({"pools": [{**SMALL_POOL, "host_capacity_mib": 0.001}]}, "holds no block"),
     "duplicate pool ids": ({"pools": [SMALL_POOL, SMALL_POOL]}, "ids must be unique"),
@@ -49,8 +49,20 @@ BAD_CONFIGS = {
     "negative retention": ({"cache_group_retention_s": -1}, "cache_group_retention_s"),
     "no copy threads": ({"copy_threads": 0}, "copy_threads: must be 1-64"),
     "too many copy threads": ({"copy_threads": 1000}, "copy_threads: must be 1-64"),
-    "removed shm setting": ({"shm_dir": "/dev/shm"}, "unknown settings ['shm_dir']"),
+    "removed shm setting": ({"shm_dir": "/dev/shm"}, "unknown settings ['shm_dir'"),
+    "fractional workers": ({"workers": 2.7}, "expected an integer"),  # was truncated to 2 (issue 31)
+    "fractional copy threads": ({"copy_threads": 1.9}, "copy_threads (from config file"),
 }
+
+
+def test_a_bad_value_names_where_it_came_from(tmp_path):
+    """Issue 31, item 5: an environment variable or a flag is named in the message, not only the setting."""
+    with pytest.raises(service_config.ConfigError, match="workers \\(from environment variable KVXFER_WORKERS\\)"):
+        service_config.load(None, env={"KVXFER_WORKERS": "abc"})
+    with pytest.raises(service_config.ConfigError, match="log_level"):
+        service_config.load(None, env={}, overrides={"log_level": "loud"})
+    with pytest.raises(service_config.ConfigError, match="socket_mode \\(from flag --socket-mode\\)"):
+        service_config.load(None, env={}, overrides={"socket_mode": "abc"})
 
 
 @pytest.mark.parametrize("case", BAD_CONFIGS)
