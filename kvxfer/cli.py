@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None, commands: list[Callable[[argparse._SubPa
     except KvxferError as exc:  # could not run (e.g. another daemon on the socket)
         print(f"kvxfer {args.command}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader left (`| head`): not an error, and no traceback at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

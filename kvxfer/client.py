@@ -105,9 +105,12 @@ class Client:
         if target.startswith("unix:"):
             self._channel = grpc.insecure_channel(target, options=options)
             self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        elif target.startswith("/"):  # a socket path without its scheme: the commonest slip
+            raise InvalidArgument(f"target {target!r} looks like a socket path: write unix:{target}")
         else:
             if root_certificates is None:
-                raise InvalidArgument("a TCP target needs root_certificates (the daemon serves TCP with TLS only)")
+                raise InvalidArgument(f"target {target!r}: a TCP target needs root_certificates (the daemon serves "
+                                      "TCP with TLS only); a Unix socket is written unix:/path/to.sock")
             creds = grpc.ssl_channel_credentials(root_certificates)
             if token:
                 creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
@@ -363,6 +366,9 @@ class Client:
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:  # gRPC's own text names sockets and subchannels
+                raise error_for_code("UNAVAILABLE")(f"no daemon answers at {self._target} (is it running, and is "
+                                                    "that its socket?)") from None
             raise error_for_code(exc.code().name)(exc.details() or exc.code().name) from None
 
     def close(self) -> None:

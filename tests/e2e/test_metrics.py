@@ -229,3 +229,20 @@ def test_the_health_probe_imports_grpc_only_and_answers(daemon):
     down = subprocess.run([PYTHON, "-m", "service.cli", "health", "--target", "unix:/nonexistent.sock", "--timeout",
                            "1"], env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "no answer" in down.stderr and "Traceback" not in down.stderr
+
+
+def test_tools_say_what_went_wrong_in_one_line(daemon):
+    """Issue 31, item 9: raw gRPC text for a missing daemon, a TLS hint for a socket path without
+    its scheme, a BrokenPipeError traceback when the output is cut short."""
+    def tool(*args: str, shell_tail: str = "") -> subprocess.CompletedProcess:
+        command = " ".join([PYTHON, "-m", "service.cli", *args]) + shell_tail
+        return subprocess.run(["bash", "-o", "pipefail", "-c", command] if shell_tail else command.split(),
+                              env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    missing = tool("status", "--target", "unix:/nonexistent.sock", "--timeout", "1")
+    assert missing.returncode == 1 and "no daemon answers at unix:/nonexistent.sock" in missing.stderr
+    assert "subchannel" not in missing.stderr and "last error" not in missing.stderr
+    bare = tool("status", "--target", daemon.target.removeprefix("unix:"), "--timeout", "1")
+    assert bare.returncode != 0 and f"write {daemon.target}" in bare.stderr and "TLS" not in bare.stderr
+    cut = tool("status", "--target", daemon.target, "--json", "--interval", "0.2", shell_tail=" | head -c 5")
+    assert cut.returncode == 0 and "Traceback" not in cut.stderr and "BrokenPipe" not in cut.stderr, cut.stderr
