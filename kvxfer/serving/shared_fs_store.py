@@ -74,29 +74,25 @@ class SharedFsStore:
 
     # -- lookups and restores ---------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
-        found = []
-        for key in keys:
-            try:
-                found.append(self.fs.call(self.fs.exists, namespace, key))
-            except (Stalled, OSError):
-                self._count_stall("lookup")
-                return found + [False] * (len(keys) - len(found))  # a stalled mount: the rest are misses
-        return found
+        if not keys:
+            return []
+        try:
+            return self.fs.call(self.fs.exists, namespace, keys)
+        except (Stalled, OSError):
+            self._count_stall("lookup")
+            return [False] * len(keys)  # a stalled mount: misses
 
     def fetch(self, namespace: str, keys: list[bytes]) -> _SharedFsFetch:
         return _SharedFsFetch(self, namespace, keys)
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
-        removed = 0
         with self.tombstones.publishing:
             self.tombstones.delete(namespace, keys)
-            for key in keys:
-                try:
-                    removed += self.fs.call(self.fs.delete, namespace, key)
-                except (Stalled, OSError):
-                    self._count_stall("delete")
-                    break
-        return removed
+            try:
+                return self.fs.call(self.fs.delete, namespace, keys)
+            except (Stalled, OSError):
+                self._count_stall("delete")
+                return 0
 
     # -- the rest ------------------------------------------------------------------
     def stats(self) -> TierStats:
@@ -135,7 +131,7 @@ class _SharedFsFetch:
                     continue
                 store.events.add("corrupt")
                 try:
-                    fs.call(fs.delete, self._namespace, key)
+                    fs.call(fs.delete, self._namespace, [key])
                 except (Stalled, OSError):
                     store._count_stall("delete")
                 verdicts.append((Outcome.DATA_LOSS, 0))

@@ -32,13 +32,13 @@ class Breaker:
     def succeeded(self) -> None:
         with self._lock:
             if self.failures:
-                log.warning(f"{self.tier} reachable again", extra={"remote": self.what})
+                log.warning(f"{self.tier} reachable again", extra={"address": self.what})
             self.failures, self.backoff = 0, 0.5
 
     def failed(self, exc: Exception) -> None:
         with self._lock:
             if not self.failures:
-                log.error(f"{self.tier} unavailable", extra={"remote": self.what, "error": said(exc)})
+                log.error(f"{self.tier} unavailable", extra={"address": self.what, "error": said(exc)})
             self.failures += 1
             self.open_until = time.monotonic() + self.backoff
             self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)

@@ -174,8 +174,6 @@ class DiskTier(Tier):
                     os.fdatasync(fd)  # ... and the first flush commits the journal for all of them
                 except OSError as exc:
                     errors[i] = exc
-                finally:
-                    os.close(fd)
             for i, _, sub_name, tmp in written:
                 sub, final = dirs[sub_name], self._names(blocks[i].slot)[1]
                 try:
@@ -196,7 +194,9 @@ class DiskTier(Tier):
                 except OSError as exc:  # the renames may not survive a crash: not durable, not published
                     for i in members:
                         errors[i] = exc
-        finally:
+        finally:  # whatever failed on the way, every descriptor opened here is closed once
+            for _, fd, _, _ in written:
+                os.close(fd)
             for fd in dirs.values():
                 os.close(fd)
         return errors

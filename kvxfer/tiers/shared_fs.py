@@ -109,11 +109,15 @@ class SharedFs:
         finally:
             os.close(directory)
 
-    def exists(self, namespace: str, key: bytes) -> bool:
-        try:
-            return stat.S_ISREG(os.stat(self.name(namespace, key), follow_symlinks=False).st_mode)
-        except FileNotFoundError:
-            return False
+    def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        """Which keys have a file (one call for a lookup's keys: one deadline, one thread hop)."""
+        found = []
+        for key in keys:
+            try:
+                found.append(stat.S_ISREG(os.stat(self.name(namespace, key), follow_symlinks=False).st_mode))
+            except FileNotFoundError:
+                found.append(False)
+        return found
 
     def read(self, namespace: str, key: bytes) -> tuple[int, bytearray] | None:
         """The block's checksum and verified bytes (a private buffer: a late read never lands in a
@@ -140,12 +144,16 @@ class SharedFs:
             raise DiskCorrupt("checksum")
         return got[2], data
 
-    def delete(self, namespace: str, key: bytes) -> bool:
-        try:
-            os.unlink(self.name(namespace, key))
-            return True
-        except FileNotFoundError:
-            return False
+    def delete(self, namespace: str, keys: list[bytes]) -> int:
+        """Remove the keys' files; returns how many there were."""
+        removed = 0
+        for key in keys:
+            try:
+                os.unlink(self.name(namespace, key))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)  # threads stuck in the kernel return with the mount
