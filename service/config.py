@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import threading
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -21,14 +20,13 @@ from kvxfer.fdpass import SUFFIX
 from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.remote_store import RemoteSettings
 from kvxfer.serving.shared_fs_store import SharedFsSettings
-from kvxfer.serving.registry import Limits, capacity_blocks
+from service import config_sections as sections
+from service.config_sections import ConfigError
+from kvxfer.serving.registry import Limits
+from kvxfer.tiers.host import capacity_blocks
 from kvxfer.memory.shm import resolve_group
 from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
 
-
-
-class ConfigError(InvalidArgument):
-    """A configuration value is invalid; the daemon does not start."""
 
 
 #: The embedded default pool: the KV geometry of Qwen2.5-0.5B (24 layers, 2 KV heads,
@@ -84,6 +82,7 @@ class Config:
     gpu_copy_deadline_s: float = 30.0
     log_level: str = "info"
     log_format: str = "json"
+    allow_overcommit: bool = False  # start even when pools and tiers exceed the memory free here
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
     disk: DiskSettings | None = None  # every cache group's disk tier; absent: none
     remote: RemoteSettings | None = None  # every cache group's remote tier (Redis); absent: none
@@ -94,7 +93,8 @@ class Config:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
                       self.max_jobs_per_client, self.cache_group_retention_s, self.checksum_on_device, self.disk,
-                      self.remote, self.copy_threads, self.gpu_copy_deadline_s, self.shared_fs)
+                      self.remote, self.copy_threads, self.gpu_copy_deadline_s, self.shared_fs,
+                      self.allow_overcommit)
 
     @property
     def token(self) -> str:
@@ -105,7 +105,6 @@ class Config:
 
 _SECTIONS = ("pools", "disk", "remote", "shared_fs")
 _SCALARS = {f.name: f for f in fields(Config) if f.name not in _SECTIONS}
-_DISK_KEYS = {"path", "capacity_gib", "queue_blocks", "workers"}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _ENV_PREFIX = "KVXFER_"
@@ -194,8 +193,10 @@ def _pool(raw: dict, index: int) -> PoolConfig:
     return PoolConfig(pool_id, device, layout, spec, capacity, cache_group)
 
 
-def load(path: str | None = None, env: dict[str, str] | None = None, overrides: dict | None = None) -> Config:
-    """Build and validate the configuration from its sources."""
+def load(path: str | None = None, env: dict[str, str] | None = None, overrides: dict | None = None,
+         pool_overrides: dict | None = None) -> Config:
+    """Build and validate the configuration from its sources. ``pool_overrides`` (flags such as
+    ``--device``; ``num_blocks`` goes into the spec) apply to every configured pool."""
     raw: dict = {}
     if path:
         try:
@@ -226,115 +227,17 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
         pools_raw = [{}]
     if not isinstance(pools_raw, list) or not pools_raw:
         raise ConfigError("pools: must be a non-empty list")
+    chosen = {k: v for k, v in (pool_overrides or {}).items() if v is not None}
+    if chosen:
+        spec = {"num_blocks": chosen.pop("num_blocks")} if "num_blocks" in chosen else {}
+        pools_raw = [{**p, **chosen, "spec": {**(p.get("spec") or {}), **spec}} if isinstance(p, dict) else p
+                     for p in pools_raw]
     pools = tuple(_pool(p, i) for i, p in enumerate(pools_raw))
     if len({p.id for p in pools}) != len(pools):
         raise ConfigError("pools: ids must be unique")
-    return validate(replace(Config(), **values, pools=pools, disk=_disk(raw.get("disk")),
-                            remote=_remote(raw.get("remote")), shared_fs=_shared_fs(raw.get("shared_fs"))))
-
-
-_REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-
-
-def _remote(raw) -> RemoteSettings | None:
-    """The ``remote`` section: Redis or Redis Cluster, the password from a file (never in the config)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ConfigError("remote: must be a mapping with a url")
-    allowed = {"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
-               "write_through", "max_inflight", "secret_file"}
-    unknown = set(raw) - allowed
-    if unknown:
-        raise ConfigError(f"remote: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-    url = raw.get("url")
-    scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else ""
-    if scheme not in _REMOTE_SCHEMES:
-        raise ConfigError(f"remote.url: must start with one of {', '.join(s + '://' for s in _REMOTE_SCHEMES)}")
-    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
-        raise ConfigError("remote.url: no credentials in the url; use username and password_file")
-    text = {}
-    for key in ("username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "secret_file"):
-        value = raw.get(key, "kvxfer:" if key == "key_prefix" else "")
-        if not isinstance(value, str) or len(value) > 4096:
-            raise ConfigError(f"remote.{key}: must be a string")
-        text[key] = value
-    for key in ("password_file", "tls_ca", "tls_cert", "tls_key", "secret_file"):
-        if text[key] and not Path(text[key]).is_file():
-            raise ConfigError(f"remote.{key}: {shown(text[key])} is not a readable file")
-    if (text["tls_ca"] or text["tls_cert"]) and not scheme.startswith("rediss"):
-        raise ConfigError("remote: TLS files given but the url is not rediss:// (refusing to send in the clear)")
-    password = Path(text["password_file"]).read_text().strip() if text["password_file"] else ""
-    secret = Path(text["secret_file"]).read_bytes().strip() if text["secret_file"] else b""
-    if text["secret_file"] and len(secret) < 16:
-        raise ConfigError("remote.secret_file: at least 16 bytes (the key that authenticates every value)")
-    timeout = raw.get("timeout_ms", 200)
-    inflight = raw.get("max_inflight", 256)
-    write_through = raw.get("write_through", False)
-    if isinstance(timeout, bool) or not isinstance(timeout, int) or not 1 <= timeout <= 60_000:
-        raise ConfigError(f"remote.timeout_ms: an integer in [1, 60000], got {shown(timeout)}")
-    if isinstance(inflight, bool) or not isinstance(inflight, int) or not 1 <= inflight <= 65536:
-        raise ConfigError(f"remote.max_inflight: an integer in [1, 65536], got {shown(inflight)}")
-    if not isinstance(write_through, bool):
-        raise ConfigError(f"remote.write_through: true or false, got {shown(write_through)}")
-    return RemoteSettings(url, text["username"], password, text["tls_ca"], text["tls_cert"], text["tls_key"],
-                          text["key_prefix"], timeout / 1000, write_through, inflight, secret)
-
-
-def _disk(raw) -> DiskSettings | None:
-    """The ``disk`` section: one directory per cache group under ``path``, ``capacity_gib`` each."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ConfigError("disk: must be a mapping with path and capacity_gib")
-    unknown = set(raw) - _DISK_KEYS
-    if unknown:
-        raise ConfigError(f"disk: unknown keys {sorted(unknown)}; allowed: {sorted(_DISK_KEYS)}")
-    path = raw.get("path")
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ConfigError(f"disk.path: must be an absolute path, got {shown(path)}")
-    capacity = raw.get("capacity_gib")
-    if isinstance(capacity, bool) or not isinstance(capacity, int | float) or not 0 < capacity <= 1 << 20:
-        raise ConfigError(f"disk.capacity_gib: must be a positive number (per cache group), got {shown(capacity)}")
-    bounded = {}
-    for key, default, top in (("queue_blocks", 256, 65536), ("workers", 4, 64)):
-        value = raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-            raise ConfigError(f"disk.{key}: must be an integer in [1, {top}], got {shown(value)}")
-        bounded[key] = value
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        probe = Path(path) / f".kvxfer-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"disk.path: {shown(path)} is not a writable directory ({exc.strerror})") from None
-    return DiskSettings(path, int(capacity * (1 << 30)), bounded["queue_blocks"], bounded["workers"])
-
-
-def _shared_fs(raw) -> SharedFsSettings | None:
-    """The ``shared_fs`` section: a directory on a mount every node shares, a deadline per call."""
-    if raw is None:
-        return None
-    allowed = {"path", "timeout_ms", "workers", "max_inflight"}
-    if not isinstance(raw, dict) or set(raw) - allowed:
-        raise ConfigError(f"shared_fs: must be a mapping of {sorted(allowed)} (path required)")
-    path = raw.get("path")
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ConfigError(f"shared_fs.path: must be an absolute path, got {shown(path)}")
-    bounded = {}
-    for key, default, top in (("timeout_ms", 2000, 60_000), ("workers", 8, 64), ("max_inflight", 256, 65536)):
-        value = raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-            raise ConfigError(f"shared_fs.{key}: must be an integer in [1, {top}], got {shown(value)}")
-        bounded[key] = value
-    answer: list[bool] = []  # asked on a thread: a stalled mount must not hang the start (the tier then misses)
-    probe = threading.Thread(target=lambda: answer.append(Path(path).is_dir()), daemon=True)
-    probe.start()
-    probe.join(bounded["timeout_ms"] / 1000)
-    if answer == [False]:  # not made here: a missing directory is a mount that is not there
-        raise ConfigError(f"shared_fs.path: {shown(path)} is not a directory (is the shared filesystem mounted?)")
-    return SharedFsSettings(path, bounded["timeout_ms"] / 1000, bounded["workers"], bounded["max_inflight"])
+    return validate(replace(Config(), **values, pools=pools, disk=sections.disk(raw.get("disk")),
+                            remote=sections.remote(raw.get("remote")),
+                            shared_fs=sections.shared_fs(raw.get("shared_fs"))))
 
 
 def validate(config: Config) -> Config:

@@ -33,11 +33,10 @@ from grpc_reflection.v1alpha import reflection
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.fdpass import SUFFIX
 from kvxfer.memory.cuda_driver import CudaError, on_device_lost
-from kvxfer.serving.manager import TransferObserver
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.memory.shm import resolve_group
 from kvxfer.v1 import kvxfer_pb2 as pb
-from service import logs
+from service import logs, preflight
 from service.config import Config
 from service.fdsocket import DescriptorSocket
 from service.metrics import Metrics
@@ -70,21 +69,16 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return self._deny
 
 
-def create_pools(config: Config, observer: TransferObserver | None = None) -> PoolRegistry:
-    registry = PoolRegistry(config.limits, observer)
-    try:
-        for pc in config.pools:
-            served = registry.create(pc.id, pc.spec, pc.layout, pc.device, pc.host_capacity_mib, pc.cache_group)
-            d = served.descriptor
-            log.info("pool ready", extra={"pool": pc.id, "device": pc.device, "layout": pc.layout.name,
-                                          "block_bytes": pc.spec.block_bytes, "num_blocks": pc.spec.num_blocks,
-                                          "host_capacity_mib": pc.host_capacity_mib, "epoch": d.epoch,
-                                          "medium": d.handle.medium.value, "cache_group": served.cache_group,
-                                          "copy_engine": served.manager.engine.describe()})
-    except BaseException:
-        registry.close()
-        raise
-    return registry
+def create_pools(config: Config, registry: PoolRegistry) -> None:
+    """Allocate the daemon's own pools into ``registry`` (after its listeners are bound)."""
+    for pc in config.pools:
+        served = registry.create(pc.id, pc.spec, pc.layout, pc.device, pc.host_capacity_mib, pc.cache_group)
+        d = served.descriptor
+        log.info("pool ready", extra={"pool": pc.id, "device": pc.device, "layout": pc.layout.name,
+                                      "block_bytes": pc.spec.block_bytes, "num_blocks": pc.spec.num_blocks,
+                                      "host_capacity_mib": pc.host_capacity_mib, "epoch": d.epoch,
+                                      "medium": d.handle.medium.value, "cache_group": served.cache_group,
+                                      "copy_engine": served.manager.engine.describe()})
 
 
 def claim_socket(path: str) -> None:
@@ -126,8 +120,7 @@ class Daemon:
             claim_socket(config.socket + SUFFIX)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
         self.metrics = Metrics()
-        self.registry = create_pools(config, self.metrics.transfers)
-        self.metrics.watch(self.registry)
+        self.registry = PoolRegistry(config.limits, self.metrics.transfers)  # empty until listening
         self.metrics_server: WSGIServer | None = None
         self.health = health.aio.HealthServicer()
         c = config
@@ -150,7 +143,9 @@ class Daemon:
         self.fd_socket: DescriptorSocket | None = None
         self._sweeper: asyncio.Task | None = None
         try:
-            self._listen()
+            self._listen()  # before allocating: a busy port fails at once, not after the pools
+            create_pools(config, self.registry)
+            self.metrics.watch(self.registry)
         except BaseException:
             self._release()
             raise
@@ -247,4 +242,4 @@ async def _serve(config: Config) -> int:
 def serve(config: Config) -> int:
     """Run until SIGTERM or SIGINT; returns the exit code."""
     logs.setup(config.log_level, config.log_format)
-    return asyncio.run(_serve(config))
+    return asyncio.run(_serve(preflight.check(config)))

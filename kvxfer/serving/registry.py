@@ -32,11 +32,11 @@ from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager, TransferObserver
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
-from kvxfer.memory import cuda_mem
+from kvxfer.memory import cuda_mem, room
+from kvxfer.tiers.host import capacity_blocks
 from kvxfer.memory.shm import size_sealed
 from kvxfer.validate import check_pool_id, shown
 
-MIB = 1 << 20
 DAEMON = "daemon"  # the owner of the daemon's own pools and their cache groups
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class Limits:
     copy_threads: int = 2  # threads of each CPU pool's copy engine
     gpu_copy_deadline_s: float = 30.0  # a GPU copy not done by then fails its job (DEADLINE_EXCEEDED)
     shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier (None: none)
+    allow_overcommit: bool = False  # a registered pool's host tier may exceed the memory free here
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ class PoolRegistry:
                 raise PermissionDenied(f"cache group {shown(name)} belongs to another party; a pool joins only a "
                                        "group its own party created (use another cache group)")
             if entry is None:
+                if owner != DAEMON and not self.limits.allow_overcommit:  # the daemon's own: checked at start
+                    room.ensure(host_capacity_blocks * pool.layout.block_bytes,
+                                f"the host tier of pool {shown(pool_id)}")
                 self._sweep(time.monotonic(), force_room=True)
                 if len(self._groups) >= self.limits.max_cache_groups:
                     raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
@@ -389,12 +393,4 @@ class PoolRegistry:
         return {file_identity(p.fd) for p in pools if p.fd is not None}
 
 
-def capacity_blocks(mib: float, block_bytes: int) -> int:
-    """How many blocks a host tier of ``mib`` MiB holds (at least one, or InvalidArgument)."""
-    blocks = int(mib * MIB) // block_bytes
-    if blocks < 1:
-        raise InvalidArgument(f"a host tier of {mib} MiB holds no block of {block_bytes} bytes")
-    return blocks
-
-
-__all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool", "capacity_blocks"]
+__all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool"]

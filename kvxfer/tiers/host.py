@@ -11,9 +11,10 @@ import weakref
 import numpy as np
 import torch
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.errors import InvalidArgument, ResourceExhausted
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.memory.cuda_driver import driver
+from kvxfer.memory.room import gib
 from kvxfer.records import TierKind
 from kvxfer.tiers.base import Tier
 
@@ -32,7 +33,11 @@ class HostTier(Tier):
         # page with another allocation, so two tiers never register the same page), populated
         # now so that the memory is really there (and counted) before the first offload.
         nbytes = capacity * slot_bytes
-        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        try:
+            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        except OSError as exc:  # the kernel refused outright (more than it would ever overcommit)
+            raise ResourceExhausted(f"host tier: cannot map {capacity} blocks ({gib(nbytes)}): {exc.strerror}") \
+                from None
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8).view(capacity, slot_bytes)
         self._rows: np.ndarray = self.buffer.numpy()
         if pin_device is not None:
@@ -58,3 +63,11 @@ class HostTier(Tier):
 def _unpin(gpu, ptr: int, memory: mmap.mmap) -> None:
     """Unregister a tier's pages; ``memory`` is held until then (the pages must outlive the pin)."""
     gpu.unpin(ptr)
+
+
+def capacity_blocks(mib: float, block_bytes: int) -> int:
+    """How many blocks a host tier of ``mib`` MiB holds (at least one, or InvalidArgument)."""
+    blocks = int(mib * (1 << 20)) // block_bytes
+    if blocks < 1:
+        raise InvalidArgument(f"a host tier of {mib} MiB holds no block of {block_bytes} bytes")
+    return blocks

@@ -1,0 +1,70 @@
+"""Start-up checks that run before anything is allocated: devices first, then memory.
+
+A daemon that cannot hold its configuration says so at once, in one line naming the
+figures, instead of reserving memory until the OOM killer comes (``allow_overcommit``
+starts it anyway). Listeners are bound before allocation too (``server.Daemon``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvxfer.errors import FailedPrecondition, ResourceExhausted
+from kvxfer.memory import cuda_mem, room
+from kvxfer.tiers.host import capacity_blocks
+from service.config import Config
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Host memory the configuration allocates at start-up, in bytes."""
+
+    pools: int  # the daemon's own CPU pools (sealed memfds; GPU pools live on the device)
+    host_tiers: int  # one per cache group, sized by the group's first pool
+    disk_queues: int  # demotions staged in memory, per cache group with a disk tier
+
+    @property
+    def total(self) -> int:
+        return self.pools + self.host_tiers + self.disk_queues
+
+    def describe(self) -> str:
+        return (f"{room.gib(self.total)} (CPU pools {room.gib(self.pools)}, host tiers {room.gib(self.host_tiers)}, "
+                f"disk queues {room.gib(self.disk_queues)})")
+
+
+def resolve_devices(config: Config) -> Config:
+    """Each pool's device made concrete (``auto`` -> cuda:0 or cpu); a GPU asked for and not usable
+    here is a one-line error naming the pool, before anything is allocated."""
+    pools = []
+    for index, pool in enumerate(config.pools):
+        try:
+            pools.append(replace(pool, device=cuda_mem.resolve_device(pool.device)))
+        except FailedPrecondition as exc:
+            raise FailedPrecondition(f"pools[{index}].device: {str(exc).removeprefix('pool device ')}; "
+                                     "set device: cpu (or --device cpu) to serve CPU pools") from None
+    return replace(config, pools=tuple(pools))
+
+
+def memory_need(config: Config) -> MemoryNeed:
+    pools = sum(p.spec.nbytes for p in config.pools if p.device == "cpu")
+    groups: dict[str, int] = {}
+    for p in config.pools:  # a group's host tier is sized by the first pool that makes it
+        groups.setdefault(p.cache_group or p.id, capacity_blocks(p.host_capacity_mib, p.spec.block_bytes)
+                          * p.spec.block_bytes)
+    block_bytes = {p.cache_group or p.id: p.spec.block_bytes for p in reversed(config.pools)}
+    queues = sum(config.disk.queue_blocks * block_bytes[g] for g in groups) if config.disk else 0
+    return MemoryNeed(pools, sum(groups.values()), queues)
+
+
+def check(config: Config, measured: room.Room | None = None) -> Config:
+    """The config with devices resolved, or FailedPrecondition/ResourceExhausted in one line."""
+    config = resolve_devices(config)
+    need = memory_need(config)
+    measured = room.measure() if measured is None else measured
+    if not config.allow_overcommit and need.total > measured.usable:
+        raise ResourceExhausted(f"memory: this configuration needs {need.describe()}; {measured.describe()}; "
+                                "lower spec.num_blocks or host_capacity_mib, or pass --allow-overcommit")
+    return config
+
+
+__all__ = ["MemoryNeed", "check", "memory_need", "resolve_devices"]
