@@ -3,7 +3,7 @@
 #
 #   docker build --build-arg VARIANT=cpu  -t ghcr.io/kvxfer/kvxfer:0.1.0-cpu  .
 #   docker build --build-arg VARIANT=cuda -t ghcr.io/kvxfer/kvxfer:0.1.0-cuda .
-#   docker build --target vllm-engine     -t ghcr.io/kvxfer/vllm-openai-kvxfer:v0.33.0 .
+#   docker build --target vllm-engine     -t ghcr.io/kvxfer/vllm-openai-kvxfer:v0.33.0-0.1.0 .
 ARG VARIANT=cpu
 
 # -- bases: where Python and torch come from ------------------------------------------------
@@ -66,5 +66,15 @@ FROM vllm/vllm-openai:v0.33.0 AS vllm-engine
 COPY pyproject.toml setup.py README.md /tmp/kvxfer/
 COPY kvxfer /tmp/kvxfer/kvxfer
 COPY service /tmp/kvxfer/service
-# vLLM's own torch stays: kvxfer asks only for torch>=2.4.
-RUN pip install --no-cache-dir /tmp/kvxfer && rm -rf /tmp/kvxfer
+# vLLM's own torch stays: kvxfer asks only for torch>=2.4. vLLM's image runs as root, which the
+# chart's runAsNonRoot refuses: the engine runs as uid 1000 (the base may already name it, as
+# Ubuntu 24.04's "ubuntu" user does) in group 2000, the pod's fsGroup, with a home of its own
+# for the model cache.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir /tmp/kvxfer && rm -rf /tmp/kvxfer \
+ && (getent group 2000 >/dev/null || groupadd --gid 2000 kvxfer) \
+ && (getent passwd 1000 >/dev/null || useradd --uid 1000 --gid 2000 --no-create-home --shell /usr/sbin/nologin vllm) \
+ && install -d -o 1000 -g 2000 /home/engine
+ENV HOME=/home/engine \
+    HF_HOME=/home/engine/.cache/huggingface
+USER 1000:2000

@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-vllm serve bench bench-peer proto devcheck devcheck-wheels clean
+.PHONY: install test test-vllm serve bench bench-peer proto devcheck devcheck-wheels wheel clean
 
 # (Re)install when the project's metadata or its C copy loop changes; torch is pinned to the local
 # CPU build.
@@ -69,6 +69,11 @@ devcheck-wheels:
 	$(PYTHON) -m pip download -q --dest devcheck-wheels --only-binary=:all: --no-deps --python-version 3.12 \
 		--implementation cp --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux_2_28_x86_64 $(DEVCHECK_WHEELS)
+
+# An sdist and a wheel in dist/ (the wheel is built from the sdist, so the sdist is known to be
+# complete); tests/e2e/test_wheel.py installs the wheel, extras included, into a clean venv.
+wheel: $(STAMP)
+	$(PY) -m build --outdir dist .
 
 # Regenerate kvxfer/v1 from protos/ (committed; tests/unit/test_proto_current.py checks it).
 proto: $(STAMP)

@@ -28,7 +28,8 @@ TLS = {"tcp": {"enabled": True, "tlsCert": "-----BEGIN CERTIFICATE-----\nMIIB\n-
                "tlsKey": "-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n"},
        "token": {"value": "0123456789abcdef0123"}}
 CASES = {
-    "default (CPU)": {},
+    "default (GPU, device plugin)": {},
+    "CPU engine, no GPU": {"gpu": {"mode": "none"}, "engine": {"device": "cpu"}},
     "GPU, DRA claim": {"gpu": {"mode": "dra"}},
     "GPU, device plugin": {"gpu": {"mode": "devicePlugin", "shareProcessNamespace": True}},
     "TCP with TLS and token": {"kvxfer": TLS},
@@ -143,6 +144,41 @@ def test_gpu_modes_give_both_containers_the_same_gpu():
     assert by_kind(plugin, "ResourceClaimTemplate") == []
 
 
+def _image_users() -> dict[str, tuple[int, int]]:
+    """The image each Dockerfile header command tags, by repository, and the uid:gid of its last USER."""
+    text = (ROOT / "Dockerfile").read_text()
+    users, stage = {}, None
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["FROM"]:
+            stage = words[-1]
+        elif words[:1] == ["USER"]:
+            users[stage] = tuple(int(x) for x in words[1].split(":"))
+    images = {}
+    for line in text.splitlines():
+        if line.startswith("#   docker build"):
+            words = line.split()
+            tag = words[words.index("-t") + 1]
+            target = words[words.index("--target") + 1] if "--target" in words else "kvxfer"
+            images[tag.rsplit(":", 1)[0]] = users[target]
+    return images
+
+
+@pytest.mark.parametrize("case", ["default (GPU, device plugin)", "GPU, DRA claim"])
+def test_the_pods_users_are_the_images_users_and_not_root(case):
+    """The kubelet refuses runAsNonRoot for an image whose USER is root or a name; each container's uid is
+    the one its image (built by the Dockerfile's header commands, the chart's defaults) runs as."""
+    pod = pod_of(render(CASES[case]))
+    users = _image_users()
+    for container in (*pod["initContainers"], *pod["containers"]):
+        repository = container["image"].rsplit(":", 1)[0]
+        uid, _gid = users[repository]  # every default image is one the Dockerfile builds
+        sc = {**pod.get("securityContext", {}), **container["securityContext"]}
+        assert sc["runAsNonRoot"] and uid != 0
+        assert sc.get("runAsUser", uid) == uid, (container["name"], sc)
+    assert pod["securityContext"]["fsGroup"] == users["ghcr.io/kvxfer/kvxfer"][1]  # the socket's group
+
+
 def test_tcp_uses_tls_and_a_token_from_secrets():
     objects = render(CASES["TCP with TLS and token"])
     config = rendered_config(objects)
@@ -181,6 +217,8 @@ def test_the_sidecar_only_render_is_what_an_engine_chart_includes():
     ({"kvxfer": {"config": {"socket": "/tmp/x.sock"}}}, "/kvxfer/config/socket"),
     ({"kvxfer": {"config": {"copy_threads": 0}}}, "/kvxfer/config/copy_threads"),
     ({"engine": {"replicas": -1}}, "/engine/replicas"),
+    ({"gpu": {"mode": "none"}}, "value must be one of 'dra', 'devicePlugin'"),  # a CUDA vLLM without a GPU
+    ({"engine": {"device": "cpu"}}, "value must be 'none'"),  # a CPU engine holding a GPU
 ])
 def test_a_wrong_value_fails_lint_with_a_clear_message(values, message):
     lint = helm.lint(str(CHART), values, strict=True)
