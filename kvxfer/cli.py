@@ -74,6 +74,10 @@ BENCHES: list[tuple[str, str, str]] = [
 ]
 
 
+class _BenchHelp(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's text as written, and every option's default."""
+
+
 def bench_parser(benches: list[tuple[str, str, str]]) -> Callable[[argparse._SubParsersAction], None]:
     """A COMMANDS entry adding ``bench`` with one subcommand per benchmark module."""
 
@@ -82,8 +86,7 @@ def bench_parser(benches: list[tuple[str, str, str]]) -> Callable[[argparse._Sub
         subs = p.add_subparsers(dest="bench", required=True)
         for name, module_name, text in benches:
             module = importlib.import_module(module_name)
-            b = subs.add_parser(name, help=text, description=module.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+            b = subs.add_parser(name, help=text, description=module.__doc__, formatter_class=_BenchHelp)
             module.add_arguments(b)
             b.set_defaults(func=module.run)
 

@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.blocks} blocks of {human_bytes(block)} ({nbytes / (1 << 20):.0f} MiB), "
               f"median of {args.reps}; the Lookup step before: {lookup * 1e3:.1f} ms, of which the backend "
               f"(its lookup calls and the Lookup RPC) {share * 1e3:.2f} ms")
-        print(format_table(["path", "ms", "GB/s", "kvxfer time / this"], table))
+        print(format_table(["path", "ms", "GB/s", "kvxfer time / this"], table,
+                           {"kvxfer time / this": "scheduled-to-loaded time / this row's: above 1, the row is faster"}))
         print("vLLM's CPU offloading backend: not run here (its worker needs CUDA or XPU KV tensors)")
         if args.json:
             print(json.dumps({"blocks": args.blocks, "block_bytes": block, "lookup_s": lookup, "lookup_backend_s": share,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvxfer.bench.common import GB, Progress, add_block_arguments, format_table, human_bytes
+from kvxfer.bench.common import FASTER, GB, Progress, add_block_arguments, format_table, human_bytes
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.disk_store import DiskSettings
@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
             ["plain write, same durability", nbytes / med["plain_write"] / GB, 1.0],
             ["promotion (tier: read, verified, in host)", nbytes / med["promote"] / GB,
              med["plain_read"] / med["promote"]],
-            ["plain read, cold cache", nbytes / med["plain_read"] / GB, 1.0]]))
+            ["plain read, cold cache", nbytes / med["plain_read"] / GB, 1.0]],
+            {"tier / plain": FASTER + " (the plain file I/O below it)"}))
         if args.index_blocks:
             seconds, per_block = index_time(root, Pool.create("ix", KVSpec(1, 2, 16, 1, 8, torch.bfloat16),
                                                               Layout.parse("BLHNC")), args.index_blocks)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvxfer.bench.common import GB, Progress, format_table, human_bytes, interleaved, save
+from kvxfer.bench.common import FASTER, GB, Progress, format_table, human_bytes, interleaved, save
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
@@ -116,7 +116,12 @@ def table(results: list[dict]) -> str:
     rows = [[r["layout"], human_bytes(r["span"]), r["batch"], r["descriptors_per_block"], r["offload_gbps"],
              r["restore_gbps"], r["copy_gbps"], r["copy_hash_gbps"], r["offload_vs_copy_hash"],
              r["restore_vs_copy_hash"], r["offload_vs_copy"], r["restore_vs_copy"]] for r in results]
-    return format_table(headers, rows)
+    return format_table(headers, rows, {
+        "desc/block": "copy descriptors per block: the contiguous runs the copy engine moves (1 for a cross-layer "
+                      "span; one per layer and K/V part, or more, for layer-major pools)",
+        "copy GB/s, copy+hash GB/s": "the baseline: a plain gather of the same bytes between the same buffers, "
+                                     "without and with the XXH3 checksum kvxfer computes",
+        "offload/(copy+hash) ... restore/copy": FASTER})
 
 
 def plot(results: list[dict], path: str) -> None:
