@@ -1,4 +1,4 @@
-# kvxfer images (README "Containers and GPUs"). CI builds the CPU image with podman on a base made
+# kvxfer images (docs/gpu.md). CI builds the CPU image with podman on a base made
 # by mmdebstrap and runs it as the chart does (tests/image); hadolint checks this file.
 #
 #   docker build --build-arg VARIANT=cpu  -t ghcr.io/kvxfer/kvxfer:0.1.0-cpu  .

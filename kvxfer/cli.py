@@ -122,14 +122,20 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _client_tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)")]
 
 
-def main(argv: list[str] | None = None, commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,
-         benches: list[tuple[str, str, str]] | None = None) -> int:
-    """Parse and run one subcommand; a bad input is one line on stderr and exit 2."""
+def build_parser(commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,
+                 benches: list[tuple[str, str, str]] | None = None) -> argparse.ArgumentParser:
+    """The ``kvxfer`` parser: the library's tools, plus ``commands`` and ``benches`` (the daemon's)."""
     parser = argparse.ArgumentParser(prog="kvxfer", description="KV-cache offload and transfer daemon and tools")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in [*COMMANDS, *(commands or []), bench_parser(BENCHES + (benches or []))]:
         register(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None, commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,
+         benches: list[tuple[str, str, str]] | None = None) -> int:
+    """Parse and run one subcommand; a bad input is one line on stderr and exit 2."""
+    args = build_parser(commands, benches).parse_args(argv)
     try:
         return args.func(args)
     except InvalidArgument as exc:  # bad input or configuration

@@ -65,5 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     return cli.main(args, commands=[_serve_parser], benches=DAEMON_BENCHES)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The whole ``kvxfer`` command line (the docs check parses every documented command with it)."""
+    from kvxfer import cli
+
+    return cli.build_parser([_serve_parser], DAEMON_BENCHES)
+
+
 if __name__ == "__main__":
     sys.exit(main())

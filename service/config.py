@@ -151,7 +151,7 @@ def _unknown(names: set[str], known: list[str], where: str) -> ConfigError:
     for name in sorted(names):
         near = difflib.get_close_matches(str(name), known, n=1)
         hints.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-    return ConfigError(f"{where}unknown settings [{', '.join(hints)}]; see README's Configuration for every key")
+    return ConfigError(f"{where}unknown settings [{', '.join(hints)}]; docs/configuration.md lists every key")
 
 
 def _pool(raw: dict, index: int) -> PoolConfig:

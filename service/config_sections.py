@@ -21,7 +21,10 @@ class ConfigError(InvalidArgument):
     """A configuration value is invalid; the daemon does not start."""
 
 
-_DISK_KEYS = {"path", "capacity_gib", "queue_blocks", "workers"}
+DISK_KEYS = {"path", "capacity_gib", "queue_blocks", "workers"}
+SHARED_FS_KEYS = {"path", "timeout_ms", "workers", "max_inflight"}
+REMOTE_KEYS = {"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
+               "write_through", "max_inflight", "secret_file"}
 
 
 _REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
@@ -33,11 +36,9 @@ def remote(raw) -> RemoteSettings | None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError("remote: must be a mapping with a url")
-    allowed = {"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
-               "write_through", "max_inflight", "secret_file"}
-    unknown = set(raw) - allowed
+    unknown = set(raw) - REMOTE_KEYS
     if unknown:
-        raise ConfigError(f"remote: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        raise ConfigError(f"remote: unknown keys {sorted(unknown)}; allowed: {sorted(REMOTE_KEYS)}")
     url = raw.get("url")
     scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else ""
     if scheme not in _REMOTE_SCHEMES:
@@ -78,9 +79,9 @@ def disk(raw) -> DiskSettings | None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError("disk: must be a mapping with path and capacity_gib")
-    unknown = set(raw) - _DISK_KEYS
+    unknown = set(raw) - DISK_KEYS
     if unknown:
-        raise ConfigError(f"disk: unknown keys {sorted(unknown)}; allowed: {sorted(_DISK_KEYS)}")
+        raise ConfigError(f"disk: unknown keys {sorted(unknown)}; allowed: {sorted(DISK_KEYS)}")
     path = raw.get("path")
     if not isinstance(path, str) or not path.startswith("/"):
         raise ConfigError(f"disk.path: must be an absolute path, got {shown(path)}")
@@ -108,9 +109,8 @@ def shared_fs(raw) -> SharedFsSettings | None:
     """The ``shared_fs`` section: a directory on a mount every node shares, a deadline per call."""
     if raw is None:
         return None
-    allowed = {"path", "timeout_ms", "workers", "max_inflight"}
-    if not isinstance(raw, dict) or set(raw) - allowed:
-        raise ConfigError(f"shared_fs: must be a mapping of {sorted(allowed)} (path required)")
+    if not isinstance(raw, dict) or set(raw) - SHARED_FS_KEYS:
+        raise ConfigError(f"shared_fs: must be a mapping of {sorted(SHARED_FS_KEYS)} (path required)")
     path = raw.get("path")
     if not isinstance(path, str) or not path.startswith("/"):
         raise ConfigError(f"shared_fs.path: must be an absolute path, got {shown(path)}")

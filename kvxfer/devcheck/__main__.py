@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
               "and CUDA (make devcheck PYTHON=...)")
         return NO_GPU_EXIT
     if not torch.cuda.is_available():
-        print("kvxfer devcheck: no GPU here (torch sees no CUDA device); nothing to check, see README for what "
+        print("kvxfer devcheck: no GPU here (torch sees no CUDA device); nothing to check; README.md (Status) says what "
               "has not run on a GPU")
         return NO_GPU_EXIT
     from kvxfer.devcheck.bootstrap import prepare

@@ -96,7 +96,7 @@ def device_by_uuid(uuid: str) -> int:
             from None
     if uuid not in seen:
         raise FailedPrecondition(f"the pool lives on GPU {uuid!r}; this process sees only {seen}: run the engine "
-                                 "and the daemon on the same GPU (see README: containers)")
+                                 "and the daemon on the same GPU (see docs/gpu.md)")
     return seen.index(uuid)
 
 

@@ -18,7 +18,8 @@ GIB = 1 << 30
 
 
 def gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:.1f} GiB"
+    """A size as people read it: GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.0f} MiB"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ DAEMON = {"grace_period_s": 5, "log_level": "debug", "pools": [SMALL_POOL], "reg
 
 
 def kv_transfer(extra: dict) -> KVTransferConfig:
-    """The --kv-transfer-config a user passes (README, "vLLM") with ``extra`` as its extra config."""
+    """The --kv-transfer-config a user passes (docs/vllm.md) with ``extra`` as its extra config."""
     return KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm",
                             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
 

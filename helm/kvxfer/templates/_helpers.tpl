@@ -68,7 +68,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s-%s" $i.repository $i.tag $variant -}}
 {{- end -}}
 
-{{/* The --kv-transfer-config vLLM needs for this sidecar (README "vLLM"). */}}
+{{/* The --kv-transfer-config vLLM needs for this sidecar (docs/vllm.md). */}}
 {{- define "kvxfer.kvTransferConfig" -}}
 {{- dict "kv_connector" "KvxferConnector" "kv_connector_module_path" "kvxfer.integrations.vllm" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" (dict "socket" (include "kvxfer.socketPath" .)) | toJson -}}
 {{- end -}}

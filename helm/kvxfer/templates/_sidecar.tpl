@@ -29,7 +29,7 @@ exec:
     - {name: TRITON_CACHE_DIR, value: /var/cache/kvxfer/triton}
     {{- if eq .Values.gpu.mode "devicePlugin" }}
     # The engine holds the GPU through the device plugin; this container sees every GPU of the
-    # node and serves the engine's by its UUID (README "GPUs": the security cost).
+    # node and serves the engine's by its UUID (docs/gpu.md: the security cost).
     - {name: NVIDIA_VISIBLE_DEVICES, value: all}
     - {name: NVIDIA_DRIVER_CAPABILITIES, value: "compute,utility"}
     {{- end }}

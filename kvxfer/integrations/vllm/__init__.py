@@ -1,5 +1,5 @@
 """kvxfer for vLLM 0.33: ``--kv-transfer-config '{"kv_connector": "KvxferConnector",
-"kv_connector_module_path": "kvxfer.integrations.vllm", ...}'`` (README, "vLLM").
+"kv_connector_module_path": "kvxfer.integrations.vllm", ...}'`` (docs/vllm.md).
 
 The connector is imported on first use, so that the vLLM-free parts (naming) load without vLLM.
 """

@@ -1,6 +1,6 @@
 """``KvxferConnector``: vLLM's OffloadingConnector with kvxfer as its offloading backend.
 
-Enable it with one ``--kv-transfer-config`` (README, "vLLM"). It reuses vLLM's own
+Enable it with one ``--kv-transfer-config`` (docs/vllm.md). It reuses vLLM's own
 offloading scheduler and worker logic whole and adds the three things an
 ``OffloadingSpec`` alone cannot do:
 
