@@ -21,15 +21,15 @@ class MemoryNeed:
 
     pools: int  # the daemon's own CPU pools (sealed memfds; GPU pools live on the device)
     host_tiers: int  # one per cache group, sized by the group's first pool
-    disk_queues: int  # demotions staged in memory, per cache group with a disk tier
+    staging: int  # each lower tier's write queue, per cache group (disk, shared filesystem, Redis)
 
     @property
     def total(self) -> int:
-        return self.pools + self.host_tiers + self.disk_queues
+        return self.pools + self.host_tiers + self.staging
 
     def describe(self) -> str:
         return (f"{room.gib(self.total)} (CPU pools {room.gib(self.pools)}, host tiers {room.gib(self.host_tiers)}, "
-                f"disk queues {room.gib(self.disk_queues)})")
+                f"lower-tier staging {room.gib(self.staging)})")
 
 
 def resolve_devices(config: Config) -> Config:
@@ -47,13 +47,16 @@ def resolve_devices(config: Config) -> Config:
 
 def memory_need(config: Config) -> MemoryNeed:
     pools = sum(p.spec.nbytes for p in config.pools if p.device == "cpu")
-    groups: dict[str, int] = {}
-    for p in config.pools:  # a group's host tier is sized by the first pool that makes it
-        groups.setdefault(p.cache_group or p.id, capacity_blocks(p.host_capacity_mib, p.spec.block_bytes)
-                          * p.spec.block_bytes)
-    block_bytes = {p.cache_group or p.id: p.spec.block_bytes for p in reversed(config.pools)}
-    queues = sum(config.disk.queue_blocks * block_bytes[g] for g in groups) if config.disk else 0
-    return MemoryNeed(pools, sum(groups.values()), queues)
+    groups: dict[str, int] = {}  # a group's block bytes and host tier come from the first pool that makes it
+    tiers = 0
+    for p in config.pools:
+        if (p.cache_group or p.id) not in groups:
+            groups[p.cache_group or p.id] = p.spec.block_bytes
+            tiers += capacity_blocks(p.host_capacity_mib, p.spec.block_bytes) * p.spec.block_bytes
+    queued = sum(blocks for blocks in (config.disk and config.disk.queue_blocks,
+                                       config.shared_fs and config.shared_fs.max_inflight,
+                                       config.remote and config.remote.max_inflight) if blocks)
+    return MemoryNeed(pools, tiers, queued * sum(groups.values()))
 
 
 def check(config: Config, measured: room.Room | None = None) -> Config:
