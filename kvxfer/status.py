@@ -69,6 +69,8 @@ def render(before: list[PoolStats], after: list[PoolStats], interval: float) -> 
                    t.evictions] if t.has_occupancy else [s.cache_group, t.tier.value, "-", "-", "-", "-", "-"]
             if t.degraded:
                 row[1] += " (degraded)"
+            if t.loading:
+                row[1] += " (loading)"
             if row not in tiers:  # a group's tiers are shared by its pools
                 tiers.append(row)
     return "\n\n".join([

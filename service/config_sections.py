@@ -102,7 +102,8 @@ def disk(raw) -> DiskSettings | None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"disk.path: {shown(path)} cannot be made or written by this user "
                           f"({existing} is not a writable directory)")
-    return DiskSettings(path, int(capacity * (1 << 30)), bounded["queue_blocks"], bounded["workers"])
+    return DiskSettings(path, int(capacity * (1 << 30)), bounded["queue_blocks"], bounded["workers"],
+                        load_in_background=True)  # the daemon serves (and answers health) while it loads
 
 
 def shared_fs(raw) -> SharedFsSettings | None:

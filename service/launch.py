@@ -43,19 +43,29 @@ class DaemonProcess:
             return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
     def wait_serving(self, timeout: float = 60) -> None:
+        """Until health says SERVING and no tier is still loading its index (a disk tier loads in the
+        background while the daemon serves)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_text()}")
             if Path(self.socket).exists():
                 try:
-                    if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                    if self.health() == health_pb2.HealthCheckResponse.SERVING and not self.loading():
                         return
                 except grpc.RpcError:
                     pass
             time.sleep(0.1)
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"daemon not serving after {timeout}s:\n{self.log_text()}")
+
+    def loading(self) -> bool:
+        """Whether a tier of any pool is still loading its index."""
+        from kvxfer.client import Client  # (this module is imported by the program, which needs no client)
+
+        token = Path(self.config["token_file"]).read_text().strip() if self.config.get("token_file") else None
+        with Client(self.target, token=token) as client:
+            return any(t.loading for s in client.stats() for t in s.tiers)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:

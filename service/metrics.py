@@ -130,6 +130,8 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
     evictions = CounterMetricFamily("kvxfer_tier_evictions", "Blocks evicted to make room.", labels=labels)
     degraded = GaugeMetricFamily("kvxfer_tier_degraded", "1 once the tier hit an I/O error (it skips what fails).",
                                  labels=labels)
+    loading = GaugeMetricFamily("kvxfer_tier_loading", "1 while the tier's index is loaded at start (it holds "
+                                "nothing for lookups yet).", labels=labels)
     events = CounterMetricFamily("kvxfer_tier_events", "Lower-tier events: demoted, demotions_dropped, promoted, "
                                  "corrupt, read_errors, write_errors, dropped_at_start_<reason>, ...",
                                  labels=[*labels, "event"])
@@ -147,9 +149,10 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
                 evictions.add_metric(values, t.evictions)
             slot.add_metric(values, t.slot_bytes)
             degraded.add_metric(values, int(t.degraded))
+            loading.add_metric(values, int(t.loading))
             for event, n in sorted(t.events.items()):
                 events.add_metric([*values, event], n)
-    yield from (*families.values(), slot, evictions, degraded, events)
+    yield from (*families.values(), slot, evictions, degraded, loading, events)
 
 
 def _jobs(stats: list[PoolStats]) -> Iterator[Metric]:

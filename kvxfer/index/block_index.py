@@ -56,6 +56,7 @@ class BlockIndex:
         self._free_ns_ids: list[int] = []
         self._lock = threading.Lock()
         self._evictions = 0
+        self._ready_count = self._pinned_count = 0  # kept as entries change: Stats reads them in O(1)
 
     # -- store -----------------------------------------------------------------
     def prepare_store(self, namespace: str, keys: list[bytes]) -> Plan:
@@ -75,11 +76,11 @@ class BlockIndex:
                 # not be evicted to make room for the batch's new keys.
                 held = found[found >= 0]
                 held = held[self._state[held] == READY]
-                self._pins[held] += 1
+                self._pin(held, 1)
                 try:
                     slots, evicted = self._reserve(len(new))
                 finally:
-                    self._pins[held] -= 1
+                    self._pin(held, -1)
                     self._policy.used(held)
             if len(slots) == len(keys):
                 outcomes, positions, stored = [Outcome.DONE] * len(keys), range(len(keys)), keys
@@ -95,8 +96,8 @@ class BlockIndex:
                 self._space(namespace).update(zip(stored, slots))  # pairs straight in: 2x merging a dict
             one_extent = isinstance(slots, range)  # slices then, not gathers
             at = slice(slots.start, slots.stop) if one_extent else slot_array(slots)
-            self._state[at] = PENDING
-            self._pins[at] = 1
+            self._set_state(at, PENDING)
+            self._pin(at, 1)  # reserved slots were free: unpinned
             self._owner_ns[at] = self._ns_ids[namespace]
             self._owner_key[at] = stored if one_extent else _objects(stored)  # (bytes are scalars to numpy)
             self._release_if_empty(namespace)  # nothing stored (the tier was full of pinned entries)
@@ -108,7 +109,7 @@ class BlockIndex:
             raise ValueError("complete_store pairs each slot with one checksum")
         with self._lock:
             at = slot_array(slots)
-            self._pins[at] -= 1
+            self._pin(at, -1)
             try:  # the usual case: every store completed
                 values = int_array(checksums, np.uint64)
                 complete = np.ones(len(at), dtype=bool)
@@ -119,7 +120,7 @@ class BlockIndex:
             published = pending & complete
             publish = at[published]
             self._checksum[publish] = values[published]
-            self._state[publish] = READY
+            self._set_state(publish, READY)
             self._policy.used(publish)
             if publish.size < at.size:  # failed stores (never visible) or stores deleted meanwhile
                 self._drop(at[pending & ~complete])
@@ -132,7 +133,7 @@ class BlockIndex:
             found, hit = self._ready(namespace, keys)
             positions = np.flatnonzero(hit)
             at = found[positions]
-            self._pins[at] += 1  # distinct keys, so distinct slots
+            self._pin(at, 1)  # distinct keys, so distinct slots
             codes = np.where(hit, _DONE, _NOT_FOUND).astype(np.int8)
             return Plan(_outcomes(codes), at.tolist(), positions.tolist(), self._checksum[at].tolist())
 
@@ -140,7 +141,7 @@ class BlockIndex:
         """Unpin loaded entries; drop ``slots[j]`` for j in ``corrupt`` so it is never served again."""
         with self._lock:
             at = slot_array(slots)
-            self._pins[at] -= 1
+            self._pin(at, -1)
             if corrupt:
                 self._drop(at[sorted(corrupt)])
             self._policy.used(at[self._state[at] == READY])  # most recently used
@@ -155,7 +156,8 @@ class BlockIndex:
             if key in space:
                 return False
             space[key] = slot
-            self._state[slot], self._checksum[slot] = READY, checksum
+            self._set_state(slot, READY)
+            self._checksum[slot] = checksum
             self._owner_ns[slot], self._owner_key[slot] = self._ns_ids[namespace], key
             self._policy.used(np.array([slot], dtype=np.int64))
             return True
@@ -206,11 +208,22 @@ class BlockIndex:
 
     def stats(self) -> IndexStats:
         with self._lock:
-            return IndexStats(self.tier, self._slots.capacity, self._slots.used,
-                              int(np.count_nonzero(self._state == READY)), int(np.count_nonzero(self._pins)),
-                              self._evictions)
+            return IndexStats(self.tier, self._slots.capacity, self._slots.used, self._ready_count,
+                              self._pinned_count, self._evictions)
 
     # -- internals (lock held) -------------------------------------------------
+    def _set_state(self, at, state: int) -> None:
+        """Set the state of slots ``at`` (distinct), keeping the count of READY ones."""
+        before = np.count_nonzero(self._state[at] == READY)
+        self._state[at] = state
+        self._ready_count += int(np.count_nonzero(self._state[at] == READY) - before)
+
+    def _pin(self, at, delta: int) -> None:
+        """Add ``delta`` to the pins of slots ``at`` (distinct), keeping the count of pinned ones."""
+        before = np.count_nonzero(self._pins[at])
+        self._pins[at] += delta
+        self._pinned_count += int(np.count_nonzero(self._pins[at]) - before)
+
     def _space(self, namespace: str) -> dict[bytes, int]:
         space = self._spaces.get(namespace)
         if space is None:
@@ -292,7 +305,7 @@ class BlockIndex:
         names = {ns: self._ns_names[ns] for ns in ids}  # now: _forget may release these ids
         evicted = Evicted(self.tier, at, names, owners, keys, self._checksum[at])
         self._forget(at, keys)
-        self._state[at] = FREE
+        self._set_state(at, FREE)
         self._slots.release_many(at)
         return evicted
 
@@ -302,7 +315,7 @@ class BlockIndex:
         if not at.size:
             return
         self._forget(at)
-        self._state[at] = DROPPED
+        self._set_state(at, DROPPED)
         self._free_unpinned_dropped(at)
 
     def _free_unpinned_dropped(self, at: np.ndarray) -> None:

@@ -1,5 +1,11 @@
 """A cache group's disk tier: demotion on its own thread, promotion on restore, the index rebuilt at start.
 
+Start. The index comes from the checkpoint a clean shutdown wrote (one file), else from the
+block files' headers (a scan: minutes for millions of blocks). With ``load_in_background``
+(the daemon) it is loaded on a thread while the daemon serves: until it is done the tier
+holds nothing for lookups (restores miss it), demotions are dropped and counted, and Stats
+says ``loading``; a Delete meanwhile is applied to what the load finds.
+
 Demotion. A block the host tier evicts is copied out of its host slot into a staging
 buffer at once (the slot is reused by the very batch that evicted it) and queued; a
 writer thread makes it durable (``DiskTier.write_batch``) and only then publishes it
@@ -35,6 +41,7 @@ from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
+from kvxfer.tiers import disk_checkpoint
 from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.lower import StagedBlock
@@ -51,6 +58,7 @@ class DiskSettings:
     capacity_bytes: int  # per cache group, headers included
     queue_blocks: int = 256  # demotions staged in memory (and promotion reads in flight) at most
     workers: int = 4  # threads reading blocks for restores
+    load_in_background: bool = False  # the index loaded on a thread while the daemon serves
 
 
 class DiskStore:
@@ -70,32 +78,57 @@ class DiskStore:
         self.index = BlockIndex(TierKind.DISK, self.tier.slots)
         self.events = EventCounts()
         self.degraded = False
-        self.index_seconds = self._rebuild()
+        self.index_seconds = 0.0
+        self.loading = True
+        self._load_lock = threading.Lock()  # the end of the load against Deletes and shutdown
+        self._deleted_while_loading: list[tuple[str, list[bytes]]] = []
+        self._closing = False
+        if settings.load_in_background:
+            threading.Thread(target=self._load, name=f"kvxfer-disk-index-{group}", daemon=True).start()
+        else:
+            self._load()
         self._reads = threading.BoundedSemaphore(settings.queue_blocks)
         self.queue = WriteQueue(f"kvxfer-disk-write-{group}", settings.queue_blocks, slot_bytes, self.write, BATCH,
-                                on_stop=lambda: os.close(self._lock_fd))  # the directory free for the next store
+                                on_stop=self._stopped)
         self.tombstones = self.queue.tombstones
         self._readers = ThreadPoolExecutor(settings.workers, thread_name_prefix=f"kvxfer-disk-read-{group}")
 
-    def _rebuild(self) -> float:
-        """The index from the files there, oldest first; invalid files are removed and counted."""
+    def _load(self) -> None:
+        """The index from the checkpoint, else from the files there, oldest first (invalid files are
+        removed and counted); then the Deletes that came meanwhile."""
         start = time.perf_counter()
-        found, dropped = self.tier.scan()
-        self.tier.slots.claim([s.slot for s in found])
-        for reason, n in dropped.items():
-            self.events.add(f"dropped_at_start_{reason}", n)
-        for stored in found:
-            if not self.index.adopt(stored.namespace, stored.key, stored.slot, stored.checksum):
-                self.tier.discard(stored.slot)  # a second file of one key: keep the older
-                self.tier.slots.release_many([stored.slot])
-                self.events.add("dropped_at_start_duplicate", 1)
-        self.events.add("found_at_start", len(found))
-        return time.perf_counter() - start
+        found = disk_checkpoint.take(self.tier.directory_fd, self.tier.fingerprint, self.tier.capacity)
+        source = "checkpoint"
+        if found is None:
+            found, dropped = self.tier.scan(stop=lambda: self._closing)
+            source = "scan"
+            for reason, n in dropped.items():
+                self.events.add(f"dropped_at_start_{reason}", n)
+        with self._load_lock:
+            if self._closing:
+                return
+            self.tier.slots.claim([s.slot for s in found])
+            for stored in found:
+                if not self.index.adopt(stored.namespace, stored.key, stored.slot, stored.checksum):
+                    self.tier.discard(stored.slot)  # a second file of one key: keep the older
+                    self.tier.slots.release_many([stored.slot])
+                    self.events.add("dropped_at_start_duplicate", 1)
+            self.events.add("found_at_start", len(found))
+            self.loading = False
+            for namespace, keys in self._deleted_while_loading:
+                self._delete_loaded(namespace, keys)
+            self._deleted_while_loading.clear()
+        self.index_seconds = time.perf_counter() - start
+        log.info("disk index loaded", extra={"path": str(self.tier.directory), "source": source,
+                                             "blocks": len(found), "seconds": round(self.index_seconds, 3)})
 
     # -- demotion ----------------------------------------------------------------
     def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
         """Copy blocks the host tier evicted out of their slots and queue them for the disk.
         Call before the slots are written again (the group's store lock held)."""
+        if self.loading:  # nothing is written before the index knows what the files hold
+            self.events.add("demotions_dropped_loading", len(blocks))
+            return
         present = self.index.contains(namespace, [key for key, _, _ in blocks])
         for (key, checksum, data), there in zip(blocks, present):
             if there:
@@ -105,6 +138,9 @@ class DiskStore:
 
     def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
         """Write (key, checksum, bytes) blocks not on disk yet, on this thread; returns how many were."""
+        if self.loading:
+            self.events.add("demotions_dropped_loading", len(blocks))
+            return 0
         present = self.index.contains(namespace, [k for k, _, _ in blocks])
         staged = [Staged(namespace, k, c, data.numpy(), seq=self.tombstones.staged(namespace, k))
                   for (k, c, data), there in zip(blocks, present) if not there]
@@ -182,6 +218,13 @@ class DiskStore:
     # -- the rest ------------------------------------------------------------------
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove the keys' blocks, and the writes of them still queued or half-written."""
+        with self._load_lock:
+            if self.loading:  # applied to what the load finds (nothing is queued meanwhile)
+                self._deleted_while_loading.append((namespace, list(keys)))
+                return 0
+        return self._delete_loaded(namespace, keys)
+
+    def _delete_loaded(self, namespace: str, keys: list[bytes]) -> int:
         with self.tombstones.publishing:
             self.tombstones.delete(namespace, keys)
             plan = self.index.prepare_load(namespace, keys)
@@ -196,7 +239,7 @@ class DiskStore:
     def stats(self) -> TierStats:
         i = self.index.stats()
         return TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.tier.file_bytes,
-                         self.degraded, self.events.snapshot())
+                         self.degraded, self.events.snapshot(), self.loading)
 
     def _degrade(self, what: str, exc: OSError) -> None:
         if not self.degraded:
@@ -208,8 +251,22 @@ class DiskStore:
         return self.queue.flush(timeout)
 
     def close(self, timeout: float = 0.0) -> None:
-        self.queue.close(timeout)
+        with self._load_lock:
+            self._closing = True  # a load still running stops, and adopts nothing
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self.queue.close(timeout)
+
+    def _stopped(self) -> None:
+        """On the writer thread, every queued block written: the index's checkpoint for the next start
+        (the files hold exactly what the index knows), then the directory free for the next store."""
+        try:
+            if not self.loading:
+                disk_checkpoint.write(self.tier.directory_fd, self.tier.fingerprint, self.index.entries())
+        except OSError as exc:
+            log.warning("disk index checkpoint not written: the next start scans the files",
+                        extra={"path": str(self.tier.directory), "error": exc.strerror})
+        finally:
+            os.close(self._lock_fd)
 
 
 def _lock_directory(directory: Path, wait_s: float = 10.0) -> int:

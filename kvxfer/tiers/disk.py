@@ -49,6 +49,8 @@ FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 QUARANTINE = "quarantine"  # entries set aside, for the operator to look at
+CHECKPOINT = ".checkpoint"  # the index a clean shutdown wrote (kvxfer.tiers.disk_checkpoint)
+NOT_BLOCKS = (".lock", QUARANTINE, CHECKPOINT, CHECKPOINT + ".tmp")
 log = logging.getLogger(__name__)
 
 
@@ -92,6 +94,11 @@ class DiskTier(Tier):
                                      "directory the daemon can write, not a link)") from None
         self._uid = os.geteuid()
         weakref.finalize(self, os.close, self._top)  # when no reader or writer can use it any more
+
+    @property
+    def directory_fd(self) -> int:
+        """The tier's directory, opened once (names inside it are opened relative to it)."""
+        return self._top
 
     @property
     def file_bytes(self) -> int:
@@ -269,14 +276,17 @@ class DiskTier(Tier):
             raise DiskCorrupt("checksum")
 
     # -- start -------------------------------------------------------------------
-    def scan(self) -> tuple[list[Stored], Counter]:
-        """Every valid file's header, oldest first; invalid files removed and counted by reason."""
+    def scan(self, stop=lambda: False) -> tuple[list[Stored], Counter]:
+        """Every valid file's header, oldest first; invalid files removed and counted by reason.
+        ``stop()`` is asked between subdirectories (a shutdown during a long scan)."""
         found: list[Stored] = []
         dropped: Counter = Counter()
         with os.scandir(self._top) as entries:
             top = sorted(entries, key=lambda e: e.name)
         for entry in top:
-            if entry.name in (".lock", QUARANTINE):
+            if stop():
+                break
+            if entry.name in NOT_BLOCKS:
                 continue
             if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
                 # a link among the subdirectories (removed itself, its target never touched) or a stranger

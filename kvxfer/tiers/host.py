@@ -6,6 +6,7 @@ Bytes only: which slot holds what is the index's business (kvxfer.index).
 from __future__ import annotations
 
 import mmap
+import threading
 import weakref
 
 import numpy as np
@@ -30,21 +31,29 @@ class HostTier(Tier):
             raise InvalidArgument(f"host tier capacity must be at least 1 block, got {capacity}")
         super().__init__(capacity, slot_bytes)
         # Allocated once, up front, in pages of its own (an anonymous mapping: never shares a
-        # page with another allocation, so two tiers never register the same page), populated
-        # now so that the memory is really there (and counted) before the first offload.
+        # page with another allocation, so two tiers never register the same page). Not zeroed
+        # or faulted in before serving (fresh anonymous pages read as zero, and start-up would
+        # grow with the tier: ~0.35 s a GiB here); the start-up check made sure the memory is
+        # there, and a background thread faults it in so that first offloads find it ready.
         nbytes = capacity * slot_bytes
         try:
-            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as exc:  # the kernel refused outright (more than it would ever overcommit)
             raise ResourceExhausted(f"host tier: cannot map {capacity} blocks ({gib(nbytes)}): {exc.strerror}") \
                 from None
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8).view(capacity, slot_bytes)
         self._rows: np.ndarray = self.buffer.numpy()
+        self.populated = threading.Event()  # set once every page is faulted in
         if pin_device is not None:
             # Registered in place: torch's pinned allocator would round 100 GB up to 128 GB.
+            # (Registration faults every page in itself.)
             gpu = driver(pin_device)
             gpu.pin(self.buffer.data_ptr(), nbytes)
             weakref.finalize(self, _unpin, gpu, self.buffer.data_ptr(), self._map)
+            self.populated.set()
+        else:
+            threading.Thread(target=_populate, args=(weakref.ref(self._map), nbytes, self.populated),
+                             name="kvxfer-host-populate", daemon=True).start()
 
     def write(self, slot: int, data: memoryview) -> None:
         """Store one block's bytes (``slot_bytes`` of them) in ``slot``."""
@@ -58,6 +67,27 @@ class HostTier(Tier):
         """The block checksum (kvxfer.geometry.checksum) of each slot's bytes."""
         rows = self._rows
         return rows_checksums(rows[slot] for slot in slots)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing them (not in Python 3.11's mmap)
+POPULATE_CHUNK = 64 << 20
+
+
+def _populate(memory: weakref.ref, nbytes: int, done: threading.Event) -> None:
+    """Fault a tier's pages in, a chunk at a time, without touching their contents (offloads may
+    be writing them already); stops when the tier is gone or the kernel cannot (then pages
+    fault in at first write, as they always may)."""
+    try:
+        for start in range(0, nbytes, POPULATE_CHUNK):
+            mapping = memory()
+            if mapping is None:
+                return
+            mapping.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_CHUNK, nbytes - start))
+            del mapping  # between chunks the tier may be released
+    except (OSError, ValueError):  # an older kernel (EINVAL), memory gone meanwhile, a closed mapping
+        return
+    finally:
+        done.set()
 
 
 def _unpin(gpu, ptr: int, memory: mmap.mmap) -> None:

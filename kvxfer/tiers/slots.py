@@ -1,14 +1,16 @@
 """Free-slot bookkeeping for a tier of fixed-size slots. Touches no bytes.
 
-Free slots are kept as sorted, non-touching extents ``[start, start + length)``.
-A batch gets one contiguous extent when one is large enough, so that a gather can
-write straight into its destination; otherwise the largest extents first, to
-keep the number of pieces small.
+Free slots are a fresh tail ``[fresh, capacity)`` never handed out, and a stack of
+released ones. Taking or returning n slots costs O(n) vector work whatever the tier's
+size or fragmentation (a list of extents searched first-fit cost O(extents) a piece: a
+fragmented tier of millions of blocks made an offload seconds long). Released slots are
+pushed in ascending order and popped from the top, so a batch that takes back the run
+of slots one eviction freed gets them in order (a ``range`` when they are consecutive).
+A byte per slot says whether it is free, so that a slot returned twice is caught.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,93 +26,65 @@ class SlotAllocator:
         if capacity < 0:
             raise Internal(f"negative tier capacity {capacity}")
         self.capacity = capacity
-        self._starts: list[int] = [0] if capacity else []
-        self._lengths: list[int] = [capacity] if capacity else []
-        self._free = capacity
+        self._stack = np.empty(capacity, dtype=np.uint32 if capacity < 1 << 32 else np.int64)
+        self._top = 0  # released slots are _stack[:_top]
+        self._fresh = 0  # slots from here on were never handed out
+        self._is_free = np.ones(capacity, dtype=np.bool_)
 
     @property
     def free(self) -> int:
-        return self._free
+        return self._top + self.capacity - self._fresh
 
     @property
     def used(self) -> int:
-        return self.capacity - self._free
+        return self.capacity - self.free
 
     def allocate(self, n: int) -> Sequence[int] | None:
-        """``n`` free slots, ascending within each extent (a ``range`` when one extent holds them,
-        the usual case: no list of n ints is built); None (and nothing taken) if fewer are free."""
-        if n > self._free:
+        """``n`` free slots (a ``range`` when they are consecutive, the usual case: no list of n
+        ints is built); None (and nothing taken) if fewer are free."""
+        if n > self.free:
             return None
         if n == 0:
             return []
-        for i, length in enumerate(self._lengths):  # first fit: one contiguous extent
-            if length >= n:
-                return self._take(i, n)
-        slots: list[int] = []
-        while len(slots) < n:  # fragmented: largest extents first
-            i = max(range(len(self._lengths)), key=self._lengths.__getitem__)
-            slots += self._take(i, min(self._lengths[i], n - len(slots)))
-        return slots
+        k = min(n, self._top)
+        popped = self._stack[self._top - k:self._top][::-1].astype(np.int64)  # the lowest of a push first
+        self._top -= k
+        tail = range(self._fresh, self._fresh + n - k)
+        self._fresh += n - k
+        self._is_free[popped] = False
+        self._is_free[tail.start:tail.stop] = False
+        if not k:
+            return tail
+        low = int(popped.min())
+        if int(popped.max()) - low == k - 1 and (not tail or low + k == tail.start):
+            return range(low, low + n)  # k distinct slots spanning k: one run (with the tail after it)
+        return popped.tolist() + list(tail)
 
     def claim(self, slots: list[int]) -> None:
         """Mark ``slots`` used on a fresh allocator (an index rebuilt from what a tier holds)."""
-        if self._free != self.capacity:
+        if self.free != self.capacity:
             raise Internal("claim is for a fresh allocator")
-        taken = sorted(set(slots))
-        if taken and not (0 <= taken[0] and taken[-1] < self.capacity):
+        taken = np.unique(slot_array(slots))
+        if taken.size and not (0 <= taken[0] and taken[-1] < self.capacity):
             raise Internal(f"claimed slots out of range [0, {self.capacity})")
-        self._starts, self._lengths, start = [], [], 0
-        for slot in [*taken, self.capacity]:
-            if slot > start:
-                self._starts.append(start)
-                self._lengths.append(slot - start)
-            start = slot + 1
-        self._free = self.capacity - len(taken)
-
-    def _take(self, i: int, n: int) -> range:
-        start = self._starts[i]
-        if self._lengths[i] == n:
-            del self._starts[i], self._lengths[i]
-        else:
-            self._starts[i] += n
-            self._lengths[i] -= n
-        self._free -= n
-        return range(start, start + n)
+        self._fresh = int(taken[-1]) + 1 if taken.size else 0
+        self._is_free[taken] = False
+        below = np.flatnonzero(self._is_free[:self._fresh])[::-1]  # popped lowest first
+        self._stack[:below.size] = below
+        self._top = below.size
 
     def release_many(self, slots: Sequence[int]) -> None:
-        """Return several slots; consecutive ones are merged first (in numpy), so this costs
-        Python work per extent, not per slot."""
+        """Return slots (any order, each once, each handed out)."""
         if not len(slots):
             return
         ordered = np.sort(slot_array(slots))
-        breaks = np.flatnonzero(np.diff(ordered) != 1)  # where an extent ends (not the last)
-        starts = ordered[np.concatenate(([0], breaks + 1))].tolist()
-        lasts = ordered[np.concatenate((breaks, [len(ordered) - 1]))].tolist()
-        for start, last in zip(starts, lasts):
-            self._release_extent(start, last - start + 1)
-
-    def _release_extent(self, slot: int, n: int) -> None:
-        """Return [slot, slot + n); merges with neighbouring free extents."""
-        if not (0 <= slot and slot + n <= self.capacity):
-            raise Internal(f"slots [{slot}, {slot + n}) out of range [0, {self.capacity})")
-        i = bisect.bisect_right(self._starts, slot)
-        if (i > 0 and self._starts[i - 1] + self._lengths[i - 1] > slot) or \
-                (i < len(self._starts) and self._starts[i] < slot + n):
-            raise Internal(f"slots [{slot}, {slot + n}) released twice")
-        joins_left = i > 0 and self._starts[i - 1] + self._lengths[i - 1] == slot
-        joins_right = i < len(self._starts) and self._starts[i] == slot + n
-        if joins_left and joins_right:
-            self._lengths[i - 1] += n + self._lengths[i]
-            del self._starts[i], self._lengths[i]
-        elif joins_left:
-            self._lengths[i - 1] += n
-        elif joins_right:
-            self._starts[i] = slot
-            self._lengths[i] += n
-        else:
-            self._starts.insert(i, slot)
-            self._lengths.insert(i, n)
-        self._free += n
+        if ordered[0] < 0 or ordered[-1] >= self.capacity:
+            raise Internal(f"slots out of range [0, {self.capacity}): {int(ordered[0])}..{int(ordered[-1])}")
+        if self._is_free[ordered].any() or (ordered[1:] == ordered[:-1]).any():
+            raise Internal("slots released twice (or never handed out)")
+        self._is_free[ordered] = True
+        self._stack[self._top:self._top + ordered.size] = ordered[::-1]  # popped from the top: lowest first
+        self._top += ordered.size
 
 
 def slot_array(slots: Sequence[int]) -> np.ndarray:

@@ -236,7 +236,7 @@ class StatsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_blocks", "used_blocks", "ready_blocks", "pinned_blocks", "evictions", "slot_bytes", "degraded", "events")
+    __slots__ = ("tier", "capacity_blocks", "used_blocks", "ready_blocks", "pinned_blocks", "evictions", "slot_bytes", "degraded", "events", "loading")
     class EventsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,7 @@ class TierStats(_message.Message):
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_blocks: int
     used_blocks: int
@@ -262,7 +263,8 @@ class TierStats(_message.Message):
     slot_bytes: int
     degraded: bool
     events: _containers.ScalarMap[str, int]
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., ready_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., degraded: _Optional[bool] = ..., events: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    loading: bool
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., ready_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., degraded: _Optional[bool] = ..., events: _Optional[_Mapping[str, int]] = ..., loading: _Optional[bool] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("blocks", "bytes", "seconds")

@@ -152,6 +152,9 @@ def test_groups_without_pools_are_released_and_their_memory_comes_back(make_daem
         for i in range(12):  # 12 groups through a daemon that holds at most 3
             client.register_pool(f"p{i}", SPEC, Layout.parse("BLHNC"), PoolHandle(Medium.SHM, str(path)),
                                  cache_group=f"g{i}")
+            deadline = time.monotonic() + 10  # the tier's pages are faulted in behind the registration
+            while rss_mib(daemon.proc.pid) - before < 60 and time.monotonic() < deadline:
+                time.sleep(0.05)
             peak = max(peak, rss_mib(daemon.proc.pid))
             client.unregister_pool(f"p{i}")
         time.sleep(2.0)  # past the retention, the sweeper has released them

@@ -135,6 +135,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert [t is not None for t in lookup.tiers] == [k in self.stored for k in KEYS]
         stats = self.m.index.stats()
         assert stats.pinned == 0 and stats.used == len(self.stored) <= CAPACITY
+        # The counters Stats reads in O(1) equal a count over the whole index.
+        index = self.m.index
+        assert (stats.ready, stats.pinned) == (int((index._state == 2).sum()), int(index._pins.astype(bool).sum()))
 
 
 class LayerMajorStoreMachine(StoreMachine):

@@ -57,3 +57,12 @@ def test_bench_demotion_smoke(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["stored"] > 0 and result["demoted"] > 0 and result["write_errors"] == 0
     assert result["demoted"] + result["dropped"] <= result["stored"]
+
+
+def test_bench_scale_smoke(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert cli.main(["bench", "scale", "--blocks", "20000", "--batch", "256,1024", "--reps", "20",
+                     "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["blocks"] == 20000 and result["fragmented_1024_ms"] > 0 and result["stats_us"] > 0
+    assert "fragmented, shuffled / ordered" in capsys.readouterr().out

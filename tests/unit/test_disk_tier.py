@@ -75,6 +75,7 @@ def test_a_restart_rebuilds_the_index_and_drops_every_bad_file(tmp_path):
     offload_all(manager, range(1, 25))
     assert group.demote_all(10) == HOST_BLOCKS  # what SIGTERM does
     group.close(5)
+    (tmp_path / "g" / ".checkpoint").unlink()  # as after a crash: the next start scans the files
     files = sorted((tmp_path / "g").rglob("*.kvb"))
     assert len(files) == 24
     os.truncate(files[0], 100)  # truncated
@@ -99,6 +100,102 @@ def test_a_restart_rebuilds_the_index_and_drops_every_bad_file(tmp_path):
         if outcome is Outcome.DONE:
             assert torch.equal(block(manager2.pool, i + 1), original[i + 1])
     assert manager2.lookup("ns", keys).tiers.count(None) == 3  # the bad ones are gone for good
+    group2.close(5)
+
+
+def test_a_clean_restart_reads_the_checkpoint_and_still_catches_files_damaged_since(tmp_path):
+    """Issue 32: one file read at start instead of a header per block; what changed on disk after the
+    shutdown is caught when read (DATA_LOSS, the entry dropped), never served."""
+    pool, group, manager = store(tmp_path)
+    fill(pool, 3)
+    original = {b: block(pool, b) for b in range(1, 25)}
+    offload_all(manager, range(1, 25))
+    assert group.demote_all(10) == HOST_BLOCKS
+    group.close(5)
+    checkpoint = tmp_path / "g" / ".checkpoint"
+    assert checkpoint.is_file() and stat.S_IMODE(checkpoint.stat().st_mode) == 0o600
+    files = sorted((tmp_path / "g").rglob("*.kvb"))
+    os.truncate(files[0], 100)
+    with open(files[1], "r+b") as f:  # a header byte flipped
+        f.seek(40)
+        f.write(bytes([f.read(1)[0] ^ 1]))
+    _, group2, manager2 = store(tmp_path)
+    disk = group2.disk.stats()
+    assert disk.events["found_at_start"] == 24 and not disk.loading
+    assert not any(e.startswith("dropped_at_start") for e in disk.events)  # no scan
+    assert not checkpoint.exists()  # consumed: a crash from now on means a scan
+    keys = [b"k%d" % b for b in range(1, 25)]
+    results = []
+    for start in range(0, 24, 4):
+        results += manager2.restore("ns", [(keys[i], i + 1) for i in range(start, start + 4)]).outcomes
+    assert results.count(Outcome.DATA_LOSS) == 2 and results.count(Outcome.DONE) == 22
+    for i, outcome in enumerate(results):
+        if outcome is Outcome.DONE:
+            assert torch.equal(block(manager2.pool, i + 1), original[i + 1])
+    assert manager2.lookup("ns", keys).tiers.count(None) == 2
+    group2.close(5)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "bad hash", "other format", "too large", "a link"])
+def test_a_checkpoint_that_is_not_ours_is_ignored_and_the_files_are_scanned(tmp_path, damage):
+    pool, group, manager = store(tmp_path)
+    fill(pool, 4)
+    offload_all(manager, range(1, 13))
+    assert group.demote_all(10) == HOST_BLOCKS
+    group.close(5)
+    checkpoint = tmp_path / "g" / ".checkpoint"
+    data = checkpoint.read_bytes()
+    if damage == "garbage":
+        checkpoint.write_bytes(b"\0" * 64)
+    elif damage == "bad hash":
+        checkpoint.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif damage == "other format":
+        checkpoint.write_bytes(data.replace(group.disk.tier.fingerprint, bytes(len(group.disk.tier.fingerprint))))
+    elif damage == "too large":
+        with checkpoint.open("ab") as f:
+            f.truncate(10 << 20)
+    else:
+        checkpoint.unlink()
+        (tmp_path / "target").write_bytes(data)
+        checkpoint.symlink_to(tmp_path / "target")
+    _, group2, manager2 = store(tmp_path)
+    disk = group2.disk.stats()
+    assert disk.events["found_at_start"] == 12  # from the files' own headers
+    assert (tmp_path / "target").exists() if damage == "a link" else True  # a link's target is never touched
+    assert not checkpoint.exists() and not checkpoint.is_symlink()
+    group2.close(5)
+
+
+def test_a_background_load_serves_misses_drops_demotions_and_applies_deletes(tmp_path, monkeypatch):
+    """The daemon's way: the index loads on a thread while the daemon serves (issue 32)."""
+    import threading
+
+    from kvxfer.tiers.disk import DiskTier
+
+    pool, group, manager = store(tmp_path)
+    fill(pool, 5)
+    offload_all(manager, range(1, 17))
+    assert group.demote_all(10) == HOST_BLOCKS
+    group.close(5)
+    (tmp_path / "g" / ".checkpoint").unlink()  # a scan
+    release = threading.Event()
+    scan = DiskTier.scan
+    monkeypatch.setattr(DiskTier, "scan", lambda self, stop=lambda: False: (release.wait(30), scan(self, stop))[1])
+    _, group2, manager2 = store(tmp_path, load_in_background=True)
+    disk = group2.disk
+    assert disk.stats().loading and disk.contains("ns", [b"k1"]) == [False]  # a miss, not a wait
+    assert manager2.delete("ns", [b"k2"]) >= 0  # applied once the files are known
+    disk.stage("ns", [(b"new", 1, torch.zeros(4, dtype=torch.uint8))])
+    assert disk.stats().events["demotions_dropped_loading"] == 1
+    release.set()
+    for _ in range(300):
+        if not disk.stats().loading:
+            break
+        threading.Event().wait(0.01)
+    stats = disk.stats()
+    assert not stats.loading and stats.events["found_at_start"] == 16
+    assert disk.contains("ns", [b"k1", b"k2"]) == [True, False]
+    assert not any(f.name == "k2" for f in (tmp_path / "g").rglob("*.kvb"))
     group2.close(5)
 
 

@@ -174,3 +174,29 @@ def test_a_store_that_evicts_its_own_namespace_empty_keeps_the_namespace():
     assert plan.outcomes == [Outcome.DONE] * 2 and len(plan.evicted) == 2
     index.complete_store(plan.slots, [3, 4])
     assert index.contains("m", [b"k1", b"k2", b"k3", b"k4"]) == [False, False, True, True]
+
+
+def test_stats_counters_follow_every_transition_without_a_pass_over_the_index():
+    """Stats (every /metrics scrape) reads counters kept as entries change (issue 32), equal to a count."""
+    from kvxfer.index.block_index import READY
+
+    index = BlockIndex(TierKind.HOST, 8)
+
+    def check(ready: int, pinned: int) -> None:
+        stats = index.stats()
+        assert (stats.ready, stats.pinned) == (ready, pinned)
+        assert (int((index._state == READY).sum()), int(index._pins.astype(bool).sum())) == (ready, pinned)
+
+    keys = [b"a", b"b", b"c", b"d"]
+    plan = index.prepare_store("ns", keys)
+    check(0, 4)
+    index.complete_store(plan.slots, [1, 2, None, 4])  # one failed store: never visible
+    check(3, 0)
+    load = index.prepare_load("ns", [b"a", b"b"])
+    check(3, 2)
+    assert index.delete("ns", [b"a"]) == 1  # deleted while pinned: invisible now, freed at its unpin
+    check(2, 2)
+    index.complete_load(load.slots, corrupt={1})  # b was corrupt: dropped
+    check(1, 0)
+    index.prepare_store("ns", [b"x%d" % i for i in range(8)])  # evicts d to make room
+    check(0, 8)
