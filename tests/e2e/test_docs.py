@@ -2,7 +2,8 @@
 
 - every relative link and anchor resolves;
 - every documented command parses with the real program: ``kvxfer ...`` with kvxfer's own
-  parser, ``make X`` against the Makefile, ``helm ... --set`` against the chart's values,
+  parser (and those that take seconds run: ``layout``, ``serve --check``, and ``status`` and
+  ``health`` against a real daemon), ``make X`` against the Makefile, ``helm ... --set`` against the chart's values,
   ``docker build --target`` against the Dockerfile, ``python -m M`` against importable modules;
 - README's Python example runs against a real daemon and prints what its comments say;
 - the example configuration passes ``serve --check`` and a daemon starts from it;
@@ -118,6 +119,33 @@ def test_every_documented_command_parses(doc):
         checked += 1
     if doc.name == "README.md" and doc.parent == ROOT:
         assert checked >= 7  # set-up, the local try, the chart
+
+
+RUNNABLE = ("layout", "status", "health")  # quick, and safe to run as written (serve only with --check)
+
+
+def test_the_quick_documented_commands_run():
+    daemon = launch.spawn({})  # what make serve runs
+    ran = []
+    try:
+        for doc in DOCS:
+            for words in commands(doc):
+                if Path(words[0]).name != "kvxfer" or len(words) < 2:
+                    continue
+                args = words[1:]
+                if not (args[0] in RUNNABLE or (args[0] == "serve" and "--check" in args)):
+                    continue
+                if args[0] in ("status", "health") and "--target" not in args:
+                    args += ["--target", daemon.target]  # the documented default socket, moved
+                if args[0] == "serve":
+                    args += ["--socket", str(daemon.dir / "check.sock")]
+                proc = subprocess.run([PYTHON, "-m", "service.cli", *args], env=python_env(), cwd=ROOT,
+                                      capture_output=True, text=True, timeout=120)
+                assert proc.returncode == 0, f"{doc.name}: {shlex.join(words)}\n{proc.stderr[-2000:]}"
+                ran.append(args[0])
+    finally:
+        daemon.cleanup()
+    assert {"layout", "status", "health", "serve"} <= set(ran)
 
 
 def test_the_readme_example_prints_what_it_says():
