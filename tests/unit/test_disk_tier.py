@@ -44,6 +44,28 @@ def offload_all(manager: PoolManager, blocks: range) -> None:
         assert manager.offload("ns", pairs).outcomes == [Outcome.DONE] * len(pairs)
 
 
+def stored_and_shut_down(tmp_path, seed: int, blocks: int) -> CacheGroup:
+    """Blocks 1..blocks offloaded (all but the host tier's on disk), the host tier written down
+    and the group closed as SIGTERM does; returns the closed group."""
+    pool, group, manager = store(tmp_path)
+    fill(pool, seed)
+    offload_all(manager, range(1, blocks + 1))
+    assert group.demote_all(10) == HOST_BLOCKS
+    group.close(5)
+    return group
+
+
+def restore_all(manager: PoolManager, original: dict[int, torch.Tensor]) -> tuple[list[bytes], list[Outcome]]:
+    """Restore blocks 1-24's keys into blocks 1-24, four at a time; each DONE one is bit-exact."""
+    keys, results = [b"k%d" % b for b in range(1, 25)], []
+    for start in range(0, 24, 4):
+        results += manager.restore("ns", [(keys[i], i + 1) for i in range(start, start + 4)]).outcomes
+    for i, outcome in enumerate(results):
+        if outcome is Outcome.DONE:
+            assert torch.equal(block(manager.pool, i + 1), original[i + 1])
+    return keys, results
+
+
 @pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "L,KV,B,N,H,D"])
 def test_evicted_blocks_go_to_disk_and_come_back_bit_exact(tmp_path, layout):
     pool, group, manager = store(tmp_path, layout)
@@ -91,14 +113,8 @@ def test_a_restart_rebuilds_the_index_and_drops_every_bad_file(tmp_path):
     assert disk.events["found_at_start"] == 22 and disk.ready_blocks == 22
     assert disk.events["dropped_at_start_truncated"] == 1 and disk.events["dropped_at_start_bad_header"] == 1
     assert disk.events["dropped_at_start_incomplete"] == 1
-    keys = [b"k%d" % b for b in range(1, 25)]
-    results = []
-    for start in range(0, 24, 4):
-        results += manager2.restore("ns", [(keys[i], i + 1) for i in range(start, start + 4)]).outcomes
+    keys, results = restore_all(manager2, original)
     assert results.count(Outcome.DATA_LOSS) == 1 and results.count(Outcome.NOT_FOUND) == 2
-    for i, outcome in enumerate(results):
-        if outcome is Outcome.DONE:
-            assert torch.equal(block(manager2.pool, i + 1), original[i + 1])
     assert manager2.lookup("ns", keys).tiers.count(None) == 3  # the bad ones are gone for good
     group2.close(5)
 
@@ -124,25 +140,15 @@ def test_a_clean_restart_reads_the_checkpoint_and_still_catches_files_damaged_si
     assert disk.events["found_at_start"] == 24 and not disk.loading
     assert not any(e.startswith("dropped_at_start") for e in disk.events)  # no scan
     assert not checkpoint.exists()  # consumed: a crash from now on means a scan
-    keys = [b"k%d" % b for b in range(1, 25)]
-    results = []
-    for start in range(0, 24, 4):
-        results += manager2.restore("ns", [(keys[i], i + 1) for i in range(start, start + 4)]).outcomes
+    keys, results = restore_all(manager2, original)
     assert results.count(Outcome.DATA_LOSS) == 2 and results.count(Outcome.DONE) == 22
-    for i, outcome in enumerate(results):
-        if outcome is Outcome.DONE:
-            assert torch.equal(block(manager2.pool, i + 1), original[i + 1])
     assert manager2.lookup("ns", keys).tiers.count(None) == 2
     group2.close(5)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "bad hash", "other format", "too large", "a link"])
 def test_a_checkpoint_that_is_not_ours_is_ignored_and_the_files_are_scanned(tmp_path, damage):
-    pool, group, manager = store(tmp_path)
-    fill(pool, 4)
-    offload_all(manager, range(1, 13))
-    assert group.demote_all(10) == HOST_BLOCKS
-    group.close(5)
+    group = stored_and_shut_down(tmp_path, 4, 12)
     checkpoint = tmp_path / "g" / ".checkpoint"
     data = checkpoint.read_bytes()
     if damage == "garbage":
@@ -172,11 +178,7 @@ def test_a_background_load_serves_misses_drops_demotions_and_applies_deletes(tmp
 
     from kvxfer.tiers.disk import DiskTier
 
-    pool, group, manager = store(tmp_path)
-    fill(pool, 5)
-    offload_all(manager, range(1, 17))
-    assert group.demote_all(10) == HOST_BLOCKS
-    group.close(5)
+    stored_and_shut_down(tmp_path, 5, 16)
     (tmp_path / "g" / ".checkpoint").unlink()  # a scan
     release = threading.Event()
     scan = DiskTier.scan
