@@ -36,6 +36,33 @@ static int holds_n_words(Py_buffer *buffer, Py_ssize_t n, const char *what) {
     return -1;
 }
 
+/* 0 if ``shards`` is a dict, or a non-empty list of exact dicts whose length is a power of two
+ * (a namespace's key map, kvxfer/index/keyspace.py); else -1 with TypeError. */
+static int check_shards(PyObject *shards) {
+    if (PyDict_Check(shards))
+        return 0;
+    const Py_ssize_t n = PyList_Check(shards) ? PyList_GET_SIZE(shards) : 0;
+    int ok = n > 0 && (n & (n - 1)) == 0;
+    for (Py_ssize_t i = 0; ok && i < n; i++)
+        ok = PyDict_CheckExact(PyList_GET_ITEM(shards, i));
+    if (!ok)
+        PyErr_SetString(PyExc_TypeError, "a key space is a list of 2**k dicts");
+    return ok ? 0 : -1;
+}
+
+/* The dict of ``shards`` that holds ``key`` (borrowed), chosen by the top bits of its hash (the
+ * dicts use the low bits); NULL with an error set if the key cannot be hashed. The same choice
+ * as KeySpace.shard in Python. */
+static PyObject *shard_of(PyObject *shards, PyObject *key) {
+    if (PyDict_Check(shards))
+        return shards; /* one dict: the key's hash is taken by the dict itself */
+    const Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1)
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(shards);
+    return PyList_GET_ITEM(shards, (Py_ssize_t)(((Py_uhash_t)hash >> 48) & (Py_uhash_t)(n - 1)));
+}
+
 /* keys_ok(keys: list, max_bytes: int, unique: bool) -> bool: every key exact bytes of
  * 1..max_bytes, and (unique) no key twice. Hashes each key once (bytes keep their hash). */
 static PyObject *keys_ok(PyObject *self, PyObject *args) {
@@ -94,18 +121,22 @@ static PyObject *slots_ok(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
-/* pop_owned(space: dict, keys: list, slots: int64 buffer) -> int: remove keys[i] from space
+/* pop_owned(space: dict | list of dicts, keys: list, slots: int64 buffer) -> int: remove keys[i] from space
  * where it maps to slots[i] (a key stored again since, under another slot, stays); returns
  * how many were removed. */
 static PyObject *pop_owned(PyObject *self, PyObject *args) {
     PyObject *space, *keys;
     Py_buffer buffer;
-    if (!PyArg_ParseTuple(args, "O!O!y*", &PyDict_Type, &space, &PyList_Type, &keys, &buffer))
+    if (!PyArg_ParseTuple(args, "OO!y*", &space, &PyList_Type, &keys, &buffer))
         return NULL;
     const Py_ssize_t n = PyList_GET_SIZE(keys);
     Py_ssize_t removed = 0;
     if (holds_n_words(&buffer, n, "pop_owned") < 0)
         return NULL;
+    if (check_shards(space) < 0) {
+        PyBuffer_Release(&buffer);
+        return NULL;
+    }
     const int64_t *slots = buffer.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = hold_item(keys, i);
@@ -115,12 +146,13 @@ static PyObject *pop_owned(PyObject *self, PyObject *args) {
             Py_DECREF(key);
             continue; /* a slot without a key: nothing maps to it */
         }
-        PyObject *held = PyDict_GetItemWithError(space, key); /* borrowed */
+        PyObject *shard = shard_of(space, key);
+        PyObject *held = shard == NULL ? NULL : PyDict_GetItemWithError(shard, key); /* borrowed */
         int overflow = 0;
         const long long slot = held != NULL && PyLong_CheckExact(held) ? PyLong_AsLongLongAndOverflow(held, &overflow)
                                                                       : -1;
         const int gone = !PyErr_Occurred() && held != NULL && !overflow && slot == slots[i] &&
-                         PyDict_DelItem(space, key) == 0;
+                         PyDict_DelItem(shard, key) == 0;
         Py_DECREF(key);
         if (PyErr_Occurred())
             goto error;
@@ -133,13 +165,15 @@ error:
     return NULL;
 }
 
-/* insert_new(space: dict, keys: list, first: int, slots: list | None) -> bool: map keys[i] to
+/* insert_new(space: dict | list of dicts, keys: list, first: int, slots: list | None) -> bool: map keys[i] to
  * slots[i] (or first + i where slots is None) if space holds none of the keys, in one probe a
  * key; otherwise (a key is held already, or named twice) leave space as it was: False. */
 static PyObject *insert_new(PyObject *self, PyObject *args) {
     PyObject *space, *keys, *slots;
     long long first;
-    if (!PyArg_ParseTuple(args, "O!O!LO", &PyDict_Type, &space, &PyList_Type, &keys, &first, &slots))
+    if (!PyArg_ParseTuple(args, "OO!LO", &space, &PyList_Type, &keys, &first, &slots))
+        return NULL;
+    if (check_shards(space) < 0)
         return NULL;
     const Py_ssize_t n = PyList_GET_SIZE(keys);
     if (slots != Py_None && (!PyList_Check(slots) || PyList_GET_SIZE(slots) != n)) {
@@ -162,13 +196,19 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
             Py_DECREF(key);
             break;
         }
-        const Py_ssize_t size = PyDict_GET_SIZE(space);
-        PyObject *held = PyDict_SetDefault(space, key, value); /* borrowed */
+        PyObject *shard = shard_of(space, key);
+        if (shard == NULL) {
+            Py_DECREF(value);
+            Py_DECREF(key);
+            break;
+        }
+        const Py_ssize_t size = PyDict_GET_SIZE(shard);
+        PyObject *held = PyDict_SetDefault(shard, key, value); /* borrowed */
         Py_DECREF(value); /* space holds it now, if it took it */
         Py_DECREF(key);
         if (held == NULL)
             break;
-        if (PyDict_GET_SIZE(space) != size + 1) { /* the key was there: nothing inserted */
+        if (PyDict_GET_SIZE(shard) != size + 1) { /* the key was there: nothing inserted */
             conflict = 1;
             break;
         }
@@ -180,7 +220,8 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
     for (Py_ssize_t j = 0; j < i && j < PyList_GET_SIZE(keys); j++) {
         PyObject *key = PyList_GET_ITEM(keys, j);
         Py_INCREF(key);
-        if (PyDict_DelItem(space, key) < 0)
+        PyObject *shard = shard_of(space, key); /* (exact bytes, hashed before: cannot fail) */
+        if (shard == NULL || PyDict_DelItem(shard, key) < 0)
             PyErr_Clear(); /* gone already: a held key's __eq__ changed the dict or the list */
         Py_DECREF(key);
     }
@@ -190,18 +231,28 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
     return NULL;
 }
 
-/* set_slots(space: dict, keys: list, first: int) -> None: space[keys[i]] = first + i (keys the
- * caller has just put in: a full tier's batch, whose slots are known only after eviction). */
+/* set_slots(space: dict | list of dicts, keys: list, first: int, slots: list | None) -> None:
+ * space[keys[i]] = slots[i] (as far as both lists go), or first + i where slots is None (keys
+ * the caller has just put in: a full tier's batch, whose slots are known only after eviction). */
 static PyObject *set_slots(PyObject *self, PyObject *args) {
-    PyObject *space, *keys;
+    PyObject *space, *keys, *slots = Py_None;
     long long first;
-    if (!PyArg_ParseTuple(args, "O!O!L", &PyDict_Type, &space, &PyList_Type, &keys, &first))
+    if (!PyArg_ParseTuple(args, "OO!L|O", &space, &PyList_Type, &keys, &first, &slots))
         return NULL;
-    const Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (check_shards(space) < 0)
+        return NULL;
+    if (slots != Py_None && !PyList_Check(slots)) {
+        PyErr_SetString(PyExc_TypeError, "set_slots takes a list of slots, or a first slot");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys); /* pairs up to the shorter list, as zip does */
+    if (slots != Py_None && PyList_GET_SIZE(slots) < n)
+        n = PyList_GET_SIZE(slots);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = hold_item(keys, i);
-        PyObject *value = key == NULL ? NULL : PyLong_FromLongLong(first + i);
-        const int failed = value == NULL || PyDict_SetItem(space, key, value) < 0;
+        PyObject *value = key == NULL ? NULL : slots == Py_None ? PyLong_FromLongLong(first + i) : hold_item(slots, i);
+        PyObject *shard = value == NULL ? NULL : shard_of(space, key);
+        const int failed = shard == NULL || PyDict_SetItem(shard, key, value) < 0;
         Py_XDECREF(value);
         Py_XDECREF(key);
         if (failed)
@@ -210,16 +261,20 @@ static PyObject *set_slots(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* find(space: dict, keys: list, out: writable int64 buffer) -> None: out[i] = the slot keys[i]
+/* find(space: dict | list of dicts, keys: list, out: writable int64 buffer) -> None: out[i] = the slot keys[i]
  * maps to in space, or -1. */
 static PyObject *find(PyObject *self, PyObject *args) {
     PyObject *space, *keys;
     Py_buffer buffer;
-    if (!PyArg_ParseTuple(args, "O!O!w*", &PyDict_Type, &space, &PyList_Type, &keys, &buffer))
+    if (!PyArg_ParseTuple(args, "OO!w*", &space, &PyList_Type, &keys, &buffer))
         return NULL;
     const Py_ssize_t n = PyList_GET_SIZE(keys);
     if (holds_n_words(&buffer, n, "find") < 0)
         return NULL;
+    if (check_shards(space) < 0) {
+        PyBuffer_Release(&buffer);
+        return NULL;
+    }
     int64_t *out = buffer.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = hold_item(keys, i);
@@ -227,7 +282,8 @@ static PyObject *find(PyObject *self, PyObject *args) {
             PyBuffer_Release(&buffer);
             return NULL;
         }
-        PyObject *held = PyBytes_CheckExact(key) ? PyDict_GetItemWithError(space, key) : NULL; /* borrowed */
+        PyObject *shard = PyBytes_CheckExact(key) ? shard_of(space, key) : NULL;
+        PyObject *held = shard != NULL ? PyDict_GetItemWithError(shard, key) : NULL; /* borrowed */
         int overflow = 0;
         out[i] = held != NULL && PyLong_CheckExact(held) ? PyLong_AsLongLongAndOverflow(held, &overflow) : -1;
         Py_DECREF(key);
@@ -283,7 +339,7 @@ static PyMethodDef methods[] = {
     {"slots_ok", slots_ok, METH_VARARGS, "Whether every slot is an int in [1, num_blocks), none twice."},
     {"pop_owned", pop_owned, METH_VARARGS, "Remove keys[i] from space where it maps to slots[i]."},
     {"insert_new", insert_new, METH_VARARGS, "Map keys to slots if space holds none of them; else change nothing."},
-    {"set_slots", set_slots, METH_VARARGS, "space[keys[i]] = first + i."},
+    {"set_slots", set_slots, METH_VARARGS, "space[keys[i]] = slots[i], or first + i."},
     {"find", find, METH_VARARGS, "out[i] = the slot keys[i] maps to, or -1."},
     {"ints_into", ints_into, METH_VARARGS, "out[i] = values[i] as int64 or uint64, if every value fits."},
     {NULL, NULL, 0, NULL},

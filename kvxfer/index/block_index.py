@@ -7,7 +7,8 @@ two-phase too, so that an entry is pinned (not evictable) while its bytes move.
 Every prepare must be followed by its complete, also on errors.
 
 The slot is the entry: its state, pins, checksum and owner are arrays indexed by
-slot, and each namespace maps keys to slots. A batch is then a few dictionary
+slot, and each namespace maps keys to slots (``KeySpace``: dicts in shards, so that no
+rebuild of one stops a request for long). A batch is then a few dictionary
 passes in C (``map``, ``dict.update``) and vector operations, with no Python loop
 per block on the store and load paths (measured in docs/benchmarks.md,
 ``kvxfer bench bookkeeping``). Keys within one batch are distinct (the edge checks).
@@ -24,6 +25,7 @@ import numpy as np
 from kvxfer.fastpath import FAST
 from kvxfer.index.entries import Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import LRU, EvictionPolicy
+from kvxfer.index.keyspace import KeySpace, shards_for
 from kvxfer.tiers.slots import SlotAllocator, int_array, slot_array
 from kvxfer.records import Outcome, TierKind
 
@@ -50,7 +52,8 @@ class BlockIndex:
         self._owner_key = np.empty(capacity, dtype=object)
         # A namespace's structures live while it holds a key: ids of emptied ones are reused, so
         # clients naming ever new namespaces cost nothing once their blocks are gone.
-        self._spaces: dict[str, dict[bytes, int]] = {}  # namespace -> key -> slot
+        self._spaces: dict[str, KeySpace] = {}  # namespace -> key -> slot
+        self._shards = shards_for(capacity)  # of each namespace's key map (kvxfer.index.keyspace)
         self._ns_ids: dict[str, int] = {}
         self._ns_names: dict[int, str] = {}
         self._free_ns_ids: list[int] = []
@@ -66,7 +69,7 @@ class BlockIndex:
             fast = self._insert_all_new(space, keys)
             if fast is not None:  # the usual case: every key new, inserted in one pass
                 (slots, evicted), new = fast, None
-            elif FAST is None and space.keys().isdisjoint(keys):  # (with FAST, a key is held already)
+            elif FAST is None and space.isdisjoint(keys):  # (with FAST, a key is held already)
                 new = None
                 slots, evicted = self._reserve(len(keys))
             else:
@@ -93,7 +96,7 @@ class BlockIndex:
                 outcomes, positions = _outcomes(codes), taken.tolist()
                 stored = [keys[i] for i in positions]
             if fast is None:  # (eviction may have emptied and released the namespace: take it anew)
-                self._space(namespace).update(zip(stored, slots))  # pairs straight in: 2x merging a dict
+                _set_slots(self._space(namespace), stored, slots)
             one_extent = isinstance(slots, range)  # slices then, not gathers
             at = slice(slots.start, slots.stop) if one_extent else slot_array(slots)
             self._set_state(at, PENDING)
@@ -189,7 +192,8 @@ class BlockIndex:
     def locate(self, namespace: str, key: bytes) -> int | None:
         """The tier slot of a complete entry, or None (tools and tests)."""
         with self._lock:
-            slot = self._spaces.get(namespace, {}).get(key)
+            space = self._spaces.get(namespace)
+            slot = space.get(key) if space is not None else None
             return slot if slot is not None and self._state[slot] == READY else None
 
     def stored_checksums(self, slots: Sequence[int]) -> list[int]:
@@ -201,7 +205,7 @@ class BlockIndex:
         """Remove the entries of these (distinct) keys; a store in flight is dropped when it
         completes; absent keys are ignored. Returns how many were removed."""
         with self._lock:
-            found = self._find(self._spaces.get(namespace, {}), keys)
+            found = self._find(self._spaces.get(namespace), keys)
             at = found[found >= 0]
             self._drop(at)
             return len(at)
@@ -224,10 +228,10 @@ class BlockIndex:
         self._pins[at] += delta
         self._pinned_count += int(np.count_nonzero(self._pins[at]) - before)
 
-    def _space(self, namespace: str) -> dict[bytes, int]:
+    def _space(self, namespace: str) -> KeySpace:
         space = self._spaces.get(namespace)
         if space is None:
-            space = self._spaces[namespace] = {}
+            space = self._spaces[namespace] = KeySpace(self._shards)
             ns = self._free_ns_ids.pop() if self._free_ns_ids else len(self._ns_names)
             self._ns_ids[namespace], self._ns_names[ns] = ns, namespace
         return space
@@ -241,17 +245,19 @@ class BlockIndex:
             self._free_ns_ids.append(ns)
 
     @staticmethod
-    def _find(space: dict[bytes, int], keys: list[bytes]) -> np.ndarray:
+    def _find(space: KeySpace | None, keys: list[bytes]) -> np.ndarray:
         """The slot of each key in ``space``, -1 where absent."""
+        if space is None:
+            return np.full(len(keys), -1, dtype=np.int64)
         if FAST is not None and isinstance(keys, list):
             found = np.empty(len(keys), dtype=np.int64)
-            FAST.find(space, keys, found)
+            FAST.find(space.shards, keys, found)
             return found
         return np.fromiter(map(space.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
 
     def _ready(self, namespace: str, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Each key's slot (-1: none) and whether it holds a complete entry."""
-        found = self._find(self._spaces.get(namespace, {}), keys)
+        found = self._find(self._spaces.get(namespace), keys)
         hit = found >= 0
         hit[hit] = self._state[found[hit]] == READY
         return found, hit
@@ -259,7 +265,7 @@ class BlockIndex:
     def _evictable(self, slots: np.ndarray) -> np.ndarray:
         return (self._state[slots] == READY) & (self._pins[slots] == 0)
 
-    def _insert_all_new(self, space: dict[bytes, int], keys: list[bytes]) -> tuple[Sequence[int], Evicted] | None:
+    def _insert_all_new(self, space: KeySpace, keys: list[bytes]) -> tuple[Sequence[int], Evicted] | None:
         """Where no key is stored yet: slots reserved for the leading keys (all of them unless the
         tier is exhausted), those keys mapped in ``space`` to them, the others not; else None, and
         nothing changed. Each key is probed once (again, from cache, where eviction was needed)."""
@@ -274,7 +280,7 @@ class BlockIndex:
             return None
         # Full: the keys go in first (slot -1 for now), so that nothing is evicted for a batch
         # that holds a stored key; then the victims go, and the keys get their slots.
-        if not FAST.insert_new(space, keys, 0, [-1] * n):
+        if not FAST.insert_new(space.shards, keys, 0, [-1] * n):
             return None
         try:
             slots, evicted = self._reserve(n)
@@ -284,10 +290,7 @@ class BlockIndex:
             raise
         for key in keys[len(slots):]:  # exhausted: every other slot is pinned
             del space[key]
-        if isinstance(slots, range) and len(slots) == n:
-            FAST.set_slots(space, keys, slots.start)  # no pairs built: 21 against 28 ns a key
-        else:
-            space.update(zip(keys, slots))  # (zip stops at the slots)
+        _set_slots(space, keys, slots)
         return slots, evicted
 
     def _reserve(self, n: int) -> tuple[list[int], Evicted]:
@@ -338,7 +341,7 @@ class BlockIndex:
             name = self._ns_names[ns]
             space = self._spaces[name]
             if FAST is not None:  # one pass in C: look up, and delete where the key maps to this slot
-                FAST.pop_owned(space, keys, np.ascontiguousarray(mine, dtype=np.int64))
+                FAST.pop_owned(space.shards, keys, np.ascontiguousarray(mine, dtype=np.int64))
             else:
                 popped = np.fromiter(map(space.pop, keys, repeat(-1)), dtype=np.int64, count=len(keys))  # in C
                 other = np.flatnonzero((popped != mine) & (popped >= 0))  # a key that maps to another slot stays
@@ -347,11 +350,22 @@ class BlockIndex:
         self._owner_key[at] = None
 
 
-def _insert_new(space: dict[bytes, int], keys: list[bytes], slots: Sequence[int]) -> bool:
+def _insert_new(space: KeySpace, keys: list[bytes], slots: Sequence[int]) -> bool:
     """Map ``keys[i]`` to ``slots[i]`` in one probe a key if ``space`` holds none of the keys;
     else change nothing and return False (the C pass)."""
     one_extent = isinstance(slots, range)
-    return FAST.insert_new(space, keys, slots.start if one_extent else 0, None if one_extent else list(slots))
+    return FAST.insert_new(space.shards, keys, slots.start if one_extent else 0, None if one_extent else list(slots))
+
+
+def _set_slots(space: KeySpace, keys: list[bytes], slots: Sequence[int]) -> None:
+    """``space[keys[i]] = slots[i]`` for as many pairs as both hold (one C pass; no pairs built)."""
+    if FAST is not None and isinstance(keys, list):
+        if isinstance(slots, range):
+            FAST.set_slots(space.shards, keys if len(keys) == len(slots) else keys[:len(slots)], slots.start)
+        else:
+            FAST.set_slots(space.shards, keys, 0, slots if isinstance(slots, list) else list(slots))
+    else:
+        space.update(zip(keys, slots))
 
 
 def _outcomes(codes: np.ndarray) -> list[Outcome]:

@@ -41,8 +41,18 @@ class LRU(EvictionPolicy):
     a queued use is current while the slot's last stamp is still its stamp. Victims
     are taken from the front of the queue, skipping uses that are no longer current
     or slots that are not evictable now (a pinned slot is used again when unpinned).
-    The queue is compacted to its current uses when full: amortised O(1) per use.
+
+    The queue drops its stale uses without a pause: once it is three quarters full, its
+    current uses are copied into a larger queue a step at a time, ``STEP`` uses for each
+    use appended, while victims are still taken from the old one; when the copy has caught
+    up, the new queue takes over. (Compacting all at once took 0.4 s at 10^7 slots, on
+    whichever request came then.) A use copied and then consumed from the old queue comes
+    back in the new one: harmless, since a slot that was skipped is used again (a new
+    stamp) before it can be evicted, and a victim's stamp is cleared.
     """
+
+    STEP = 6  # uses copied per use appended: the copy ends before the last quarter fills (needs 4)
+    MIN_STEP = 1 << 10
 
     def __init__(self, capacity: int) -> None:
         self._stamp = np.zeros(capacity, dtype=np.int64)  # the last use of each slot (0: never)
@@ -50,6 +60,9 @@ class LRU(EvictionPolicy):
         self._queue_slot = np.empty(1024, dtype=np.int64)
         self._queue_stamp = np.empty(1024, dtype=np.int64)
         self._head = self._tail = 0
+        self._next: tuple[np.ndarray, np.ndarray] | None = None  # the queue being filled, while copying
+        self._copied = 0  # old queue positions copied so far
+        self._next_tail = 0
 
     def used(self, slots: np.ndarray) -> None:
         n = len(slots)
@@ -58,11 +71,18 @@ class LRU(EvictionPolicy):
         stamps = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.int64)
         self._clock += n
         self._stamp[slots] = stamps  # a slot listed twice keeps its later stamp
-        if self._tail + n > len(self._queue_slot):
-            self._compact(n)
+        for _ in range(2):  # no room (a huge batch): finish the copy now, or one sized for this batch
+            if self._tail + n <= len(self._queue_slot):
+                break
+            self._start_copy(n)
+            self._copy(len(self._queue_slot))
         self._queue_slot[self._tail:self._tail + n] = slots
         self._queue_stamp[self._tail:self._tail + n] = stamps
         self._tail += n
+        if self._next is None and self._tail * 4 >= len(self._queue_slot) * 3:
+            self._start_copy(n)
+        if self._next is not None:
+            self._copy(max(self.STEP * n, self.MIN_STEP))
 
     def victims(self, n: int, evictable: Evictable) -> np.ndarray:
         chosen: list[np.ndarray] = []
@@ -85,15 +105,28 @@ class LRU(EvictionPolicy):
     def ordered(self, slots: np.ndarray) -> np.ndarray:
         return slots[np.argsort(self._stamp[slots], kind="stable")]
 
-    def _compact(self, room: int) -> None:
-        """Keep the current uses only, in a queue with space for ``room`` more."""
-        slots = self._queue_slot[self._head:self._tail]
-        stamps = self._queue_stamp[self._head:self._tail]
+    def _start_copy(self, room: int) -> None:
+        """Begin copying the current uses into a queue with room for them and as many more."""
+        if self._next is not None:
+            return
+        live = min(len(self._stamp), self._tail - self._head)  # at most one current use a slot
+        size = max(len(self._queue_slot), 2 * (live + room))
+        self._next = (np.empty(size, dtype=np.int64), np.empty(size, dtype=np.int64))
+        self._copied, self._next_tail = self._head, 0
+
+    def _copy(self, count: int) -> None:
+        """Copy up to ``count`` more old positions' current uses; switch queues when caught up."""
+        new_slot, new_stamp = self._next
+        end = min(self._tail, max(self._copied, self._head) + count)
+        start = max(self._copied, self._head)  # (consumed meanwhile: not copied)
+        slots, stamps = self._queue_slot[start:end], self._queue_stamp[start:end]
         current = self._stamp[slots] == stamps
-        slots, stamps = slots[current], stamps[current]
-        size = max(len(self._queue_slot), 2 * (len(slots) + room))
-        self._queue_slot = np.empty(size, dtype=np.int64)
-        self._queue_stamp = np.empty(size, dtype=np.int64)
-        self._queue_slot[:len(slots)] = slots
-        self._queue_stamp[:len(stamps)] = stamps
-        self._head, self._tail = 0, len(slots)
+        kept = int(np.count_nonzero(current))
+        new_slot[self._next_tail:self._next_tail + kept] = slots[current]
+        new_stamp[self._next_tail:self._next_tail + kept] = stamps[current]
+        self._next_tail += kept
+        self._copied = end
+        if end == self._tail:  # caught up: the new queue takes over
+            self._queue_slot, self._queue_stamp = new_slot, new_stamp
+            self._head, self._tail = 0, self._next_tail
+            self._next = None

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvxfer.index.block_index
+import kvxfer.index.keyspace
 import kvxfer.tiers.slots
 import kvxfer.validate
 from kvxfer.geometry.layout import PRESETS, KVSpec
@@ -161,6 +162,26 @@ class PythonPassesStoreMachine(StoreMachine):
         super().teardown()
 
 
+class ShardedStoreMachine(StoreMachine):
+    """The same model with each namespace's keys in shards of one key (a tier of millions of
+    blocks has hundreds): the C passes and the Python ones choose the same shard."""
+
+    @initialize()
+    def setup(self):
+        self.saved_shard_keys = kvxfer.index.keyspace.SHARD_KEYS
+        kvxfer.index.keyspace.SHARD_KEYS = 1  # 4 shards for the 4 slots
+        super().setup()
+        assert self.m.index._shards == 4
+
+    def teardown(self):
+        kvxfer.index.keyspace.SHARD_KEYS = getattr(self, "saved_shard_keys", kvxfer.index.keyspace.SHARD_KEYS)
+        super().teardown()
+
+
+class ShardedPythonPassesStoreMachine(ShardedStoreMachine, PythonPassesStoreMachine):
+    """Shards, on the Python passes alone."""
+
+
 settings_ = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestBlockMajorStore = StoreMachine.TestCase
 TestBlockMajorStore.settings = settings_
@@ -168,3 +189,7 @@ TestLayerMajorStore = LayerMajorStoreMachine.TestCase
 TestLayerMajorStore.settings = settings_
 TestStoreOnPythonPasses = PythonPassesStoreMachine.TestCase
 TestStoreOnPythonPasses.settings = settings_
+TestShardedStore = ShardedStoreMachine.TestCase
+TestShardedStore.settings = settings_
+TestShardedStoreOnPythonPasses = ShardedPythonPassesStoreMachine.TestCase
+TestShardedStoreOnPythonPasses.settings = settings_

@@ -19,12 +19,20 @@ for it in range(300):
     FAST.slots_ok(slots, int(rng.integers(0, 300)))
     space = {b"k%d" % int(x): int(x) for x in rng.integers(0, 400, int(rng.integers(0, 50)))}
     uniq = list(dict.fromkeys(keys))
-    FAST.insert_new(space, uniq, int(rng.integers(0, 1000)), None)
-    FAST.insert_new(space, uniq, 0, list(range(len(uniq))))
-    FAST.set_slots(space, uniq, int(rng.integers(0, 1000)))
-    out = np.empty(len(uniq), dtype=np.int64)
-    FAST.find(space, uniq, out)
-    FAST.pop_owned(space, uniq, out.copy())
+    shards = [dict() for _ in range(1 << int(rng.integers(0, 4)))]  # a KeySpace's shards
+    for keyspace in (space, shards):
+        FAST.insert_new(keyspace, uniq, int(rng.integers(0, 1000)), None)
+        FAST.insert_new(keyspace, uniq, 0, list(range(len(uniq))))
+        FAST.set_slots(keyspace, uniq, int(rng.integers(0, 1000)))
+        FAST.set_slots(keyspace, uniq, 0, list(range(len(uniq) // 2)))
+        out = np.empty(len(uniq), dtype=np.int64)
+        FAST.find(keyspace, uniq, out)
+        FAST.pop_owned(keyspace, uniq, out.copy())
+    for bad in ([], [{}, {}, {}], [{}, []]):  # not a power of two, not dicts: refused
+        try:
+            FAST.find(bad, uniq, np.empty(len(uniq), dtype=np.int64))
+        except TypeError:
+            pass
     FAST.ints_into(slots, np.empty(len(slots), dtype=np.uint64), False)
     FAST.ints_into(slots, np.empty(len(slots), dtype=np.int64), True)
 print("ok")

@@ -197,3 +197,22 @@ def test_keys_of_bytes_subclasses_enter_the_index_as_exact_bytes(monkeypatch):
         monkeypatch.setattr(validate, "FAST", fast)
         checked = validate.checked_keys([SubBytes(b"a"), b"b", bytearray(b"c")])
         assert checked == [b"a", b"b", b"c"] and {type(k) for k in checked} == {bytes}
+
+
+def test_the_c_passes_and_the_key_space_choose_the_same_shard():
+    """A namespace's keys in shards (kvxfer.index.keyspace): what C puts in, Python finds, and back."""
+    from kvxfer.index.keyspace import KeySpace
+
+    space = KeySpace(8)
+    keys = [b"key-%d" % i for i in range(500)]
+    assert FAST.insert_new(space.shards, keys[:250], 1000, None)
+    for i, key in enumerate(keys[250:]):
+        space[key] = 2000 + i
+    found = np.empty(len(keys), dtype=np.int64)
+    FAST.find(space.shards, keys, found)
+    assert found.tolist() == [1000 + i for i in range(250)] + [2000 + i for i in range(250)]
+    assert [space.get(k) for k in keys] == found.tolist()
+    assert all(space.shards) and len(space) == 500  # spread over every shard
+    assert FAST.pop_owned(space.shards, keys, found.copy()) == 500 and not space
+    with pytest.raises(TypeError):
+        FAST.find([{}, {}, {}], keys, found)  # three shards: not a key space
