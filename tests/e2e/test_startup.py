@@ -68,7 +68,8 @@ def test_the_need_counts_cpu_pools_one_host_tier_a_group_and_disk_queues(tmp_pat
     tier = (512 << 20) // block * block
     assert (need.pools, need.host_tiers, need.staging) == (2 * 1024 * block, tier, 100 * block)
     tight = room.Room(available=need.total - 1, cgroup_limit=None)
-    with pytest.raises(ResourceExhausted, match="CPU pools 384 MiB, host tiers 512 MiB, lower-tier staging 19 MiB.*--allow-overcommit"):
+    figures = "CPU pools 384 MiB, host tiers 512 MiB, lower-tier staging 19 MiB"
+    with pytest.raises(ResourceExhausted, match=f"{figures}.*--allow-overcommit"):
         preflight.check(cfg, tight)
     assert preflight.check(service_config.load(str(tmp_path / "c.yaml"), env={},
                                                overrides={"allow_overcommit": True}), tight).pools[0].device == "cpu"
