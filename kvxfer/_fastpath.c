@@ -50,17 +50,30 @@ static int check_shards(PyObject *shards) {
     return ok ? 0 : -1;
 }
 
-/* The dict of ``shards`` that holds ``key`` (borrowed), chosen by the top bits of its hash (the
- * dicts use the low bits); NULL with an error set if the key cannot be hashed. The same choice
- * as KeySpace.shard in Python. */
+/* The dict of ``shards`` that holds ``key``, with a reference of its own (a held key's __eq__ may
+ * change the list while the dict looks), chosen by the top bits of its hash (the dicts use the low
+ * bits): the same choice as KeySpace.shard in Python. NULL with an error set if the key cannot be
+ * hashed or the list no longer holds a dict there. */
 static PyObject *shard_of(PyObject *shards, PyObject *key) {
-    if (PyDict_Check(shards))
-        return shards; /* one dict: the key's hash is taken by the dict itself */
+    if (PyDict_Check(shards)) {
+        Py_INCREF(shards); /* one dict: the key's hash is taken by the dict itself */
+        return shards;
+    }
     const Py_hash_t hash = PyObject_Hash(key);
+    const Py_ssize_t n = PyList_GET_SIZE(shards);
     if (hash == -1)
         return NULL;
-    const Py_ssize_t n = PyList_GET_SIZE(shards);
-    return PyList_GET_ITEM(shards, (Py_ssize_t)(((Py_uhash_t)hash >> 48) & (Py_uhash_t)(n - 1)));
+    if (n < 1 || (n & (n - 1)) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "a key space changed during a bookkeeping pass");
+        return NULL;
+    }
+    PyObject *shard = PyList_GET_ITEM(shards, (Py_ssize_t)(((Py_uhash_t)hash >> 48) & (Py_uhash_t)(n - 1)));
+    if (!PyDict_CheckExact(shard)) {
+        PyErr_SetString(PyExc_RuntimeError, "a key space changed during a bookkeeping pass");
+        return NULL;
+    }
+    Py_INCREF(shard);
+    return shard;
 }
 
 /* keys_ok(keys: list, max_bytes: int, unique: bool) -> bool: every key exact bytes of
@@ -153,6 +166,7 @@ static PyObject *pop_owned(PyObject *self, PyObject *args) {
                                                                       : -1;
         const int gone = !PyErr_Occurred() && held != NULL && !overflow && slot == slots[i] &&
                          PyDict_DelItem(shard, key) == 0;
+        Py_XDECREF(shard);
         Py_DECREF(key);
         if (PyErr_Occurred())
             goto error;
@@ -204,11 +218,13 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
         }
         const Py_ssize_t size = PyDict_GET_SIZE(shard);
         PyObject *held = PyDict_SetDefault(shard, key, value); /* borrowed */
+        const int inserted = PyDict_GET_SIZE(shard) == size + 1;
+        Py_DECREF(shard);
         Py_DECREF(value); /* space holds it now, if it took it */
         Py_DECREF(key);
         if (held == NULL)
             break;
-        if (PyDict_GET_SIZE(shard) != size + 1) { /* the key was there: nothing inserted */
+        if (!inserted) { /* the key was there: nothing inserted */
             conflict = 1;
             break;
         }
@@ -223,6 +239,7 @@ static PyObject *insert_new(PyObject *self, PyObject *args) {
         PyObject *shard = shard_of(space, key); /* (exact bytes, hashed before: cannot fail) */
         if (shard == NULL || PyDict_DelItem(shard, key) < 0)
             PyErr_Clear(); /* gone already: a held key's __eq__ changed the dict or the list */
+        Py_XDECREF(shard);
         Py_DECREF(key);
     }
     PyErr_Restore(error_type, error_value, error_traceback);
@@ -253,6 +270,7 @@ static PyObject *set_slots(PyObject *self, PyObject *args) {
         PyObject *value = key == NULL ? NULL : slots == Py_None ? PyLong_FromLongLong(first + i) : hold_item(slots, i);
         PyObject *shard = value == NULL ? NULL : shard_of(space, key);
         const int failed = shard == NULL || PyDict_SetItem(shard, key, value) < 0;
+        Py_XDECREF(shard);
         Py_XDECREF(value);
         Py_XDECREF(key);
         if (failed)
@@ -286,6 +304,7 @@ static PyObject *find(PyObject *self, PyObject *args) {
         PyObject *held = shard != NULL ? PyDict_GetItemWithError(shard, key) : NULL; /* borrowed */
         int overflow = 0;
         out[i] = held != NULL && PyLong_CheckExact(held) ? PyLong_AsLongLongAndOverflow(held, &overflow) : -1;
+        Py_XDECREF(shard); /* (after its value is read) */
         Py_DECREF(key);
         if (PyErr_Occurred()) {
             PyBuffer_Release(&buffer);

@@ -161,6 +161,8 @@ def _pool(raw: dict, index: int) -> PoolConfig:
     unknown = set(raw) - set(DEFAULT_POOL)
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(DEFAULT_POOL)}")
+    if not isinstance(raw.get("spec") or {}, dict):
+        raise ConfigError(f"{where}.spec: must be a mapping of {sorted(DEFAULT_POOL['spec'])}")
     merged = {**DEFAULT_POOL, **raw, "spec": {**DEFAULT_POOL["spec"], **(raw.get("spec") or {})}}
     pool_id = str(merged["id"])
     if not POOL_ID_RE.fullmatch(pool_id):
@@ -230,7 +232,8 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     chosen = {k: v for k, v in (pool_overrides or {}).items() if v is not None}
     if chosen:
         spec = {"num_blocks": chosen.pop("num_blocks")} if "num_blocks" in chosen else {}
-        pools_raw = [{**p, **chosen, "spec": {**(p.get("spec") or {}), **spec}} if isinstance(p, dict) else p
+        pools_raw = [{**p, **chosen, "spec": {**(p.get("spec") or {}), **spec}}
+                     if isinstance(p, dict) and isinstance(p.get("spec") or {}, dict) else p  # (else _pool says why)
                      for p in pools_raw]
     pools = tuple(_pool(p, i) for i, p in enumerate(pools_raw))
     if len({p.id for p in pools}) != len(pools):

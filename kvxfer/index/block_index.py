@@ -17,7 +17,7 @@ per block on the store and load paths (measured in docs/benchmarks.md,
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 
 import numpy as np
@@ -172,11 +172,20 @@ class BlockIndex:
 
     def entries(self) -> list[tuple[str, bytes, int, int]]:
         """(namespace, key, slot, checksum) of every complete unpinned entry, least recently used first."""
+        return [entry for batch in self.entry_batches() for entry in batch]
+
+    def entry_batches(self, size: int = 1 << 16) -> Iterator[list[tuple[str, bytes, int, int]]]:
+        """``entries()`` ``size`` at a time (a tier of millions of entries is never one list of
+        tuples); an entry that changed since the order was taken is left out."""
         with self._lock:
-            at = self._policy.ordered(np.flatnonzero(self._evictable(np.arange(len(self._state)))))
-            names = self._ns_names
-            return [(names[n], k, s, c) for n, k, s, c in zip(self._owner_ns[at].tolist(), self._owner_key[at],
-                                                              at.tolist(), self._checksum[at].tolist())]
+            order = self._policy.ordered(np.flatnonzero(self._evictable(np.arange(len(self._state)))))
+        for start in range(0, len(order), size):
+            with self._lock:
+                at = order[start:start + size]
+                at = at[self._evictable(at)]
+                names = self._ns_names
+                yield [(names[n], k, s, c) for n, k, s, c in zip(self._owner_ns[at].tolist(), self._owner_key[at],
+                                                                 at.tolist(), self._checksum[at].tolist())]
 
     # -- queries ---------------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:

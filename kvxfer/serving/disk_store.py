@@ -261,7 +261,7 @@ class DiskStore:
         (the files hold exactly what the index knows), then the directory free for the next store."""
         try:
             if not self.loading:
-                disk_checkpoint.write(self.tier.directory_fd, self.tier.fingerprint, self.index.entries())
+                disk_checkpoint.write(self.tier.directory_fd, self.tier.fingerprint, self.index.entry_batches())
         except OSError as exc:
             log.warning("disk index checkpoint not written: the next start scans the files",
                         extra={"path": str(self.tier.directory), "error": exc.strerror})

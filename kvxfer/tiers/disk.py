@@ -222,7 +222,7 @@ class DiskTier(Tier):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=sub)
         try:
             os.fchmod(fd, FILE_MODE)  # whatever the umask
-            _write_all(fd, [header, block.data])
+            write_all(fd, [header, block.data])
         except OSError:
             os.close(fd)
             self.set_aside(tmp, sub, sub_name)
@@ -352,7 +352,8 @@ def _start_writeback(fd: int) -> None:
         _SYNC_FILE_RANGE(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
 
 
-def _write_all(fd: int, buffers: list) -> None:
+def write_all(fd: int, buffers: list) -> None:
+    """Write every byte of ``buffers`` (writev may write less than asked: the rest follows)."""
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
         written = os.writev(fd, views)

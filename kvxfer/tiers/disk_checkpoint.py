@@ -2,8 +2,9 @@
 file instead of one header per block file (45-110 us a file: minutes for millions of blocks).
 
 Written at a clean shutdown (after the write queue is drained) as ``.checkpoint`` in the tier's
-directory: a magic, the block format's fingerprint, the entries least recently used first
-(slot, checksum, namespace, key) and an XXH3 of everything before it; through a temporary file,
+directory: a magic, the block format's fingerprint, the block subdirectories' identities, the
+entries least recently used first (slot, checksum, namespace, key), their count and an XXH3 of
+everything before it; streamed a batch at a time through a temporary file,
 fsynced and renamed. Read once at start and removed at once (before anything is written), so
 that a checkpoint never describes a directory that changed after it: a start after a crash
 finds none and scans the files.
@@ -24,10 +25,11 @@ import errno
 import os
 import stat
 import struct
+from collections.abc import Iterable
 
 import xxhash
 
-from kvxfer.tiers.disk import CHECKPOINT as NAME, NOT_BLOCKS, Stored
+from kvxfer.tiers.disk import CHECKPOINT as NAME, NOT_BLOCKS, Stored, write_all
 
 _MAGIC = b"KVXFER-DISK-INDEX-1\n"
 _ENTRY = struct.Struct("<IQHH")  # slot, checksum, namespace length, key length
@@ -49,20 +51,37 @@ def _directories(directory: int) -> bytes | None:
     return struct.pack("<Q", len(parts)) + b"".join(parts)
 
 
-def write(directory: int, fingerprint: bytes, entries: list[tuple[str, bytes, int, int]]) -> None:
-    """Write (namespace, key, slot, checksum) entries, least recently used first, durably; OSError if not."""
+def write(directory: int, fingerprint: bytes, batches: Iterable[list[tuple[str, bytes, int, int]]]) -> None:
+    """Write (namespace, key, slot, checksum) entries, least recently used first, a batch at a time
+    (never one buffer of them all), durably; OSError if not."""
     directories = _directories(directory)
     if directories is None:
         return
-    parts = [_MAGIC, struct.pack("<H", len(fingerprint)), fingerprint, directories, struct.pack("<Q", len(entries))]
-    for namespace, key, slot, checksum in entries:
-        name = namespace.encode()
-        parts += [_ENTRY.pack(slot, checksum, len(name), len(key)), name, key]
-    body = b"".join(parts)
     tmp = NAME + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=directory)
+    try:  # whatever is there (a link, a FIFO a writer would wait on forever) goes; ours is made anew
+        os.unlink(tmp, dir_fd=directory)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                 dir_fd=directory)
+    hasher = xxhash.xxh3_64()
+
+    def put(data: bytes) -> None:
+        hasher.update(data)
+        write_all(fd, [data])
+
     try:
-        os.write(fd, body + xxhash.xxh3_64_digest(body))
+        put(b"".join([_MAGIC, struct.pack("<H", len(fingerprint)), fingerprint, directories]))
+        count = 0
+        for batch in batches:
+            parts = []
+            for namespace, key, slot, checksum in batch:
+                name = namespace.encode()
+                parts += [_ENTRY.pack(slot, checksum, len(name), len(key)), name, key]
+            put(b"".join(parts))
+            count += len(batch)
+        put(struct.pack("<Q", count))
+        write_all(fd, [hasher.digest()])
         os.fdatasync(fd)
     finally:
         os.close(fd)
@@ -98,21 +117,21 @@ def take(directory: int, fingerprint: bytes, capacity: int) -> list[Stored] | No
 
 
 def _parse(data: bytes, fingerprint: bytes, directories: bytes, capacity: int) -> list[Stored] | None:
+    """The entries, or None unless the file is whole, ours and about this directory as it is now."""
     body, digest = data[:-8], data[-8:]
-    head = len(_MAGIC) + 2 + len(fingerprint) + len(directories) + 8
-    if len(data) < head + 8 or xxhash.xxh3_64_digest(body) != digest or not body.startswith(_MAGIC):
+    head = len(_MAGIC) + 2 + len(fingerprint) + len(directories)
+    if len(data) < head + 16 or xxhash.xxh3_64_digest(body) != digest or not body.startswith(_MAGIC):
         return None
     (size,) = struct.unpack_from("<H", body, len(_MAGIC))
     if size != len(fingerprint) or body[len(_MAGIC) + 2:len(_MAGIC) + 2 + size] != fingerprint:
         return None  # another block format: its files are dropped by the scan
-    if body[len(_MAGIC) + 2 + size:head - 8] != directories:
+    if body[len(_MAGIC) + 2 + size:head] != directories:
         return None  # the directory changed after the shutdown (files added, removed, renamed): scan it
-    (count,) = struct.unpack_from("<Q", body, head - 8)
-    if count > capacity:
-        return None
+    end = len(body) - 8  # the entries, then their count
+    (count,) = struct.unpack_from("<Q", body, end)
     entries, at, slots = [], head, set()
     try:
-        for order in range(count):
+        while at < end:
             slot, checksum, name_len, key_len = _ENTRY.unpack_from(body, at)
             at += _ENTRY.size
             namespace, key = body[at:at + name_len].decode(), body[at + name_len:at + name_len + key_len]
@@ -120,10 +139,10 @@ def _parse(data: bytes, fingerprint: bytes, directories: bytes, capacity: int) -
             if not (slot < capacity and 0 < key_len == len(key) <= 256 and slot not in slots):
                 return None
             slots.add(slot)
-            entries.append(Stored(slot, namespace, key, checksum, float(order)))
+            entries.append(Stored(slot, namespace, key, checksum, float(len(entries))))
     except (struct.error, UnicodeDecodeError):
         return None
-    return entries if at == len(body) else None
+    return entries if at == end and len(entries) == count else None
 
 
 __all__ = ["NAME", "take", "write"]

@@ -34,6 +34,7 @@ BAD_CONFIGS = {
     "bad layout": ({"pools": [{**SMALL_POOL, "layout": "XYZ"}]}, "unknown layout"),
     "bad dtype": ({"pools": [{**SMALL_POOL, "spec": {"dtype": "float64"}}]}, "unknown dtype"),
     "bad spec key": ({"pools": [{**SMALL_POOL, "spec": {"num_layer": 3}}]}, "unknown keys ['num_layer']"),
+    "spec not a mapping": ({"pools": [{**SMALL_POOL, "spec": "abc"}]}, "pools[0].spec: must be a mapping"),
     "zero blocks": ({"pools": [{**SMALL_POOL, "spec": {"num_blocks": 0}}]}, "pools[0]: spec.num_blocks"),
     "bad device": ({"pools": [{**SMALL_POOL, "device": "tpu"}]}, "device"),
     "tiny host tier": ({"pools": [{**SMALL_POOL, "host_capacity_mib": 0.001}]}, "holds no block"),

@@ -350,3 +350,19 @@ def test_a_deleted_key_never_comes_back_from_the_write_queue(tmp_path, when):
     _, again, restarted = store(tmp_path)
     assert restarted.lookup("ns", deleted[:2] + deleted[3:]).tiers == [None] * 7  # not adopted from disk either
     again.close(5)
+
+
+def test_a_fifo_or_link_planted_as_the_checkpoints_temporary_never_stalls_a_shutdown(tmp_path):
+    """The writer replaces whatever stands at .checkpoint.tmp (a FIFO would block an open for writing)."""
+    pool, group, manager = store(tmp_path)
+    fill(pool, 6)
+    offload_all(manager, range(1, 13))
+    assert group.demote_all(10) == HOST_BLOCKS
+    os.mkfifo(tmp_path / "g" / ".checkpoint.tmp", 0o600)
+    group.close(5)
+    assert (tmp_path / "g" / ".checkpoint").is_file()
+    _, group2, _ = store(tmp_path)
+    assert group2.disk.stats().events["found_at_start"] == 12
+    assert not any(e.startswith("dropped_at_start") for e in group2.disk.stats().events)  # from the checkpoint
+    group2.close(5)
+    assert group2.disk.index.entries() == [e for batch in group2.disk.index.entry_batches(5) for e in batch]
