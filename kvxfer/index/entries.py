@@ -30,7 +30,7 @@ class Evicted:
     slots: Sequence[int] = field(default_factory=list)
     namespace_names: dict[int, str] = field(default_factory=dict)  # of the ids below, as they were then
     namespace_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
-    keys: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
+    keys: Sequence[bytes] = field(default_factory=list)
     checksums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
 
     def __len__(self) -> int:

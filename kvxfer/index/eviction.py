@@ -4,7 +4,8 @@ A policy sees slots, never keys or bytes, in batches (numpy arrays), so that a
 request of 10,000 blocks costs a few vector operations instead of 10,000 calls.
 The index tells it which slots were used (became evictable, or were used again);
 when room is needed it names victims among the slots the index says are
-evictable right now. LRU today; a policy is one small class.
+evictable right now, and tells it which slots stopped being entries (deleted, dropped).
+LRU today (``lru``: in C where it is built, else its Python twin); a policy is one small class.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import numpy as np
+
+from kvxfer.fastpath import USE_ORDER
 
 #: Given slots, whether each may be evicted now (complete and unpinned).
 Evictable = Callable[[np.ndarray], np.ndarray]
@@ -26,6 +29,10 @@ class EvictionPolicy(ABC):
         """These slots (in this order) were stored, loaded or otherwise used just now."""
 
     @abstractmethod
+    def forget(self, slots: np.ndarray) -> None:
+        """These slots hold no entry any more (until used again)."""
+
+    @abstractmethod
     def victims(self, n: int, evictable: Evictable) -> np.ndarray:
         """Up to ``n`` evictable slots, the next victim first; the index frees them."""
 
@@ -34,8 +41,55 @@ class EvictionPolicy(ABC):
         """``slots`` in eviction order, the next victim first."""
 
 
-class LRU(EvictionPolicy):
+def lru(capacity: int) -> EvictionPolicy:
+    """Least recently used first, for a tier of ``capacity`` slots."""
+    return LinkedLRU(capacity) if USE_ORDER is not None and capacity < (1 << 32) - 1 else QueueLRU(capacity)
+
+
+class LinkedLRU(EvictionPolicy):
     """Least recently used first: a slot is used when its block is stored and when it is loaded.
+
+    The slots in the order of their last use, as a linked list in C (``kvxfer/_use_order.c``):
+    a use moves a slot to the end in O(1), so nothing is ever compacted. Victims are the first
+    evictable slots from the front; a slot that is not evictable now (pinned by a load) keeps
+    its place, and is used again when its load completes.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._order = USE_ORDER.UseOrder(capacity)
+
+    def used(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self._order.used(np.ascontiguousarray(slots, dtype=np.int64))
+
+    def forget(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self._order.discard(np.ascontiguousarray(slots, dtype=np.int64))
+
+    def victims(self, n: int, evictable: Evictable) -> np.ndarray:
+        chosen, after = [], -1
+        while n > 0:
+            chunk = np.empty(max(2 * n, 256), dtype=np.int64)
+            chunk = chunk[:self._order.peek(after, chunk)]
+            if not chunk.size:
+                break
+            picked = chunk[evictable(chunk)][:n]
+            chosen.append(picked)
+            n -= len(picked)
+            after = int(chunk[-1])
+        victims = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
+        self.forget(victims)
+        return victims
+
+    def ordered(self, slots: np.ndarray) -> np.ndarray:
+        everything = np.empty(len(self._order), dtype=np.int64)
+        everything = everything[:self._order.peek(-1, everything)]
+        listed = everything[np.isin(everything, slots)]
+        return np.concatenate([np.setdiff1d(slots, listed), listed])  # (none is unlisted: the index uses each)
+
+
+class QueueLRU(EvictionPolicy):
+    """``LinkedLRU``'s Python twin, where the C module is not built.
 
     Each use gets a stamp from a counter and is appended to a queue of (slot, stamp);
     a queued use is current while the slot's last stamp is still its stamp. Victims
@@ -63,6 +117,9 @@ class LRU(EvictionPolicy):
         self._next: tuple[np.ndarray, np.ndarray] | None = None  # the queue being filled, while copying
         self._copied = 0  # old queue positions copied so far
         self._next_tail = 0
+
+    def forget(self, slots: np.ndarray) -> None:
+        self._stamp[slots] = 0  # their queued uses are not current any more
 
     def used(self, slots: np.ndarray) -> None:
         n = len(slots)

@@ -1,7 +1,9 @@
 """A cache group's disk tier: demotion on its own thread, promotion on restore, the index rebuilt at start.
 
 Start. The index comes from the checkpoint a clean shutdown wrote (one file), else from the
-block files' headers (a scan: minutes for millions of blocks). With ``load_in_background``
+base and journal a crash left (``kvxfer.tiers.disk_journal``), else from the block files'
+headers (a scan: minutes for millions of blocks). Then a new base is written and every change
+is journaled until the next clean shutdown. With ``load_in_background``
 (the daemon) it is loaded on a thread while the daemon serves: until it is done the tier
 holds nothing for lookups (restores miss it), demotions are dropped and counted, and Stats
 says ``loading``; a Delete meanwhile is applied to what the load finds.
@@ -41,7 +43,7 @@ from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
-from kvxfer.tiers import disk_checkpoint
+from kvxfer.tiers import disk_checkpoint, disk_journal
 from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.lower import StagedBlock
@@ -76,6 +78,8 @@ class DiskStore:
         self.tier = DiskTier(Path(settings.path) / group, capacity, slot_bytes, fingerprint)
         self._lock_fd = _lock_directory(self.tier.directory)  # one store per directory, in any process
         self.index = BlockIndex(TierKind.DISK, self.tier.slots)
+        self.journal = disk_journal.Journal(self.tier.directory_fd, fingerprint)
+        self._rebasing = threading.Lock()
         self.events = EventCounts()
         self.degraded = False
         self.index_seconds = 0.0
@@ -94,11 +98,15 @@ class DiskStore:
         self._readers = ThreadPoolExecutor(settings.workers, thread_name_prefix=f"kvxfer-disk-read-{group}")
 
     def _load(self) -> None:
-        """The index from the checkpoint, else from the files there, oldest first (invalid files are
-        removed and counted); then the Deletes that came meanwhile."""
+        """The index from the checkpoint, else from the base and journal, else from the files there, oldest
+        first (invalid files are removed and counted); a new base and journal; then the Deletes that
+        came meanwhile."""
         start = time.perf_counter()
         found = disk_checkpoint.take(self.tier.directory_fd, self.tier.fingerprint, self.tier.capacity)
+        recovered = disk_journal.recover(self.tier.directory_fd, self.tier.fingerprint, self.tier.capacity)
         source = "checkpoint"
+        if found is None and recovered is not None:
+            found, source = recovered, "journal"
         if found is None:
             found, dropped = self.tier.scan(stop=lambda: self._closing)
             source = "scan"
@@ -114,6 +122,10 @@ class DiskStore:
                     self.tier.slots.release_many([stored.slot])
                     self.events.add("dropped_at_start_duplicate", 1)
             self.events.add("found_at_start", len(found))
+        self._begin_journal()  # (still loading: nothing is published or deleted meanwhile)
+        with self._load_lock:
+            if self._closing:
+                return
             self.loading = False
             for namespace, keys in self._deleted_while_loading:
                 self._delete_loaded(namespace, keys)
@@ -153,11 +165,17 @@ class DiskStore:
     def write(self, staged: list[Staged]) -> int:
         """Make blocks durable and publish them in the disk index; returns how many were. A block
         whose key was deleted after it was staged is not published, and its file is removed."""
+        if self.journal.due and self._rebasing.acquire(blocking=False):  # the journal outgrew its base
+            try:
+                self._begin_journal()
+            finally:
+                self._rebasing.release()
         return sum(self._write_namespace(namespace, {s.key: s for s in staged if s.namespace == namespace})
                    for namespace in dict.fromkeys(s.namespace for s in staged))
 
     def _write_namespace(self, namespace: str, items: dict[bytes, Staged]) -> int:
         plan = self.index.prepare_store(namespace, list(items))
+        self.journal.removed(list(plan.evicted.slots))  # before their files are written over
         self.events.add("demotions_dropped", plan.outcomes.count(Outcome.RESOURCE_EXHAUSTED))
         checksums: list[int | None] = [None] * len(plan.slots)
         keys = list(items)
@@ -180,6 +198,7 @@ class DiskStore:
                 self.events.add("deleted_while_queued", deleted)
                 self.events.add("demoted", sum(c is not None for c in checksums))
                 self.events.add("write_errors", sum(e is not None for e in errors))
+                self.journal.stored(namespace, [(b.slot, b.key, c) for b, c in zip(blocks, checksums) if c is not None])
                 self.index.complete_store(plan.slots, checksums)
         return sum(c is not None for c in checksums)
 
@@ -187,7 +206,9 @@ class DiskStore:
         errors = self.tier.write_batch(blocks)
         full = [i for i, err in enumerate(errors) if err is not None and err.errno == errno.ENOSPC]
         if full:  # the device is fuller than the quota: make room, try once more
-            for victim in self.index.evict(len(full)):
+            victims = self.index.evict(len(full))
+            self.journal.removed(list(victims.slots))
+            for victim in victims:
                 self.tier.discard(victim.slot)
             self.events.add("evicted_for_space", len(full))
             for i, err in zip(full, self.tier.write_batch([blocks[i] for i in full])):
@@ -206,6 +227,7 @@ class DiskStore:
             return Outcome.DONE
         except DiskCorrupt:
             self.events.add("corrupt", 1)
+            self.journal.removed([slot])
             self.tier.discard(slot)  # before the fetch's end frees the slot for another block
             return Outcome.DATA_LOSS
         except OSError as exc:
@@ -228,6 +250,7 @@ class DiskStore:
         with self.tombstones.publishing:
             self.tombstones.delete(namespace, keys)
             plan = self.index.prepare_load(namespace, keys)
+            self.journal.removed(list(plan.slots))
             for slot in plan.slots:
                 self.tier.discard(slot)  # a deleted key must not come back after a restart
             self.index.complete_load(plan.slots, set(range(len(plan.slots))))
@@ -262,11 +285,23 @@ class DiskStore:
         try:
             if not self.loading:
                 disk_checkpoint.write(self.tier.directory_fd, self.tier.fingerprint, self.index.entry_batches())
+                self.journal.end()  # the checkpoint says it all
         except OSError as exc:
-            log.warning("disk index checkpoint not written: the next start scans the files",
+            log.warning("disk index checkpoint not written: the next start replays the journal",
                         extra={"path": str(self.tier.directory), "error": exc.strerror})
         finally:
+            self.journal.close()
             os.close(self._lock_fd)
+
+    def _begin_journal(self) -> None:
+        """A base of the index as it is (nobody publishes meanwhile) and a journal from it."""
+        if self._closing:
+            return
+        try:
+            self.journal.begin(self.index.entry_batches, self.index.stats().ready)
+        except OSError as exc:
+            log.warning("disk journal not started: a start after a crash scans the files",
+                        extra={"path": str(self.tier.directory), "error": exc.strerror})
 
 
 def _lock_directory(directory: Path, wait_s: float = 10.0) -> int:

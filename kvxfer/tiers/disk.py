@@ -50,7 +50,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 QUARANTINE = "quarantine"  # entries set aside, for the operator to look at
 CHECKPOINT = ".checkpoint"  # the index a clean shutdown wrote (kvxfer.tiers.disk_checkpoint)
-NOT_BLOCKS = (".lock", QUARANTINE, CHECKPOINT, CHECKPOINT + ".tmp")
+BASE, JOURNAL = ".base", ".journal"  # what a crash leaves for the next start (kvxfer.tiers.disk_journal)
+NOT_BLOCKS = (".lock", QUARANTINE, *(name + tmp for name in (CHECKPOINT, BASE, JOURNAL) for tmp in ("", ".tmp")))
 log = logging.getLogger(__name__)
 
 
@@ -354,7 +355,7 @@ def _start_writeback(fd: int) -> None:
 
 def write_all(fd: int, buffers: list) -> None:
     """Write every byte of ``buffers`` (writev may write less than asked: the rest follows)."""
-    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]  # (nothing to write: no call)
     while views:
         written = os.writev(fd, views)
         if written == 0:

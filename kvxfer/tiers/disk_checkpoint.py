@@ -51,13 +51,15 @@ def _directories(directory: int) -> bytes | None:
     return struct.pack("<Q", len(parts)) + b"".join(parts)
 
 
-def write(directory: int, fingerprint: bytes, batches: Iterable[list[tuple[str, bytes, int, int]]]) -> None:
+def write(directory: int, fingerprint: bytes, batches: Iterable[list[tuple[str, bytes, int, int]]],
+          name: str = NAME, head: bytes | None = None) -> None:
     """Write (namespace, key, slot, checksum) entries, least recently used first, a batch at a time
-    (never one buffer of them all), durably; OSError if not."""
-    directories = _directories(directory)
+    (never one buffer of them all), durably as ``name``; OSError if not. ``head``: what the file is
+    about, checked when it is read (default: the block subdirectories' identities, as they are now)."""
+    directories = _directories(directory) if head is None else head
     if directories is None:
         return
-    tmp = NAME + ".tmp"
+    tmp = name + ".tmp"
     try:  # whatever is there (a link, a FIFO a writer would wait on forever) goes; ours is made anew
         os.unlink(tmp, dir_fd=directory)
     except FileNotFoundError:
@@ -76,8 +78,8 @@ def write(directory: int, fingerprint: bytes, batches: Iterable[list[tuple[str, 
         for batch in batches:
             parts = []
             for namespace, key, slot, checksum in batch:
-                name = namespace.encode()
-                parts += [_ENTRY.pack(slot, checksum, len(name), len(key)), name, key]
+                encoded = namespace.encode()
+                parts += [_ENTRY.pack(slot, checksum, len(encoded), len(key)), encoded, key]
             put(b"".join(parts))
             count += len(batch)
         put(struct.pack("<Q", count))
@@ -85,39 +87,54 @@ def write(directory: int, fingerprint: bytes, batches: Iterable[list[tuple[str, 
         os.fdatasync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, NAME, src_dir_fd=directory, dst_dir_fd=directory)
+    os.rename(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
     os.fsync(directory)
 
 
 def take(directory: int, fingerprint: bytes, capacity: int) -> list[Stored] | None:
     """The checkpoint's entries, least recently used first, and the file removed; None when there is
     none or it is not one this tier wrote (then the caller scans the files)."""
+    data = take_file(directory, NAME, len(_MAGIC) + 2 + len(fingerprint) + 8 + (capacity // 4096 + 1) * _DIR.size
+                     + 8 + capacity * _MAX_ENTRY + 8)
     try:
-        fd = os.open(NAME, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+        directories = None if data is None else _directories(directory)
+    except OSError:
+        return None
+    return None if directories is None else parse(data, fingerprint, directories, capacity)
+
+
+def take_file(directory: int, name: str, limit: int) -> bytes | None:
+    """The bytes of file ``name`` in ``directory``, which is removed (consumed, whatever it holds: the
+    directory changes from now on); None if there is none, or it is not a regular file of ours
+    (this uid, mode 0600) of at most ``limit`` bytes."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a link in its place: removed (never its target), then a scan
-            os.unlink(NAME, dir_fd=directory)
+        if exc.errno == errno.ELOOP:  # a link in its place: removed (never its target)
+            os.unlink(name, dir_fd=directory)
         return None
     try:
-        os.unlink(NAME, dir_fd=directory)  # consumed, whatever it holds: the directory changes from now on
+        os.unlink(name, dir_fd=directory)
         os.fsync(directory)
         st = os.fstat(fd)
-        limit = len(_MAGIC) + 2 + len(fingerprint) + 8 + (capacity // 4096 + 1) * _DIR.size + 8 + \
-            capacity * _MAX_ENTRY + 8
         if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
                 and st.st_size <= limit):
             return None
-        data = os.pread(fd, st.st_size, 0)
-        directories = _directories(directory)
+        return os.pread(fd, st.st_size, 0)
     except OSError:
         return None
     finally:
         os.close(fd)
-    return None if directories is None else _parse(data, fingerprint, directories, capacity)
 
 
-def _parse(data: bytes, fingerprint: bytes, directories: bytes, capacity: int) -> list[Stored] | None:
-    """The entries, or None unless the file is whole, ours and about this directory as it is now."""
+def entries_limit(fingerprint: bytes, head: bytes, capacity: int) -> int:
+    """The largest file of ``capacity`` entries about ``head``."""
+    return len(_MAGIC) + 2 + len(fingerprint) + len(head) + 8 + capacity * _MAX_ENTRY + 8
+
+
+def parse(data: bytes, fingerprint: bytes, directories: bytes, capacity: int) -> list[Stored] | None:
+    """The entries, or None unless the file is whole, ours and about ``directories`` (the head it was
+    written with)."""
     body, digest = data[:-8], data[-8:]
     head = len(_MAGIC) + 2 + len(fingerprint) + len(directories)
     if len(data) < head + 16 or xxhash.xxh3_64_digest(body) != digest or not body.startswith(_MAGIC):
@@ -145,4 +162,4 @@ def _parse(data: bytes, fingerprint: bytes, directories: bytes, capacity: int) -
     return entries if at == end and len(entries) == count else None
 
 
-__all__ = ["NAME", "take", "write"]
+__all__ = ["NAME", "entries_limit", "parse", "take", "take_file", "write"]

@@ -14,8 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kvxfer.index.block_index
-import kvxfer.index.keyspace
+import kvxfer.index.eviction
+import kvxfer.index.keytable
 import kvxfer.tiers.slots
 import kvxfer.validate
 from kvxfer.geometry.layout import PRESETS, KVSpec
@@ -29,7 +29,9 @@ CAPACITY = 4
 KEYS = [f"key-{i}".encode() for i in range(8)]
 NS = "model"
 
-FAST_USERS = (kvxfer.validate, kvxfer.index.block_index, kvxfer.tiers.slots)
+# The C modules' users, and the name each knows its module by (None: the Python twins run).
+NATIVE_USERS = ((kvxfer.validate, "FAST"), (kvxfer.tiers.slots, "FAST"), (kvxfer.index.keytable, "TABLES"),
+                (kvxfer.index.eviction, "USE_ORDER"))
 slots_st = st.lists(st.integers(1, SPEC.num_blocks - 1), min_size=1, max_size=5, unique=True)
 
 
@@ -146,40 +148,20 @@ class LayerMajorStoreMachine(StoreMachine):
 
 
 class PythonPassesStoreMachine(StoreMachine):
-    """The same model with the index and validation on their Python passes alone (as where
-    kvxfer._fastpath is not built)."""
+    """The same model with the index and validation on their Python twins alone (as where
+    kvxfer's C modules are not built)."""
 
     @initialize()
     def setup(self):
-        self.saved = {m: m.FAST for m in FAST_USERS}
-        for module in FAST_USERS:
-            module.FAST = None
+        self.saved = {(m, name): getattr(m, name) for m, name in NATIVE_USERS}
+        for module, name in NATIVE_USERS:
+            setattr(module, name, None)
         super().setup()
 
     def teardown(self):
-        for module, fast in getattr(self, "saved", {}).items():
-            module.FAST = fast
+        for (module, name), native in getattr(self, "saved", {}).items():
+            setattr(module, name, native)
         super().teardown()
-
-
-class ShardedStoreMachine(StoreMachine):
-    """The same model with each namespace's keys in shards of one key (a tier of millions of
-    blocks has hundreds): the C passes and the Python ones choose the same shard."""
-
-    @initialize()
-    def setup(self):
-        self.saved_shard_keys = kvxfer.index.keyspace.SHARD_KEYS
-        kvxfer.index.keyspace.SHARD_KEYS = 1  # 4 shards for the 4 slots
-        super().setup()
-        assert self.m.index._shards == 4
-
-    def teardown(self):
-        kvxfer.index.keyspace.SHARD_KEYS = getattr(self, "saved_shard_keys", kvxfer.index.keyspace.SHARD_KEYS)
-        super().teardown()
-
-
-class ShardedPythonPassesStoreMachine(ShardedStoreMachine, PythonPassesStoreMachine):
-    """Shards, on the Python passes alone."""
 
 
 settings_ = settings(max_examples=40, stateful_step_count=25, deadline=None)
@@ -189,7 +171,3 @@ TestLayerMajorStore = LayerMajorStoreMachine.TestCase
 TestLayerMajorStore.settings = settings_
 TestStoreOnPythonPasses = PythonPassesStoreMachine.TestCase
 TestStoreOnPythonPasses.settings = settings_
-TestShardedStore = ShardedStoreMachine.TestCase
-TestShardedStore.settings = settings_
-TestShardedStoreOnPythonPasses = ShardedPythonPassesStoreMachine.TestCase
-TestShardedStoreOnPythonPasses.settings = settings_

@@ -1,9 +1,10 @@
 """The index alone: LRU, pins, visibility, eviction. No tensors anywhere. Every test runs on the
-C passes (kvxfer/_fastpath.c) and on the Python passes alone."""
+C key table and use order (kvxfer/_tables.c, kvxfer/_use_order.c) and on their Python twins."""
 
 import pytest
 
-import kvxfer.index.block_index as block_index
+import kvxfer.index.eviction as eviction
+import kvxfer.index.keytable as keytable
 import kvxfer.tiers.slots as slots_module
 from kvxfer.fastpath import FAST
 from kvxfer.index.block_index import BlockIndex
@@ -16,7 +17,8 @@ DONE, PRESENT, MISSING, FULL = Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NO
 @pytest.fixture(autouse=True, params=["c-passes", "python-passes"])
 def passes(request, monkeypatch):
     if request.param == "python-passes":
-        monkeypatch.setattr(block_index, "FAST", None)
+        monkeypatch.setattr(keytable, "TABLES", None)
+        monkeypatch.setattr(eviction, "USE_ORDER", None)
         monkeypatch.setattr(slots_module, "FAST", None)
     return FAST if request.param == "c-passes" else None
 
@@ -77,7 +79,8 @@ def test_a_full_tier_stores_what_it_can_evict_for_and_leaves_no_trace_of_the_res
     loaded = index.prepare_load(NS, [b"a", b"b"])  # pinned: only c and one free slot are left
     plan = index.prepare_store(NS, [b"x", b"y", b"z"])
     assert plan.outcomes == [DONE, DONE, FULL] and [v.key for v in plan.evicted] == [b"c"]
-    assert sorted(index._spaces[NS].get(k) for k in index._spaces[NS]) == sorted([*loaded.slots, *plan.slots])  # z is not in at all
+    held = index._keys.find(NS, [b"a", b"b", b"c", b"x", b"y", b"z"]).tolist()
+    assert held == [*loaded.slots, -1, *plan.slots, -1] and len(index._keys) == 4  # z is not in at all
     index.complete_store(plan.slots, [7, 8])
     index.complete_load(loaded.slots)
     assert index.contains(NS, [b"a", b"b", b"c", b"x", b"y", b"z"]) == [True, True, False, True, True, False]
@@ -159,7 +162,7 @@ def test_a_namespace_costs_nothing_once_its_blocks_are_gone():
     churn(1000, 20_000)
     grown = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert len(index._spaces) == len(index._ns_ids) == len(index._ns_names) <= 4
+    assert len(index._keys._ids) == len(index._keys._names) == len(index._keys._counts) <= 4
     assert grown < 20_000  # bytes, for 20,000 namespaces (450 B each before)
     evicted = index.prepare_store("last", [b"a", b"b", b"c", b"d"]).evicted
     assert {v.namespace for v in evicted} <= {f"ns{i}" for i in range(20_990, 21_000)}  # names as they were

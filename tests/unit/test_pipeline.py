@@ -78,6 +78,9 @@ class MostRecentFirst(EvictionPolicy):
                 self.order.remove(slot)
             self.order.append(slot)
 
+    def forget(self, slots):
+        self.order = [s for s in self.order if s not in set(slots.tolist())]
+
     def victims(self, n, evictable):
         candidates = np.array(self.order[::-1], dtype=np.int64)
         chosen = candidates[evictable(candidates)][:n] if len(candidates) else candidates
