@@ -104,11 +104,11 @@ def _devcheck_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=devcheck.run)
 
 
-def _client_tool(name: str, text: str) -> Callable[[argparse._SubParsersAction], None]:
-    """A COMMANDS entry for a tool module ``kvxfer.<name>`` that talks to a daemon."""
+def _client_tool(name: str, text: str, module_name: str = "") -> Callable[[argparse._SubParsersAction], None]:
+    """A COMMANDS entry for a tool module (``kvxfer.<name>`` unless named) that talks to a daemon."""
 
     def register(sub: argparse._SubParsersAction) -> None:
-        module = importlib.import_module(f"kvxfer.{name}")
+        module = importlib.import_module(module_name or f"kvxfer.{name}")
         p = sub.add_parser(name, help=text, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
@@ -120,7 +120,9 @@ def _client_tool(name: str, text: str) -> Callable[[argparse._SubParsersAction],
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _layout_parser, _devcheck_parser,
     _client_tool("status", "the daemon at a glance: pools, tiers, hit ratio, bandwidth, jobs"),
-    _client_tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)")]
+    _client_tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)"),
+    _client_tool("events", "the tiers' KV events, a line a batch (--follow: like kubectl get --watch)",
+                 "kvxfer.events.follow")]
 
 
 def build_parser(commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,

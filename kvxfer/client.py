@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Sequence
-from typing import Union
+from collections.abc import Iterator, Sequence
 
 import grpc
 import torch
@@ -21,10 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvxfer import fdpass, wire
 from kvxfer.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, KvxferError, ResourceExhausted, Unavailable,
                            error_for_code)
+from kvxfer.events.client import EventBatch, SnapshotBatch, event_batches, snapshot_batches
+from kvxfer.events.records import EngineBlocks
+from kvxfer.events.wire import engine_to_pb
 from kvxfer.geometry.keys import block_keys
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory import cuda_mem
-from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES
+from kvxfer.memory.ipc_event import CudaEvent, event_handle
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.records import LookupResult, Medium, Outcome, PoolStats, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -36,28 +38,6 @@ _FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL")
                   (Outcome.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
                   (Outcome.CANCELLED, "CANCELLED"), (Outcome.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"),
                   (Outcome.NOT_FOUND, "NOT_FOUND")]
-
-
-#: What an offload waits for on the GPU: a ``torch.cuda.Event(interprocess=True)`` recorded
-#: after the blocks' writes, or its 64-byte IPC handle; None waits for nothing.
-CudaEvent = Union[torch.cuda.Event, bytes, None]
-
-
-def event_handle(event: CudaEvent) -> bytes:
-    """The IPC handle the daemon opens for ``event`` (b"" for None)."""
-    if event is None:
-        return b""
-    if isinstance(event, (bytes, bytearray)):
-        raw = bytes(event)
-    else:
-        try:
-            raw = bytes(event.ipc_handle())
-        except RuntimeError as exc:
-            raise InvalidArgument(f"the CUDA event cannot be shared with the daemon ({str(exc).splitlines()[0]}): "
-                                  "create it with torch.cuda.Event(interprocess=True)") from None
-    if len(raw) != IPC_HANDLE_BYTES:
-        raise InvalidArgument(f"a CUDA IPC event handle has {IPC_HANDLE_BYTES} bytes, got {len(raw)}")
-    return raw
 
 
 def _ns(deadline: float | None) -> int:
@@ -171,7 +151,7 @@ class Client:
     def offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                 namespace: str | None = None, partial: bool = False, best_effort: bool = False,
                 timeout: float | None = None, cuda_event: CudaEvent = None,
-                deadline: float | None = None) -> TransferResult | None:
+                deadline: float | None = None, engine: EngineBlocks | None = None) -> TransferResult | None:
         """Copy (block, key) pairs into the daemon's tiers (a block is the API's ``slot``).
 
         ``best_effort=True``: if the daemon is down, slow or full, return None instead of
@@ -184,7 +164,8 @@ class Client:
         """
         request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     slots=[p[0] for p in pairs], keys=[p[1] for p in pairs],
-                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=_ns(deadline))
+                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=_ns(deadline),
+                                    engine=engine_to_pb(engine) if engine else None)
         try:
             return self._transfer(self._stub.Offload, request, partial or best_effort, timeout)
         except _DROPPABLE:
@@ -209,7 +190,8 @@ class Client:
     # -- asynchronous jobs -------------------------------------------------------
     def submit_offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                        namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None,
-                       cuda_event: CudaEvent = None, deadline: float | None = None) -> int:
+                       cuda_event: CudaEvent = None, deadline: float | None = None,
+                       engine: EngineBlocks | None = None) -> int:
         """Queue an offload; returns its job id at once. Do not write the blocks until it is finished
         (or ``deadline``, as for ``offload``, has passed).
 
@@ -220,7 +202,8 @@ class Client:
         request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     slots=[p[0] for p in pairs], keys=[p[1] for p in pairs], wait=False,
                                     lease_ms=int(lease_s * 1000), client_id=self.client_id,
-                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=_ns(deadline))
+                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=_ns(deadline),
+                                    engine=engine_to_pb(engine) if engine else None)
         return self._call(self._stub.Offload, request, timeout).job_id
 
     def submit_restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
@@ -370,6 +353,26 @@ class Client:
                 raise error_for_code("UNAVAILABLE")(f"no daemon answers at {self._target} (is it running, and is "
                                                     "that its socket?)") from None
             raise error_for_code(exc.code().name)(exc.details() or exc.code().name) from None
+
+    def _stream(self, method, request, timeout: float | None) -> Iterator:
+        try:
+            yield from method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_for_code(exc.code().name)(exc.details() or exc.code().name) from None
+
+    # -- KV events ----------------------------------------------------------------
+    def watch_events(self, namespaces: Sequence[str] = (), *, from_sequence: int = 0, stream_id: str = "",
+                     timeout: float | None = None) -> Iterator[EventBatch]:
+        """The tiers' events for these namespaces (default: this client's), from ``from_sequence`` (0: the
+        next), until ``timeout`` (None: for ever). Pass the ``stream_id`` last seen: another one is a resync."""
+        request = pb.WatchEventsRequest(namespaces=list(namespaces) or [self.namespace], from_sequence=from_sequence,
+                                        stream_id=stream_id)
+        return event_batches(self._stream(self._stub.WatchEvents, request, timeout))
+
+    def snapshot(self, namespaces: Sequence[str] = (), timeout: float | None = None) -> Iterator[SnapshotBatch]:
+        """What the host and disk tiers hold of these namespaces, and where to watch from after it."""
+        request = pb.SnapshotRequest(namespaces=list(namespaces) or [self.namespace])
+        return snapshot_batches(self._stream(self._stub.Snapshot, request, timeout or self.timeout * 12))
 
     def close(self) -> None:
         self._channel.close()

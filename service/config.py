@@ -17,6 +17,7 @@ import yaml
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
+from kvxfer.events.settings import EventSettings
 from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.remote_store import RemoteSettings
 from kvxfer.serving.shared_fs_store import SharedFsSettings
@@ -87,6 +88,7 @@ class Config:
     disk: DiskSettings | None = None  # every cache group's disk tier; absent: none
     remote: RemoteSettings | None = None  # every cache group's remote tier (Redis); absent: none
     shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier; absent: none
+    events: EventSettings = field(default_factory=EventSettings)  # KV events: replay buffer, publisher
 
     @property
     def limits(self) -> Limits:
@@ -103,7 +105,7 @@ class Config:
         return Path(self.token_file).read_text().strip()
 
 
-_SECTIONS = ("pools", "disk", "remote", "shared_fs")
+_SECTIONS = ("pools", "disk", "remote", "shared_fs", "events")
 _SCALARS = {f.name: f for f in fields(Config) if f.name not in _SECTIONS}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -240,7 +242,8 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
         raise ConfigError("pools: ids must be unique")
     return validate(replace(Config(), **values, pools=pools, disk=sections.disk(raw.get("disk")),
                             remote=sections.remote(raw.get("remote")),
-                            shared_fs=sections.shared_fs(raw.get("shared_fs"))))
+                            shared_fs=sections.shared_fs(raw.get("shared_fs")),
+                            events=sections.events(raw.get("events"))))
 
 
 def validate(config: Config) -> Config:

@@ -1,4 +1,4 @@
-"""The config file's sections for lower tiers: ``disk``, ``remote`` (Redis), ``shared_fs``.
+"""The config file's sections for lower tiers (``disk``, ``remote`` (Redis), ``shared_fs``) and ``events``.
 
 Each parser takes the raw YAML value, validates every key, and changes nothing on the
 machine (directories are made when their tier starts).
@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from kvxfer.errors import InvalidArgument
+from kvxfer.events.settings import ENDPOINT_RE, EventSettings
 from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.remote_store import RemoteSettings
 from kvxfer.serving.shared_fs_store import SharedFsSettings
@@ -23,6 +24,7 @@ class ConfigError(InvalidArgument):
 
 DISK_KEYS = {"path", "capacity_gib", "queue_blocks", "workers"}
 SHARED_FS_KEYS = {"path", "timeout_ms", "workers", "max_inflight"}
+EVENTS_KEYS = {"replay_keys", "linger_ms", "publish", "replay", "topic", "replay_bytes", "hwm", "int_block_hashes"}
 REMOTE_KEYS = {"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
                "write_through", "max_inflight", "secret_file"}
 
@@ -104,6 +106,38 @@ def disk(raw) -> DiskSettings | None:
                           f"({existing} is not a writable directory)")
     return DiskSettings(path, int(capacity * (1 << 30)), bounded["queue_blocks"], bounded["workers"],
                         load_in_background=True)  # the daemon serves (and answers health) while it loads
+
+
+def events(raw) -> EventSettings:
+    """The ``events`` section: the replay buffer of WatchEvents, and the optional vLLM-format publisher."""
+    if raw is None:
+        return EventSettings()
+    if not isinstance(raw, dict) or set(raw) - EVENTS_KEYS:
+        raise ConfigError(f"events: must be a mapping of {sorted(EVENTS_KEYS)}")
+    values = {}
+    for key, low, top in (("replay_keys", 1, 1 << 26), ("replay_bytes", 1, 1 << 34), ("hwm", 1, 1 << 24),
+                          ("linger_ms", 0, 1000)):
+        value = raw.get(key, getattr(EventSettings, key))
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+            raise ConfigError(f"events.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
+        values[key] = value
+    for key in ("publish", "replay"):
+        value = raw.get(key, "")
+        if not isinstance(value, str) or (value and not ENDPOINT_RE.fullmatch(value)):
+            raise ConfigError(f"events.{key}: a ZeroMQ endpoint to bind (tcp://*:PORT, tcp://HOST:PORT or "
+                              f"ipc:///PATH), got {shown(value)}")
+        values[key] = value
+    if values["replay"] and not values["publish"]:
+        raise ConfigError("events.replay: answers replays of events.publish, which is not set")
+    if values["publish"] and values["publish"] == values["replay"]:
+        raise ConfigError("events.replay: must differ from events.publish")
+    topic = raw.get("topic", "")
+    if not isinstance(topic, str) or len(topic) > 256:
+        raise ConfigError(f"events.topic: a string of at most 256 characters, got {shown(topic)}")
+    int_hashes = raw.get("int_block_hashes", False)
+    if not isinstance(int_hashes, bool):
+        raise ConfigError(f"events.int_block_hashes: true or false, got {shown(int_hashes)}")
+    return EventSettings(topic=topic, int_block_hashes=int_hashes, **values)
 
 
 def shared_fs(raw) -> SharedFsSettings | None:

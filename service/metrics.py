@@ -30,6 +30,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from kvxfer.events.hub import EventHub
 from kvxfer.records import PoolStats, TransferResult
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.registry import PoolRegistry
@@ -88,6 +89,23 @@ class DaemonCollector(Collector):
                              str(spec.block_size), str(spec.num_kv_heads), str(spec.head_size),
                              str(spec.block_bytes), str(not d.owned).lower()], {})
         yield info
+        if self.pools.kv_events is not None:
+            yield from _kv_events(self.pools.kv_events)
+
+
+def _kv_events(hub: EventHub) -> Iterator[Metric]:
+    emitted = CounterMetricFamily("kvxfer_events_emitted", "KV events emitted (blocks stored or removed, by batch).")
+    emitted.add_metric([], hub.emitted)
+    dropped = CounterMetricFamily("kvxfer_events_dropped", "KV events dropped from the replay buffer (a subscriber "
+                                  "behind them is told to resync).")
+    dropped.add_metric([], hub.dropped)
+    subscribers = GaugeMetricFamily("kvxfer_events_subscribers", "WatchEvents streams open.")
+    subscribers.add_metric([], hub.subscribers)
+    publisher = CounterMetricFamily("kvxfer_events_publisher", "The vLLM-format publisher: batches published, "
+                                    "replays answered, resyncs sent.", labels=["event"])
+    for name in ("published_batches", "replays", "publisher_resyncs"):
+        publisher.add_metric([name], hub.counts[name])
+    yield from (emitted, dropped, subscribers, publisher)
 
 
 def _transfers(stats: list[PoolStats]) -> Iterator[Metric]:

@@ -24,12 +24,14 @@ import socket
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvxfer.events.hub import EventHub
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.fdpass import SUFFIX
 from kvxfer.memory.cuda_driver import CudaError, on_device_lost
@@ -41,6 +43,9 @@ from service.config import Config
 from service.fdsocket import DescriptorSocket
 from service.metrics import Metrics
 from service.servicer import KVTransferServicer, RequestLimits, handlers
+
+if TYPE_CHECKING:
+    from kvxfer.events.publisher import ZmqPublisher
 
 log = logging.getLogger("kvxfer.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
@@ -120,7 +125,9 @@ class Daemon:
             claim_socket(config.socket + SUFFIX)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
         self.metrics = Metrics()
-        self.registry = PoolRegistry(config.limits, self.metrics.transfers)  # empty until listening
+        self.kv_events = EventHub(config.events.replay_keys, config.events.linger_ms / 1000)
+        self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events)  # empty until listening
+        self.publisher: ZmqPublisher | None = None
         self.metrics_server: WSGIServer | None = None
         self.health = health.aio.HealthServicer()
         c = config
@@ -166,6 +173,13 @@ class Daemon:
             if not self.server.add_secure_port(c.listen, creds):
                 raise FailedPrecondition(f"cannot listen on {c.listen}")
             self.addresses.append(c.listen)
+        if c.events.publish:
+            from kvxfer.events.publisher import ZMQError, ZmqPublisher  # (pyzmq: only when publishing)
+            try:
+                self.publisher = ZmqPublisher(self.kv_events, c.events)
+            except ZMQError as exc:  # an address in use, an unknown interface: the daemon does not start
+                raise FailedPrecondition(f"events.publish: cannot bind {c.events.publish} or {c.events.replay}: "
+                                         f"{exc}") from None
         if c.metrics_listen:
             try:
                 self.metrics_server = self.metrics.serve(c.metrics_listen)
@@ -174,6 +188,7 @@ class Daemon:
                     from None
 
     async def start(self) -> None:
+        self.kv_events.attach(asyncio.get_running_loop())
         await self.server.start()
         if self.fd_socket is not None:
             self.fd_socket.start()
@@ -190,6 +205,7 @@ class Daemon:
         log.info("shutting down", extra={"grace_period_s": self.config.grace_period_s})
         if self._sweeper is not None:
             self._sweeper.cancel()
+        self.kv_events.close()  # WatchEvents streams end: they would hold the grace period
         await self.server.stop(self.config.grace_period_s)
         # Queued jobs finish first (on a thread: closing waits).
         await asyncio.get_running_loop().run_in_executor(None, self.registry.close, self.config.grace_period_s)
@@ -203,6 +219,8 @@ class Daemon:
         if self.fd_socket is not None:
             self.fd_socket.close()
         self.registry.close()
+        if self.publisher is not None:
+            self.publisher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self.config.socket and self.addresses:
             Path(self.config.socket).unlink(missing_ok=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -20,6 +20,8 @@ import grpc
 
 from kvxfer import wire
 from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvxfer.events.hub import EventHub
+from kvxfer.events.wire import engine_from_pb
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import Layout
@@ -27,7 +29,8 @@ from kvxfer.records import PoolRef, TransferResult
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_count, check_name, shown
-from service.status import parser, rpc
+from service import watch
+from service.status import parser, rpc, stream_rpc
 
 MAX_WAIT_S = 60.0
 INLINE_BYTES = 1 << 20  # a transfer this small runs on the event loop: cheaper than a thread hop
@@ -70,6 +73,7 @@ class KVTransferServicer:
         self.limits = limits
         self._executor = executor
         self._in_flight = 0
+        self._encoded = watch.Encoded()  # events serialized once for every WatchEvents stream
 
     # -- helpers -------------------------------------------------------------------
     async def _blocking(self, fn: Callable, *args):
@@ -99,9 +103,12 @@ class KVTransferServicer:
         # The engine's CLOCK_MONOTONIC is ours: it runs on this host (its pool is local memory).
         deadline = request.pool_deadline_ns / 1e9 if request.pool_deadline_ns else None
 
+        engine = engine_from_pb(request.engine) if kind is TransferKind.OFFLOAD and request.HasField("engine") \
+            else None
+
         def batch() -> TransferBatch:  # the one validation of the request, where it enters
             return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit, ready_event,
-                                       deadline)
+                                       deadline, engine)
 
         if request.HasField("wait") and not request.wait:
             client_id, lease_s = _check_client_id(request.client_id), request.lease_ms / 1000
@@ -185,6 +192,21 @@ class KVTransferServicer:
                                          drain)
         return pb.UnregisterPoolResponse(cancelled_jobs=cancelled)
 
+    @stream_rpc
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context) -> AsyncIterator[bytes]:
+        async for response in watch.watch(self._hub(), self._encoded, request, self._hub().linger_s):
+            yield response
+
+    @stream_rpc
+    async def Snapshot(self, request: pb.SnapshotRequest, context) -> AsyncIterator[pb.SnapshotResponse]:
+        async for response in watch.snapshot(self._hub(), self.registry, self._executor, request):
+            yield response
+
+    def _hub(self) -> EventHub:
+        if self.registry.kv_events is None:
+            raise FailedPrecondition("this daemon keeps no KV events")
+        return self.registry.kv_events
+
 
 async def _finished(jobs: JobRunner, job) -> TransferResult:
     """Await a queued synchronous job without holding a thread."""
@@ -236,13 +258,16 @@ def handlers(servicer: KVTransferServicer) -> grpc.GenericRpcHandler:
     batch = lim.max_batch_blocks
     repeated = {"OffloadRequest": {"slots": batch, "keys": batch}, "RestoreRequest": {"slots": batch, "keys": batch},
                 "LookupRequest": {"pools": lim.max_pools, "keys": batch}, "DeleteRequest": {"keys": batch},
-                "WaitJobsRequest": {"job_ids": lim.max_job_ids}}
+                "WaitJobsRequest": {"job_ids": lim.max_job_ids},
+                "WatchEventsRequest": {"namespaces": watch.MAX_WATCHED},
+                "SnapshotRequest": {"namespaces": watch.MAX_WATCHED}}
     service = pb.DESCRIPTOR.services_by_name["KVTransfer"]
     methods = {
-        m.name: grpc.unary_unary_rpc_method_handler(
+        m.name: (grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler)(
             getattr(servicer, m.name),
             request_deserializer=parser(getattr(pb, m.input_type.name), repeated.get(m.input_type.name)),
-            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+            response_serializer=watch.serialize if m.name == "WatchEvents" else
+            getattr(pb, m.output_type.name).SerializeToString)
         for m in service.methods
     }
     return grpc.method_handlers_generic_handler(service.full_name, methods)

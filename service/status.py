@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -110,6 +110,28 @@ def status_of(exc: KvxferError) -> grpc.StatusCode:
         return grpc.StatusCode[exc.code]
     except KeyError:
         return grpc.StatusCode.UNKNOWN
+
+
+def stream_rpc(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
+    """``rpc`` for a server-streaming method (an async generator): the same statuses and log lines."""
+
+    @functools.wraps(method)
+    async def handler(self, request, context: grpc.aio.ServicerContext):
+        try:
+            if isinstance(request, Malformed):
+                raise InvalidArgument(request.reason)
+            async for response in method(self, request, context):
+                yield response
+        except KvxferError as exc:
+            code, details = status_of(exc), str(exc)[:MAX_DETAILS]
+            log.info("rpc refused", extra={"rpc": method.__name__, "code": code.name, "error": details})
+            await context.abort(code, details)
+        except Exception:  # a bug: keep the daemon up, keep the traceback in our log only
+            incident = uuid.uuid4().hex[:12]
+            log.exception("rpc failed", extra={"rpc": method.__name__, "incident": incident})
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the daemon log)")
+
+    return handler
 
 
 def rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvxfer.errors import Internal
+from kvxfer.events.hub import TierEvents
+from kvxfer.events.records import EngineBlocks, Reason
 from kvxfer.index.entries import Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import EvictionPolicy, lru
 from kvxfer.index.keytable import KeyTable
@@ -39,8 +41,10 @@ _DONE, _ALREADY_PRESENT, _NOT_FOUND, _EXHAUSTED = (_OUTCOMES.index(o) for o in (
 class BlockIndex:
     """The index of one tier. Thread-safe."""
 
-    def __init__(self, tier: TierKind, slots: SlotAllocator | int, policy: EvictionPolicy | None = None) -> None:
-        """``slots``: the tier's free-slot bookkeeping (``Tier.slots``), or a capacity for one of its own."""
+    def __init__(self, tier: TierKind, slots: SlotAllocator | int, policy: EvictionPolicy | None = None,
+                 events: TierEvents | None = None) -> None:
+        """``slots``: the tier's free-slot bookkeeping (``Tier.slots``), or a capacity for one of its own;
+        ``events``: where to announce entries published and removed (under the lock, as they change)."""
         self.tier = tier
         self._slots = slots if isinstance(slots, SlotAllocator) else SlotAllocator(slots)
         capacity = self._slots.capacity
@@ -49,6 +53,7 @@ class BlockIndex:
         self._pins = np.zeros(capacity, dtype=np.int32)
         self._checksum = np.zeros(capacity, dtype=np.uint64)
         self._keys = KeyTable(capacity)
+        self._events = events
         self._lock = threading.Lock()
         self._evictions = 0
         self._ready_count = self._pinned_count = 0  # kept as entries change: Stats reads them in O(1)
@@ -88,8 +93,10 @@ class BlockIndex:
             self._pin(at, 1)  # reserved slots were free: unpinned
             return Plan(outcomes, slots, positions, evicted=evicted)
 
-    def complete_store(self, slots: Sequence[int], checksums: list[int | None]) -> None:
-        """Publish entries whose bytes are complete (checksum given); forget the others."""
+    def complete_store(self, slots: Sequence[int], checksums: list[int | None],
+                       engine: EngineBlocks | None = None) -> None:
+        """Publish entries whose bytes are complete (checksum given); forget the others. ``engine``: what
+        the engine said of these blocks, for the STORED event."""
         if len(slots) != len(checksums):
             raise ValueError("complete_store pairs each slot with one checksum")
         with self._lock:
@@ -107,6 +114,8 @@ class BlockIndex:
             self._checksum[publish] = values[published]
             self._set_state(publish, READY)
             self._policy.used(publish)
+            if self._events is not None:
+                self._announce(publish, None, engine)
             if publish.size < at.size:  # failed stores (never visible) or stores deleted meanwhile
                 self._drop(at[pending & ~complete])
                 self._free_unpinned_dropped(at)
@@ -122,13 +131,15 @@ class BlockIndex:
             codes = np.where(hit, _DONE, _NOT_FOUND).astype(np.int8)
             return Plan(_outcomes(codes), at.tolist(), positions.tolist(), self._checksum[at].tolist())
 
-    def complete_load(self, slots: Sequence[int], corrupt: set[int] = frozenset()) -> None:
-        """Unpin loaded entries; drop ``slots[j]`` for j in ``corrupt`` so it is never served again."""
+    def complete_load(self, slots: Sequence[int], corrupt: set[int] = frozenset(),
+                      reason: Reason = Reason.CORRUPTED) -> None:
+        """Unpin loaded entries; drop ``slots[j]`` for j in ``corrupt`` so it is never served again
+        (announced removed for ``reason``: a lower tier's Delete drops its entries this way too)."""
         with self._lock:
             at = slot_array(slots)
             self._pin(at, -1)
             if corrupt:
-                self._drop(at[sorted(corrupt)])
+                self._drop(at[sorted(corrupt)], reason)
             self._policy.used(at[self._state[at] == READY])  # most recently used
             self._free_unpinned_dropped(at)
 
@@ -168,6 +179,29 @@ class BlockIndex:
                                                                  self._keys.keys_of(at), at.tolist(),
                                                                  self._checksum[at].tolist())]
 
+    def announce_cleared(self) -> None:
+        """Announce every complete entry removed, then the tier cleared (it goes away with its group)."""
+        if self._events is None:
+            return
+        with self._lock:
+            self._announce(np.flatnonzero(self._state == READY), Reason.CLEARED)
+            self._events.cleared()
+
+    def namespace_keys(self, namespace: str, size: int = 4096) -> Iterator[list[bytes]]:
+        """The keys of the namespace's complete entries, ``size`` at a time (each batch read under the
+        lock: entries that change meanwhile may be in it or not; the events tell which)."""
+        with self._lock:
+            held = np.flatnonzero(self._state == READY)
+        for start in range(0, len(held), 1 << 16):
+            with self._lock:
+                at = held[start:start + (1 << 16)]
+                at = at[self._state[at] == READY]
+                owners = self._keys.owner_ids(at)
+                ns = self._keys.find_id(namespace)
+                keys = self._keys.keys_of(at[owners == ns]) if ns is not None else []
+            for first in range(0, len(keys), size):
+                yield keys[first:first + size]
+
     # -- queries ---------------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
         return [t is not None for t in self.tiers_of(namespace, keys)]
@@ -196,7 +230,7 @@ class BlockIndex:
         with self._lock:
             found = self._keys.find(namespace, keys)
             at = found[found >= 0]
-            self._drop(at)
+            self._drop(at, Reason.DELETED)
             return len(at)
 
     def stats(self) -> IndexStats:
@@ -241,20 +275,39 @@ class BlockIndex:
         ids = [int(owners[0])] if owners.size and (owners == owners[0]).all() else np.unique(owners).tolist()
         names = {ns: self._keys.name(ns) for ns in ids}  # now: removing the keys may release these ids
         evicted = Evicted(self.tier, at, names, owners, self._keys.keys_of(at), self._checksum[at])
+        if self._events is not None:
+            for ns, name in names.items():
+                mine = np.flatnonzero(owners == ns).tolist()
+                self._events.removed(name, [evicted.keys[i] for i in mine], Reason.EVICTED)
         self._keys.remove(at)
         self._set_state(at, FREE)
         self._slots.release_many(at)
         return evicted
 
-    def _drop(self, at: np.ndarray) -> None:
-        """Make these entries invisible now; an unpinned one's slot is freed now, a pinned one's at its last unpin."""
+    def _drop(self, at: np.ndarray, reason: Reason | None = None) -> None:
+        """Make these entries invisible now; an unpinned one's slot is freed now, a pinned one's at its last
+        unpin. Complete ones are announced removed for ``reason``."""
         at = at[(self._state[at] == PENDING) | (self._state[at] == READY)]
         if not at.size:
             return
+        if self._events is not None and reason is not None:
+            self._announce(at[self._state[at] == READY], reason)
         self._keys.remove(at)
         self._policy.forget(at)
         self._set_state(at, DROPPED)
         self._free_unpinned_dropped(at)
+
+    def _announce(self, at: np.ndarray, reason: Reason | None, engine: EngineBlocks | None = None) -> None:
+        """Entries ``at`` published (reason None) or removed, one event a namespace."""
+        if not at.size:
+            return
+        owners, keys = self._keys.owner_ids(at), self._keys.keys_of(at)
+        for ns in [int(owners[0])] if (owners == owners[0]).all() else np.unique(owners).tolist():
+            mine = keys if (owners == ns).all() else [keys[i] for i in np.flatnonzero(owners == ns).tolist()]
+            if reason is None:
+                self._events.stored(self._keys.name(ns), mine, engine)
+            else:
+                self._events.removed(self._keys.name(ns), mine, reason)
 
     def _free_unpinned_dropped(self, at: np.ndarray) -> None:
         """(``at`` distinct)"""

@@ -122,6 +122,10 @@ class KeyTable:
     def name(self, ns: int) -> str:
         return self._names[ns]
 
+    def find_id(self, namespace: str) -> int | None:
+        """The namespace's id while it holds a key."""
+        return self._ids.get(namespace)
+
     def __len__(self) -> int:
         return len(self._table)
 

@@ -12,9 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
+import numpy as np
+
 from kvxfer.errors import InvalidArgument
+from kvxfer.events.records import EngineBlocks, KeyFormat
 from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES
-from kvxfer.validate import MAX_BATCH_BLOCKS, check_blocks, check_namespace, checked_keys
+from kvxfer.validate import MAX_BATCH_BLOCKS, MAX_KEY_BYTES, check_blocks, check_namespace, checked_keys
+
+MAX_BLOCK_TOKENS = 1 << 12  # an engine's block of tokens, at most
+MAX_EVENT_TOKENS = 1 << 20  # token ids one offload may describe
 
 
 class TransferKind(enum.Enum):
@@ -32,6 +38,7 @@ class TransferBatch:
     keys: list[bytes]
     ready_event: bytes = b""  # offload of a CUDA pool: the engine's IPC event to wait for
     deadline: float | None = None  # time.monotonic(): no pool copy starts after it, none ending after it counts
+    engine: EngineBlocks | None = None  # offload: what the engine said of its blocks (for the KV events)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -39,7 +46,7 @@ class TransferBatch:
     @classmethod
     def build(cls, kind: TransferKind, namespace: str, blocks: Sequence[int], keys: Sequence[bytes],
               num_blocks: int, limit: int = MAX_BATCH_BLOCKS, ready_event: bytes = b"",
-              deadline: float | None = None) -> TransferBatch:
+              deadline: float | None = None, engine: EngineBlocks | None = None) -> TransferBatch:
         """Validate a request whole (namespace, blocks of a pool of ``num_blocks``, keys) and build it."""
         check_namespace(namespace)
         blocks = list(blocks)
@@ -49,7 +56,9 @@ class TransferBatch:
         keys = checked_keys(keys, limit=limit)
         if ready_event and (kind is not TransferKind.OFFLOAD or len(ready_event) != IPC_HANDLE_BYTES):
             raise InvalidArgument(f"a CUDA event handle has {IPC_HANDLE_BYTES} bytes and goes with an offload")
-        return cls(kind, namespace, blocks, keys, bytes(ready_event), deadline)
+        if engine is not None:
+            engine = _checked_engine(kind, engine, keys)
+        return cls(kind, namespace, blocks, keys, bytes(ready_event), deadline, engine)
 
     @classmethod
     def offload(cls, namespace: str, pairs: Sequence[tuple[int, bytes]], num_blocks: int,
@@ -64,6 +73,30 @@ class TransferBatch:
         """From (key, block) pairs."""
         keys, blocks = _columns(pairs)
         return cls.build(TransferKind.RESTORE, namespace, blocks, keys, num_blocks, deadline=deadline)
+
+
+def _checked_engine(kind: TransferKind, engine: EngineBlocks, keys: list[bytes]) -> EngineBlocks:
+    """The engine's description of an offload's blocks, checked against its keys."""
+    if kind is not TransferKind.OFFLOAD:
+        raise InvalidArgument("an engine block description goes with an offload")
+    if len(engine.parent_block_hash) > MAX_KEY_BYTES:
+        raise InvalidArgument(f"parent_block_hash is {len(engine.parent_block_hash)} bytes; at most {MAX_KEY_BYTES}")
+    if not 0 <= engine.block_size <= MAX_BLOCK_TOKENS:
+        raise InvalidArgument(f"block_size is {engine.block_size}; at most {MAX_BLOCK_TOKENS}")
+    if engine.token_ids and len(engine.token_ids) != engine.block_size * len(keys):
+        raise InvalidArgument(f"token_ids holds {len(engine.token_ids)} tokens; block_size x keys is "
+                              f"{engine.block_size * len(keys)} (or none)")
+    if len(engine.token_ids) > MAX_EVENT_TOKENS:
+        raise InvalidArgument(f"token_ids holds {len(engine.token_ids)} tokens; at most {MAX_EVENT_TOKENS}")
+    ids = engine.token_ids
+    exact = ids.dtype.kind in "iu" if isinstance(ids, np.ndarray) else set(map(type, ids)) <= {int}  # (no bools)
+    tokens = np.asarray(ids, dtype=np.int64) if exact and (not len(ids) or max(ids) < 1 << 63) else None
+    if tokens is None or tokens.ndim != 1 or (tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 32)):
+        raise InvalidArgument("token_ids are 32-bit unsigned ints")
+    if not isinstance(engine.key_format, KeyFormat):
+        raise InvalidArgument(f"key_format must be a KeyFormat, got {type(engine.key_format).__name__}")
+    return EngineBlocks(engine.key_format, tuple(keys), bytes(engine.parent_block_hash), engine.block_size,
+                        tokens.astype(np.uint32))
 
 
 def _columns(pairs: Sequence[tuple]) -> tuple[list, list]:

@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
+from kvxfer.events.hub import EventHub
+from kvxfer.events.records import Reason
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
@@ -69,15 +71,18 @@ class DiskStore:
     kind = TierKind.DISK
     takes_evictions, takes_stores, restart_warm = True, False, True
 
-    def __init__(self, settings: DiskSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
-        """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every file's header."""
+    def __init__(self, settings: DiskSettings, group: str, fingerprint: bytes, slot_bytes: int,
+                 kv_events: EventHub | None = None) -> None:
+        """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every file's header;
+        ``kv_events``: where blocks published and removed are announced."""
         capacity = settings.capacity_bytes // (HEADER_BYTES + slot_bytes)
         if capacity < 1:
             raise InvalidArgument(f"disk capacity {settings.capacity_bytes} bytes holds no block of "
                                   f"{HEADER_BYTES + slot_bytes} bytes")
         self.tier = DiskTier(Path(settings.path) / group, capacity, slot_bytes, fingerprint)
         self._lock_fd = _lock_directory(self.tier.directory)  # one store per directory, in any process
-        self.index = BlockIndex(TierKind.DISK, self.tier.slots)
+        self.index = BlockIndex(TierKind.DISK, self.tier.slots,
+                                events=kv_events.tier(TierKind.DISK, group) if kv_events else None)
         self.journal = disk_journal.Journal(self.tier.directory_fd, fingerprint)
         self._rebasing = threading.Lock()
         self.events = EventCounts()
@@ -253,7 +258,7 @@ class DiskStore:
             self.journal.removed(list(plan.slots))
             for slot in plan.slots:
                 self.tier.discard(slot)  # a deleted key must not come back after a restart
-            self.index.complete_load(plan.slots, set(range(len(plan.slots))))
+            self.index.complete_load(plan.slots, set(range(len(plan.slots))), Reason.DELETED)
         return len(plan.slots)
 
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:

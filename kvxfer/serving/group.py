@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvxfer.events.hub import EventHub
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
@@ -64,17 +65,19 @@ class CacheGroup:
 
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
                  disk: DiskSettings | None = None, remote: RemoteSettings | None = None,
-                 shared_fs: SharedFsSettings | None = None) -> None:
+                 shared_fs: SharedFsSettings | None = None, kv_events: EventHub | None = None) -> None:
+        """``kv_events``: where every tier of the group announces blocks becoming restorable and going."""
         self.name = name
         self.format = BlockFormat.of(layout)
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
-        self.index = BlockIndex(self.host.kind, self.host.slots)
+        self.index = BlockIndex(self.host.kind, self.host.slots,
+                                events=kv_events.tier(self.host.kind, name) if kv_events else None)
         # Held from a batch's slot reservation until the blocks it evicted are copied out of
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
         fingerprint, nbytes = self.format.bound_to(name), layout.block_bytes
         settings = {"disk": disk, "remote": remote, "shared_fs": shared_fs}
-        self.lower_tiers: list[LowerTier] = [make(settings[section], name, fingerprint, nbytes)
+        self.lower_tiers: list[LowerTier] = [make(settings[section], name, fingerprint, nbytes, kv_events)
                                              for section, make in LOWER_TIERS if settings[section] is not None]
 
     def _tier(self, kind: TierKind) -> LowerTier | None:
@@ -171,8 +174,13 @@ class CacheGroup:
         return written
 
     def close(self, timeout: float = 0.0) -> None:
+        """Stop serving: the host tier's blocks (freed with the group) and the disk's (not served until
+        the group is made again) are announced removed; shared tiers keep theirs."""
         for tier in self.lower_tiers:
             tier.close(timeout)
+        self.index.announce_cleared()
+        if self.disk is not None:
+            self.disk.index.announce_cleared()
 
     def check_joins(self, layout: PoolLayout) -> None:
         """Refuse a pool whose blocks are not byte-compatible with this group's."""

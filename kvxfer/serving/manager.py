@@ -136,7 +136,7 @@ class PoolManager:
         finally:
             # None checksums: never visible. Slots a late copy may still write stay reserved until it lands.
             self._complete(slots, late, lambda ready: self.index.complete_store(ready, [None] * len(ready)),
-                           lambda: self.index.complete_store(slots, checksums), restore=False)
+                           lambda: self.index.complete_store(slots, checksums, batch.engine), restore=False)
         return TransferResult(plan.outcomes, moved, seconds)
 
     def _complete(self, slots: Sequence[int], late: LateCopies | None, release: Callable[[list[int]], None],

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvxfer.events.hub import EventHub
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from kvxfer.serving.group import CacheGroup, DiskSettings, RemoteSettings, SharedFsSettings
@@ -96,9 +97,11 @@ class _Group:
 class PoolRegistry:
     """Thread-safe map of pool id -> served pool."""
 
-    def __init__(self, limits: Limits = Limits(), observer: TransferObserver | None = None) -> None:
+    def __init__(self, limits: Limits = Limits(), observer: TransferObserver | None = None,
+                 kv_events: EventHub | None = None) -> None:
         self.limits = limits
         self.observer = observer  # told of every transfer of every pool (the daemon's metrics)
+        self.kv_events = kv_events  # where the groups' tiers announce their blocks (WatchEvents)
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
         self._pools: dict[str, ServedPool] = {}
         self._groups: dict[str, _Group] = {}
@@ -134,7 +137,7 @@ class PoolRegistry:
                                             f"{self.limits.max_cache_groups}")
                 entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device,
                                           disk=self.limits.disk, remote=self.limits.remote,
-                                          shared_fs=self.limits.shared_fs), owner)
+                                          shared_fs=self.limits.shared_fs, kv_events=self.kv_events), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
             manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
                                   observer=self.observer, copy_threads=self.limits.copy_threads,
@@ -321,9 +324,10 @@ class PoolRegistry:
     def descriptors(self, pool_id: str = "") -> list[PoolDescriptor]:
         return [s.descriptor for s in self.served(pool_id)]
 
-    def cache_groups(self) -> list[str]:
+    def groups(self) -> list[CacheGroup]:
+        """The cache groups served now (a Snapshot reads their indexes)."""
         with self._lock:
-            return list(self._groups)
+            return [entry.group for entry in self._groups.values()]
 
     def lookup(self, refs: Sequence[PoolRef], namespace: str, keys: Sequence[bytes]) -> LookupResult:
         """Hits present in every listed pool (the ranks of one model): the minimum over pools,

@@ -29,8 +29,10 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
+from kvxfer.events.hub import EventHub
+from kvxfer.events.records import Reason
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
+from kvxfer.serving.staging import EventCounts, Staged, WriteQueue, announce_stored
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.breaker import Breaker
@@ -46,8 +48,12 @@ class RemoteStore:
     kind = TierKind.REMOTE
     restart_warm = False  # Redis outlives the daemon on its own
 
-    def __init__(self, settings: RemoteSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
-        """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every value's header."""
+    def __init__(self, settings: RemoteSettings, group: str, fingerprint: bytes, slot_bytes: int,
+                 kv_events: EventHub | None = None) -> None:
+        """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every value's header;
+        ``kv_events``: where this daemon's stores, deletes and corrupt finds are announced (Redis evicting
+        or expiring a value on its own is not seen)."""
+        self.kv_events = kv_events.tier(TierKind.REMOTE, group) if kv_events else None
         self.settings = settings
         self.takes_stores = settings.write_through  # else blocks go to Redis when the host tier evicts them
         self.takes_evictions = not settings.write_through
@@ -105,6 +111,7 @@ class RemoteStore:
                 return
         self.breaker.succeeded()
         self.events.add("stored", len(alive))
+        announce_stored(self.kv_events, alive)
 
     def _send(self, batch: list[Staged]) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -157,6 +164,8 @@ class RemoteStore:
             if str(bad) == "foreign_format":
                 return Outcome.NOT_FOUND, 0  # another format's block under this name: not ours to judge
             self.events.add("corrupt")
+            if self.kv_events is not None:
+                self.kv_events.removed(namespace, [key], Reason.CORRUPTED)
             try:
                 self.client.delete(name)
             except FAILURES as exc:
@@ -174,6 +183,8 @@ class RemoteStore:
             self.tombstones.delete(namespace, keys)
             if not self.breaker.allows():
                 return 0
+            if self.kv_events is not None:  # (which of them Redis held, it does not say)
+                self.kv_events.removed(namespace, keys, Reason.DELETED)
             try:
                 return int(self.client.delete(*[self.key(namespace, k) for k in keys]))
             except FAILURES as exc:

@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
+from kvxfer.events.hub import EventHub
+from kvxfer.events.records import Reason
+from kvxfer.serving.staging import EventCounts, Staged, WriteQueue, announce_stored
 from kvxfer.tiers.lower import StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.shared_fs import SharedFs, SharedFsSettings, Stalled
@@ -31,7 +33,10 @@ class SharedFsStore:
     kind = TierKind.SHARED_FS
     takes_evictions, takes_stores, restart_warm = True, False, False
 
-    def __init__(self, settings: SharedFsSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
+    def __init__(self, settings: SharedFsSettings, group: str, fingerprint: bytes, slot_bytes: int,
+                 kv_events: EventHub | None = None) -> None:
+        """``kv_events``: where this daemon's stores, deletes and corrupt finds are announced."""
+        self.kv_events = kv_events.tier(TierKind.SHARED_FS, group) if kv_events else None
         self.fs = SharedFs(settings, group, fingerprint, slot_bytes)
         self.slot_bytes = slot_bytes
         self.events = EventCounts()
@@ -71,6 +76,7 @@ class SharedFsStore:
                     self.events.add("write_errors")
                     continue
             self.events.add("stored")
+            announce_stored(self.kv_events, [item])
 
     # -- lookups and restores ---------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
@@ -88,6 +94,8 @@ class SharedFsStore:
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         with self.tombstones.publishing:
             self.tombstones.delete(namespace, keys)
+            if self.kv_events is not None:
+                self.kv_events.removed(namespace, keys, Reason.DELETED)
             try:
                 return self.fs.call(self.fs.delete, namespace, keys)
             except (Stalled, OSError):
@@ -130,6 +138,8 @@ class _SharedFsFetch:
                     verdicts.append((Outcome.NOT_FOUND, 0))  # another format's block: not ours to judge
                     continue
                 store.events.add("corrupt")
+                if store.kv_events is not None:
+                    store.kv_events.removed(self._namespace, [key], Reason.CORRUPTED)
                 try:
                     fs.call(fs.delete, self._namespace, [key])
                 except (Stalled, OSError):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.events.hub import TierEvents
+
 log = logging.getLogger(__name__)
 
 
@@ -158,6 +160,13 @@ class Staged:
     data: np.ndarray
     buffer: int | None = None
     seq: int = 0
+
+
+def announce_stored(events: TierEvents | None, written: list[Staged]) -> None:
+    """Announce blocks a shared tier now holds, one event a namespace."""
+    if events is not None:
+        for namespace in dict.fromkeys(s.namespace for s in written):
+            events.stored(namespace, [s.key for s in written if s.namespace == namespace])
 
 
 class WriteQueue:

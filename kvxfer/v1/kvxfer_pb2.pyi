@@ -14,6 +14,11 @@ class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEDIUM_CUDA: _ClassVar[Medium]
     MEDIUM_MEMFD: _ClassVar[Medium]
 
+class KeyFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KEY_FORMAT_OPAQUE: _ClassVar[KeyFormat]
+    KEY_FORMAT_VLLM: _ClassVar[KeyFormat]
+
 class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BLOCK_STATUS_UNSPECIFIED: _ClassVar[BlockStatus]
@@ -33,10 +38,28 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DISK: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
     TIER_SHARED_FS: _ClassVar[Tier]
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_STORED: _ClassVar[EventKind]
+    EVENT_KIND_REMOVED: _ClassVar[EventKind]
+    EVENT_KIND_CLEARED: _ClassVar[EventKind]
+
+class RemovalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REMOVAL_REASON_UNSPECIFIED: _ClassVar[RemovalReason]
+    REMOVAL_REASON_EVICTED: _ClassVar[RemovalReason]
+    REMOVAL_REASON_DELETED: _ClassVar[RemovalReason]
+    REMOVAL_REASON_CORRUPTED: _ClassVar[RemovalReason]
+    REMOVAL_REASON_EXPIRED: _ClassVar[RemovalReason]
+    REMOVAL_REASON_CLEARED: _ClassVar[RemovalReason]
 MEDIUM_UNSPECIFIED: Medium
 MEDIUM_SHM: Medium
 MEDIUM_CUDA: Medium
 MEDIUM_MEMFD: Medium
+KEY_FORMAT_OPAQUE: KeyFormat
+KEY_FORMAT_VLLM: KeyFormat
 BLOCK_STATUS_UNSPECIFIED: BlockStatus
 BLOCK_STATUS_DONE: BlockStatus
 BLOCK_STATUS_ALREADY_PRESENT: BlockStatus
@@ -51,6 +74,16 @@ TIER_HOST: Tier
 TIER_DISK: Tier
 TIER_REMOTE: Tier
 TIER_SHARED_FS: Tier
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_STORED: EventKind
+EVENT_KIND_REMOVED: EventKind
+EVENT_KIND_CLEARED: EventKind
+REMOVAL_REASON_UNSPECIFIED: RemovalReason
+REMOVAL_REASON_EVICTED: RemovalReason
+REMOVAL_REASON_DELETED: RemovalReason
+REMOVAL_REASON_CORRUPTED: RemovalReason
+REMOVAL_REASON_EXPIRED: RemovalReason
+REMOVAL_REASON_CLEARED: RemovalReason
 
 class PoolRef(_message.Message):
     __slots__ = ("pool_id", "epoch", "registration_token")
@@ -142,7 +175,7 @@ class GetPoolInfoResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id", "cuda_event_handle", "pool_deadline_ns")
+    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id", "cuda_event_handle", "pool_deadline_ns", "engine")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +185,7 @@ class OffloadRequest(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     POOL_DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -161,7 +195,20 @@ class OffloadRequest(_message.Message):
     client_id: str
     cuda_event_handle: bytes
     pool_deadline_ns: int
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., cuda_event_handle: _Optional[bytes] = ..., pool_deadline_ns: _Optional[int] = ...) -> None: ...
+    engine: EngineBlocks
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., cuda_event_handle: _Optional[bytes] = ..., pool_deadline_ns: _Optional[int] = ..., engine: _Optional[_Union[EngineBlocks, _Mapping]] = ...) -> None: ...
+
+class EngineBlocks(_message.Message):
+    __slots__ = ("key_format", "parent_block_hash", "block_size", "token_ids")
+    KEY_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    key_format: KeyFormat
+    parent_block_hash: bytes
+    block_size: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key_format: _Optional[_Union[KeyFormat, str]] = ..., parent_block_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms", "client_id", "pool_deadline_ns")
@@ -396,6 +443,72 @@ class JobResult(_message.Message):
     bytes: int
     seconds: float
     def __init__(self, job_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("sequence", "timestamp", "kind", "tier", "cache_group", "namespace", "keys", "reason", "engine")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    timestamp: float
+    kind: EventKind
+    tier: Tier
+    cache_group: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    reason: RemovalReason
+    engine: EngineBlocks
+    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., kind: _Optional[_Union[EventKind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., cache_group: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., reason: _Optional[_Union[RemovalReason, str]] = ..., engine: _Optional[_Union[EngineBlocks, _Mapping]] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("from_sequence", "namespaces", "stream_id")
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    from_sequence: int
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    stream_id: str
+    def __init__(self, from_sequence: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., stream_id: _Optional[str] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("stream_id", "events", "resync", "next_sequence")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    resync: bool
+    next_sequence: int
+    def __init__(self, stream_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., resync: _Optional[bool] = ..., next_sequence: _Optional[int] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SnapshotResponse(_message.Message):
+    __slots__ = ("stream_id", "sequence", "tier", "cache_group", "namespace", "keys")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    sequence: int
+    tier: Tier
+    cache_group: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, stream_id: _Optional[str] = ..., sequence: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., cache_group: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WaitJobsResponse(_message.Message):
     __slots__ = ("finished", "unknown_job_ids")

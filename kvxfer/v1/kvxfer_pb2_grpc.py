@@ -79,6 +79,16 @@ class KVTransferStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvxfer.v1.KVTransfer/WatchEvents',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
+        self.Snapshot = channel.unary_stream(
+                '/kvxfer.v1.KVTransfer/Snapshot',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -148,6 +158,22 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """The tiers' KV events from a position, as they happen: blocks that became restorable
+        (STORED) and blocks that stopped being so (REMOVED), numbered without gaps. A position the
+        daemon no longer holds is answered with resync = true: take a Snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Snapshot(self, request, context):
+        """What the host and disk tiers hold now, and the position to watch from after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +221,16 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.WaitJobs,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +476,60 @@ class KVTransfer:
             '/kvxfer.v1.KVTransfer/WaitJobs',
             kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.WaitJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvxfer.v1.KVTransfer/WatchEvents',
+            kvxfer_dot_v1_dot_kvxfer__pb2.WatchEventsRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvxfer.v1.KVTransfer/Snapshot',
+            kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

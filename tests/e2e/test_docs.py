@@ -187,5 +187,6 @@ def test_the_configuration_reference_lists_exactly_the_daemons_keys():
     assert set(documented["disk"]) == config_sections.DISK_KEYS
     assert set(documented["shared_fs"]) == config_sections.SHARED_FS_KEYS
     assert set(documented["remote"]) == config_sections.REMOTE_KEYS
+    assert set(documented["events"]) == config_sections.EVENTS_KEYS
     for flag in ("--device", "--layout", "--num-blocks", "--host-capacity-mib", "--allow-overcommit", "--check"):
         assert flag in text

@@ -216,6 +216,8 @@ def test_the_sidecar_only_render_is_what_an_engine_chart_includes():
     ({"kvxfer": {"config": {"metrics_listen": "9400", "pools": [{"id": "p", "spec": {}}]}}}, "metrics_listen"),
     ({"kvxfer": {"config": {"socket": "/tmp/x.sock"}}}, "/kvxfer/config/socket"),
     ({"kvxfer": {"config": {"copy_threads": 0}}}, "/kvxfer/config/copy_threads"),
+    ({"kvxfer": {"config": {"events": {"publish": "tcp://*:1"}}}}, "/kvxfer/config/events/publish"),  # the chart's
+    ({"kvxfer": {"events": {"port": 0}}}, "/kvxfer/events/port"),
     ({"engine": {"replicas": -1}}, "/engine/replicas"),
     ({"gpu": {"mode": "none"}}, "value must be one of 'dra', 'devicePlugin'"),  # a CUDA vLLM without a GPU
     ({"engine": {"device": "cpu"}}, "value must be 'none'"),  # a CPU engine holding a GPU
@@ -267,3 +269,18 @@ def test_lower_tiers_get_their_volumes_and_the_daemon_accepts_their_config(tmp_p
     path.write_text(yaml.safe_dump(config))
     loaded = service_config.load(str(path), env={})
     assert loaded.disk.capacity_bytes == 50 << 30 and loaded.remote.url == "rediss://redis:6380/0"
+
+
+def test_kv_events_get_their_ports_a_service_and_the_daemons_config(tmp_path):
+    objects = render({"kvxfer": {"events": {"enabled": True}, "config": {"events": {"linger_ms": 20}}}})
+    config = rendered_config(objects)
+    assert config["events"] == {"linger_ms": 20, "publish": "tcp://*:5557", "replay": "tcp://*:5558"}
+    ports = {p["name"]: p["containerPort"] for p in pod_of(objects)["initContainers"][0]["ports"]}
+    assert ports["kv-events"] == 5557 and ports["kv-events-replay"] == 5558
+    (service,) = [s for s in by_kind(objects, "Service") if s["metadata"]["name"].endswith("-kv-events")]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["kv-events", "kv-events-replay"]
+    assert not [s for s in by_kind(render({}), "Service") if s["metadata"]["name"].endswith("-kv-events")]
+    from service import config as service_config  # the daemon takes what the chart renders
+    path = tmp_path / "kvxfer.yaml"
+    path.write_text(yaml.safe_dump({**config, "socket": str(tmp_path / "k.sock"), "socket_group": ""}))
+    assert service_config.load(str(path)).events.publish == "tcp://*:5557"

@@ -45,6 +45,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if or .Values.kvxfer.tcp.enabled .Values.kvxfer.token.existingSecret .Values.kvxfer.token.value -}}
 {{- $_ := set $c "token_file" "/etc/kvxfer/token/token" -}}
 {{- end -}}
+{{- if .Values.kvxfer.events.enabled -}}
+{{- $e := deepCopy (default (dict) $c.events) -}}
+{{- $_ := set $e "publish" (printf "tcp://*:%d" (int .Values.kvxfer.events.port)) -}}
+{{- $_ := set $e "replay" (printf "tcp://*:%d" (int .Values.kvxfer.events.replayPort)) -}}
+{{- $_ := set $c "events" $e -}}
+{{- end -}}
 {{- toYaml $c -}}
 {{- end -}}
 

@@ -22,6 +22,10 @@ exec:
     {{- if .Values.kvxfer.tcp.enabled }}
     - {name: grpc-tls, containerPort: {{ .Values.kvxfer.tcp.port }}, protocol: TCP}
     {{- end }}
+    {{- if .Values.kvxfer.events.enabled }}
+    - {name: kv-events, containerPort: {{ .Values.kvxfer.events.port }}, protocol: TCP}
+    - {name: kv-events-replay, containerPort: {{ .Values.kvxfer.events.replayPort }}, protocol: TCP}
+    {{- end }}
   env:
     # Triton compiles its kernels and their launcher at run time into its home: a volume, since
     # the root filesystem is read-only (the image keeps the C compiler the launcher needs).

@@ -39,6 +39,7 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvxfer.client import SUCCESS, Client, CudaEvent
+from kvxfer.events.records import EngineBlocks, KeyFormat
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.manager import KvxferBlocks
@@ -46,6 +47,10 @@ from kvxfer.records import Outcome
 
 log = logging.getLogger("kvxfer.vllm")
 
+
+#: Every store says its keys are vLLM's OffloadKeys, so that the daemon's KV events (and its
+#: vLLM-format publisher) name the blocks by the block hashes vLLM's scheduler computed.
+VLLM_KEYS = EngineBlocks(KeyFormat.VLLM)
 
 class Direction(enum.Enum):
     STORE = "store"
@@ -121,7 +126,8 @@ class KvxferWorker(OffloadingWorker):
         job = _Job(job_id, Direction.STORE, blocks, time.monotonic() + self._deadline_s, self._ready_event())
         self._submit(job, lambda c: c.submit_offload(list(zip(blocks, dst_spec.keys)), pool_id=self._pool_id,
                                                      namespace=dst_spec.namespace, lease_s=self._lease_s,
-                                                     cuda_event=job.event, deadline=job.deadline))
+                                                     cuda_event=job.event, deadline=job.deadline,
+                                                     engine=VLLM_KEYS))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,

@@ -1,0 +1,1 @@
+"""KV events: what each tier holds, announced as it changes (WatchEvents, Snapshot, a vLLM-format publisher)."""

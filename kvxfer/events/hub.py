@@ -1,0 +1,145 @@
+"""The daemon's KV events: numbered as they happen, kept in a bounded replay buffer, read by subscribers.
+
+An index emits an event under its own lock at the moment its blocks change (STORED once their
+entries are published, REMOVED before their slots can be reused), so the numbers follow the
+order of what happened. Each subscriber reads from its own position; one that falls behind the
+buffer (or asks for a position it no longer holds) is told to resync, never shown a gap. The
+buffer is bounded by the keys it holds (``replay_keys``), so memory does not grow with
+subscribers or with time. Emitting costs a lock, an append and at most one wake-up call per
+event loop turn, whatever the number of subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Sequence
+
+from kvxfer.events.records import EngineBlocks, EventKind, Reason, TierEvent
+from kvxfer.records import TierKind
+
+
+class EventHub:
+    """Every event of one daemon. Thread-safe; ``wait`` is for the one event loop attached."""
+
+    def __init__(self, replay_keys: int = 1 << 18, linger_s: float = 0.05) -> None:
+        """``linger_s``: how long a subscriber's response (and the publisher's batch) waits for more events."""
+        self.stream_id = uuid.uuid4().hex  # a new daemon, a new stream: a subscriber resyncs
+        self.replay_keys = replay_keys
+        self.linger_s = linger_s
+        self._events: deque[TierEvent] = deque()
+        self._held = 0  # keys in the buffer
+        self._next = 1
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self.emitted = self.dropped = 0  # events; dropped: out of the buffer (late readers resync)
+        self.subscribers = 0  # WatchEvents streams open now
+        self.counts: Counter[str] = Counter()  # the publisher's: published_batches, replays, publisher_resyncs
+        self.closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Future | None = None
+        self._wake_pending = False
+
+    def tier(self, tier: TierKind, cache_group: str) -> TierEvents:
+        """The events of one tier of one cache group."""
+        return TierEvents(self, tier, cache_group)
+
+    def emit(self, kind: EventKind, tier: TierKind, cache_group: str, namespace: str, keys: Sequence[bytes],
+             reason: Reason | None = None, engine: EngineBlocks | None = None) -> None:
+        with self._lock:
+            event = TierEvent(self._next, time.time(), kind, tier, cache_group, namespace, tuple(keys), reason, engine)
+            self._next += 1
+            self._events.append(event)
+            self._held += len(event.keys) + 1
+            while self._held > self.replay_keys and len(self._events) > 1:
+                self._held -= len(self._events.popleft().keys) + 1
+                self.dropped += 1
+            self.emitted += 1
+            self._arrived.notify_all()
+            loop, wake = self._loop, not self._wake_pending and self._loop is not None
+            self._wake_pending = self._wake_pending or wake
+        if wake:
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop closed (shutdown): nobody is waiting on it
+                pass
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def close(self) -> None:
+        """Wake every subscriber for good (the daemon is stopping)."""
+        self.closed = True
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:
+                pass
+
+    @property
+    def last_sequence(self) -> int:
+        return self._next - 1
+
+    def read(self, after: int, limit: int = 1024) -> tuple[list[TierEvent], bool]:
+        """Up to ``limit`` events numbered after ``after``, and whether some between were dropped from
+        the buffer (then the events start at the oldest held: the reader must resync)."""
+        with self._lock:
+            if not self._events:
+                return [], after < self._next - 1
+            first = self._events[0].sequence
+            start = after + 1 - first
+            gap = start < 0
+            start = max(start, 0)
+            return [self._events[i] for i in range(start, min(len(self._events), start + limit))], gap
+
+    def wait_blocking(self, after: int, timeout: float) -> bool:
+        """(threads) Wait until an event numbered after ``after`` exists; False on timeout."""
+        with self._arrived:
+            return self._arrived.wait_for(lambda: self._next - 1 > after, timeout)
+
+    # -- the event loop's side -------------------------------------------------------
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._loop, self._changed, self._wake_pending = loop, loop.create_future(), False
+
+    async def wait(self, after: int, timeout: float) -> None:
+        """(on the attached loop) Return once an event numbered after ``after`` exists, or after ``timeout``."""
+        if self._next - 1 > after or self._changed is None or self.closed:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+        except TimeoutError:
+            pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+            done, self._changed = self._changed, self._loop.create_future()
+        if done is not None and not done.done():
+            done.set_result(None)
+
+
+class TierEvents:
+    """What an index calls: the events of one tier of one cache group."""
+
+    __slots__ = ("hub", "tier", "cache_group")
+
+    def __init__(self, hub: EventHub, tier: TierKind, cache_group: str) -> None:
+        self.hub, self.tier, self.cache_group = hub, tier, cache_group
+
+    def stored(self, namespace: str, keys: Sequence[bytes], engine: EngineBlocks | None = None) -> None:
+        if keys:
+            self.hub.emit(EventKind.STORED, self.tier, self.cache_group, namespace, keys, engine=engine)
+
+    def removed(self, namespace: str, keys: Sequence[bytes], reason: Reason) -> None:
+        if keys:
+            self.hub.emit(EventKind.REMOVED, self.tier, self.cache_group, namespace, keys, reason)
+
+    def cleared(self) -> None:
+        self.hub.emit(EventKind.CLEARED, self.tier, self.cache_group, "", ())
+
+
+__all__ = ["EventHub", "TierEvents"]

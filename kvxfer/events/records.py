@@ -1,0 +1,87 @@
+"""What a KV event says: a batch of blocks became restorable in a tier, or stopped being so."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvxfer.records import TierKind
+
+
+class EventKind(enum.Enum):
+    STORED = "stored"  # restorable from this tier now (copied and checksummed)
+    REMOVED = "removed"  # not restorable from this tier any more
+    CLEARED = "cleared"  # the tier of this cache group was dropped whole (its blocks' REMOVED came first)
+
+
+class Reason(enum.Enum):
+    """Why blocks were removed."""
+
+    EVICTED = "evicted"  # room for newer blocks (they may live on in a lower tier)
+    DELETED = "deleted"  # a client's Delete
+    CORRUPTED = "corrupted"  # their bytes failed the checksum: dropped
+    EXPIRED = "expired"  # the medium dropped them on its own (a Redis value evicted or expired)
+    CLEARED = "cleared"  # the tier went away with its cache group
+
+
+class KeyFormat(enum.Enum):
+    """How an engine builds its keys, so that events can name blocks by the engine's own hashes."""
+
+    OPAQUE = "opaque"  # the key is the block's name, nothing more
+    VLLM = "vllm"  # vLLM's OffloadKey: the block hash, then the KV cache group index (4 bytes, big-endian)
+
+
+@dataclass(frozen=True)
+class EngineBlocks:
+    """What the engine said of an offload's blocks, for the events that announce them."""
+
+    key_format: KeyFormat = KeyFormat.OPAQUE
+    keys: tuple[bytes, ...] = ()  # the offload's keys, in request order (the tokens follow this order)
+    parent_block_hash: bytes = b""  # the hash of the block before keys[0] (empty: none, a first block)
+    block_size: int = 0  # tokens a block
+    token_ids: Sequence[int] = ()  # block_size tokens a key, in request order (empty: not given)
+
+    def tokens_of(self, key: bytes) -> list[int]:
+        """The tokens of one of the offload's blocks (empty when not given)."""
+        if not len(self.token_ids) or not self.block_size:
+            return []
+        i = self._positions().get(key)
+        return [] if i is None else [int(t) for t in self.token_ids[i * self.block_size:(i + 1) * self.block_size]]
+
+    def parent_of(self, key: bytes) -> bytes | None:
+        """The key of the block before this one in the offload, or None for the first."""
+        i = self._positions().get(key)
+        return self.keys[i - 1] if i else None
+
+    def _positions(self) -> dict[bytes, int]:
+        cached = self.__dict__.get("_index")
+        if cached is None:
+            cached = {k: i for i, k in enumerate(self.keys)}
+            object.__setattr__(self, "_index", cached)
+        return cached
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    """One batch of blocks of one namespace in one tier of one cache group."""
+
+    sequence: int  # per daemon, from 1, no gaps
+    timestamp: float  # seconds since the epoch
+    kind: EventKind
+    tier: TierKind
+    cache_group: str
+    namespace: str
+    keys: tuple[bytes, ...]
+    reason: Reason | None = None  # REMOVED only
+    engine: EngineBlocks | None = None  # STORED by an offload that described its blocks
+
+
+def engine_hash(key: bytes, key_format: KeyFormat) -> tuple[bytes, int | None]:
+    """The engine's block hash of a key and its cache group index (None: the format has none)."""
+    if key_format is KeyFormat.VLLM and len(key) > 4:
+        return key[:-4], int.from_bytes(key[-4:], "big")
+    return key, None
+
+
+__all__ = ["EngineBlocks", "EventKind", "KeyFormat", "Reason", "TierEvent", "engine_hash"]

@@ -1,0 +1,137 @@
+"""WatchEvents and Snapshot: the tiers' KV events streamed to subscribers, and what the tiers hold.
+
+A subscriber reads the hub's replay buffer from its own position, on the event loop, never
+holding a thread: it waits for the next event, takes up to ``BATCH_EVENTS`` of them, keeps
+those of the namespaces it watches (and CLEARED) and yields them; gRPC's flow control holds
+it while the client is slow. A client that falls behind the buffer, or names a position the
+daemon no longer holds (or another daemon's stream), is told ``resync``, never shown a gap.
+A subscriber costs no memory of its own: the buffer is the hub's. Each event is serialized once
+for every subscriber (``Encoded``), and a response is those bytes joined: a hundred subscribers
+cost a hundred joins, not a hundred encodings.
+
+A Snapshot reads the host and disk indexes of every cache group a batch at a time on a worker
+thread, after taking the hub's position: applying the events that follow that position on
+top of it gives the tiers as they are (an event the snapshot already reflects changes nothing).
+Redis and the shared filesystem are shared by every node: their contents are not this
+daemon's to list (their STORED and REMOVED events are those of this daemon's own writes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from kvxfer.errors import InvalidArgument
+from kvxfer.events.hub import EventHub
+from kvxfer.events.records import EventKind, TierEvent
+from kvxfer.events.wire import event_to_pb
+from kvxfer.serving.registry import PoolRegistry
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.validate import check_count, check_namespace
+from kvxfer.wire import TIER_TO_PB
+
+MAX_WATCHED = 16  # namespaces one call names
+BATCH_EVENTS = 256  # events a response carries at most
+IDLE_S = 5.0  # a watch with nothing new says where it stands this often
+SNAPSHOT_KEYS = 4096  # keys a Snapshot response carries at most
+
+
+class Encoded:
+    """Each event of one hub as field 2 of a WatchEventsResponse, serialized once (the latest ``size``
+    kept). Used on the event loop only."""
+
+    def __init__(self, size: int = 1 << 13) -> None:
+        self._size = size
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+
+    def of(self, event: TierEvent) -> bytes:
+        data = self._cache.get(event.sequence)
+        if data is None:
+            body = event_to_pb(event).SerializeToString()
+            data = self._cache[event.sequence] = _EVENTS_TAG + _varint(len(body)) + body
+            if len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        return data
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_EVENTS_TAG = bytes([2 << 3 | 2])  # field 2 (events), length-delimited
+
+
+def serialize(response: bytes) -> bytes:
+    """WatchEvents' response serializer: its responses are serialized already."""
+    return response
+
+
+def watched(names) -> frozenset[str]:
+    """The namespaces a call names: 1 to ``MAX_WATCHED`` valid names."""
+    check_count(len(names), MAX_WATCHED, "namespaces")
+    if not names:
+        raise InvalidArgument(f"name the namespaces to watch (1 to {MAX_WATCHED})")
+    for name in names:
+        check_namespace(name)
+    return frozenset(names)
+
+
+async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
+                linger: float = 0.05) -> AsyncIterator[bytes]:
+    """``linger``: seconds a response waits for more events (fewer, larger responses: a hundred
+    subscribers of a busy daemon cost it a hundred sends every ``linger``, not a hundred an event)."""
+    namespaces = watched(request.namespaces)
+    last = hub.last_sequence
+    if request.from_sequence > last + 1:
+        raise InvalidArgument(f"from_sequence {request.from_sequence} is past the next event ({last + 1})")
+    stream = hub.stream_id
+    hub.subscribers += 1
+    try:
+        after = last if request.from_sequence == 0 else request.from_sequence - 1
+        if request.stream_id and request.stream_id != stream:  # a position in another daemon's stream
+            yield pb.WatchEventsResponse(stream_id=stream, resync=True, next_sequence=last + 1).SerializeToString()
+            after = last
+        while not hub.closed:
+            events, gap = hub.read(after, BATCH_EVENTS)
+            if not events:
+                await hub.wait(after, IDLE_S)
+                if hub.last_sequence <= after:
+                    yield pb.WatchEventsResponse(stream_id=stream, next_sequence=after + 1).SerializeToString()
+                continue
+            if len(events) < BATCH_EVENTS and linger:  # a few more arrive meanwhile: one response, not many
+                await asyncio.sleep(linger)
+                more, _ = hub.read(events[-1].sequence, BATCH_EVENTS - len(events))
+                events += more
+            after = events[-1].sequence
+            mine = [encoded.of(e) for e in events if e.namespace in namespaces or e.kind is EventKind.CLEARED]
+            if mine or gap:
+                head = pb.WatchEventsResponse(stream_id=stream, resync=gap, next_sequence=after + 1).SerializeToString()
+                yield head + b"".join(mine)  # (a message's fields may come in any order: the events follow)
+    finally:
+        hub.subscribers -= 1
+
+
+async def snapshot(hub: EventHub, registry: PoolRegistry, executor: ThreadPoolExecutor,
+                   request: pb.SnapshotRequest) -> AsyncIterator[pb.SnapshotResponse]:
+    namespaces = sorted(watched(request.namespaces))
+    sequence = hub.last_sequence  # first: every event up to here is reflected by what follows
+    loop = asyncio.get_running_loop()
+    for group in registry.groups():
+        indexes = [group.index] + ([group.disk.index] if group.disk is not None else [])
+        for index in indexes:
+            for namespace in namespaces:
+                batches: Iterator[list[bytes]] = index.namespace_keys(namespace, SNAPSHOT_KEYS)
+                while (keys := await loop.run_in_executor(executor, next, batches, None)) is not None:
+                    yield pb.SnapshotResponse(stream_id=hub.stream_id, sequence=sequence, tier=TIER_TO_PB[index.tier],
+                                              cache_group=group.name, namespace=namespace, keys=keys)
+    yield pb.SnapshotResponse(stream_id=hub.stream_id, sequence=sequence)  # the end: no tier, no keys
+
+
+__all__ = ["Encoded", "serialize", "snapshot", "watch", "watched"]

@@ -1,0 +1,124 @@
+"""KV events at the source: the hub (numbering, the bounded replay buffer, resync, waiting) and the
+index that emits them (stored once published, removed before a slot is reused, the reason named)."""
+
+import asyncio
+import threading
+
+import pytest
+
+import kvxfer.index.eviction as eviction
+import kvxfer.index.keytable as keytable
+from kvxfer.errors import InvalidArgument
+from kvxfer.events.hub import EventHub
+from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat, Reason
+from kvxfer.events.wire import event_from_pb, event_to_pb
+from kvxfer.index.block_index import BlockIndex
+from kvxfer.records import TierKind
+from kvxfer.serving.batch import TransferBatch, TransferKind
+
+
+@pytest.fixture(params=["c", "python"])
+def native(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(keytable, "TABLES", None)
+        monkeypatch.setattr(eviction, "USE_ORDER", None)
+
+
+def index_with_events(capacity=4):
+    hub = EventHub()
+    return hub, BlockIndex(TierKind.HOST, capacity, events=hub.tier(TierKind.HOST, "g"))
+
+
+def store(index, keys, engine=None, ok=True):
+    plan = index.prepare_store("ns", keys)
+    index.complete_store(plan.slots, [7 if ok else None] * len(plan.slots), engine)
+    return plan
+
+
+def summary(hub):
+    return [(e.sequence, e.kind, e.keys, e.reason) for e in hub.read(0, 1000)[0]]
+
+
+def test_stored_when_published_removed_before_reuse_with_the_reason(native):
+    hub, index = index_with_events(capacity=3)
+    plan = index.prepare_store("ns", [b"a", b"b"])
+    assert hub.last_sequence == 0  # reserved is not restorable
+    index.complete_store(plan.slots, [1, None])  # b failed: never visible, never announced
+    store(index, [b"c", b"d", b"e"])  # full: a is evicted first
+    load = index.prepare_load("ns", [b"c"])
+    index.complete_load(load.slots, {0})  # corrupt
+    index.delete("ns", [b"d", b"zz"])
+    assert summary(hub) == [
+        (1, EventKind.STORED, (b"a",), None),
+        (2, EventKind.REMOVED, (b"a",), Reason.EVICTED),  # before its slot takes a new block
+        (3, EventKind.STORED, (b"c", b"d", b"e"), None),
+        (4, EventKind.REMOVED, (b"c",), Reason.CORRUPTED),
+        (5, EventKind.REMOVED, (b"d",), Reason.DELETED)]
+    index.announce_cleared()
+    assert summary(hub)[5:] == [(6, EventKind.REMOVED, (b"e",), Reason.CLEARED), (7, EventKind.CLEARED, (), None)]
+
+
+def test_a_pending_entry_deleted_is_never_announced(native):
+    hub, index = index_with_events()
+    plan = index.prepare_store("ns", [b"a"])
+    index.delete("ns", [b"a"])
+    index.complete_store(plan.slots, [5])
+    assert summary(hub) == []
+
+
+def test_the_buffer_is_bounded_by_keys_and_a_late_reader_is_told_to_resync():
+    hub = EventHub(replay_keys=100)
+    for i in range(50):
+        hub.emit(EventKind.STORED, TierKind.HOST, "g", "ns", [b"k%d" % i] * 9)
+    events, gap = hub.read(0, 1000)
+    assert gap and events[0].sequence > 1 and [e.sequence for e in events] == list(range(events[0].sequence, 51))
+    assert sum(len(e.keys) + 1 for e in events) <= 100 and hub.dropped == 50 - len(events)
+    assert hub.read(49, 10) == ([hub.read(0, 1000)[0][-1]], False)  # within the buffer: no gap
+    assert hub.read(50, 10) == ([], False)
+
+
+def test_async_and_thread_waiters_wake_on_an_event_from_another_thread():
+    hub = EventHub()
+
+    async def main():
+        hub.attach(asyncio.get_running_loop())
+        threading.Timer(0.05, lambda: hub.emit(EventKind.STORED, TierKind.HOST, "g", "ns", [b"x"])).start()
+        await hub.wait(0, 5)
+        return hub.last_sequence
+
+    assert asyncio.run(main()) == 1
+    threading.Timer(0.05, lambda: hub.emit(EventKind.STORED, TierKind.HOST, "g", "ns", [b"y"])).start()
+    assert hub.wait_blocking(1, 5) and not hub.wait_blocking(2, 0.01)
+
+
+def test_an_offload_description_travels_with_the_blocks_it_stored():
+    keys = [b"h%d" % i + b"\0\0\0\1" for i in range(3)]
+    engine = EngineBlocks(KeyFormat.VLLM, parent_block_hash=b"P", block_size=2, token_ids=[1, 2, 3, 4, 5, 6])
+    batch = TransferBatch.build(TransferKind.OFFLOAD, "ns", [1, 2, 3], keys, 10, engine=engine)
+    hub, index = index_with_events()
+    store(index, [keys[0]])  # held already: not stored again, not announced again
+    plan = index.prepare_store("ns", keys)
+    index.complete_store(plan.slots, [1] * len(plan.slots), batch.engine)
+    event = hub.read(1, 10)[0][0]
+    msg = event_to_pb(event)
+    assert list(msg.keys) == keys[1:] and list(msg.engine.token_ids) == [3, 4, 5, 6]
+    assert msg.engine.parent_block_hash == b"h0" and msg.engine.block_size == 2  # the block before, by its hash
+    assert event_from_pb(msg).keys == tuple(keys[1:])
+    for bad in (EngineBlocks(token_ids=[1, 2]), EngineBlocks(block_size=2, token_ids=[1, 2, 3, 4, 5, -1]),
+                EngineBlocks(block_size=1 << 13), EngineBlocks(parent_block_hash=b"x" * 257),
+                EngineBlocks(block_size=2, token_ids=[1.5] * 6)):
+        with pytest.raises(InvalidArgument):
+            TransferBatch.build(TransferKind.OFFLOAD, "ns", [1, 2, 3], keys, 10, engine=bad)
+    with pytest.raises(InvalidArgument):
+        TransferBatch.build(TransferKind.RESTORE, "ns", [1, 2, 3], keys, 10, engine=EngineBlocks())
+
+
+def test_namespace_keys_lists_complete_entries_of_one_namespace(native):
+    hub, index = index_with_events(capacity=64)
+    store(index, [b"a%d" % i for i in range(20)])
+    plan = index.prepare_store("other", [b"o1"])
+    index.complete_store(plan.slots, [1])
+    index.prepare_store("ns", [b"pending"])
+    got = [k for batch in index.namespace_keys("ns", 7) for k in batch]
+    assert sorted(got) == sorted(b"a%d" % i for i in range(20)) and max(map(len, index.namespace_keys("ns", 7))) == 7
+    assert list(index.namespace_keys("nobody")) == []
