@@ -125,7 +125,8 @@ class Daemon:
             claim_socket(config.socket + SUFFIX)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
         self.metrics = Metrics()
-        self.kv_events = EventHub(config.events.replay_keys, config.events.linger_ms / 1000)
+        self.kv_events = EventHub(config.events.replay_keys, config.events.linger_ms / 1000,
+                                  config.events.max_subscribers)
         self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events)  # empty until listening
         self.publisher: ZmqPublisher | None = None
         self.metrics_server: WSGIServer | None = None

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.errors import InvalidArgument, ResourceExhausted
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import EventKind, TierEvent
 from kvxfer.events.wire import event_to_pb
@@ -92,6 +92,8 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
     if request.from_sequence > last + 1:
         raise InvalidArgument(f"from_sequence {request.from_sequence} is past the next event ({last + 1})")
     stream = hub.stream_id
+    if hub.subscribers >= hub.max_subscribers:
+        raise ResourceExhausted(f"{hub.subscribers} WatchEvents streams are open; at most {hub.max_subscribers}")
     hub.subscribers += 1
     try:
         after = last if request.from_sequence == 0 else request.from_sequence - 1

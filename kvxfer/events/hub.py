@@ -25,11 +25,13 @@ from kvxfer.records import TierKind
 class EventHub:
     """Every event of one daemon. Thread-safe; ``wait`` is for the one event loop attached."""
 
-    def __init__(self, replay_keys: int = 1 << 18, linger_s: float = 0.05) -> None:
-        """``linger_s``: how long a subscriber's response (and the publisher's batch) waits for more events."""
+    def __init__(self, replay_keys: int = 1 << 18, linger_s: float = 0.05, max_subscribers: int = 256) -> None:
+        """``linger_s``: how long a subscriber's response (and the publisher's batch) waits for more events;
+        ``max_subscribers``: WatchEvents streams served at once (each costs work on every event)."""
         self.stream_id = uuid.uuid4().hex  # a new daemon, a new stream: a subscriber resyncs
         self.replay_keys = replay_keys
         self.linger_s = linger_s
+        self.max_subscribers = max_subscribers
         self._events: deque[TierEvent] = deque()
         self._held = 0  # keys in the buffer
         self._next = 1

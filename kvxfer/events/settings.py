@@ -15,6 +15,7 @@ class EventSettings:
 
     replay_keys: int = 1 << 18  # keys the hub's replay buffer holds (WatchEvents resumes within it)
     linger_ms: int = 50  # a response (a published batch) waits this long for more events: fewer, larger ones
+    max_subscribers: int = 256  # WatchEvents streams open at once; beyond: RESOURCE_EXHAUSTED
     publish: str = ""  # a ZeroMQ PUB endpoint to bind ("tcp://*:5557", "ipc:///run/kvxfer/events"); "": none
     replay: str = ""  # a ROUTER endpoint for vLLM's replay requests; "": none
     topic: str = ""

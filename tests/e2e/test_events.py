@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from kvxfer import Client
-from kvxfer.errors import InvalidArgument
+from kvxfer.errors import InvalidArgument, ResourceExhausted
 from kvxfer.events.records import EventKind, Reason
 from kvxfer.records import TierKind
 from service import launch
@@ -165,6 +165,21 @@ def test_bad_watch_and_snapshot_requests_are_refused(tmp_path):
                         list(client.snapshot(namespaces))
             assert client.health() == "SERVING"
     finally:
+        daemon.cleanup()
+
+
+def test_subscribers_are_bounded(tmp_path):
+    daemon = launch.spawn(config(tmp_path, max_subscribers=2))
+    clients = [Client(daemon.target, timeout=10) for _ in range(3)]
+    try:
+        open_streams = [iter(c.watch_events(["m"], timeout=30)) for c in clients[:2]]
+        for stream in open_streams:
+            next(stream)  # (an idle stream answers within seconds: it is open)
+        with pytest.raises(ResourceExhausted, match="at most 2"):
+            next(iter(clients[2].watch_events(["m"], timeout=10)))
+    finally:
+        for c in clients:
+            c.close()
         daemon.cleanup()
 
 
