@@ -179,12 +179,18 @@ class BlockIndex:
                                                                  self._keys.keys_of(at), at.tolist(),
                                                                  self._checksum[at].tolist())]
 
-    def announce_cleared(self) -> None:
-        """Announce every complete entry removed, then the tier cleared (it goes away with its group)."""
+    def announce_all(self, reason: Reason | None = None) -> None:
+        """Announce every complete entry stored (an index loaded at start), or removed for ``reason``
+        (CLEARED: the tier goes away with its group, and the CLEARED event follows); 65,536 at a time."""
         if self._events is None:
             return
         with self._lock:
-            self._announce(np.flatnonzero(self._state == READY), Reason.CLEARED)
+            held = np.flatnonzero(self._state == READY)
+        for start in range(0, len(held), 1 << 16):
+            with self._lock:
+                at = held[start:start + (1 << 16)]
+                self._announce(at[self._state[at] == READY], reason)
+        if reason is Reason.CLEARED:
             self._events.cleared()
 
     def namespace_keys(self, namespace: str, size: int = 4096) -> Iterator[list[bytes]]:

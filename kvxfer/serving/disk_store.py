@@ -127,6 +127,7 @@ class DiskStore:
                     self.tier.slots.release_many([stored.slot])
                     self.events.add("dropped_at_start_duplicate", 1)
             self.events.add("found_at_start", len(found))
+        self.index.announce_all()  # restorable from now on (a subscriber from before the start resyncs anyway)
         self._begin_journal()  # (still loading: nothing is published or deleted meanwhile)
         with self._load_lock:
             if self._closing:

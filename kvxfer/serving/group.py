@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvxfer.events.hub import EventHub
+from kvxfer.events.records import Reason
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
@@ -173,14 +174,15 @@ class CacheGroup:
                     self.index.complete_load(plan.slots)
         return written
 
-    def close(self, timeout: float = 0.0) -> None:
-        """Stop serving: the host tier's blocks (freed with the group) and the disk's (not served until
-        the group is made again) are announced removed; shared tiers keep theirs."""
+    def close(self, timeout: float = 0.0, announce: bool = True) -> None:
+        """Stop serving. ``announce``: the host tier's blocks (freed with the group) and the disk's (not
+        served until the group is made again) are announced removed (not when the daemon stops: its
+        event stream ends with it); shared tiers keep theirs."""
         for tier in self.lower_tiers:
             tier.close(timeout)
-        self.index.announce_cleared()
-        if self.disk is not None:
-            self.disk.index.announce_cleared()
+        if announce:
+            for index in [self.index] + ([self.disk.index] if self.disk is not None else []):
+                index.announce_all(Reason.CLEARED)
 
     def check_joins(self, layout: PoolLayout) -> None:
         """Refuse a pool whose blocks are not byte-compatible with this group's."""

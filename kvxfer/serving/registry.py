@@ -357,7 +357,7 @@ class PoolRegistry:
         deadline = time.monotonic() + drain_timeout
         for group in groups:
             demoted = group.demote_all(max(0.0, deadline - time.monotonic()))
-            group.close(max(0.0, deadline - time.monotonic()))
+            group.close(max(0.0, deadline - time.monotonic()), announce=False)
             if group.disk is not None:
                 log.info("host tier written to disk", extra={"cache_group": group.name, "blocks": demoted})
         for s in served:

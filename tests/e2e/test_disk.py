@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvxfer import Client
+from kvxfer.events.records import EventKind
 from kvxfer.records import Outcome, TierKind
 from service import launch
 from tests.e2e.conftest import SMALL_POOL
@@ -106,6 +107,10 @@ def test_the_warm_cache_survives_sigkill(tmp_path):
         assert '"source": "journal"' in restarted.log_text()
         with Client(restarted.target) as client:
             assert client.lookup(deleted, pool_ids=["rank0"]).tiers == [None] * 10  # deleted stays deleted
+            first = next(iter(client.watch_events(["default"], from_sequence=1, timeout=10)))
+            announced = {k for e in first.events if e.kind is EventKind.STORED and e.tier is TierKind.DISK
+                         for k in e.keys}
+            assert len(announced) >= 190 - 32 and not announced & set(deleted)  # what the load found: restorable
         for key in deleted:
             del writer.shadow[key]
         served, tiers = check_served(restarted, writer.shadow)

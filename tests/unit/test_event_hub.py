@@ -54,7 +54,7 @@ def test_stored_when_published_removed_before_reuse_with_the_reason(native):
         (3, EventKind.STORED, (b"c", b"d", b"e"), None),
         (4, EventKind.REMOVED, (b"c",), Reason.CORRUPTED),
         (5, EventKind.REMOVED, (b"d",), Reason.DELETED)]
-    index.announce_cleared()
+    index.announce_all(Reason.CLEARED)
     assert summary(hub)[5:] == [(6, EventKind.REMOVED, (b"e",), Reason.CLEARED), (7, EventKind.CLEARED, (), None)]
 
 
