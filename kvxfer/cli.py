@@ -27,12 +27,15 @@ def add_spec_arguments(parser: argparse.ArgumentParser, defaults: dict | None = 
     parser.add_argument("--heads", type=int, default=d["heads"], help="KV heads (H)")
     parser.add_argument("--head-size", type=int, default=d["head_size"], help="elements per head vector (D)")
     parser.add_argument("--dtype", default=d["dtype"], choices=sorted(DTYPES), help="element type")
+    parser.add_argument("--kv-parts", type=int, default=2, choices=(1, 2),
+                        help="2: K and V; 1: one latent vector a token (MLA: --heads 1 --head-size 576)")
     parser.add_argument("--layout", default=d["layout"],
                         help=f"a preset ({', '.join(PRESETS)}) or axes like L,KV,B,N,H,D")
 
 
 def spec_from_args(args: argparse.Namespace) -> KVSpec:
-    return KVSpec(args.layers, args.blocks, args.block_size, args.heads, args.head_size, parse_dtype(args.dtype))
+    return KVSpec(args.layers, args.blocks, args.block_size, args.heads, args.head_size, parse_dtype(args.dtype),
+                  args.kv_parts)
 
 
 def _layout_command(args: argparse.Namespace) -> int:

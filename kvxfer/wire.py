@@ -37,7 +37,7 @@ def spec_to_pb(spec: KVSpec) -> pb.KVSpec:
 
 def spec_from_pb(msg: pb.KVSpec) -> KVSpec:
     return KVSpec(msg.num_layers, msg.num_blocks, msg.block_size, msg.num_kv_heads, msg.head_size,
-                  parse_dtype(msg.dtype))
+                  parse_dtype(msg.dtype), msg.kv_parts or 2)
 
 
 def pool_info(desc: PoolDescriptor, cache_group: str = "", shared: bool = True) -> pb.PoolInfo:

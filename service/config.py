@@ -37,7 +37,7 @@ DEFAULT_POOL = {
     "device": "auto",
     "layout": "BLHNC",
     "spec": {"num_layers": 24, "num_blocks": 1024, "block_size": 16, "num_kv_heads": 2, "head_size": 64,
-             "dtype": "bfloat16"},
+             "dtype": "bfloat16", "kv_parts": 2},
     "host_capacity_mib": 512,
     "cache_group": "",  # pools of one group share a host tier and keys; "" = the pool id
 }

@@ -1,7 +1,9 @@
 """KV-cache geometry: from a slot ID to byte addresses.
 
 A pool holds, for every layer L and physical block B, the K and V vectors (KV)
-of every KV head H and token N, each head_size (D) elements. A ``Layout`` is
+of every KV head H and token N, each head_size (D) elements; or, for multi-head
+latent attention (DeepSeek V2/V3, Kimi K2), one latent vector a token (``kv_parts``
+1: the KV axis has one part, usually one "head" of the latent's width). A ``Layout`` is
 the order of those six axes in memory, outermost first, D innermost. Byte
 strides follow row-major order over that physical order, so the page of layer
 ``l``, block ``p`` starts at ``l * s_L + p * s_B`` bytes (docs/design.md, layouts).
@@ -56,7 +58,7 @@ class Axis(enum.Enum):
 
     L = "L"  # layer
     B = "B"  # physical block (slot ID)
-    KV = "KV"  # 0 = K, 1 = V
+    KV = "KV"  # 0 = K, 1 = V (kv_parts 2); the latent alone (kv_parts 1, MLA)
     H = "H"  # KV head
     N = "N"  # token within the block
     D = "D"  # element within a head vector
@@ -72,12 +74,15 @@ class KVSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    kv_parts: int = 2  # 2: K and V; 1: one latent vector a token (MLA), in the KV axis's one part
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(f"KVSpec.{field} must be a positive integer, got {value!r}")
+        if type(self.kv_parts) is not int or self.kv_parts not in (1, 2):
+            raise InvalidArgument(f"KVSpec.kv_parts must be 2 (K and V) or 1 (a latent, MLA), got {self.kv_parts!r}")
         if self.num_blocks < 2:
             raise InvalidArgument("KVSpec.num_blocks must be at least 2 (block 0 is the null block)")
         dtype_name(self.dtype)  # validates
@@ -90,7 +95,7 @@ class KVSpec:
         return {
             Axis.L: self.num_layers,
             Axis.B: self.num_blocks,
-            Axis.KV: 2,
+            Axis.KV: self.kv_parts,
             Axis.H: self.num_kv_heads,
             Axis.N: self.block_size,
             Axis.D: self.head_size,
@@ -99,7 +104,7 @@ class KVSpec:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block over all layers (its span in block-major layouts)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_size * self.element_size
+        return self.num_layers * self.kv_parts * self.num_kv_heads * self.block_size * self.head_size * self.element_size
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +118,7 @@ class KVSpec:
             "num_kv_heads": self.num_kv_heads,
             "head_size": self.head_size,
             "dtype": dtype_name(self.dtype),
+            "kv_parts": self.kv_parts,
         }
 
     @classmethod
@@ -286,8 +292,9 @@ class PoolLayout:
         s_b = self.strides[Axis.B]
         return coalesce([Run(o + start * s_b, count * s_b) for o in self._outer_offsets for start, count in groups])
 
-    def views(self, storage: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V views ``[num_blocks, block_size, num_kv_heads, head_size]``.
+    def views(self, storage: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, K and V views ``[num_blocks, block_size, num_kv_heads, head_size]`` (one view,
+        the latent, when ``kv_parts`` is 1).
 
         ``storage`` is the pool as a flat uint8 tensor of ``nbytes``; nothing is copied.
         """
@@ -303,7 +310,8 @@ class PoolLayout:
         base = typed.storage_offset()
         return [
             tuple(  # type: ignore[misc]
-                typed.as_strided(size, stride, base + layer * st[Axis.L] + kv * st[Axis.KV]) for kv in (0, 1)
+                typed.as_strided(size, stride, base + layer * st[Axis.L] + kv * st[Axis.KV])
+                for kv in range(self.spec.kv_parts)
             )
             for layer in range(self.spec.num_layers)
         ]

@@ -39,16 +39,20 @@ class BlockFormat:
     head_size: int
     dtype: str
     layout: str  # the general form, outermost first
+    kv_parts: int = 2
 
     @classmethod
     def of(cls, layout: PoolLayout) -> BlockFormat:
         s = layout.spec
-        return cls(s.num_layers, s.block_size, s.num_kv_heads, s.head_size, dtype_name(s.dtype), layout.layout.spelled)
+        return cls(s.num_layers, s.block_size, s.num_kv_heads, s.head_size, dtype_name(s.dtype), layout.layout.spelled,
+                   s.kv_parts)
 
     @property
     def fingerprint(self) -> bytes:
-        """Stored with every block below host memory: a block of another format is never served."""
-        return hashlib.sha256(repr(self).encode()).digest()
+        """Stored with every block below host memory: a block of another format is never served. (K and V
+        pools keep the fingerprint they had before ``kv_parts`` existed: their stored blocks stay valid.)"""
+        text = repr(self) if self.kv_parts != 2 else repr(self).replace(", kv_parts=2)", ")")
+        return hashlib.sha256(text.encode()).digest()
 
     def bound_to(self, group: str) -> bytes:
         """The fingerprint of this format in cache group ``group``: a block another group wrote (a file

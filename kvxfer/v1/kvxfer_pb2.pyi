@@ -96,20 +96,22 @@ class PoolRef(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., registration_token: _Optional[bytes] = ...) -> None: ...
 
 class KVSpec(_message.Message):
-    __slots__ = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size", "dtype")
+    __slots__ = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size", "dtype", "kv_parts")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_PARTS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_blocks: int
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kv_parts: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
     __slots__ = ("medium", "path", "cuda_ipc_handle", "device", "offset", "device_uuid")

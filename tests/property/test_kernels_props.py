@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.engine.block_table import BlockTable, batch_metadata, gather_kv
-from kvxfer.engine.kernels import (PAD_SLOT_ID, cache_write_torch, cache_write_triton, slot_mapping_torch,
-                            slot_mapping_triton)
+from kvxfer.engine.kernels import (PAD_SLOT_ID, Kernel, cache_write_torch, cache_write_triton, slot_mapping_torch,
+                            slot_mapping_triton, write_latent)
 from kvxfer.geometry.layout import KVSpec, PoolLayout
 from tests.strategies import layouts
 
@@ -94,3 +94,29 @@ def test_cache_write_triton_equals_torch_and_the_oracle(batch, layout, dtype, he
             assert torch.equal(k_read[done:], key[start:start + new])
             assert torch.equal(v_read[done:], value[start:start + new])
         start += new
+
+
+@settings(max_examples=20, deadline=None)
+@given(batches(), layouts(), st.sampled_from(DTYPES), st.integers(1, 16), st.data())
+def test_an_mla_latent_write_equals_torch_and_touches_nothing_else(batch, layout, dtype, head_size, data):
+    """kv_parts 1 (issue 34): the latent alone, through the same kernel with no V."""
+    requests, block_size, num_blocks, table, pad = batch
+    pl = PoolLayout(KVSpec(2, num_blocks, block_size, 1, head_size, dtype, kv_parts=1), layout)
+    slots, _, num_tokens = _slots(slot_mapping_torch, requests, block_size, table, pad)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    before = torch.randint(0, 256, (pl.nbytes,), dtype=torch.uint8, generator=g)
+    latent = torch.randn((num_tokens, 1, head_size), generator=g).to(dtype)
+    layer = data.draw(st.integers(0, 1))
+    results = []
+    for kernel in Kernel:
+        storage = before.clone()
+        (cache,) = pl.views(storage)[layer]
+        write_latent(latent, cache, slots, kernel)
+        results.append(storage)
+    oracle = before.clone()
+    (cache,) = pl.views(oracle)[layer]
+    for t in range(num_tokens):
+        s = int(slots[t])
+        if s >= block_size:
+            cache[s // block_size, s % block_size] = latent[t]
+    assert torch.equal(results[0], results[1]) and torch.equal(results[1], oracle)

@@ -51,22 +51,36 @@ def compute_slot_mapping(query_start_loc: torch.Tensor, positions: torch.Tensor,
     return run(query_start_loc, positions, block_table, block_size, num_tokens, out[:max_num_tokens])
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def write_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kernel: Kernel | None = None) -> None:
+    """Scatter one layer's new MLA latents (``[num_tokens, 1, D]``) into its cache view (kv_parts 1)."""
+    write_kv(latent, None, cache, None, slot_mapping, kernel)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
              slot_mapping: torch.Tensor, kernel: Kernel | None = None) -> None:
-    """Scatter one layer's new K and V (``[num_tokens, H, D]``) into its cache views."""
+    """Scatter one layer's new K and V (``[num_tokens, H, D]``) into its cache views (``value`` and
+    ``v_cache`` None: a latent alone, ``write_latent``)."""
+    if (value is None) != (v_cache is None):
+        raise InvalidArgument("value and v_cache go together (both None: a latent alone)")
+    if value is None:
+        value, v_check = key, k_cache  # (checked as K is)
+    else:
+        v_check = v_cache
     if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
         raise InvalidArgument(f"key/value {tuple(key.shape)} do not match the cache's [*, {k_cache.shape[2]}, "
                               f"{k_cache.shape[3]}]")
-    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
+    if key.dtype != k_cache.dtype or value.dtype != v_check.dtype:
         raise InvalidArgument(f"key/value dtype {key.dtype} differs from the cache's {k_cache.dtype}")
-    if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+    if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride(3) != 1 or v_check.stride(3) != 1:
         raise InvalidArgument("head_size must be the innermost, contiguous axis")
     # Shape checks only: a kernel would read past a short slot mapping. Slot values are
     # the caller's (checking them would cost a device sync per layer).
     if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1 or slot_mapping.numel() < key.shape[0]:
         raise InvalidArgument(f"slot_mapping must be int64 with at least {key.shape[0]} entries")
-    _CACHE_WRITE[kernel or default_kernel(k_cache)](key, value, k_cache, v_cache, slot_mapping)
+    _CACHE_WRITE[kernel or default_kernel(k_cache)](key, value if v_cache is not None else None, k_cache, v_cache,
+                                                     slot_mapping)
 
 
 __all__ = ["PAD_SLOT_ID", "Kernel", "cache_write_torch", "default_kernel", "cache_write_triton", "compute_slot_mapping",
-           "slot_mapping_torch", "slot_mapping_triton", "write_kv"]
+           "slot_mapping_torch", "slot_mapping_triton", "write_kv", "write_latent"]

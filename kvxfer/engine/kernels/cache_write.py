@@ -1,4 +1,5 @@
-"""Cache write (reshape_and_cache): scatter one layer's new K and V into its pool views.
+"""Cache write (reshape_and_cache): scatter one layer's new K and V (or an MLA latent alone: no V)
+into its pool views.
 
 Token ``t`` with slot ``s`` goes to ``k_cache[s // N, s % N]`` and ``v_cache[s // N, s % N]``
 (views ``[num_blocks, N, H, D]`` of any layout: kernels take strides). A slot of
@@ -18,7 +19,7 @@ def _cache_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mappi
                         key_stride_t, key_stride_h, value_stride_t, value_stride_h,
                         k_stride_b, k_stride_n, k_stride_h, v_stride_b, v_stride_n, v_stride_h,
                         BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr,
-                        TILE: tl.constexpr):
+                        TILE: tl.constexpr, HAS_V: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < BLOCK_SIZE:  # -1 (padding) or the null block: write nothing
@@ -31,34 +32,41 @@ def _cache_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mappi
         head = idx // HEAD_SIZE
         dim = idx % HEAD_SIZE
         k = tl.load(key_ptr + token * key_stride_t + head * key_stride_h + dim, mask=mask)
-        v = tl.load(value_ptr + token * value_stride_t + head * value_stride_h + dim, mask=mask)
         tl.store(k_cache_ptr + block * k_stride_b + offset * k_stride_n + head * k_stride_h + dim, k, mask=mask)
-        tl.store(v_cache_ptr + block * v_stride_b + offset * v_stride_n + head * v_stride_h + dim, v, mask=mask)
+        if HAS_V:
+            v = tl.load(value_ptr + token * value_stride_t + head * value_stride_h + dim, mask=mask)
+            tl.store(v_cache_ptr + block * v_stride_b + offset * v_stride_n + head * v_stride_h + dim, v, mask=mask)
 
 
-def cache_write_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """One program per token of ``key``; ``slot_mapping`` may be longer (padding)."""
+def cache_write_triton(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+    """One program per token of ``key``; ``slot_mapping`` may be longer (padding). ``value`` and
+    ``v_cache`` None: a latent alone (MLA)."""
     num_tokens, num_heads, head_size = key.shape
     if num_tokens == 0:
         return
+    has_v = value is not None
+    value, v_cache = (value, v_cache) if has_v else (key, k_cache)  # (not read: HAS_V is False)
     block_size = k_cache.shape[1]
     tile = min(1024, triton.next_power_of_2(num_heads * head_size))
     _cache_write_kernel[(num_tokens,)](key, value, k_cache, v_cache, slot_mapping,
                                        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                                        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                                       BLOCK_SIZE=block_size, HEAD_SIZE=head_size, NUM_HEADS=num_heads, TILE=tile)
+                                       BLOCK_SIZE=block_size, HEAD_SIZE=head_size, NUM_HEADS=num_heads, TILE=tile,
+                                       HAS_V=has_v)
 
 
-def cache_write_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def cache_write_torch(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
     """The torch twin of ``cache_write_triton``: the same bytes written, bit for bit."""
     block_size = k_cache.shape[1]
     slots = slot_mapping[:key.shape[0]]
     keep = slots >= block_size  # not padding, not the null block
     if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
+        slots, key = slots[keep], key[keep]
+        value = value[keep] if value is not None else None
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = key  # index_put_ into the strided view: no copy of the cache
-    v_cache[blocks, offsets] = value
+    if value is not None:
+        v_cache[blocks, offsets] = value
