@@ -32,6 +32,7 @@ from redis.cluster import RedisCluster
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
 from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.serving.remote_watch import RemovalWatch
 from kvxfer.serving.staging import EventCounts, Staged, WriteQueue, announce_stored
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
@@ -51,8 +52,8 @@ class RemoteStore:
     def __init__(self, settings: RemoteSettings, group: str, fingerprint: bytes, slot_bytes: int,
                  kv_events: EventHub | None = None) -> None:
         """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every value's header;
-        ``kv_events``: where this daemon's stores, deletes and corrupt finds are announced (Redis evicting
-        or expiring a value on its own is not seen)."""
+        ``kv_events``: where this daemon's stores, deletes and corrupt finds are announced, and Redis's own
+        evictions and expiries where it publishes them (``kvxfer.serving.remote_watch``)."""
         self.kv_events = kv_events.tier(TierKind.REMOTE, group) if kv_events else None
         self.settings = settings
         self.takes_stores = settings.write_through  # else blocks go to Redis when the host tier evicts them
@@ -67,6 +68,9 @@ class RemoteStore:
         self.queue = WriteQueue(f"kvxfer-remote-{group}", settings.max_inflight, slot_bytes, self._write, BATCH,
                                 headroom=MAX_HEADER)
         self.tombstones = self.queue.tombstones
+        standalone = "+cluster://" not in settings.url
+        self.removals = RemovalWatch(lambda: connect(settings), (settings.key_prefix + group).encode(),
+                                     self.kv_events) if self.kv_events is not None and standalone else None
 
     @property
     def client(self) -> redis.Redis | RedisCluster:
@@ -200,6 +204,8 @@ class RemoteStore:
         return self.queue.flush(timeout)
 
     def close(self, timeout: float = 0.0) -> None:
+        if self.removals is not None:
+            self.removals.close()
         self.queue.close(timeout)
         if self._client is not None:
             self._client.close()

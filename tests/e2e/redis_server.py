@@ -36,13 +36,14 @@ def make_tls(directory: Path) -> dict[str, str]:
 
 
 class RedisServer:
-    def __init__(self, maxmemory: str = "64mb", tls: bool = False, port: int | None = None) -> None:
+    def __init__(self, maxmemory: str = "64mb", tls: bool = False, port: int | None = None, notify: str = "") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvxredis"))
         self.port = port or free_port()
         self.tls = make_tls(self.dir) if tls else None
         self.password_file = self.dir / "password"
         self.password_file.write_text(PASSWORD + "\n")
         self.maxmemory = maxmemory
+        self.notify = notify  # notify-keyspace-events
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -53,7 +54,8 @@ class RedisServer:
     def start(self) -> None:
         args = [REDIS, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir),
                 "--user", "default", "off", "--user", USER, "on", f">{PASSWORD}", "~*", "&*", "+@all",
-                "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+                "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+                *(["--notify-keyspace-events", self.notify] if self.notify else [])]
         if self.tls:
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls["cert"],
                      "--tls-key-file", self.tls["key"], "--tls-ca-cert-file", self.tls["ca"],

@@ -7,6 +7,7 @@ import torch
 import yaml
 
 from kvxfer import Client
+from kvxfer.events.records import EventKind, Reason
 from kvxfer.records import Outcome, TierKind
 from service import config as service_config
 from service import launch
@@ -326,3 +327,34 @@ def test_a_deleted_key_never_comes_back_from_the_write_queue(server):
         time.sleep(0.01)
     assert store.contains("ns", [b"k2", b"k3"]) == [False, True] and len(store.tombstones) == 0
     store.close(5)
+
+
+def test_values_redis_evicts_or_expires_are_announced_when_redis_notifies():
+    """Issue 33: Redis's own removals (maxmemory evictions, expiries) as REMOVED events of the remote
+    tier, where the server publishes its keyspace notifications (notify-keyspace-events Exe)."""
+    small = RedisServer(maxmemory="4mb", notify="Exe")
+    a = node(small, write_through=True)
+    watcher = Client(a.target, timeout=10)
+    try:
+        time.sleep(0.5)  # the daemon subscribes on its own thread
+        keys = [b"e%03d" % i for i in range(400)]  # 6.4 MB of blocks into 4 MB of Redis
+        offload(a, keys)
+        name = b"\0".join([b"kvxfer:rank0", b"default", b"e399"])  # a value Redis expires on its own
+        assert small.client().pexpire(name, 50)
+        evicted, expired = set(), set()
+        deadline = time.monotonic() + 30
+        for batch in watcher.watch_events(["default"], from_sequence=1, timeout=30):
+            for e in batch.events:
+                if e.kind is EventKind.REMOVED and e.tier is TierKind.REMOTE:
+                    (evicted if e.reason is Reason.EVICTED else expired).update(e.keys)
+            if evicted and b"e399" in expired or time.monotonic() > deadline:
+                break
+        assert evicted and evicted <= set(keys) and small.client().info("stats")["evicted_keys"] > 0
+        assert expired == {b"e399"}
+        with Client(a.target) as client:
+            gone = sorted(evicted)[:16]
+            assert TierKind.REMOTE not in client.lookup(gone, pool_ids=["rank0"]).tiers
+    finally:
+        watcher.close()
+        a.cleanup()
+        small.close()
