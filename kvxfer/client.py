@@ -349,16 +349,19 @@ class Client:
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:  # gRPC's own text names sockets and subchannels
-                raise error_for_code("UNAVAILABLE")(f"no daemon answers at {self._target} (is it running, and is "
-                                                    "that its socket?)") from None
-            raise error_for_code(exc.code().name)(exc.details() or exc.code().name) from None
+            raise self._error(exc) from None
 
     def _stream(self, method, request, timeout: float | None) -> Iterator:
         try:
             yield from method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise error_for_code(exc.code().name)(exc.details() or exc.code().name) from None
+            raise self._error(exc) from None
+
+    def _error(self, exc: grpc.RpcError) -> KvxferError:
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:  # gRPC's own text names sockets and subchannels
+            return error_for_code("UNAVAILABLE")(f"no daemon answers at {self._target} (is it running, and is "
+                                                 "that its socket?)")
+        return error_for_code(exc.code().name)(exc.details() or exc.code().name)
 
     # -- KV events ----------------------------------------------------------------
     def watch_events(self, namespaces: Sequence[str] = (), *, from_sequence: int = 0, stream_id: str = "",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvxfer.bench.common import format_table
 from kvxfer.client import Client
-from kvxfer.errors import KvxferError
+from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.records import PoolStats, TransferStats
 
 MIB = 1 << 20
@@ -95,15 +95,21 @@ def as_json(before: list[PoolStats], after: list[PoolStats], interval: float) ->
     return json.dumps(out, indent=1)
 
 
-def run(args: argparse.Namespace) -> int:
+def connect(args: argparse.Namespace, timeout: float = 5.0) -> Client:
+    """A client for a tool's ``--target``, ``--token-file`` and ``--ca``; InvalidArgument (exit 2, one
+    line) naming a file that cannot be read."""
     try:
         token = Path(args.token_file).read_text().strip() if args.token_file else None
         ca = Path(args.ca).read_bytes() if args.ca else None
     except OSError as exc:
-        print(f"kvxfer status: {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
+        raise InvalidArgument(f"{exc.filename}: {exc.strerror}") from None
+    return Client(args.target, token=token, root_certificates=ca, timeout=timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    client = connect(args, args.timeout)
     try:
-        with Client(args.target, token=token, root_certificates=ca, timeout=args.timeout) as client:
+        with client:
             before = client.stats()
             while True:
                 time.sleep(args.interval)

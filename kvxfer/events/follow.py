@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-from kvxfer.client import Client
+from kvxfer.status import connect
 from kvxfer.errors import DeadlineExceeded, KvxferError
 from kvxfer.events.records import TierEvent
 
@@ -31,15 +30,10 @@ def line(event: TierEvent) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        token = Path(args.token_file).read_text().strip() if args.token_file else None
-        ca = Path(args.ca).read_bytes() if args.ca else None
-    except OSError as exc:
-        print(f"kvxfer events: {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
+    client = connect(args)
     print(HEADER, flush=True)
     try:
-        with Client(args.target, token=token, root_certificates=ca) as client:
+        with client:
             for batch in client.watch_events(args.namespace or ["default"], from_sequence=args.from_sequence,
                                              timeout=None if args.follow else args.timeout):
                 if batch.resync:
