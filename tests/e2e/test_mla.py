@@ -1,6 +1,8 @@
 """A multi-head latent attention pool (issue 34, kv_parts 1) through a real daemon: its geometry on the
 wire, offloads and restores bit-exact (down to disk and back), and the engine's per-layer latent views."""
 
+import time
+
 import torch
 
 from kvxfer import Client
@@ -32,6 +34,11 @@ def test_an_mla_pool_offloads_and_restores_bit_exact_through_disk(tmp_path):
             for start in range(1, 32, 8):  # the host tier holds 9 blocks: the rest go down to disk
                 client.offload([(b, keys[b]) for b in range(start, min(start + 8, 32))])
             pool.storage.zero_()
+            deadline = time.monotonic() + 30  # demotions are written on the disk's own thread
+            while sum(t.ready_blocks for t in client.stats()[0].tiers) < 31 or any(
+                    t.pinned_blocks for t in client.stats()[0].tiers):
+                assert time.monotonic() < deadline, client.stats()[0].tiers
+                time.sleep(0.05)
             tiers = client.lookup([keys[b] for b in data]).tiers
             assert TierKind.DISK in tiers and TierKind.HOST in tiers
             for block in data:
