@@ -85,6 +85,7 @@ def test_every_change_in_order_with_no_gap_and_a_snapshot_plus_events_is_the_tru
             client.delete([b"k001", b"k047"])
             with Client(daemon.target, namespace="other") as other:  # another namespace: not watched
                 other.offload([(1, b"x")])
+            settle(client)  # demotions run on the disk's thread: their events come when they land
             last = last_sequence(daemon)
             watcher.wait_for(last)
             events = watcher.events
@@ -121,6 +122,19 @@ def wait_disk(client, n, timeout=20):
             return
         assert time.monotonic() < deadline, disk
         time.sleep(0.05)
+
+
+def settle(client, timeout=20):
+    """Until the tiers stop changing: nothing pinned, the disk's counters the same 0.3 s apart."""
+    deadline, before = time.monotonic() + timeout, None
+    while True:
+        tiers = client.stats()[0].tiers
+        now = [(t.tier, t.ready_blocks, t.pinned_blocks, sorted(t.events.items())) for t in tiers]
+        if now == before and not any(t.pinned_blocks for t in tiers):
+            return
+        assert time.monotonic() < deadline, now
+        before = now
+        time.sleep(0.3)
 
 
 def last_sequence(daemon) -> int:
