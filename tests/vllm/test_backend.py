@@ -346,3 +346,37 @@ def test_forget_on_reset_stops_serving_what_was_stored_before_a_weight_update(da
     reports = run_alone(replica, "C", PROMPT + TAIL)
     assert external_hits(reports, "C") == 64  # what B stored after the update
     assert replica.outputs["C"] == [replica.expected_token(PROMPT + TAIL)]
+
+
+def test_an_mla_geometry_is_stored_and_loaded_bit_exact(daemon, make_engine):
+    """Issue 34: vLLM's MLA cache spec (one latent a token and layer, no V) through the backend: the
+    pool is registered with kv_parts 1, a whole block over all layers is one span in BLHNC, and a
+    stored prefix comes back bit-exact into vLLM's own memory."""
+    model = Model(num_kv_heads=1, head_size=72, latent=True)  # 72 bf16 elements: DeepSeek's 576 in miniature
+    engine = make_engine(daemon.config["socket"], model=model)
+    run_alone(engine, "A", PROMPT)
+    stored = engine.block_bytes(engine.block_tables["A"][:4])
+    assert torch.equal(stored, engine.expected_block_bytes(PROMPT, 4))
+    with Client(daemon.target) as client:
+        info = client.pool_info(engine.worker.spec.names.pool_id(0))
+    assert info.spec.kv_parts == 1 and info.spec.block_bytes == 2 * 16 * 72 * 2  # 2 layers, no V
+    engine.reset_prefix_cache()
+    engine.zero_kv()
+    reports = run_alone(engine, "B", PROMPT + TAIL)
+    assert external_hits(reports, "B") == 64 and computed(reports, "B") == len(TAIL)
+    assert torch.equal(engine.block_bytes(engine.block_tables["B"][:4]), engine.expected_block_bytes(PROMPT, 4))
+    assert engine.outputs["B"] == [engine.expected_token(PROMPT + TAIL)]
+
+
+def test_a_quantised_mla_cache_is_refused_with_the_reason(make_engine, daemon):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from kvxfer.integrations.vllm.connector import engine_names
+    engine = make_engine(daemon.config["socket"], model=Model(num_kv_heads=1, head_size=72, latent=True))
+    config = engine.kv_cache_config
+    group = config.kv_cache_groups[0]
+    quantised = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=72, dtype=torch.uint8,
+                                 cache_dtype_str="fp8_ds_mla")
+    group.kv_cache_spec = quantised
+    with pytest.raises(ValueError, match="quantised, padded or sparse"):
+        engine_names(engine.config, config)

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
 from vllm.v1.request import Request
 
 from kvxfer.geometry.layout import KVSpec
@@ -40,8 +40,15 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
         raise ValueError("kvxfer serves models with one group of full-attention layers; this model has "
                          f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
     spec = groups[0].kv_cache_spec
-    if spec.head_size_v != spec.head_size or spec.sliding_window is not None or spec.kv_quant_mode.value != 0:
-        raise ValueError("kvxfer needs K and V of one head size, no sliding window and no per-token KV quantisation")
+    latent = isinstance(spec, MLAAttentionSpec)  # one latent vector a token, no V (DeepSeek's MLA)
+    if latent and (spec.cache_dtype_str not in (None, "auto") or spec.alignment or spec.topk_buffer_width
+                   or spec.model_version):
+        raise ValueError("kvxfer serves MLA caches of plain latents; this one is quantised, padded or sparse "
+                         f"({spec.cache_dtype_str or spec.model_version or 'sparse'})")
+    if (not latent and spec.head_size_v != spec.head_size) or spec.sliding_window is not None \
+            or spec.kv_quant_mode.value != 0:
+        raise ValueError("kvxfer needs K and V of one head size (or an MLA latent), no sliding window and no "
+                         "per-token KV quantisation")
     tensors = kv_cache_config.kv_cache_tensors
     if len(tensors) > 1:
         raise ValueError(f"kvxfer serves one KV allocation per rank; vLLM planned {len(tensors)}")
@@ -54,7 +61,7 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
     return EngineNames(
         engine_id=transfer.engine_id or "", model=model_identity(vllm_config, settings),
         spec=KVSpec(num_layers, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
-                    spec.dtype),
+                    spec.dtype, kv_parts=1 if latent else 2),
         layout=kvxfer_layout(layout), world_size=vllm_config.parallel_config.world_size,
         group_prefix=settings.cache_group)
 

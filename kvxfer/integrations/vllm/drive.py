@@ -38,7 +38,7 @@ from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_ca
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -58,6 +58,7 @@ class Model:
     num_layers: int = 2
     num_kv_heads: int = 2
     head_size: int = 16
+    latent: bool = False  # an MLA cache (one latent a token: num_kv_heads 1, head_size its width), no V
     dtype: torch.dtype = torch.bfloat16
     weights_seed: int = 0
 
@@ -138,8 +139,11 @@ class Engine:
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
             kv_transfer_config=kv_transfer, device_config=DeviceConfig("cpu"))
         self.config.cache_config.kv_cache_layout = layout  # what the engine core resolves (BLHNC: the connector's)
+        if model.latent and (model.num_kv_heads != 1 or tensor_parallel != 1):
+            raise ValueError("the stand-in MLA model has one latent head on one rank")
         heads = model.num_kv_heads // tensor_parallel
-        specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+        kind = MLAAttentionSpec if model.latent else FullAttentionSpec
+        specs = {f"model.layers.{i}.self_attn.attn": kind(
             block_size=block_size, num_kv_heads=heads, head_size=model.head_size, dtype=model.dtype)
             for i in range(model.num_layers)}
         page = next(iter(specs.values())).page_size_bytes * model.num_layers
@@ -356,7 +360,8 @@ class Engine:
     def _payload(self, hashes: list[int]) -> torch.Tensor:
         """KV bytes [L, tokens, H, C bytes] of tokens whose prefixes hash to ``hashes``."""
         heads = self.model.num_kv_heads
-        width = 2 * self.model.head_size * torch.empty((), dtype=self.model.dtype).element_size()
+        parts = 1 if self.model.latent else 2  # the latent alone, or K and V
+        width = parts * self.model.head_size * torch.empty((), dtype=self.model.dtype).element_size()
         h = (torch.tensor(hashes, dtype=torch.int64) >> 3).remainder(251).to(torch.int16).view(1, -1, 1, 1)
         layer = (torch.arange(self.model.num_layers) * 7919).remainder(251).to(torch.int16).view(-1, 1, 1, 1)
         cell = (torch.arange(heads * width) * 131).remainder(251).to(torch.int16).view(1, 1, heads, width)

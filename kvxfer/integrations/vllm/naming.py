@@ -53,8 +53,9 @@ class EngineNames:
     def fingerprint(self) -> str:
         """Changes whenever a block's bytes would mean something else (not with num_blocks)."""
         s = self.spec
+        latent = ("latent",) if s.kv_parts == 1 else ()  # (K/V engines keep the names they had)
         return _digest(self.model, self.layout.spelled, s.num_layers, s.block_size, s.num_kv_heads, s.head_size,
-                       dtype_name(s.dtype), self.world_size)
+                       dtype_name(s.dtype), self.world_size, *latent)
 
     def pool_id(self, rank: int) -> str:
         """Unique to this engine instance and rank (a restarted engine registers anew)."""
