@@ -109,8 +109,9 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
                 continue
             if len(events) < BATCH_EVENTS and linger:  # a few more arrive meanwhile: one response, not many
                 await asyncio.sleep(linger)
-                more, _ = hub.read(events[-1].sequence, BATCH_EVENTS - len(events))
-                events += more
+                more, lost = hub.read(events[-1].sequence, BATCH_EVENTS - len(events))
+                if not lost:  # (else the next read says resync: a response never spans a gap)
+                    events += more
             after = events[-1].sequence
             mine = [encoded.of(e) for e in events if e.namespace in namespaces or e.kind is EventKind.CLEARED]
             if mine or gap:

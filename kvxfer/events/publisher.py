@@ -73,7 +73,9 @@ class ZmqPublisher:
                     continue
                 if len(events) < 1024 and self.hub.linger_s:  # one batch for what comes meanwhile
                     self._closed.wait(self.hub.linger_s)
-                    events += self.hub.read(events[-1].sequence, 1024 - len(events))[0]
+                    more, lost = self.hub.read(events[-1].sequence, 1024 - len(events))
+                    if not lost:  # (else the next read sees the gap, and says so)
+                        events += more
                 after = events[-1].sequence
                 now = time.time()
                 if gap:  # behind the hub's buffer: the subscribers are told, never shown a gap

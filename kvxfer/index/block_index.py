@@ -174,9 +174,9 @@ class BlockIndex:
             with self._lock:
                 at = order[start:start + size]
                 at = at[self._evictable(at)]
-                names = {ns: self._keys.name(ns) for ns in np.unique(self._keys.owner_ids(at)).tolist()}
-                yield [(names[n], k, s, c) for n, k, s, c in zip(self._keys.owner_ids(at).tolist(),
-                                                                 self._keys.keys_of(at), at.tolist(),
+                owners = self._keys.owner_ids(at).tolist()
+                names = {ns: self._keys.name(ns) for ns in set(owners)}
+                yield [(names[n], k, s, c) for n, k, s, c in zip(owners, self._keys.keys_of(at), at.tolist(),
                                                                  self._checksum[at].tolist())]
 
     def announce_all(self, reason: Reason | None = None) -> None:

@@ -108,10 +108,12 @@ class DiskStore:
         came meanwhile."""
         start = time.perf_counter()
         found = disk_checkpoint.take(self.tier.directory_fd, self.tier.fingerprint, self.tier.capacity)
-        recovered = disk_journal.recover(self.tier.directory_fd, self.tier.fingerprint, self.tier.capacity)
         source = "checkpoint"
-        if found is None and recovered is not None:
-            found, source = recovered, "journal"
+        if found is not None:
+            self.journal.end()  # a base and journal beside a checkpoint are older than it: gone, unread
+        else:
+            found, source = disk_journal.recover(self.tier.directory_fd, self.tier.fingerprint,
+                                                 self.tier.capacity), "journal"
         if found is None:
             found, dropped = self.tier.scan(stop=lambda: self._closing)
             source = "scan"

@@ -33,7 +33,6 @@ class RemovalWatch:
     def __init__(self, connect: Callable[[], redis.Redis], prefix: bytes, events: TierEvents) -> None:
         self._connect, self._prefix, self._events = connect, prefix + b"\0", events
         self._stop = threading.Event()
-        self.received = 0
         self._thread = threading.Thread(target=self._run, name="kvxfer-remote-removals", daemon=True)
         self._thread.start()
 
@@ -71,7 +70,6 @@ class RemovalWatch:
         return got
 
     def _announce(self, removed: list[tuple[Reason, bytes]]) -> None:
-        self.received += len(removed)
         batches: dict[tuple[Reason, str], list[bytes]] = {}
         for reason, name in removed:
             if not name.startswith(self._prefix):

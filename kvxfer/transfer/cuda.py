@@ -43,7 +43,6 @@ from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_
     CudaError, Driver
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
-from kvxfer.transfer import device_checksum
 from kvxfer.transfer.plan import plan_copies
 from kvxfer.transfer.planner import CostTable, Method, Planner
 from kvxfer.transfer.staging import Stager, wants_staging
@@ -290,11 +289,9 @@ class CudaCopyEngine(CopyEngine):
             raise Internal(f"device work behind a copy could not be enqueued: {exc}") from None
 
     def pool_checksums(self, blocks: list[int]) -> list[int]:
-        """The blocks' checksums: on the device where it can (after the restore stream's copies),
-        else copied back into a scratch host buffer and hashed there."""
-        if self._hasher is not None:
-            span = self.layout.block_bytes
-            return device_checksum.checksums(self._hasher.pool, [b * span for b in blocks], [span] * len(blocks))
+        """The blocks' checksums, copied back into a scratch host buffer and hashed there, the copy waited
+        for with the engine's deadline. (With the device XXH3 the pipeline never asks: the copies hash
+        what they move, ``hashes_copies``.)"""
         scratch = np.zeros((len(blocks), self.layout.block_bytes), dtype=np.uint8)
         plan = plan_copies(self.layout, blocks, list(range(len(blocks))))
         stream = self._streams[Direction.TO_HOST]

@@ -35,8 +35,6 @@ POLICIES = {"linked": lambda step: LinkedLRU(CAPACITY), "queue": queue_lru}
 @settings(max_examples=300, deadline=None)
 @given(steps=ops, step=st.sampled_from([1, 2, 8]))
 def test_victims_are_the_least_recently_used_evictable_slots(kind, steps, step):
-    if kind == "linked" and USE_ORDER is None:
-        pytest.skip("kvxfer._use_order is not built")
     lru = POLICIES[kind](step)
     model: OrderedDict[int, None] = OrderedDict()  # used slots not evicted since, least recent first
     pinned: set[int] = set()
@@ -77,7 +75,6 @@ def test_a_batch_larger_than_the_queue_and_a_long_run_keep_the_queue_bounded():
     assert len(lru._queue_slot) <= 8 * 1000  # stale uses are dropped as it goes, never piled up
 
 
-@pytest.mark.skipif(USE_ORDER is None, reason="kvxfer._use_order is not built")
 def test_the_c_order_refuses_bad_slots_and_changes_nothing():
     order = USE_ORDER.UseOrder(8)
     order.used(np.array([3, 1, 5], dtype=np.int64))

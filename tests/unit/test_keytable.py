@@ -1,5 +1,6 @@
 """The key table in C (kvxfer/_tables.c) against its Python twin and a dict model: full tables,
-long keys, many namespaces, removals that shift runs back, and arguments it must refuse."""
+long keys, many namespaces, removals that shift runs back, and arguments it must refuse. The C
+module must be built (no skip: test_fastpath.py says how to build it)."""
 
 import sys
 
@@ -12,7 +13,6 @@ import kvxfer.index.keytable as keytable
 from kvxfer.fastpath import TABLES
 from kvxfer.index.keytable import KeyTable
 
-needs_c = pytest.mark.skipif(TABLES is None, reason="kvxfer._tables is not built")
 CAPACITY = 16
 key_st = st.binary(min_size=1, max_size=3) | st.binary(min_size=38, max_size=60)  # inline and long
 ops = st.lists(st.one_of(
@@ -27,7 +27,6 @@ def tables(monkeypatch):
     return native, KeyTable(CAPACITY)
 
 
-@needs_c
 @settings(max_examples=200, deadline=None)
 @given(steps=ops)
 def test_the_c_table_answers_as_its_python_twin_and_the_model(steps):
@@ -62,7 +61,6 @@ def test_the_c_table_answers_as_its_python_twin_and_the_model(steps):
         assert owners == [model[s][0] if s in model else None for s in range(CAPACITY)]
 
 
-@needs_c
 def test_a_full_table_finds_every_key_after_random_removals_and_reinserts():
     capacity = 5000
     table = KeyTable(capacity)
@@ -86,7 +84,6 @@ def test_a_full_table_finds_every_key_after_random_removals_and_reinserts():
     assert len(table) == capacity - 1 and table.insert_new("ns", [keys[3]], [0]) is False  # held at slot 3
 
 
-@needs_c
 def test_bad_arguments_are_refused_and_change_nothing():
     table = TABLES.KeyTable(8)
     assert table.insert_new(0, [b"a", b"b"], np.array([1, 2], dtype=np.int64))
@@ -113,7 +110,6 @@ def test_bad_arguments_are_refused_and_change_nothing():
             TABLES.KeyTable(capacity)
 
 
-@needs_c
 def test_no_reference_leaks_over_many_refused_and_long_key_inserts():
     table = TABLES.KeyTable(300)
     keys = [b"L" * 50 + b"%d" % i for i in range(100)]  # long: kept as objects

@@ -3,7 +3,6 @@ by vLLM's msgspec decoder (``KVEventBatch``), in order with no gap, naming block
 vLLM's scheduler computed; a replay from a position the publisher no longer holds starts with
 ``AllBlocksCleared`` (never a silent gap)."""
 
-import socket
 import time
 
 import msgspec
@@ -12,18 +11,13 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from kvxfer import Client
 from service import launch
+from tests.e2e.redis_server import free_port
 from tests.vllm.conftest import DAEMON
 from tests.vllm.test_backend import PROMPT, TAIL, run_alone
 from tests.vllm.tiermem import flip_byte
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Subscriber:
