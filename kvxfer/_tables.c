@@ -198,7 +198,7 @@ static PyObject *KeyTable_find(KeyTable *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static void forget_slot(KeyTable *t, Py_ssize_t slot, Py_ssize_t bucket);
+static void forget_slot(KeyTable *t, Py_ssize_t slot);
 
 /* insert_new(ns, keys: list, slots: int64 buffer) -> bool: keys[i] -> slots[i] if none of the
  * keys is held (and none named twice); else False and nothing changed. Each slot must be free. */
@@ -255,7 +255,7 @@ undo:; /* the keys before i went in: take them out, keeping any error set */
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     for (Py_ssize_t j = 0; j < i; j++)
-        forget_slot(t, (Py_ssize_t)slots[j], -1);
+        forget_slot(t, (Py_ssize_t)slots[j]);
     PyErr_Restore(type, value, traceback);
     PyBuffer_Release(&in);
     if (conflict)
@@ -263,20 +263,18 @@ undo:; /* the keys before i went in: take them out, keeping any error set */
     return NULL;
 }
 
-/* Remove a slot's key (bucket: where its entry is, or -1 to look). Errors are cleared: a slot's own
- * long key is always there, and the entry is found by its slot number, not by comparing keys. */
-static void forget_slot(KeyTable *t, Py_ssize_t slot, Py_ssize_t bucket) {
+/* Remove a slot's key. Errors are cleared: a slot's own long key is always there, and the entry is
+ * found by its slot number, not by comparing keys. */
+static void forget_slot(KeyTable *t, Py_ssize_t slot) {
     if (!t->owners[slot])
         return;
-    if (bucket < 0) {
-        PyObject *key = t->lengths[slot] ? NULL : long_key(t, slot);
-        const Py_hash_t hash = t->lengths[slot] ? _Py_HashBytes(t->keys + slot * WIDTH, t->lengths[slot])
-                                                : key != NULL ? PyObject_Hash(key) : -1;
-        const uint64_t tag = mix(hash, t->owners[slot] - 1) >> 32;
-        bucket = home(t, tag);
-        while (t->buckets[bucket] && t->buckets[bucket] != ((tag << 32) | (uint64_t)(slot + 1)))
-            bucket = next_bucket(t, bucket);
-    }
+    PyObject *key = t->lengths[slot] ? NULL : long_key(t, slot);
+    const Py_hash_t hash = t->lengths[slot] ? _Py_HashBytes(t->keys + slot * WIDTH, t->lengths[slot])
+                                            : key != NULL ? PyObject_Hash(key) : -1;
+    const uint64_t tag = mix(hash, t->owners[slot] - 1) >> 32;
+    Py_ssize_t bucket = home(t, tag);
+    while (t->buckets[bucket] && t->buckets[bucket] != ((tag << 32) | (uint64_t)(slot + 1)))
+        bucket = next_bucket(t, bucket);
     if ((t->buckets[bucket] & 0xFFFFFFFFu) != (uint64_t)(slot + 1)) /* (a hash that failed) look at all */
         for (bucket = 0; bucket < t->nbuckets && (t->buckets[bucket] & 0xFFFFFFFFu) != (uint64_t)(slot + 1);)
             bucket++;
@@ -319,7 +317,7 @@ static PyObject *KeyTable_remove(KeyTable *t, PyObject *args) {
     const int64_t *slots = in.buf;
     const Py_ssize_t before = t->count;
     for (Py_ssize_t i = 0; i < in.len / 8; i++)
-        forget_slot(t, (Py_ssize_t)slots[i], -1);
+        forget_slot(t, (Py_ssize_t)slots[i]);
     PyBuffer_Release(&in);
     return PyLong_FromSsize_t(before - t->count);
 }
