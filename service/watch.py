@@ -34,7 +34,7 @@ from kvxfer.wire import TIER_TO_PB
 
 MAX_WATCHED = 16  # namespaces one call names
 BATCH_EVENTS = 256  # events a response carries at most
-IDLE_S = 5.0  # a watch with nothing new says where it stands this often
+IDLE_S = 5.0  # a watch with nothing new for it says where it stands this often
 SNAPSHOT_KEYS = 4096  # keys a Snapshot response carries at most
 
 
@@ -100,11 +100,14 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
         if request.stream_id and request.stream_id != stream:  # a position in another daemon's stream
             yield pb.WatchEventsResponse(stream_id=stream, resync=True, next_sequence=last + 1).SerializeToString()
             after = last
+        clock = asyncio.get_running_loop().time
+        said = clock()  # when the client last heard where the stream stands
         while not hub.closed:
             events, gap = hub.read(after, BATCH_EVENTS)
             if not events:
                 await hub.wait(after, IDLE_S)
                 if hub.last_sequence <= after:
+                    said = clock()
                     yield pb.WatchEventsResponse(stream_id=stream, next_sequence=after + 1).SerializeToString()
                 continue
             if len(events) < BATCH_EVENTS and linger:  # a few more arrive meanwhile: one response, not many
@@ -114,7 +117,8 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
                     events += more
             after = events[-1].sequence
             mine = [encoded.of(e) for e in events if e.namespace in namespaces or e.kind is EventKind.CLEARED]
-            if mine or gap:
+            if mine or gap or clock() - said > IDLE_S:  # (other namespaces' events: the position, now and then)
+                said = clock()
                 head = pb.WatchEventsResponse(stream_id=stream, resync=gap, next_sequence=after + 1).SerializeToString()
                 yield head + b"".join(mine)  # (a message's fields may come in any order: the events follow)
     finally:

@@ -164,6 +164,34 @@ def test_a_subscriber_10000_events_behind_resumes_or_is_told_to_resync(tmp_path)
         daemon.cleanup()
 
 
+def test_a_watch_of_a_quiet_namespace_hears_its_position_while_others_are_busy(tmp_path):
+    daemon = launch.spawn(config(tmp_path))
+    try:
+        with Client(daemon.target, namespace="busy", timeout=10) as client, \
+                Client(daemon.target, timeout=30) as watcher:
+            client.map_pool()
+            stream = iter(watcher.watch_events(["quiet"], timeout=30))
+            first = next(stream)  # where the stream stood
+            stop, deadline = threading.Event(), time.monotonic() + 8
+
+            def offload_elsewhere():
+                i = 0
+                while not stop.is_set() and time.monotonic() < deadline:
+                    client.offload([(1, b"b%06d" % i)])
+                    i += 1
+
+            busy = threading.Thread(target=offload_elsewhere)
+            busy.start()
+            try:
+                batch = next(stream)  # events never stop for IDLE_S, and none is this watch's
+            finally:
+                stop.set()
+                busy.join()
+            assert not batch.events and batch.next_sequence > first.next_sequence
+    finally:
+        daemon.cleanup()
+
+
 BAD_WATCHES = [([""], {}), (["a"] * 17, {}), (["bad name!"], {}), (["m"], {"from_sequence": 10**9})]
 
 
