@@ -25,6 +25,7 @@ from kvxfer.events.records import EngineBlocks
 from kvxfer.events.wire import engine_to_pb
 from kvxfer.geometry.keys import block_keys
 from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.geometry.sharding import Sharding
 from kvxfer.memory import cuda_mem
 from kvxfer.memory.ipc_event import CudaEvent, event_handle
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
@@ -237,7 +238,7 @@ class Client:
     # -- registered pools ----------------------------------------------------------
     def register_pool(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, *,
                       host_capacity_mib: int = 0, cache_group: str = "", fd: int | None = None,
-                      timeout: float | None = None) -> PoolDescriptor:
+                      sharding: Sharding | None = None, timeout: float | None = None) -> PoolDescriptor:
         """Have the daemon serve memory this engine allocated (a file, or a memfd as ``fd``).
 
         This process opens the file itself (or passes ``fd``) and hands the open
@@ -247,7 +248,8 @@ class Client:
         epoch the daemon assigned. Pools of one ``cache_group`` (default: the pool id)
         share a host tier: register an engine's restart in the group it used before
         (a group admits only the user that created it); never put two tensor-parallel
-        ranks in one group.
+        ranks in one group, unless each names its ``sharding``: then the ranks of engines of any
+        TP size and layout share one group of canonical blocks.
         """
         if handle.medium is Medium.CUDA:  # named by its IPC handle: the hand-off only says who registers
             token = fdpass.hand_over(fdpass.socket_path_for(self._target), None, self._token)
@@ -255,7 +257,8 @@ class Client:
             token = self._hand_over(handle.path, fd)
         request = pb.RegisterPoolRequest(pool_id=pool_id, spec=wire.spec_to_pb(spec), layout=layout.spelled,
                                          handle=wire.handle_to_pb(handle), host_capacity_mib=host_capacity_mib,
-                                         cache_group=cache_group, registration_token=token)
+                                         cache_group=cache_group, registration_token=token,
+                                         sharding=wire.sharding_to_pb(sharding))
         response = self._call(self._stub.RegisterPool, request, timeout)
         desc = wire.descriptor_from_pb(response.pool)
         self._descriptors[pool_id] = desc

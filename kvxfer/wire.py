@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
+from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.memory.pool import PoolDescriptor, PoolHandle
 from kvxfer.records import JobStats, LookupStats, Medium, Outcome, PoolStats, TierKind, TierStats, TransferStats
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -40,6 +41,20 @@ def spec_from_pb(msg: pb.KVSpec) -> KVSpec:
                   parse_dtype(msg.dtype), msg.kv_parts or 2)
 
 
+def sharding_to_pb(sharding: Sharding | None) -> pb.Sharding | None:
+    if sharding is None:
+        return None
+    return pb.Sharding(model=sharding.model, tp_rank=sharding.tp_rank, tp_size=sharding.tp_size,
+                       total_kv_heads=sharding.total_kv_heads)
+
+
+def sharding_from_pb(msg: pb.Sharding, present: bool) -> Sharding | None:
+    """``present``: the message was set (an unset one is no sharding; a set one is validated whole)."""
+    if not present:
+        return None
+    return Sharding(msg.model, msg.tp_rank, msg.tp_size, msg.total_kv_heads)
+
+
 def pool_info(desc: PoolDescriptor, cache_group: str = "", shared: bool = True) -> pb.PoolInfo:
     """``shared=False`` (a registered pool, to anyone): no path or IPC handle, which only its registrant
     may use (a CUDA IPC handle lets whoever holds it map the engine's memory)."""
@@ -49,13 +64,14 @@ def pool_info(desc: PoolDescriptor, cache_group: str = "", shared: bool = True) 
         pool_id=desc.pool_id, epoch=desc.epoch, spec=spec_to_pb(desc.spec), layout=desc.layout.spelled,
         layout_name=desc.layout.name, strides={a.value: s for a, s in pl.strides.items()}, nbytes=pl.nbytes,
         block_bytes=pl.block_bytes, owned=desc.owned, runs_per_block=pl.runs_per_block,
-        handle=handle_to_pb(handle), cache_group=cache_group,
+        handle=handle_to_pb(handle), cache_group=cache_group, sharding=sharding_to_pb(desc.sharding),
+        stored_block_bytes=stored_format(pl, desc.sharding)[0].block_bytes,
     )
 
 
 def descriptor_from_pb(msg: pb.PoolInfo) -> PoolDescriptor:
     return PoolDescriptor(msg.pool_id, spec_from_pb(msg.spec), Layout.parse(msg.layout), handle_from_pb(msg.handle),
-                          msg.epoch, msg.owned)
+                          msg.epoch, msg.owned, sharding_from_pb(msg.sharding, msg.HasField("sharding")))
 
 
 def _transfer_stats(t: TransferStats) -> pb.TransferStats:

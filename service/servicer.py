@@ -25,6 +25,7 @@ from kvxfer.events.wire import engine_from_pb
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import Layout
+from kvxfer.geometry.sharding import MAX_MODEL_CHARS
 from kvxfer.records import PoolRef, TransferResult
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -179,9 +180,11 @@ class KVTransferServicer:
         _check_length(request.handle.path, MAX_PATH_CHARS, "handle.path")
         spec, layout = wire.spec_from_pb(request.spec), Layout.parse(request.layout)
         handle = wire.handle_from_pb(request.handle)
+        _check_length(request.sharding.model, MAX_MODEL_CHARS, "sharding.model")
+        sharding = wire.sharding_from_pb(request.sharding, request.HasField("sharding"))
         served, token = await self._blocking(self.registry.register, request.pool_id, spec, layout, handle,
                                              request.registration_token, request.host_capacity_mib,
-                                             request.cache_group)
+                                             request.cache_group, sharding)
         return pb.RegisterPoolResponse(pool=wire.pool_info(served.descriptor, served.cache_group),
                                        registration_token=token)
 

@@ -22,6 +22,7 @@ import torch
 from kvxfer.memory import cuda_mem, shm
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import NULL_BLOCK, KVSpec, Layout, PoolLayout
+from kvxfer.geometry.sharding import Sharding
 from kvxfer.records import Medium
 
 
@@ -58,6 +59,7 @@ class PoolDescriptor:
     handle: PoolHandle
     epoch: int = field(default_factory=new_epoch)
     owned: bool = True
+    sharding: Sharding | None = None  # a tensor-parallel rank's pool: its blocks are stored canonically
 
     @property
     def pool_layout(self) -> PoolLayout:
@@ -94,19 +96,23 @@ class Pool:
 
     @classmethod
     def create(cls, pool_id: str, spec: KVSpec, layout: Layout, *, device: str = "cpu",
-               shm_dir: str | Path | None = "/dev/shm", mode: int = 0o600, unix_group: str | int | None = None) -> Pool:
-        """Allocate a new zeroed pool with a fresh epoch; block 0 is the null block.
+               shm_dir: str | Path | None = "/dev/shm", mode: int = 0o600, unix_group: str | int | None = None,
+               sharding: Sharding | None = None) -> Pool:
+        """Allocate a new zeroed pool with a fresh epoch; block 0 is the null block. ``sharding``: the pool
+        is a tensor-parallel rank's (its spec the rank's heads).
 
         On CPU: a file under ``shm_dir`` (others map it by path), or with ``shm_dir=None``
         a sealed memfd (others receive its descriptor; its size can never change).
         """
         nbytes = spec.nbytes
+        if sharding is not None:
+            sharding.check(spec)
         dev = torch.device(device)
         if dev.type == "cuda":
             index = dev.index or 0
             storage, raw = cuda_mem.allocate(nbytes, index)
             handle = PoolHandle(Medium.CUDA, ipc_handle=raw, device=index, device_uuid=cuda_mem.device_uuid(index))
-            return cls(PoolDescriptor(pool_id, spec, layout, handle), storage, cuda_device=index)
+            return cls(PoolDescriptor(pool_id, spec, layout, handle, sharding=sharding), storage, cuda_device=index)
         if dev.type != "cpu":
             raise InvalidArgument(f"pool device must be cpu or cuda[:N], got {device!r}")
         if shm_dir is None:
@@ -117,7 +123,8 @@ class Pool:
             except BaseException:
                 os.close(fd)
                 raise
-            return cls(PoolDescriptor(pool_id, spec, layout, PoolHandle(Medium.MEMFD), epoch=epoch), storage, fd=fd)
+            return cls(PoolDescriptor(pool_id, spec, layout, PoolHandle(Medium.MEMFD), epoch=epoch, sharding=sharding),
+                       storage, fd=fd)
         shm.sweep_stale(shm_dir)
         epoch = new_epoch()
         owned = shm.OwnedFile.create(shm_dir, f"{pool_id}-{epoch:016x}", nbytes, mode=mode, unix_group=unix_group)
@@ -127,7 +134,7 @@ class Pool:
             owned.release()
             raise
         handle = PoolHandle(Medium.SHM, path=str(owned.path))
-        return cls(PoolDescriptor(pool_id, spec, layout, handle, epoch=epoch), storage, owned)
+        return cls(PoolDescriptor(pool_id, spec, layout, handle, epoch=epoch, sharding=sharding), storage, owned)
 
     @classmethod
     def attach(cls, descriptor: PoolDescriptor) -> Pool:

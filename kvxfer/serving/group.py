@@ -2,9 +2,10 @@
 
 An engine that restarts allocates a new pool; if it registers that pool in the same
 cache group as before, it finds the blocks its previous process offloaded (the warm
-cache outlives the engine). Tensor-parallel ranks hold different shards under the
-same keys, so each rank has a group of its own (``model-tp0``, ``model-tp1``, ...).
-Pools join a group only if their blocks have the same format byte for byte.
+cache outlives the engine). Pools join a group only if their blocks have the same format
+byte for byte. Tensor-parallel ranks registered with their ``Sharding`` share one group of
+canonical blocks (every head, one order), which engines of any TP size and layout store
+and restore (``kvxfer.serving.assembly``); ranks registered without one need a group each.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PoolLayout, dtype_name
+from kvxfer.geometry.sharding import Manifest
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.serving.assembly import Assembly
 from kvxfer.serving.disk_store import DiskSettings, DiskStore
 from kvxfer.serving.promotion import promote
 from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
@@ -40,18 +43,20 @@ class BlockFormat:
     dtype: str
     layout: str  # the general form, outermost first
     kv_parts: int = 2
+    manifest: str = ""  # canonical blocks: the hex digest of their manifest (kvxfer.geometry.sharding)
 
     @classmethod
-    def of(cls, layout: PoolLayout) -> BlockFormat:
+    def of(cls, layout: PoolLayout, manifest: Manifest | None = None) -> BlockFormat:
         s = layout.spec
         return cls(s.num_layers, s.block_size, s.num_kv_heads, s.head_size, dtype_name(s.dtype), layout.layout.spelled,
-                   s.kv_parts)
+                   s.kv_parts, manifest.digest.hex() if manifest is not None else "")
 
     @property
     def fingerprint(self) -> bytes:
-        """Stored with every block below host memory: a block of another format is never served. (K and V
-        pools keep the fingerprint they had before ``kv_parts`` existed: their stored blocks stay valid.)"""
-        text = repr(self) if self.kv_parts != 2 else repr(self).replace(", kv_parts=2)", ")")
+        """Stored with every block below host memory: a block of another format is never served. (Pools
+        keep the fingerprint they had before ``kv_parts`` and manifests existed: their blocks stay valid.)"""
+        text = repr(self).replace(", manifest='')", ")")
+        text = text if self.kv_parts != 2 else text.replace(", kv_parts=2)", ")")
         return hashlib.sha256(text.encode()).digest()
 
     def bound_to(self, group: str) -> bytes:
@@ -70,10 +75,13 @@ class CacheGroup:
 
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
                  disk: DiskSettings | None = None, remote: RemoteSettings | None = None,
-                 shared_fs: SharedFsSettings | None = None, kv_events: EventHub | None = None) -> None:
-        """``kv_events``: where every tier of the group announces blocks becoming restorable and going."""
+                 shared_fs: SharedFsSettings | None = None, kv_events: EventHub | None = None,
+                 manifest: Manifest | None = None) -> None:
+        """``kv_events``: where every tier of the group announces blocks becoming restorable and going.
+        ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools."""
         self.name = name
-        self.format = BlockFormat.of(layout)
+        self.format = BlockFormat.of(layout, manifest)
+        self.assembly = Assembly(layout.spec.num_kv_heads) if manifest is not None else None
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
         self.index = BlockIndex(self.host.kind, self.host.slots,
                                 events=kv_events.tier(self.host.kind, name) if kv_events else None)
@@ -188,9 +196,10 @@ class CacheGroup:
             for index in [self.index] + ([self.disk.index] if self.disk is not None else []):
                 index.announce_all(Reason.CLEARED)
 
-    def check_joins(self, layout: PoolLayout) -> None:
-        """Refuse a pool whose blocks are not byte-compatible with this group's."""
-        fmt = BlockFormat.of(layout)
+    def check_joins(self, layout: PoolLayout, manifest: Manifest | None = None) -> None:
+        """Refuse a pool whose blocks are not byte-compatible with this group's (``layout``, ``manifest``:
+        of the blocks it stores, canonical for a rank pool)."""
+        fmt = BlockFormat.of(layout, manifest)
         if fmt != self.format:
             raise FailedPrecondition(f"cache group {self.name!r} holds blocks of {self.format}; a pool of {fmt} "
                                      "cannot join it (use another cache group)")

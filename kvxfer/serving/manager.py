@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.memory.pool import Pool
 from kvxfer.records import LookupResult, LookupStats, Outcome, TierStats, TransferResult, TransferStats
+from kvxfer.geometry.sharding import stored_format
+from kvxfer.serving.assembly import heads_mask
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.index.block_index import Plan
 from kvxfer.serving.group import CacheGroup
@@ -56,14 +58,18 @@ class PoolManager:
         ``copy_threads``: threads of a CPU pool's copy engine (the memory bus wants more than one core).
         ``deadline_s``: how long a GPU copy may take before its job fails (DEADLINE_EXCEEDED)."""
         self.pool = pool
-        layout = pool.layout
+        sharding = pool.descriptor.sharding
+        stored, manifest = stored_format(pool.layout, sharding)
         if isinstance(group, int):
-            group = CacheGroup(pool.descriptor.pool_id, layout, group, pin_device=pool.cuda_device)
-        group.check_joins(layout)
+            group = CacheGroup(pool.descriptor.pool_id, stored, group, pin_device=pool.cuda_device,
+                               manifest=manifest)
+        group.check_joins(stored, manifest)
         self.group = group
         self.host = group.host
         self.index = group.index
-        self.engine = engine or engine_for(pool, self.host, checksum_on_device, copy_threads, deadline_s)
+        self.heads = heads_mask(*sharding.heads) if sharding is not None else 0  # a rank's: of canonical blocks
+        self.engine = engine or engine_for(pool, self.host, checksum_on_device, copy_threads, deadline_s,
+                                           stored if sharding is not None else None)
         self.copier = CheckedCopier(self.engine, self.host)
         self._totals = {TransferKind.OFFLOAD: TransferStats(), TransferKind.RESTORE: TransferStats()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
@@ -85,7 +91,7 @@ class PoolManager:
         if batch.deadline is not None and time.monotonic() > batch.deadline:  # the engine stopped waiting
             result = TransferResult([Outcome.DEADLINE_EXCEEDED] * len(batch), 0, 0.0)
         else:
-            result = _RUN[batch.kind](self, batch, cancelled)
+            result = _RUN[batch.kind, self.heads != 0](self, batch, cancelled)
         counts = _tally(result.outcomes)
         with self._lock:
             for outcome, n in counts.items():
@@ -138,6 +144,42 @@ class PoolManager:
             self._complete(slots, late, lambda ready: self.index.complete_store(ready, [None] * len(ready)),
                            lambda: self.index.complete_store(slots, checksums, batch.engine), restore=False)
         return TransferResult(plan.outcomes, moved, seconds)
+
+    def _offload_shards(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
+        """A rank's offload: its heads' slices of canonical blocks, published once every head is in."""
+        assembly = self.group.assembly
+        claim, expired = assembly.claim(batch.namespace, batch.keys, self.heads, self.group.prepare_store)
+        self._forget(expired)
+        moved, seconds, written = 0, 0.0, 0
+        try:
+            if claim.slots:
+                start = time.perf_counter()
+                done = self.copier.to_host(_at(batch.blocks, claim.positions), claim.slots, cancelled,
+                                           batch.ready_event, batch.deadline, hashed=False)
+                seconds = time.perf_counter() - start
+                written = 0 if done.cancelled else done.completed
+                _set(claim.outcomes, claim.positions[written:],
+                     Outcome.CANCELLED if done.cancelled else Outcome.DEADLINE_EXCEEDED)
+                moved = self._count(TransferKind.OFFLOAD, written, seconds)
+        except InvalidArgument:
+            _set(claim.outcomes, claim.positions, Outcome.FAILED)
+            raise
+        except KvxferError:  # (a CPU engine's copies finish inside submit: none is late)
+            _set(claim.outcomes, claim.positions, Outcome.FAILED)
+        finally:
+            settled = assembly.settle(claim, written)
+            self._forget(settled.dropped)
+            if settled.complete:
+                slots, keys = [s for s, _ in settled.complete], [k for _, k in settled.complete]
+                checksums: list[int | None] = list(self.copier.tier_checksums(slots))
+                self.index.complete_store(slots, checksums, batch.engine)
+                self.group.write_through(batch.namespace, keys, slots, checksums)
+        return TransferResult(claim.outcomes, moved, seconds)
+
+    def _forget(self, slots: list[int]) -> None:
+        """Canonical entries that will never be complete: never visible, their slots free."""
+        if slots:
+            self.index.complete_store(slots, [None] * len(slots))
 
     def _complete(self, slots: Sequence[int], late: LateCopies | None, release: Callable[[list[int]], None],
                   complete: Callable[[], None], restore: bool) -> None:
@@ -227,15 +269,18 @@ class PoolManager:
                               dict(self._outcomes), self._lookups)
 
     def reap(self) -> None:
-        """Release what late GPU copies held, if they have landed (the job runner asks when idle)."""
+        """Release what late GPU copies held, if they have landed, and canonical entries whose ranks never
+        came (the job runner asks when idle)."""
         self.engine.reap()
+        if self.group.assembly is not None:
+            self._forget(self.group.assembly.sweep())
 
     def close(self) -> None:
         """Release the copy engine (its streams); the pool itself is its owner's to close."""
         self.engine.close()
 
     def _count(self, kind: TransferKind, blocks: int, seconds: float) -> int:
-        moved = blocks * self.host.slot_bytes
+        moved = blocks * self.pool.layout.block_bytes  # a rank pool's share of a canonical block, else all of it
         with self._lock:
             t = self._totals[kind]
             self._totals[kind] = TransferStats(t.blocks + blocks, t.bytes + moved, t.seconds + seconds)
@@ -263,4 +308,6 @@ def _set(outcomes: list[Outcome], positions: Sequence[int], outcome: Outcome) ->
 
 #: The transfer each kind of batch runs (functions, not bound methods: no reference cycle,
 #: so a released cache group's memory returns as soon as its last pool is gone).
-_RUN = {TransferKind.OFFLOAD: PoolManager._offload, TransferKind.RESTORE: PoolManager._restore}
+#: (kind, the pool is a rank's of canonical blocks) -> its transfer.
+_RUN = {(TransferKind.OFFLOAD, False): PoolManager._offload, (TransferKind.RESTORE, False): PoolManager._restore,
+        (TransferKind.OFFLOAD, True): PoolManager._offload_shards, (TransferKind.RESTORE, True): PoolManager._restore}

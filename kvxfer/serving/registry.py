@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from kvxfer.events.hub import EventHub
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
-from kvxfer.serving.group import CacheGroup, DiskSettings, RemoteSettings, SharedFsSettings
+from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.handoff import HandOff, HandOffs, check_path_names, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
+from kvxfer.serving.limits import Limits
 from kvxfer.serving.lifetimes import ProcessWatch
-from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
+from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.serving.manager import PoolManager, TransferObserver
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
@@ -40,28 +42,6 @@ from kvxfer.validate import check_pool_id, shown
 
 DAEMON = "daemon"  # the owner of the daemon's own pools and their cache groups
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds on what clients may make the daemon hold."""
-
-    max_pools: int = 8
-    max_cache_groups: int = 8  # groups outlive their pools (the warm cache outlives the engine)
-    max_queued_jobs: int = 256
-    default_lease_s: float = 30.0
-    max_lease_s: float = 600.0
-    allow_register: bool = True
-    registered_host_capacity_mib: int = 512  # default and maximum host tier of a registered pool
-    max_jobs_per_client: int = 64  # queued + uncollected jobs of one client_id on one pool
-    cache_group_retention_s: float = 300.0  # a group without pools keeps its blocks this long
-    checksum_on_device: bool = True  # GPU pools: block checksums by the device XXH3, behind each copy
-    disk: DiskSettings | None = None  # every cache group's disk tier (None: no disk tier)
-    remote: RemoteSettings | None = None  # every cache group's remote tier on Redis (None: none)
-    copy_threads: int = 2  # threads of each CPU pool's copy engine
-    gpu_copy_deadline_s: float = 30.0  # a GPU copy not done by then fails its job (DEADLINE_EXCEEDED)
-    shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier (None: none)
-    allow_overcommit: bool = False  # a registered pool's host tier may exceed the memory free here
 
 
 @dataclass(frozen=True)
@@ -128,16 +108,17 @@ class PoolRegistry:
                 raise PermissionDenied(f"cache group {shown(name)} belongs to another party; a pool joins only a "
                                        "group its own party created (use another cache group)")
             if entry is None:
+                stored, manifest = stored_format(pool.layout, pool.descriptor.sharding)
                 if owner != DAEMON and not self.limits.allow_overcommit:  # the daemon's own: checked at start
-                    room.ensure(host_capacity_blocks * pool.layout.block_bytes,
-                                f"the host tier of pool {shown(pool_id)}")
+                    room.ensure(host_capacity_blocks * stored.block_bytes, f"the host tier of pool {shown(pool_id)}")
                 self._sweep(time.monotonic(), force_room=True)
                 if len(self._groups) >= self.limits.max_cache_groups:
                     raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
                                             f"{self.limits.max_cache_groups}")
-                entry = _Group(CacheGroup(name, pool.layout, host_capacity_blocks, pin_device=pool.cuda_device,
+                entry = _Group(CacheGroup(name, stored, host_capacity_blocks, pin_device=pool.cuda_device,
                                           disk=self.limits.disk, remote=self.limits.remote,
-                                          shared_fs=self.limits.shared_fs, kv_events=self.kv_events), owner)
+                                          shared_fs=self.limits.shared_fs, kv_events=self.kv_events,
+                                          manifest=manifest), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
             manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
                                   observer=self.observer, copy_threads=self.limits.copy_threads,
@@ -152,12 +133,14 @@ class PoolRegistry:
             return served
 
     def create(self, pool_id: str, spec: KVSpec, layout: Layout, device: str = "auto",
-               host_capacity_mib: float = 512, cache_group: str = "") -> ServedPool:
+               host_capacity_mib: float = 512, cache_group: str = "", sharding: Sharding | None = None
+               ) -> ServedPool:
         """Allocate and serve one of the daemon's own pools (a sealed memfd on CPU: no client can
         shrink it under the daemon) in its cache group (default: its own id)."""
         check_pool_id(pool_id)
-        capacity = capacity_blocks(host_capacity_mib, spec.block_bytes)
-        pool = Pool.create(pool_id, spec, layout, device=cuda_mem.resolve_device(device), shm_dir=None)
+        capacity = capacity_blocks(host_capacity_mib, stored_format(PoolLayout(spec, layout), sharding)[0].block_bytes)
+        pool = Pool.create(pool_id, spec, layout, device=cuda_mem.resolve_device(device), shm_dir=None,
+                           sharding=sharding)
         try:
             return self.add(pool, capacity, cache_group)
         except BaseException:
@@ -165,7 +148,8 @@ class PoolRegistry:
             raise
 
     def register(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, token: bytes,
-                 host_capacity_mib: int = 0, cache_group: str = "") -> tuple[ServedPool, bytes]:
+                 host_capacity_mib: int = 0, cache_group: str = "", sharding: Sharding | None = None
+                 ) -> tuple[ServedPool, bytes]:
         """Serve memory an engine allocated and handed over; returns the pool (with a fresh
         epoch) and the registration token that unregisters it. The hand-off is used up
         whether the registration succeeds or not."""
@@ -174,7 +158,9 @@ class PoolRegistry:
         handoff = self.handoffs.take(token)
         try:
             self._end_lost_registration(pool_id, handoff)
-            pool, capacity = self._map_registered(pool_id, spec, layout, handle, handoff, host_capacity_mib)
+            pool, capacity = self._map_registered(PoolDescriptor(pool_id, spec, layout, handle, epoch=new_epoch(),
+                                                                 owned=False, sharding=sharding),
+                                                  handoff, host_capacity_mib)
         except BaseException:
             if handoff.fd >= 0:
                 os.close(handoff.fd)
@@ -195,18 +181,18 @@ class PoolRegistry:
                         "until it is unregistered", extra={"pool": pool_id, "pid": handoff.pid})
         return served, unregister_token
 
-    def _map_registered(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, handoff: HandOff,
-                        host_capacity_mib: int) -> tuple[Pool, int]:
+    def _map_registered(self, descriptor: PoolDescriptor, handoff: HandOff, host_capacity_mib: int
+                        ) -> tuple[Pool, int]:
         """Check a registration and map its memory (the pool then owns the hand-off's descriptor)."""
-        check_pool_id(pool_id)
+        pool_id, handle = check_pool_id(descriptor.pool_id), descriptor.handle
         limit = self.limits.registered_host_capacity_mib
         if not 0 <= host_capacity_mib <= limit:
             raise InvalidArgument(f"host_capacity_mib {host_capacity_mib} out of range [1, {limit}] (0: {limit})")
-        capacity = capacity_blocks(host_capacity_mib or limit, spec.block_bytes)
+        stored = stored_format(descriptor.pool_layout, descriptor.sharding)[0]
+        capacity = capacity_blocks(host_capacity_mib or limit, stored.block_bytes)
         with self._lock:
             if pool_id in self._pools:
                 raise AlreadyExists(f"pool {shown(pool_id)} exists")
-        descriptor = PoolDescriptor(pool_id, spec, layout, handle, epoch=new_epoch(), owned=False)
         if handle.medium is Medium.CUDA:
             reason = cuda_mem.why_unusable(0)
             if reason is not None:

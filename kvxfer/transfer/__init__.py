@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvxfer.errors import FailedPrecondition
+from kvxfer.geometry.layout import PoolLayout
 from kvxfer.memory.pool import Access, Pool
 from kvxfer.records import Medium
 from kvxfer.records import TierKind
@@ -14,6 +15,7 @@ from kvxfer.memory import cuda_driver
 from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.fdcopy import FdCopyEngine
+from kvxfer.transfer.shard import ShardCopyEngine
 
 
 def _mapped(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, deadline_s: float) -> CopyEngine:
@@ -40,12 +42,24 @@ ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier, bool, i
 }
 
 
+#: (pool medium, how this process reaches it) of rank pools whose heads' slices of canonical blocks
+#: can be moved (``ShardCopyEngine``).
+SHARD_ENGINES = {(Medium.SHM, Access.MAPPED), (Medium.MEMFD, Access.MAPPED)}
+
+
 def engine_for(pool: Pool, host: HostTier, checksum_on_device: bool = True, threads: int = 2,
-               deadline_s: float = 30.0) -> CopyEngine:
+               deadline_s: float = 30.0, canonical: PoolLayout | None = None) -> CopyEngine:
     """The engine for a pool and tier; ``checksum_on_device``: GPU pools hash blocks on the device;
     ``threads``: a CPU engine's copy threads; a GPU engine's threads hashing tier copies;
-    ``deadline_s``: how long a GPU copy may take."""
+    ``deadline_s``: how long a GPU copy may take; ``canonical``: the tier holds canonical blocks of
+    which the pool (a tensor-parallel rank's) holds its heads' slices."""
     medium = pool.descriptor.handle.medium
+    if canonical is not None:
+        if (medium, pool.access) not in SHARD_ENGINES:
+            raise FailedPrecondition(f"a tensor-parallel rank's {medium.value} pool ({pool.access.value} access) "
+                                     "cannot be served in a group of canonical blocks yet: only host memory this "
+                                     "daemon maps (a sealed memfd); register it without sharding")
+        return ShardCopyEngine(pool.storage, pool.layout, pool.descriptor.sharding.heads, host, canonical)
     try:
         make = ENGINES[(medium, pool.access, TierKind.HOST)]
     except KeyError:

@@ -87,8 +87,9 @@ class CheckedCopier:
         self._rows = host.buffer.numpy()
 
     def to_host(self, blocks: list[int], slots: Sequence[int], cancelled: Callable[[], bool] | None = None,
-                ready_event: bytes = b"", deadline: float | None = None) -> PipelineResult:
-        """Copy pool ``blocks`` into tier ``slots``; the checksum of each slot's new bytes.
+                ready_event: bytes = b"", deadline: float | None = None, hashed: bool = True) -> PipelineResult:
+        """Copy pool ``blocks`` into tier ``slots``; the checksum of each slot's new bytes (not with
+        ``hashed`` False: a rank's slices, whose slots are hashed once every rank's are in).
 
         ``ready_event``: the engine's event the first chunk waits for (later chunks follow it
         on the same stream). ``deadline`` (time.monotonic()): only blocks whose copy ended by
@@ -100,7 +101,8 @@ class CheckedCopier:
             if _past(deadline) or result.expired:
                 result.expired = True
                 return
-            result.checksums += sums if sums is not None else self._tier_checksums(chunk.slots)
+            if hashed:
+                result.checksums += sums if sums is not None else self.tier_checksums(chunk.slots)
             result.completed = chunk.start + len(chunk.slots)
 
         def start(a: int, c: int) -> _Chunk:
@@ -126,7 +128,7 @@ class CheckedCopier:
         def start(a: int, c: int) -> _Chunk:
             chunk = _Chunk(a, blocks[a:a + c], slots[a:a + c], expected[a:a + c], None)
             if not verify_after:  # check the tier copy first; never copy bad bytes
-                bad = _mismatches(self._tier_checksums(chunk.slots), chunk.expected)
+                bad = _mismatches(self.tier_checksums(chunk.slots), chunk.expected)
                 result.corrupt |= {a + j for j in bad}
                 chunk.blocks = [b for j, b in enumerate(chunk.blocks) if j not in bad]
                 chunk.slots = [s for j, s in enumerate(chunk.slots) if j not in bad]
@@ -148,7 +150,7 @@ class CheckedCopier:
         self._run(len(slots), start, finish, cancelled, deadline, result)
         return result
 
-    def _tier_checksums(self, slots: Sequence[int]) -> list[int]:
+    def tier_checksums(self, slots: Sequence[int]) -> list[int]:
         """The checksum of each tier slot: on the engine's hash threads, without the GIL, where
         the C loop is built."""
         if self._hasher is None or len(slots) < 2:

@@ -113,6 +113,18 @@ class KVSpec(_message.Message):
     kv_parts: int
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ...) -> None: ...
 
+class Sharding(_message.Message):
+    __slots__ = ("model", "tp_rank", "tp_size", "total_kv_heads")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tp_rank: int
+    tp_size: int
+    total_kv_heads: int
+    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
+
 class PoolHandle(_message.Message):
     __slots__ = ("medium", "path", "cuda_ipc_handle", "device", "offset", "device_uuid")
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
@@ -130,7 +142,7 @@ class PoolHandle(_message.Message):
     def __init__(self, medium: _Optional[_Union[Medium, str]] = ..., path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device: _Optional[int] = ..., offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "epoch", "spec", "layout", "layout_name", "strides", "nbytes", "block_bytes", "owned", "handle", "runs_per_block", "cache_group")
+    __slots__ = ("pool_id", "epoch", "spec", "layout", "layout_name", "strides", "nbytes", "block_bytes", "owned", "handle", "runs_per_block", "cache_group", "sharding", "stored_block_bytes")
     class StridesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +162,8 @@ class PoolInfo(_message.Message):
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     RUNS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     spec: KVSpec
@@ -162,7 +176,9 @@ class PoolInfo(_message.Message):
     handle: PoolHandle
     runs_per_block: int
     cache_group: str
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., layout_name: _Optional[str] = ..., strides: _Optional[_Mapping[str, int]] = ..., nbytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., owned: _Optional[bool] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., runs_per_block: _Optional[int] = ..., cache_group: _Optional[str] = ...) -> None: ...
+    sharding: Sharding
+    stored_block_bytes: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., layout_name: _Optional[str] = ..., strides: _Optional[_Mapping[str, int]] = ..., nbytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., owned: _Optional[bool] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., runs_per_block: _Optional[int] = ..., cache_group: _Optional[str] = ..., sharding: _Optional[_Union[Sharding, _Mapping]] = ..., stored_block_bytes: _Optional[int] = ...) -> None: ...
 
 class GetPoolInfoRequest(_message.Message):
     __slots__ = ("pool_id",)
@@ -379,7 +395,7 @@ class StatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group", "registration_token")
+    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group", "registration_token", "sharding")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +403,7 @@ class RegisterPoolRequest(_message.Message):
     HOST_CAPACITY_MIB_FIELD_NUMBER: _ClassVar[int]
     CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     spec: KVSpec
     layout: str
@@ -394,7 +411,8 @@ class RegisterPoolRequest(_message.Message):
     host_capacity_mib: int
     cache_group: str
     registration_token: bytes
-    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ..., registration_token: _Optional[bytes] = ...) -> None: ...
+    sharding: Sharding
+    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ..., registration_token: _Optional[bytes] = ..., sharding: _Optional[_Union[Sharding, _Mapping]] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool", "registration_token")

@@ -134,7 +134,7 @@ def test_checksums_of_a_dma_engines_copies_catch_corruption(cuda_sim, on_device,
     manager.copier.chunk = 4  # blocks per chunk: several chunks in flight, one partial
     assert manager.engine.hashes_copies is on_device
     if on_device:  # no host pass at all
-        monkeypatch.setattr(manager.copier, "_tier_checksums", None)
+        monkeypatch.setattr(manager.copier, "tier_checksums", None)
     keys = [b"k%d" % b for b in range(1, 11)]
     cuda_sim.calls.clear()
     assert offload(manager, list(range(1, 11)), keys) == [Outcome.DONE] * 10

@@ -1,0 +1,31 @@
+"""Bounds on what clients may make the daemon hold, and how its pools are served (the config's values)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.serving.remote_store import RemoteSettings
+from kvxfer.serving.shared_fs_store import SharedFsSettings
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what clients may make the daemon hold."""
+
+    max_pools: int = 8
+    max_cache_groups: int = 8  # groups outlive their pools (the warm cache outlives the engine)
+    max_queued_jobs: int = 256
+    default_lease_s: float = 30.0
+    max_lease_s: float = 600.0
+    allow_register: bool = True
+    registered_host_capacity_mib: int = 512  # default and maximum host tier of a registered pool
+    max_jobs_per_client: int = 64  # queued + uncollected jobs of one client_id on one pool
+    cache_group_retention_s: float = 300.0  # a group without pools keeps its blocks this long
+    checksum_on_device: bool = True  # GPU pools: block checksums by the device XXH3, behind each copy
+    disk: DiskSettings | None = None  # every cache group's disk tier (None: no disk tier)
+    remote: RemoteSettings | None = None  # every cache group's remote tier on Redis (None: none)
+    copy_threads: int = 2  # threads of each CPU pool's copy engine
+    gpu_copy_deadline_s: float = 30.0  # a GPU copy not done by then fails its job (DEADLINE_EXCEEDED)
+    shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier (None: none)
+    allow_overcommit: bool = False  # a registered pool's host tier may exceed the memory free here

@@ -1,0 +1,90 @@
+"""The copy engine of a tensor-parallel rank's pool: its heads' slice of canonical blocks.
+
+A host slot of a sharded cache group holds a canonical block (every head of every layer,
+in the order L, H, N, KV, D: ``kvxfer.geometry.sharding``). A rank holding heads
+``[first, end)`` owns, in each layer of a slot, one slice of it. Both sides are viewed
+as tensors ``[blocks, L, H, N, KV, D]`` of the element's width (any pool layout is such a
+strided view), so an offload is one gather of the rank's blocks written into its slice
+of each slot, and a restore the reverse; torch makes the strided copies. Only the rank's
+slice of a slot is touched: the other ranks write theirs at the same time.
+
+Checksums are of the whole canonical block, so they are taken once every rank's slice is
+in (``kvxfer.serving.manager``), and a restore verifies the slot before copying from it
+(``hashes_pool`` is False: a rank's pool holds only part of a block).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvxfer.errors import Internal
+from kvxfer.geometry.checksum import runs_checksum
+from kvxfer.geometry.layout import Axis, PoolLayout
+from kvxfer.tiers.host import HostTier
+from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
+
+#: Element widths -> an integer dtype of that width (the bytes move as they are, whatever the dtype:
+#: torch has no index kernels for every float8).
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: The axes of both views, outermost first.
+_AXES = (Axis.B, Axis.L, Axis.H, Axis.N, Axis.KV, Axis.D)
+
+
+def blocks_view(storage: torch.Tensor, layout: PoolLayout) -> torch.Tensor:
+    """A pool's bytes as ``[num_blocks, L, H, N, KV, D]`` words, whatever its layout (no copy)."""
+    spec = layout.spec
+    width = spec.element_size
+    words = storage.view(_WORDS[width])
+    return words.as_strided(tuple(spec.axis_size(a) for a in _AXES),
+                            tuple(layout.strides[a] // width for a in _AXES), words.storage_offset())
+
+
+class ShardCopyEngine(CopyEngine):
+    """Moves one rank's heads between its pool (host memory) and canonical blocks in host slots."""
+
+    def __init__(self, storage: torch.Tensor, layout: PoolLayout, heads: tuple[int, int], host: HostTier,
+                 canonical: PoolLayout) -> None:
+        first, end = heads
+        if host.slot_bytes != canonical.block_bytes or end - first != layout.spec.num_kv_heads:
+            raise Internal("a shard engine's slots hold canonical blocks, and its pool the rank's heads")
+        self._layout = layout
+        self._storage = storage
+        self._pool = blocks_view(storage, layout)
+        s = canonical.spec  # BLHNC: a slot is [L, H, N, KV, D], contiguous
+        shape = (host.capacity, s.num_layers, s.num_kv_heads, s.block_size, s.kv_parts, s.head_size)
+        self._slots = host.buffer.view(_WORDS[s.element_size]).view(shape)[:, :, first:end]
+
+    @property
+    def descriptors_per_block(self) -> int:
+        return self._layout.spec.num_layers * self._layout.runs_per_block
+
+    @property
+    def hashes_pool(self) -> bool:
+        return False  # the pool holds a slice of each block: verify the canonical copy
+
+    def submit(self, batch: CopyBatch) -> CopyHandle:
+        if batch.ready_event:
+            return CompletedHandle(Internal("a CUDA event handle reached the CPU shard engine"))
+        blocks = torch.as_tensor(batch.blocks, dtype=torch.long)
+        slots = torch.as_tensor(list(batch.slots), dtype=torch.long)
+        if blocks.numel() == 0:
+            return CompletedHandle()
+        if int(blocks.min()) < 0 or int(blocks.max()) >= len(self._pool) or int(slots.min()) < 0 \
+                or int(slots.max()) >= len(self._slots):
+            return CompletedHandle(Internal(f"{batch.direction.value} batch out of range"))
+        try:
+            if batch.direction is Direction.TO_HOST:
+                self._slots.index_copy_(0, slots, self._pool.index_select(0, blocks))
+            else:
+                self._pool.index_copy_(0, blocks, self._slots.index_select(0, slots))
+        except (RuntimeError, MemoryError) as exc:  # torch reports copy failures as these
+            return CompletedHandle(Internal(f"{batch.direction.value} copy failed: {exc}"))
+        return CompletedHandle()
+
+    def pool_checksums(self, blocks: list[int]) -> list[int]:
+        """Of each pool block's own bytes (its runs in order): the rank's part, not a stored block's."""
+        data = self._storage.numpy()
+        return [runs_checksum(data[r.offset:r.end] for r in self._layout.block_runs(b)) for b in blocks]
+
+    def describe(self) -> str:
+        return f"{type(self).__name__} (heads' slices of canonical blocks, torch)"
