@@ -75,6 +75,7 @@ BENCHES: list[tuple[str, str, str]] = [
     ("disk", "kvxfer.bench.disk", "the disk tier's demotion and promotion beside plain file I/O"),
     ("remote", "kvxfer.bench.remote", "the remote tier's stores and fetches beside raw redis-py SET/GET"),
     ("scale", "kvxfer.bench.scale", "the index of a tier of millions of blocks, fragmented and shuffled"),
+    ("shards", "kvxfer.bench.shards", "cross-rank canonical blocks beside the same bytes per rank"),
 ]
 
 

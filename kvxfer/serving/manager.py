@@ -67,9 +67,13 @@ class PoolManager:
         self.group = group
         self.host = group.host
         self.index = group.index
-        self.heads = heads_mask(*sharding.heads) if sharding is not None else 0  # a rank's: of canonical blocks
+        # A rank holding part of the heads writes its slices of canonical blocks (``_offload_shards``); a pool
+        # of every head stores whole blocks, as its bytes are when its layout is the canonical one.
+        whole = sharding is None or sharding.heads == (0, sharding.total_kv_heads)
+        self.heads = 0 if whole else heads_mask(*sharding.heads)
+        convert = sharding is not None and (not whole or pool.layout.layout != stored.layout)
         self.engine = engine or engine_for(pool, self.host, checksum_on_device, copy_threads, deadline_s,
-                                           stored if sharding is not None else None)
+                                           stored if convert else None)
         self.copier = CheckedCopier(self.engine, self.host)
         self._totals = {TransferKind.OFFLOAD: TransferStats(), TransferKind.RESTORE: TransferStats()}
         self._outcomes: dict[str, int] = {o.value: 0 for o in Outcome}

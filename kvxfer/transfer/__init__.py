@@ -59,7 +59,7 @@ def engine_for(pool: Pool, host: HostTier, checksum_on_device: bool = True, thre
             raise FailedPrecondition(f"a tensor-parallel rank's {medium.value} pool ({pool.access.value} access) "
                                      "cannot be served in a group of canonical blocks yet: only host memory this "
                                      "daemon maps (a sealed memfd); register it without sharding")
-        return ShardCopyEngine(pool.storage, pool.layout, pool.descriptor.sharding.heads, host, canonical)
+        return ShardCopyEngine(pool.storage, pool.layout, pool.descriptor.sharding.heads, host, canonical, threads)
     try:
         make = ENGINES[(medium, pool.access, TierKind.HOST)]
     except KeyError:

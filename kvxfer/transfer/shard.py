@@ -15,13 +15,16 @@ in (``kvxfer.serving.manager``), and a restore verifies the slot before copying 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvxfer.errors import Internal
 from kvxfer.geometry.checksum import runs_checksum
 from kvxfer.geometry.layout import Axis, PoolLayout
 from kvxfer.tiers.host import HostTier
+from kvxfer.transfer import native
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.transfer.cpu import NATIVE_STEP_BYTES
 
 #: Element widths -> an integer dtype of that width (the bytes move as they are, whatever the dtype:
 #: torch has no index kernels for every float8).
@@ -43,16 +46,32 @@ class ShardCopyEngine(CopyEngine):
     """Moves one rank's heads between its pool (host memory) and canonical blocks in host slots."""
 
     def __init__(self, storage: torch.Tensor, layout: PoolLayout, heads: tuple[int, int], host: HostTier,
-                 canonical: PoolLayout) -> None:
+                 canonical: PoolLayout, threads: int = 2, use_native: bool = True) -> None:
+        """``threads``: of the C loop and of the hashing of tier copies; ``use_native``: a BLHNC pool's
+        slices move in the C loop where it is built (one memcpy a layer; else torch)."""
         first, end = heads
         if host.slot_bytes != canonical.block_bytes or end - first != layout.spec.num_kv_heads:
             raise Internal("a shard engine's slots hold canonical blocks, and its pool the rank's heads")
         self._layout = layout
         self._storage = storage
+        self._threads = threads
         self._pool = blocks_view(storage, layout)
         s = canonical.spec  # BLHNC: a slot is [L, H, N, KV, D], contiguous
         shape = (host.capacity, s.num_layers, s.num_kv_heads, s.block_size, s.kv_parts, s.head_size)
         self._slots = host.buffer.view(_WORDS[s.element_size]).view(shape)[:, :, first:end]
+        # A BLHNC pool's block is, layer by layer, the rank's slice of each layer of a slot: rows of one
+        # layer's slice on both sides (the C loop copies rows, and hashes the pool block it copied as it goes).
+        self._native = native.load() if use_native and layout.layout == canonical.layout else None
+        if self._native is not None:
+            layers, row = s.num_layers, layout.block_bytes // s.num_layers
+            self._pool_rows = storage.numpy().reshape(-1, row)
+            self._pool_spans = storage.numpy().reshape(layout.spec.num_blocks, layout.block_bytes)
+            self._tier_rows = host.buffer.numpy().reshape(-1, row)
+            share = s.num_kv_heads // (end - first)  # slices a slot's layer holds
+            self._row_of_layer = np.arange(layers, dtype=np.int64)
+            self._tier_row_of_layer = self._row_of_layer * share + first // (end - first)
+            self._rows_per_slot = layers * share
+            self._step = max(1, NATIVE_STEP_BYTES // layout.block_bytes)
 
     @property
     def descriptors_per_block(self) -> int:
@@ -72,6 +91,8 @@ class ShardCopyEngine(CopyEngine):
         if int(blocks.min()) < 0 or int(blocks.max()) >= len(self._pool) or int(slots.min()) < 0 \
                 or int(slots.max()) >= len(self._slots):
             return CompletedHandle(Internal(f"{batch.direction.value} batch out of range"))
+        if self._native is not None:
+            return self._native_copy(batch.direction, blocks.numpy(), slots.numpy())
         try:
             if batch.direction is Direction.TO_HOST:
                 self._slots.index_copy_(0, slots, self._pool.index_select(0, blocks))
@@ -81,10 +102,30 @@ class ShardCopyEngine(CopyEngine):
             return CompletedHandle(Internal(f"{batch.direction.value} copy failed: {exc}"))
         return CompletedHandle()
 
+    def _native_copy(self, direction: Direction, blocks: np.ndarray, slots: np.ndarray) -> CopyHandle:
+        pool_rows = (blocks[:, None] * len(self._row_of_layer) + self._row_of_layer[None, :]).ravel()
+        tier_rows = (slots[:, None] * self._rows_per_slot + self._tier_row_of_layer[None, :]).ravel()
+        pool, tier = self._pool_rows, self._tier_rows
+        try:
+            if direction is Direction.TO_HOST:
+                self._native.copy_hash(tier, pool, tier_rows, pool_rows, self._pool_spans, blocks, self._step,
+                                       self._threads)
+            else:
+                self._native.copy_hash(pool, tier, pool_rows, tier_rows, self._pool_spans, blocks, self._step,
+                                       self._threads)
+        except Internal as exc:
+            return CompletedHandle(exc)
+        return CompletedHandle()  # (the sums are of the rank's part: the stored block is hashed whole)
+
+    @property
+    def hash_threads(self) -> int:
+        return self._threads
+
     def pool_checksums(self, blocks: list[int]) -> list[int]:
         """Of each pool block's own bytes (its runs in order): the rank's part, not a stored block's."""
         data = self._storage.numpy()
         return [runs_checksum(data[r.offset:r.end] for r in self._layout.block_runs(b)) for b in blocks]
 
     def describe(self) -> str:
-        return f"{type(self).__name__} (heads' slices of canonical blocks, torch)"
+        how = "C loop" if self._native is not None else "torch"
+        return f"{type(self).__name__} (heads' slices of canonical blocks, {how}, {self._threads} threads)"

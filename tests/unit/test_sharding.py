@@ -21,8 +21,9 @@ from kvxfer.records import Outcome
 from kvxfer.serving.assembly import Assembly, heads_mask
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
-from kvxfer.transfer.base import CompletedHandle
-from kvxfer.transfer.shard import blocks_view
+from kvxfer.tiers.host import HostTier
+from kvxfer.transfer.base import CompletedHandle, CopyBatch, Direction
+from kvxfer.transfer.shard import ShardCopyEngine, blocks_view
 from tests.strategies import layouts
 
 BLHNC = PRESETS["BLHNC"]
@@ -257,3 +258,25 @@ def test_canonical_groups_and_per_rank_groups_never_mix():
 def test_heads_mask():
     assert heads_mask(2, 4) == 0b1100 and heads_mask(0, 1) == 1
     assert Layout.parse("BLHNC") == BLHNC
+
+
+@pytest.mark.parametrize("tp, total", [(2, 4), (4, 2), (1, 4)])
+def test_the_c_loop_and_torch_move_the_same_bytes(tp, total):
+    spec = spec_of(total, tp, layers=3, block_size=4, head_size=8, dtype=torch.bfloat16)
+    stored, _ = stored_format(PoolLayout(spec, BLHNC), Sharding("m", 0, tp, total))
+    rank = Sharding("m", tp - 1, tp, total)
+    pool = Pool.create("p", spec, BLHNC, shm_dir=None, sharding=rank)
+    pool.storage.copy_(torch.randint(0, 256, (pool.storage.numel(),), dtype=torch.uint8))
+    tiers = [HostTier(5, stored.block_bytes), HostTier(5, stored.block_bytes)]
+    engines = [ShardCopyEngine(pool.storage, pool.layout, rank.heads, tier, stored, use_native=flag)
+               for tier, flag in zip(tiers, (True, False))]
+    assert engines[0]._native is not None and engines[1]._native is None
+    for engine in engines:
+        engine.submit(CopyBatch(Direction.TO_HOST, [5, 1, 3], [4, 0, 2])).wait()
+    assert torch.equal(tiers[0].buffer, tiers[1].buffer) and tiers[0].buffer[[0, 2, 4]].any()
+    before = pool.storage.clone()
+    for engine in engines:
+        pool.storage.zero_()
+        engine.submit(CopyBatch(Direction.TO_POOL, [2, 4, 5], [4, 0, 2])).wait()
+        assert torch.equal(pool.storage.view(6, -1)[[2, 4, 5]], before.view(6, -1)[[5, 1, 3]])
+    pool.close()

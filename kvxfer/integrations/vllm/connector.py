@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
 from vllm.v1.request import Request
 
+from kvxfer.errors import KvxferError
 from kvxfer.geometry.layout import KVSpec
 from kvxfer.integrations.vllm import identity
 from kvxfer.integrations.vllm.manager import KvxferManager
@@ -58,12 +59,23 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
         raise ValueError("kvxfer: vLLM's KV-cache layout is not resolved yet")
     transfer = vllm_config.kv_transfer_config
     settings = Settings.parse(transfer.kv_connector_extra_config)
-    return EngineNames(
-        engine_id=transfer.engine_id or "", model=model_identity(vllm_config, settings),
-        spec=KVSpec(num_layers, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
-                    spec.dtype, kv_parts=1 if latent else 2),
-        layout=kvxfer_layout(layout), world_size=vllm_config.parallel_config.world_size,
-        group_prefix=settings.cache_group)
+    parallel = vllm_config.parallel_config
+    kv = KVSpec(num_layers, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
+                spec.dtype, kv_parts=1 if latent else 2)
+    # Canonical blocks (shared across TP sizes and layouts) where the daemon can assemble them: rank pools
+    # in host memory, each rank holding every layer (no pipeline parallelism).
+    canonical = vllm_config.device_config.device_type == "cpu" and parallel.world_size == parallel.tensor_parallel_size
+    total = (1 if latent else vllm_config.model_config.get_total_num_kv_heads()) if canonical else 0
+    names = EngineNames(engine_id=transfer.engine_id or "", model=model_identity(vllm_config, settings), spec=kv,
+                        layout=kvxfer_layout(layout), world_size=parallel.world_size,
+                        group_prefix=settings.cache_group, total_kv_heads=total)
+    try:  # a split kvxfer cannot store canonically stops vLLM here, with the reason
+        sharding = names.sharding(0)
+        if sharding is not None:
+            sharding.check(kv)
+    except KvxferError as exc:
+        raise ValueError(f"kvxfer: {exc}") from None
+    return names
 
 
 def model_identity(vllm_config: VllmConfig, settings: Settings) -> str:

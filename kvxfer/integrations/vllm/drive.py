@@ -47,6 +47,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvxfer.geometry.sharding import head_range
+
 EOS = 2
 
 
@@ -101,14 +103,14 @@ class Rank:
     """One worker: its connector (worker role), its KV cache and the KV heads it holds."""
 
     def __init__(self, config: VllmConfig, kv_cache_config, layout: str, layer_names: list[str], rank: int,
-                 num_heads: int) -> None:
+                 total_heads: int, tensor_parallel: int) -> None:
         self.connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
         context = self.connector.get_mem_pool_context() or contextlib.nullcontext()
         with context:  # what vLLM's Worker.initialize_from_config does
             kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout])
         self.connector.register_kv_caches(kv_caches)
         self.layers = [kv_caches[name].view(torch.uint8) for name in layer_names]  # [B, H, N, C bytes] each
-        self.heads = slice(rank * num_heads, (rank + 1) * num_heads)
+        self.heads = slice(*head_range(total_heads, tensor_parallel, rank))  # replicated when ranks > heads
         # The V2 model runner's connector driver, as GPUModelRunner builds it (its __init__ would fetch
         # the process-wide connector and register the caches again).
         self.v2 = ActiveKVConnector.__new__(ActiveKVConnector)
@@ -139,9 +141,9 @@ class Engine:
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
             kv_transfer_config=kv_transfer, device_config=DeviceConfig("cpu"))
         self.config.cache_config.kv_cache_layout = layout  # what the engine core resolves (BLHNC: the connector's)
-        if model.latent and (model.num_kv_heads != 1 or tensor_parallel != 1):
-            raise ValueError("the stand-in MLA model has one latent head on one rank")
-        heads = model.num_kv_heads // tensor_parallel
+        if model.latent and model.num_kv_heads != 1:
+            raise ValueError("the stand-in MLA model has one latent head (on every rank)")
+        heads = max(1, model.num_kv_heads // tensor_parallel)
         kind = MLAAttentionSpec if model.latent else FullAttentionSpec
         specs = {f"model.layers.{i}.self_attn.attn": kind(
             block_size=block_size, num_kv_heads=heads, head_size=model.head_size, dtype=model.dtype)
@@ -164,7 +166,10 @@ class Engine:
         for rank in range(tensor_parallel):
             config = copy.deepcopy(self.config)
             config.parallel_config.rank = rank
-            self.ranks.append(Rank(config, self.kv_cache_config, layout, list(specs), rank, heads))
+            self.ranks.append(Rank(config, self.kv_cache_config, layout, list(specs), rank, model.num_kv_heads,
+                                   tensor_parallel))
+        # One rank of each set that holds the same heads: together, every head once.
+        self.distinct = [r for i, r in enumerate(self.ranks) if r.heads not in [q.heads for q in self.ranks[:i]]]
         self.worker = self.ranks[0].connector
         self._aggregator = KVOutputAggregator.from_connector(self.worker, tensor_parallel)
         self.finished: set[str] = set()
@@ -189,7 +194,7 @@ class Engine:
     def block_bytes(self, blocks: list[int], rank: int | None = None) -> torch.Tensor:
         """The bytes of whole blocks [L, blocks, H, N, C bytes] over every layer and head (a copy),
         or over one rank's heads."""
-        ranks = self.ranks if rank is None else [self.ranks[rank]]
+        ranks = self.distinct if rank is None else [self.ranks[rank]]
         return torch.cat([torch.stack([layer[blocks] for layer in r.layers]) for r in ranks], dim=2)
 
     def expected_block_bytes(self, tokens: list[int], count: int) -> torch.Tensor:
@@ -350,7 +355,7 @@ class Engine:
         positions = torch.arange(num_tokens)
         blocks = torch.tensor(self.block_tables[req_id])[positions // self.block_size]
         kv = torch.cat([torch.stack([layer[blocks, :, positions % self.block_size, :] for layer in rank.layers])
-                        for rank in self.ranks], dim=2)
+                        for rank in self.distinct], dim=2)
         return _token_of(kv)
 
     def expected_token(self, tokens: list[int]) -> int:

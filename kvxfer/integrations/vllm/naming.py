@@ -1,9 +1,14 @@
 """What a vLLM engine's blocks are called in kvxfer: pool ids, cache groups, namespaces, geometry.
 
 Pure functions of the engine's configuration, shared by the scheduler process and every
-worker so that they agree without talking to each other. A namespace binds the model,
-the per-rank geometry, the memory layout and the tenant (vLLM's ``cache_salt``): another
-model, another tensor-parallel split, another layout or another tenant never matches.
+worker so that they agree without talking to each other. A namespace binds the model, the
+geometry and the tenant (vLLM's ``cache_salt``): another model or tenant never matches.
+
+On the CPU every rank registers with its ``Sharding`` and the engine's blocks are stored
+canonically (every head, one order): engines of the same model share them whatever their
+tensor-parallel size and layout. Elsewhere (a GPU pool, or pipeline parallelism, whose
+ranks hold different layers) each rank has a cache group of its own, and the namespace
+binds the split and the layout too.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, dtype_name
+from kvxfer.geometry.sharding import Sharding
 
 #: vLLM's KV-cache layouts (vllm.v1.kv_cache_layout) in kvxfer's axes. vLLM's content axis C
 #: holds a token's K then its V vector, which is kvxfer's KV,D.
@@ -48,14 +54,29 @@ class EngineNames:
     layout: Layout
     world_size: int
     group_prefix: str = ""  # kv_connector_extra_config "cache_group": share a host tier across engines
+    total_kv_heads: int = 0  # the model's, over all ranks: > 0 stores canonical blocks (``sharding``)
+
+    @property
+    def canonical(self) -> bool:
+        return self.total_kv_heads > 0
 
     @property
     def fingerprint(self) -> str:
-        """Changes whenever a block's bytes would mean something else (not with num_blocks)."""
+        """Changes whenever a block's bytes would mean something else (not with num_blocks; for canonical
+        blocks, not with the split or the layout either)."""
         s = self.spec
         latent = ("latent",) if s.kv_parts == 1 else ()  # (K/V engines keep the names they had)
+        if self.canonical:
+            return _digest("canonical", self.model, s.num_layers, s.block_size, self.total_kv_heads, s.head_size,
+                           dtype_name(s.dtype), *latent)
         return _digest(self.model, self.layout.spelled, s.num_layers, s.block_size, s.num_kv_heads, s.head_size,
                        dtype_name(s.dtype), self.world_size, *latent)
+
+    def sharding(self, rank: int) -> Sharding | None:
+        """What rank ``rank`` registers: its share of the model's heads (None: per-rank groups)."""
+        if not self.canonical:
+            return None
+        return Sharding(_digest(self.model, size=32), rank, self.world_size, self.total_kv_heads)
 
     def pool_id(self, rank: int) -> str:
         """Unique to this engine instance and rank (a restarted engine registers anew)."""
@@ -67,7 +88,7 @@ class EngineNames:
     def cache_group(self, rank: int) -> str:
         """Stable across engine restarts and shared by engines of the same model and split on one node."""
         prefix = _UNSAFE.sub("-", self.group_prefix)[:24] or "vllm"
-        return f"{prefix}-{self.fingerprint}-r{rank}"
+        return f"{prefix}-{self.fingerprint}" + ("" if self.canonical else f"-r{rank}")
 
     def namespace(self, cache_salt: str | None, generation: int = 0) -> str:
         """``generation``: how many times the engine forgot what it stored (``forget_on_reset``)."""

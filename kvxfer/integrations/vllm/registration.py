@@ -40,4 +40,5 @@ def register_rank(client: Client, names: EngineNames, rank: int, kv: torch.Tenso
         client.register_cuda_tensor(pool_id, names.spec, names.layout, memory, cache_group=group)
     else:
         handle = PoolHandle(Medium.SHM, offset=allocation.offset_of(kv) - kv.storage_offset())
-        client.register_pool(pool_id, names.spec, names.layout, handle, fd=allocation.fd, cache_group=group)
+        client.register_pool(pool_id, names.spec, names.layout, handle, fd=allocation.fd, cache_group=group,
+                             sharding=names.sharding(rank))

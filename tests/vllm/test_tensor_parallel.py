@@ -1,0 +1,73 @@
+"""Engines of one model with different tensor-parallel sizes and layouts share prefixes (issue 34), under
+vLLM's real scheduler: each rank offloads its heads into one canonical block, and a rank of any other
+split restores its own heads from it."""
+
+import pytest
+import torch
+
+from kvxfer import Client
+from kvxfer.integrations.vllm.drive import Model
+from tests.vllm.test_backend import MODES, PROMPT, TAIL, computed, external_hits, run_alone
+
+OTHER = list(range(300, 364))  # 4 more blocks of 16
+
+
+def group_stats(daemon, engine):
+    names = engine.worker.spec.names
+    with Client(daemon.target) as client:
+        return next(s for s in client.stats() if s.pool_id == names.pool_id(0))
+
+
+def shares(daemon, writer, reader, prompt):
+    """``writer`` computes ``prompt``; ``reader`` then loads all of it, bit-exact, and continues it right."""
+    run_alone(writer, f"w{id(prompt)}", prompt)
+    expected = writer.expected_block_bytes(prompt, 4)
+    assert torch.equal(writer.block_bytes(writer.block_tables[f"w{id(prompt)}"][:4]), expected)
+    reports = run_alone(reader, f"r{id(prompt)}", prompt + TAIL)
+    assert external_hits(reports, f"r{id(prompt)}") == 64 and computed(reports, f"r{id(prompt)}") == len(TAIL)
+    assert not any(r.load_errors for r in reports)
+    table = reader.block_tables[f"r{id(prompt)}"][:4]
+    assert torch.equal(reader.block_bytes(table), expected)
+    for rank in reader.ranks:  # each rank holds exactly its heads
+        assert torch.equal(reader.block_bytes(table, reader.ranks.index(rank)), expected[:, :, rank.heads])
+    assert reader.outputs[f"r{id(prompt)}"] == [reader.expected_token(prompt + TAIL)]
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2-async"])
+def test_a_tp2_engine_and_a_tp1_engine_of_another_layout_share_prefixes_both_ways(daemon, make_engine, mode):
+    tp2 = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2), tensor_parallel=2, **MODES[mode])
+    tp1 = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2), layout="LBHNC", **MODES[mode])
+    names2, names1 = tp2.worker.spec.names, tp1.worker.spec.names
+    assert names2.cache_group(1) == names1.cache_group(0) and names2.namespace(None) == names1.namespace(None)
+    shares(daemon, tp2, tp1, PROMPT)
+    shares(daemon, tp1, tp2, OTHER)
+    stats = group_stats(daemon, tp1)
+    assert stats.tiers[0].ready_blocks == 8  # one canonical block a key, not one a rank
+    assert stats.tiers[0].slot_bytes == 2 * tp2.block_bytes([1], 0).numel()
+
+
+def test_replicated_heads_tp4_over_two_kv_heads_restore_into_tp1(daemon, make_engine):
+    tp4 = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2), tensor_parallel=4)
+    tp1 = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2))
+    assert [r.heads for r in tp4.ranks] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+    shares(daemon, tp4, tp1, PROMPT)
+    shares(daemon, tp1, tp4, OTHER)
+
+
+def test_an_mla_latent_is_stored_once_for_every_rank_and_restores_into_any_split(daemon, make_engine):
+    model = Model(num_kv_heads=1, head_size=72, latent=True)
+    tp2 = make_engine(daemon.config["socket"], model=model, tensor_parallel=2)
+    tp1 = make_engine(daemon.config["socket"], model=model)
+    shares(daemon, tp2, tp1, PROMPT)
+    shares(daemon, tp1, tp2, OTHER)
+    stats = group_stats(daemon, tp1)
+    assert stats.tiers[0].ready_blocks == 8 and stats.tiers[0].slot_bytes == 2 * 16 * 72 * 2  # once, no V
+
+
+def test_another_model_of_the_same_geometry_never_matches(daemon, make_engine):
+    writer = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2), tensor_parallel=2)
+    reader = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2, weights_seed=1))
+    run_alone(writer, "A", PROMPT)
+    reports = run_alone(reader, "B", PROMPT + TAIL)
+    assert external_hits(reports, "B") == 0
+    assert reader.worker.spec.names.cache_group(0) != writer.worker.spec.names.cache_group(0)
