@@ -45,14 +45,14 @@ def sharding_to_pb(sharding: Sharding | None) -> pb.Sharding | None:
     if sharding is None:
         return None
     return pb.Sharding(model=sharding.model, tp_rank=sharding.tp_rank, tp_size=sharding.tp_size,
-                       total_kv_heads=sharding.total_kv_heads)
+                       total_kv_heads=sharding.total_kv_heads, kv_format=sharding.kv_format)
 
 
 def sharding_from_pb(msg: pb.Sharding, present: bool) -> Sharding | None:
     """``present``: the message was set (an unset one is no sharding; a set one is validated whole)."""
     if not present:
         return None
-    return Sharding(msg.model, msg.tp_rank, msg.tp_size, msg.total_kv_heads)
+    return Sharding(msg.model, msg.tp_rank, msg.tp_size, msg.total_kv_heads, msg.kv_format)
 
 
 def pool_info(desc: PoolDescriptor, cache_group: str = "", shared: bool = True) -> pb.PoolInfo:

@@ -25,7 +25,7 @@ from kvxfer.events.wire import engine_from_pb
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import Layout
-from kvxfer.geometry.sharding import MAX_MODEL_CHARS
+from kvxfer.geometry.sharding import MAX_FORMAT_CHARS, MAX_MODEL_CHARS
 from kvxfer.records import PoolRef, TransferResult
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -181,6 +181,7 @@ class KVTransferServicer:
         spec, layout = wire.spec_from_pb(request.spec), Layout.parse(request.layout)
         handle = wire.handle_from_pb(request.handle)
         _check_length(request.sharding.model, MAX_MODEL_CHARS, "sharding.model")
+        _check_length(request.sharding.kv_format, MAX_FORMAT_CHARS, "sharding.kv_format")
         sharding = wire.sharding_from_pb(request.sharding, request.HasField("sharding"))
         served, token = await self._blocking(self.registry.register, request.pool_id, spec, layout, handle,
                                              request.registration_token, request.host_capacity_mib,

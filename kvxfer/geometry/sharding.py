@@ -30,6 +30,8 @@ from kvxfer.geometry.layout import BLHNC, KVSpec, PoolLayout, dtype_name, parse_
 FORMAT_VERSION = 1
 #: The longest model identity a manifest takes.
 MAX_MODEL_CHARS = 512
+#: The longest KV element format a manifest takes.
+MAX_FORMAT_CHARS = 128
 #: The most ranks one model may be split over.
 MAX_TP_SIZE = 1024
 
@@ -57,11 +59,18 @@ class Sharding:
     tp_rank: int
     tp_size: int
     total_kv_heads: int
+    # How an element encodes KV beyond its dtype: quantisation and its scales, e.g. "fp8:per_tensor" (scales
+    # in the weights) or "fp8_per_token_head:k128v128:inline_f32" (each head's token cell holds its K and V
+    # codes, then their fp32 scales: they travel with the head). Empty: plain values.
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not 1 <= len(self.model) <= MAX_MODEL_CHARS \
                 or not self.model.isprintable():
             raise InvalidArgument(f"sharding.model: a printable identity of 1-{MAX_MODEL_CHARS} characters")
+        if not isinstance(self.kv_format, str) or len(self.kv_format) > MAX_FORMAT_CHARS \
+                or not self.kv_format.isprintable():
+            raise InvalidArgument(f"sharding.kv_format: printable, at most {MAX_FORMAT_CHARS} characters")
         for name, value, low, high in (("tp_size", self.tp_size, 1, MAX_TP_SIZE),
                                        ("tp_rank", self.tp_rank, 0, self.tp_size - 1),
                                        ("total_kv_heads", self.total_kv_heads, 1, 1 << 16)):
@@ -93,7 +102,7 @@ class Manifest:
     num_layers: int
     kv_parts: int
     head_size: int  # elements a part a head
-    scale_format: str = "none"  # no scale tensors travel with the data
+    scale_format: str = "none"  # the element format (``Sharding.kv_format``): quantisation and its scales
     version: int = FORMAT_VERSION
 
     @classmethod
@@ -101,7 +110,7 @@ class Manifest:
         """The manifest of a rank pool's model (its spec is the rank's share)."""
         sharding.check(spec)
         return cls(sharding.model, dtype_name(spec.dtype), spec.block_size, sharding.total_kv_heads,
-                   spec.num_layers, spec.kv_parts, spec.head_size)
+                   spec.num_layers, spec.kv_parts, spec.head_size, sharding.kv_format or "none")
 
     @property
     def digest(self) -> bytes:
@@ -124,4 +133,4 @@ def stored_format(layout: PoolLayout, sharding: Sharding | None) -> tuple[PoolLa
     return manifest.layout(layout.spec.num_blocks), manifest
 
 
-__all__ = ["FORMAT_VERSION", "Manifest", "Sharding", "head_range", "stored_format"]
+__all__ = ["FORMAT_VERSION", "MAX_FORMAT_CHARS", "Manifest", "Sharding", "head_range", "stored_format"]

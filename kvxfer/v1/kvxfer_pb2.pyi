@@ -114,16 +114,18 @@ class KVSpec(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ...) -> None: ...
 
 class Sharding(_message.Message):
-    __slots__ = ("model", "tp_rank", "tp_size", "total_kv_heads")
+    __slots__ = ("model", "tp_rank", "tp_size", "total_kv_heads", "kv_format")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     tp_rank: int
     tp_size: int
     total_kv_heads: int
-    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
+    kv_format: str
+    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
     __slots__ = ("medium", "path", "cuda_ipc_handle", "device", "offset", "device_uuid")

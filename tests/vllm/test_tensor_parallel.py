@@ -71,3 +71,29 @@ def test_another_model_of_the_same_geometry_never_matches(daemon, make_engine):
     reports = run_alone(reader, "B", PROMPT + TAIL)
     assert external_hits(reports, "B") == 0
     assert reader.worker.spec.names.cache_group(0) != writer.worker.spec.names.cache_group(0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_per_token_head", "int8_per_token_head"])
+def test_per_token_head_scales_travel_with_their_heads_across_tp_sizes(daemon, make_engine, kv_cache_dtype):
+    """vLLM's per-token-head quantised cache: each head's token cell is its K and V codes, then their fp32
+    scales. A TP=2 engine's blocks restore into a TP=1 engine bit-exact, scales included."""
+    model = Model(num_kv_heads=2, kv_cache_dtype=kv_cache_dtype)
+    tp2 = make_engine(daemon.config["socket"], model=model, tensor_parallel=2)
+    tp1 = make_engine(daemon.config["socket"], model=model)
+    names = tp1.worker.spec.names
+    assert names.spec.kv_parts == 1 and names.spec.head_size == 2 * 16 + 8 and names.spec.dtype == torch.uint8
+    assert names.kv_format == f"{kv_cache_dtype}:k16v16:inline_f32"
+    shares(daemon, tp2, tp1, PROMPT)
+    shares(daemon, tp1, tp2, OTHER)
+
+
+def test_an_fp8_cache_with_per_tensor_scales_shares_and_never_matches_other_formats(daemon, make_engine):
+    fp8 = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2, kv_cache_dtype="fp8"), tensor_parallel=2)
+    fp8_tp1 = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2, kv_cache_dtype="fp8"))
+    assert fp8.worker.spec.names.kv_format == "fp8:per_tensor"
+    shares(daemon, fp8, fp8_tp1, PROMPT)
+    for other in ("auto", "fp8_per_token_head"):  # the same prompt, another element format: never a hit
+        engine = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2, kv_cache_dtype=other))
+        reports = run_alone(engine, f"x-{other}", PROMPT + TAIL)
+        assert external_hits(reports, f"x-{other}") == 0
+        assert engine.worker.spec.names.cache_group(0) != fp8_tp1.worker.spec.names.cache_group(0)

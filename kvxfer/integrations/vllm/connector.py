@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 
+import torch
+
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVQuantMode, MLAAttentionSpec
 from vllm.v1.request import Request
 
 from kvxfer.errors import KvxferError
@@ -46,10 +48,9 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
                    or spec.model_version):
         raise ValueError("kvxfer serves MLA caches of plain latents; this one is quantised, padded or sparse "
                          f"({spec.cache_dtype_str or spec.model_version or 'sparse'})")
-    if (not latent and spec.head_size_v != spec.head_size) or spec.sliding_window is not None \
-            or spec.kv_quant_mode.value != 0:
-        raise ValueError("kvxfer needs K and V of one head size (or an MLA latent), no sliding window and no "
-                         "per-token KV quantisation")
+    if spec.sliding_window is not None:
+        raise ValueError("kvxfer needs full attention without a sliding window")
+    kv_parts, head_size, dtype, kv_format = kv_element(spec, latent, vllm_config.cache_config.cache_dtype)
     tensors = kv_cache_config.kv_cache_tensors
     if len(tensors) > 1:
         raise ValueError(f"kvxfer serves one KV allocation per rank; vLLM planned {len(tensors)}")
@@ -60,15 +61,15 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
     transfer = vllm_config.kv_transfer_config
     settings = Settings.parse(transfer.kv_connector_extra_config)
     parallel = vllm_config.parallel_config
-    kv = KVSpec(num_layers, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
-                spec.dtype, kv_parts=1 if latent else 2)
+    kv = KVSpec(num_layers, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, head_size, dtype,
+                kv_parts=kv_parts)
     # Canonical blocks (shared across TP sizes and layouts) where the daemon can assemble them: rank pools
     # in host memory, each rank holding every layer (no pipeline parallelism).
     canonical = vllm_config.device_config.device_type == "cpu" and parallel.world_size == parallel.tensor_parallel_size
     total = (1 if latent else vllm_config.model_config.get_total_num_kv_heads()) if canonical else 0
     names = EngineNames(engine_id=transfer.engine_id or "", model=model_identity(vllm_config, settings), spec=kv,
                         layout=kvxfer_layout(layout), world_size=parallel.world_size,
-                        group_prefix=settings.cache_group, total_kv_heads=total)
+                        group_prefix=settings.cache_group, total_kv_heads=total, kv_format=kv_format)
     try:  # a split kvxfer cannot store canonically stops vLLM here, with the reason
         sharding = names.sharding(0)
         if sharding is not None:
@@ -76,6 +77,28 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
     except KvxferError as exc:
         raise ValueError(f"kvxfer: {exc}") from None
     return names
+
+
+def kv_element(spec: FullAttentionSpec, latent: bool, cache_dtype: str) -> tuple[int, int, torch.dtype, str]:
+    """(kv_parts, head_size, dtype, kv_format) of a KV cache's elements as kvxfer stores them. A per-token-head
+    quantised cache's (head, token) cell holds K and V codes, then their fp32 scales: one opaque part of that
+    many bytes, whose scales travel with their head (so a TP split of the heads keeps them)."""
+    mode = spec.kv_quant_mode
+    if mode is KVQuantMode.NONE:
+        if not latent and spec.head_size_v != spec.head_size:
+            raise ValueError("kvxfer needs K and V of one head size (or an MLA latent)")
+        return (1 if latent else 2), spec.head_size, spec.dtype, ""
+    if not latent and mode is KVQuantMode.FP8_PER_TENSOR and spec.head_size_v == spec.head_size:
+        return 2, spec.head_size, spec.dtype, f"{cache_dtype}:per_tensor"  # the scales are the weights'
+    if not latent and mode in INLINE_SCALES and spec.state_content_bytes and spec.page_size_padded is None:
+        return 1, spec.state_content_size_bytes, torch.uint8, \
+            f"{mode.name.lower()}:k{spec.head_size}v{spec.head_size_v}:inline_f32"
+    raise ValueError(f"kvxfer stores plain, FP8 per-tensor and FP8/INT8 per-token-head KV caches; this one is "
+                     f"{mode.name.lower()}{' (MLA)' if latent else ''}")
+
+
+#: Per-token-head quantisation whose scales vLLM packs inline after each head's codes.
+INLINE_SCALES = frozenset({KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD})
 
 
 def model_identity(vllm_config: VllmConfig, settings: Settings) -> str:

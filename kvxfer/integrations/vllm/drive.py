@@ -38,7 +38,7 @@ from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_ca
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, get_kv_quant_mode
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -61,6 +61,7 @@ class Model:
     num_kv_heads: int = 2
     head_size: int = 16
     latent: bool = False  # an MLA cache (one latent a token: num_kv_heads 1, head_size its width), no V
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: "fp8" (per-tensor scales), "fp8_per_token_head", ...
     dtype: torch.dtype = torch.bfloat16
     weights_seed: int = 0
 
@@ -76,6 +77,17 @@ class Model:
             self.weights_seed))
         (directory / "model.safetensors").write_bytes(weights.numpy().tobytes())
         return directory
+
+
+def _cache_format(model: Model) -> dict:
+    """The cache spec's dtype and quantisation, as vLLM's attention backends make them (Triton's
+    per-token-head modes: each head's token cell is its K and V codes, then their two fp32 scales)."""
+    if model.kv_cache_dtype == "auto":
+        return {"dtype": model.dtype}
+    mode = get_kv_quant_mode(model.kv_cache_dtype)
+    if mode.is_per_token_head:
+        return {"dtype": torch.uint8, "kv_quant_mode": mode, "state_content_bytes": 2 * model.head_size + 8}
+    return {"dtype": torch.uint8, "kv_quant_mode": mode}
 
 
 @dataclass
@@ -134,7 +146,8 @@ class Engine:
         self.config = VllmConfig(
             model_config=ModelConfig(model=str(model.write_config(Path(self._dir.name))), dtype=model.dtype,
                                      seed=0, max_model_len=max_len, skip_tokenizer_init=True),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                                     cache_dtype=model.kv_cache_dtype),
             scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched_tokens,
                                              max_model_len=max_len, is_encoder_decoder=False,
                                              async_scheduling=async_scheduling),
@@ -146,9 +159,10 @@ class Engine:
         heads = max(1, model.num_kv_heads // tensor_parallel)
         kind = MLAAttentionSpec if model.latent else FullAttentionSpec
         specs = {f"model.layers.{i}.self_attn.attn": kind(
-            block_size=block_size, num_kv_heads=heads, head_size=model.head_size, dtype=model.dtype)
+            block_size=block_size, num_kv_heads=heads, head_size=model.head_size, **_cache_format(model))
             for i in range(model.num_layers)}
         page = next(iter(specs.values())).page_size_bytes * model.num_layers
+        self.cell_bytes = page // (model.num_layers * heads * block_size)  # one head's token: its C bytes
         groups = get_global_kv_cache_groups(self.config, [specs])
         self.kv_cache_config = get_kv_cache_configs(self.config, [specs], [page * num_blocks], groups)[0]
         self.kv_cache_config.kv_cache_layout = layout
@@ -365,8 +379,7 @@ class Engine:
     def _payload(self, hashes: list[int]) -> torch.Tensor:
         """KV bytes [L, tokens, H, C bytes] of tokens whose prefixes hash to ``hashes``."""
         heads = self.model.num_kv_heads
-        parts = 1 if self.model.latent else 2  # the latent alone, or K and V
-        width = parts * self.model.head_size * torch.empty((), dtype=self.model.dtype).element_size()
+        width = self.cell_bytes  # K and V (and their scales), or the latent
         h = (torch.tensor(hashes, dtype=torch.int64) >> 3).remainder(251).to(torch.int16).view(1, -1, 1, 1)
         layer = (torch.arange(self.model.num_layers) * 7919).remainder(251).to(torch.int16).view(-1, 1, 1, 1)
         cell = (torch.arange(heads * width) * 131).remainder(251).to(torch.int16).view(1, 1, heads, width)

@@ -55,6 +55,7 @@ class EngineNames:
     world_size: int
     group_prefix: str = ""  # kv_connector_extra_config "cache_group": share a host tier across engines
     total_kv_heads: int = 0  # the model's, over all ranks: > 0 stores canonical blocks (``sharding``)
+    kv_format: str = ""  # quantisation and its scales (``Sharding.kv_format``); empty: plain values
 
     @property
     def canonical(self) -> bool:
@@ -66,6 +67,7 @@ class EngineNames:
         blocks, not with the split or the layout either)."""
         s = self.spec
         latent = ("latent",) if s.kv_parts == 1 else ()  # (K/V engines keep the names they had)
+        latent += (self.kv_format,) if self.kv_format else ()
         if self.canonical:
             return _digest("canonical", self.model, s.num_layers, s.block_size, self.total_kv_heads, s.head_size,
                            dtype_name(s.dtype), *latent)
@@ -76,7 +78,7 @@ class EngineNames:
         """What rank ``rank`` registers: its share of the model's heads (None: per-rank groups)."""
         if not self.canonical:
             return None
-        return Sharding(_digest(self.model, size=32), rank, self.world_size, self.total_kv_heads)
+        return Sharding(_digest(self.model, size=32), rank, self.world_size, self.total_kv_heads, self.kv_format)
 
     def pool_id(self, rank: int) -> str:
         """Unique to this engine instance and rank (a restarted engine registers anew)."""
