@@ -18,7 +18,7 @@ from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.memory.pool import Pool
 from kvxfer.records import LookupResult, LookupStats, Outcome, TierStats, TransferResult, TransferStats
 from kvxfer.geometry.sharding import stored_format
-from kvxfer.serving.assembly import heads_mask
+from kvxfer.serving.assembly import Claim, heads_mask
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.index.block_index import Plan
 from kvxfer.serving.group import CacheGroup
@@ -155,6 +155,7 @@ class PoolManager:
         claim, expired = assembly.claim(batch.namespace, batch.keys, self.heads, self.group.prepare_store)
         self._forget(expired)
         moved, seconds, written = 0, 0.0, 0
+        late: LateCopies | None = None
         try:
             if claim.slots:
                 start = time.perf_counter()
@@ -165,20 +166,31 @@ class PoolManager:
                 _set(claim.outcomes, claim.positions[written:],
                      Outcome.CANCELLED if done.cancelled else Outcome.DEADLINE_EXCEEDED)
                 moved = self._count(TransferKind.OFFLOAD, written, seconds)
+        except LateCopies as exc:
+            late = exc
+            _set(claim.outcomes, claim.positions, Outcome.DEADLINE_EXCEEDED)
         except InvalidArgument:
             _set(claim.outcomes, claim.positions, Outcome.FAILED)
             raise
-        except KvxferError:  # (a CPU engine's copies finish inside submit: none is late)
+        except KvxferError:
             _set(claim.outcomes, claim.positions, Outcome.FAILED)
         finally:
-            settled = assembly.settle(claim, written)
-            self._forget(settled.dropped)
-            if settled.complete:
-                slots, keys = [s for s, _ in settled.complete], [k for _, k in settled.complete]
-                checksums: list[int | None] = list(self.copier.tier_checksums(slots))
-                self.index.complete_store(slots, checksums, batch.engine)
-                self.group.write_through(batch.namespace, keys, slots, checksums)
+            if late is None:
+                self._settle(claim, written, batch)
+            else:  # copies that may still land: the entries stay claimed (never reused) until they have
+                self.engine.quarantine(late.handles, lambda: self._settle(claim, 0, batch), restore=False)
         return TransferResult(claim.outcomes, moved, seconds)
+
+    def _settle(self, claim: Claim, written: int, batch: TransferBatch) -> None:
+        """This rank is done with its claim: entries now complete are hashed whole and published, those
+        that never will be are forgotten."""
+        settled = self.group.assembly.settle(claim, written)
+        self._forget(settled.dropped)
+        if settled.complete:
+            slots, keys = [s for s, _ in settled.complete], [k for _, k in settled.complete]
+            checksums: list[int | None] = list(self.copier.tier_checksums(slots))
+            self.index.complete_store(slots, checksums, batch.engine)
+            self.group.write_through(batch.namespace, keys, slots, checksums)
 
     def _forget(self, slots: list[int]) -> None:
         """Canonical entries that will never be complete: never visible, their slots free."""

@@ -42,9 +42,23 @@ ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier, bool, i
 }
 
 
-#: (pool medium, how this process reaches it) of rank pools whose heads' slices of canonical blocks
-#: can be moved (``ShardCopyEngine``).
-SHARD_ENGINES = {(Medium.SHM, Access.MAPPED), (Medium.MEMFD, Access.MAPPED)}
+def _shard_mapped(pool: Pool, host: HostTier, canonical: PoolLayout, threads: int, deadline_s: float) -> CopyEngine:
+    return ShardCopyEngine(pool.storage, pool.layout, pool.descriptor.sharding.heads, host, canonical, threads)
+
+
+def _shard_cuda(pool: Pool, host: HostTier, canonical: PoolLayout, threads: int, deadline_s: float) -> CopyEngine:
+    return CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(pool.cuda_device),
+                          deadline_s=deadline_s, hash_threads=threads,
+                          shard=(canonical, pool.descriptor.sharding.heads[0]))
+
+
+#: (pool medium, how this process reaches it) -> the engine moving a tensor-parallel rank's pieces of
+#: canonical blocks.
+SHARD_ENGINES: dict[tuple[Medium, Access], Callable[[Pool, HostTier, PoolLayout, int, float], CopyEngine]] = {
+    (Medium.SHM, Access.MAPPED): _shard_mapped,
+    (Medium.MEMFD, Access.MAPPED): _shard_mapped,
+    (Medium.CUDA, Access.MAPPED): _shard_cuda,
+}
 
 
 def engine_for(pool: Pool, host: HostTier, checksum_on_device: bool = True, threads: int = 2,
@@ -55,11 +69,13 @@ def engine_for(pool: Pool, host: HostTier, checksum_on_device: bool = True, thre
     which the pool (a tensor-parallel rank's) holds its heads' slices."""
     medium = pool.descriptor.handle.medium
     if canonical is not None:
-        if (medium, pool.access) not in SHARD_ENGINES:
+        try:
+            make_shard = SHARD_ENGINES[(medium, pool.access)]
+        except KeyError:
             raise FailedPrecondition(f"a tensor-parallel rank's {medium.value} pool ({pool.access.value} access) "
-                                     "cannot be served in a group of canonical blocks yet: only host memory this "
-                                     "daemon maps (a sealed memfd); register it without sharding")
-        return ShardCopyEngine(pool.storage, pool.layout, pool.descriptor.sharding.heads, host, canonical, threads)
+                                     "cannot be served in a group of canonical blocks: hand over a sealed memfd "
+                                     "(the daemon maps it), or register it without sharding") from None
+        return make_shard(pool, host, canonical, threads, deadline_s)
     try:
         make = ENGINES[(medium, pool.access, TierKind.HOST)]
     except KeyError:

@@ -43,7 +43,7 @@ from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_
     CudaError, Driver
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
-from kvxfer.transfer.plan import plan_copies
+from kvxfer.transfer.plan import CopyPlan, plan_copies, plan_shard_copies, shard_pieces
 from kvxfer.transfer.planner import CostTable, Method, Planner
 from kvxfer.transfer.staging import Stager, wants_staging
 from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
@@ -129,26 +129,32 @@ class CudaCopyEngine(CopyEngine):
 
     def __init__(self, pool_ptr: int, layout: PoolLayout, host: HostTier, driver: Driver,
                  deadline_s: float = DEADLINE_S, pool: torch.Tensor | None = None, hash_threads: int = 1,
-                 device_checksums: bool = True, costs: CostTable | None = None) -> None:
+                 device_checksums: bool = True, costs: CostTable | None = None,
+                 shard: tuple[PoolLayout, int] | None = None) -> None:
         """``pool``: the pool's device tensor, given to move layouts of short runs through staging
         and, with ``device_checksums``, to checksum blocks with the device XXH3 in stream order
         with their copies (block-major layouts: a block is one span; ``stream_hash``) instead of
         on the host. ``hash_threads``: host threads that hash tier copies otherwise (offload, and
         restore's check of the tier copy). ``costs``: the planner's cost table (the repository's
-        measured one by default)."""
+        measured one by default). ``shard``: (canonical layout, first head): the pool is a tensor-
+        parallel rank's, and its blocks are its heads' pieces of the canonical blocks in the slots (DMA
+        descriptors, one a piece; hashed on the host once every rank's pieces are in)."""
         if hash_threads < 1:
             raise Internal(f"a copy engine needs at least one hash thread, got {hash_threads}")
-        if host.slot_bytes != layout.block_bytes:
-            raise Internal(f"host slots of {host.slot_bytes} B cannot hold blocks of {layout.block_bytes} B")
+        slot_bytes = shard[0].block_bytes if shard is not None else layout.block_bytes
+        if host.slot_bytes != slot_bytes:
+            raise Internal(f"host slots of {host.slot_bytes} B cannot hold blocks of {slot_bytes} B")
         self.driver, self.layout, self.host, self.deadline_s = driver, layout, host, deadline_s
         self._pool_ptr = pool_ptr
         self._host_ptr = host.buffer.data_ptr()
         self._streams = {Direction.TO_HOST: _Stream(driver.stream()), Direction.TO_POOL: _Stream(driver.stream())}
         self._late: list[_Quarantined] = []
         self._lock = threading.Lock()  # the late list: the job thread and the reaper both look
-        device_hashed = pool is not None and device_checksums and layout.runs_per_block == 1
+        whole = shard is None  # device hashing and staging move whole blocks
+        self._pieces = shard_pieces(layout, *shard) if shard is not None else None
+        device_hashed = whole and pool is not None and device_checksums and layout.runs_per_block == 1
         self._hasher = StreamHasher(pool, layout.block_bytes) if device_hashed else None
-        self._stager = Stager(pool, layout, driver) if pool is not None and wants_staging(layout) else None
+        self._stager = Stager(pool, layout, driver) if whole and pool is not None and wants_staging(layout) else None
         self.planner = Planner(layout, costs or CostTable.load(), driver.batched,
                                self._stager.rows if self._stager is not None else 0)
         self._hash_threads = hash_threads
@@ -173,7 +179,12 @@ class CudaCopyEngine(CopyEngine):
 
     @property
     def descriptors_per_block(self) -> int:
-        return self.layout.runs_per_block
+        return self.layout.runs_per_block if self._pieces is None else len(self._pieces[0])
+
+    def _plan(self, blocks: list[int], slots) -> CopyPlan:
+        if self._pieces is None:
+            return plan_copies(self.layout, blocks, slots)
+        return plan_shard_copies(self.layout, self._pieces, self.host.slot_bytes, blocks, slots)
 
     def describe(self) -> str:
         hashing = "device XXH3" if self._hasher is not None else f"host, {self._hash_threads} threads"
@@ -205,7 +216,7 @@ class CudaCopyEngine(CopyEngine):
     def _planned_copies(self, stream: _Stream, batch: CopyBatch, looped: bool = False) -> int:
         """The copy plan's descriptors, ``SUB_BATCH`` to a driver call (``looped``: one a call): the
         copies of the first call start while the next is submitted."""
-        plan = plan_copies(self.layout, batch.blocks, batch.slots)
+        plan = self._plan(batch.blocks, batch.slots)
         pool, tier = self._pool_ptr + plan.pool_offsets, self._host_ptr + plan.tier_offsets
         to_host = batch.direction is Direction.TO_HOST
         dst, src = (tier, pool) if to_host else (pool, tier)

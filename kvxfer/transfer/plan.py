@@ -9,12 +9,13 @@ both sides are merged.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.geometry.layout import PoolLayout
+from kvxfer.geometry.layout import Axis, PoolLayout
 from kvxfer.tiers.slots import slot_array
 
 
@@ -43,15 +44,7 @@ def plan_copies(layout: PoolLayout, blocks: list[int], slots: Sequence[int]) -> 
     s = slot_array(slots)
     pool = (b[:, None] * run + outer[None, :]).ravel()
     tier = (s[:, None] * layout.block_bytes + np.arange(len(outer), dtype=np.int64)[None, :] * run).ravel()
-    order = np.argsort(pool, kind="stable")
-    pool, tier = pool[order], tier[order]
-    if len(pool) == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return CopyPlan(empty, empty, empty)
-    # A descriptor starts wherever either side stops being contiguous with the previous run.
-    starts = np.concatenate(([0], np.nonzero((pool[1:] != pool[:-1] + run) | (tier[1:] != tier[:-1] + run))[0] + 1))
-    lengths = np.diff(np.concatenate((starts, [len(pool)]))) * run
-    return CopyPlan(pool[starts], tier[starts], lengths)
+    return _merged(pool, tier, run)
 
 
 def file_calls(plan: CopyPlan, max_iov: int = 1024) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -69,3 +62,50 @@ def file_calls(plan: CopyPlan, max_iov: int = 1024) -> list[tuple[int, list[tupl
             calls.append((p, [(t, n)]))
         end = p + n
     return calls
+
+
+def shard_pieces(layout: PoolLayout, canonical: PoolLayout, first_head: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A tensor-parallel rank's block as pieces contiguous in both its pool and a canonical slot: their
+    offsets in block 0 of the pool, their offsets in a slot, and their common length. A piece grows from
+    D outwards over the axes L, H, N, KV, D for as long as both sides keep them contiguous (BLHNC: one
+    piece a layer; flash_attn: one a head vector)."""
+    spec, axes = layout.spec, (Axis.L, Axis.H, Axis.N, Axis.KV, Axis.D)
+    length, inner = spec.element_size, len(axes)
+    while inner > 0:
+        axis = axes[inner - 1]
+        if spec.axis_size(axis) > 1 and (layout.strides[axis] != length or canonical.strides[axis] != length):
+            break
+        length *= spec.axis_size(axis)
+        inner -= 1
+    outer = axes[:inner]
+    index = np.array(list(itertools.product(*(range(spec.axis_size(a)) for a in outer))), dtype=np.int64)
+    index = index.reshape(-1, len(outer)) if outer else np.zeros((1, 0), dtype=np.int64)  # (one piece: the block)
+    pool = index @ np.array([layout.strides[a] for a in outer], dtype=np.int64)
+    slot = index @ np.array([canonical.strides[a] for a in outer], dtype=np.int64) + first_head * canonical.strides[
+        Axis.H]
+    return pool, slot, length
+
+
+def plan_shard_copies(layout: PoolLayout, pieces: tuple[np.ndarray, np.ndarray, int], slot_bytes: int,
+                      blocks: list[int], slots: Sequence[int]) -> CopyPlan:
+    """Descriptors moving a rank's part of each pool block ``blocks[i]`` to/from its place in the
+    canonical block of tier slot ``slots[i]`` (``pieces``: ``shard_pieces``)."""
+    offsets, places, length = pieces
+    b = np.asarray(blocks, dtype=np.int64)
+    s = slot_array(slots)
+    pool = (b[:, None] * layout.strides[Axis.B] + offsets[None, :]).ravel()
+    tier = (s[:, None] * slot_bytes + places[None, :]).ravel()
+    return _merged(pool, tier, length)
+
+
+def _merged(pool: np.ndarray, tier: np.ndarray, run: int) -> CopyPlan:
+    """Runs of ``run`` bytes sorted by pool offset, those contiguous on both sides merged."""
+    order = np.argsort(pool, kind="stable")
+    pool, tier = pool[order], tier[order]
+    if len(pool) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return CopyPlan(empty, empty, empty)
+    # A descriptor starts wherever either side stops being contiguous with the previous run.
+    starts = np.concatenate(([0], np.nonzero((pool[1:] != pool[:-1] + run) | (tier[1:] != tier[:-1] + run))[0] + 1))
+    lengths = np.diff(np.concatenate((starts, [len(pool)]))) * run
+    return CopyPlan(pool[starts], tier[starts], lengths)

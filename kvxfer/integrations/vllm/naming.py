@@ -4,11 +4,10 @@ Pure functions of the engine's configuration, shared by the scheduler process an
 worker so that they agree without talking to each other. A namespace binds the model, the
 geometry and the tenant (vLLM's ``cache_salt``): another model or tenant never matches.
 
-On the CPU every rank registers with its ``Sharding`` and the engine's blocks are stored
-canonically (every head, one order): engines of the same model share them whatever their
-tensor-parallel size and layout. Elsewhere (a GPU pool, or pipeline parallelism, whose
-ranks hold different layers) each rank has a cache group of its own, and the namespace
-binds the split and the layout too.
+Every rank registers with its ``Sharding`` and the engine's blocks are stored canonically
+(every head, one order): engines of the same model share them whatever their tensor-
+parallel size and layout. With pipeline parallelism (whose ranks hold different layers)
+each rank has a cache group of its own, and the namespace binds the split and the layout.
 """
 
 from __future__ import annotations
