@@ -324,3 +324,26 @@ def test_the_element_format_is_part_of_the_manifest():
     assert plain.scale_format == "none" and plain.digest != scaled.digest
     with pytest.raises(InvalidArgument, match="kv_format"):
         Sharding("m", 0, 2, 4, "x" * 200)
+
+
+@pytest.mark.parametrize("model, kv_format", [("m2", ""), ("m", "fp8:per_tensor"), ("m", "")])
+def test_blocks_of_another_manifest_on_disk_are_never_served(tmp_path, model, kv_format):
+    """The manifest is in the fingerprint every stored block carries: a group of the same name and geometry
+    but another model (or element format) finds the disk's blocks foreign; the same manifest finds them."""
+    from kvxfer.serving.disk_store import DiskSettings
+
+    def group(model, kv_format=""):
+        stored, manifest = stored_format(PoolLayout(spec_of(4, 2), BLHNC), Sharding(model, 0, 2, 4, kv_format))
+        return CacheGroup("g", stored, 4, disk=DiskSettings(str(tmp_path), 1 << 20), manifest=manifest)
+
+    first = group("m")
+    engine = Engine(first, 4, 2)
+    engine.offload([(b, bytes([b])) for b in range(1, 5)])
+    first.demote_all(10)
+    engine.close()
+    first.close(5)
+    other = group(model, kv_format)
+    same = (model, kv_format) == ("m", "")
+    assert other.disk.stats().events.get("dropped_at_start_foreign_format", 0) == (0 if same else 4)
+    assert other.disk.contains("ns", [b"\x01", b"\x04"]) == [same, same]
+    other.close(5)
