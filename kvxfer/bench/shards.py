@@ -32,6 +32,7 @@ from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
+from kvxfer.transfer.shard import blocks_view
 
 NS, BLOCK_SIZE, HEAD_SIZE = "bench", 16, 128
 
@@ -45,30 +46,34 @@ def _threads(calls: list[Callable[[], object]]) -> None:
         w.join()
 
 
-def measure(args: argparse.Namespace, layout: Layout) -> dict:
+def measure(args: argparse.Namespace, layout: Layout, device: str = "cpu") -> dict:
+    """One layout's figures; ``device``: where the pools are ("cuda:0": the device check's, DMA descriptors
+    into a pinned host tier). The bytes restored into TP=1 are checked head by head against the ranks'."""
     tp, heads = args.tp, args.heads
+    pin = torch.device(device).index or 0 if device.startswith("cuda") else None
     rank_spec = KVSpec(args.layers, 2, BLOCK_SIZE, max(1, heads // tp), HEAD_SIZE, torch.bfloat16)
     stored, manifest = stored_format(PoolLayout(rank_spec, layout), Sharding("bench", 0, tp, heads))
     span = stored.block_bytes
     n = math.ceil((args.min_mib << 20) / span)
     num_blocks = 2 * n + 2
     gen = torch.Generator().manual_seed(n)
-    odd = torch.arange(1, num_blocks, 2)
-    sources, targets = (odd[torch.randperm(odd.numel(), generator=gen)[:n]].tolist() for _ in range(2))
+    odd, even = torch.arange(1, num_blocks, 2), torch.arange(2, num_blocks, 2)  # never adjacent, never block 0
+    sources = odd[torch.randperm(odd.numel(), generator=gen)[:n]].tolist()
+    targets = even[torch.randperm(even.numel(), generator=gen)[:n]].tolist()  # restores never overwrite a source
     keys = [b"k%d" % i for i in range(n)]
     spec = KVSpec(args.layers, num_blocks, BLOCK_SIZE, rank_spec.num_kv_heads, HEAD_SIZE, torch.bfloat16)
-    pools = [Pool.create(f"r{r}", spec, layout, shm_dir=None, sharding=Sharding("bench", r, tp, heads))
-             for r in range(tp)]
-    plain = [Pool.create(f"p{r}", spec, layout, shm_dir=None) for r in range(tp)]
+    pools = [Pool.create(f"r{r}", spec, layout, shm_dir=None, sharding=Sharding("bench", r, tp, heads),
+                         device=device) for r in range(tp)]
+    plain = [Pool.create(f"p{r}", spec, layout, shm_dir=None, device=device) for r in range(tp)]
     whole = Pool.create("tp1", KVSpec(args.layers, num_blocks, BLOCK_SIZE, heads, HEAD_SIZE, torch.bfloat16),
-                        layout, shm_dir=None, sharding=Sharding("bench", 0, 1, heads))
+                        layout, shm_dir=None, sharding=Sharding("bench", 0, 1, heads), device=device)
     try:
         for pool in pools + plain:
             pool.storage.view(torch.int64).copy_(torch.randint(-2**62, 2**62, (pool.storage.numel() // 8,)))
-        group = CacheGroup("canonical", stored, n, manifest=manifest)
+        group = CacheGroup("canonical", stored, n, manifest=manifest, pin_device=pin)
         sharded = [PoolManager(p, group) for p in pools]
         single = PoolManager(whole, group)
-        per_rank = [PoolManager(p, CacheGroup(f"g{i}", p.layout, n)) for i, p in enumerate(plain)]
+        per_rank = [PoolManager(p, CacheGroup(f"g{i}", p.layout, n, pin_device=pin)) for i, p in enumerate(plain)]
         batches = [(sources[i:i + args.batch], targets[i:i + args.batch], keys[i:i + args.batch])
                    for i in range(0, n, args.batch)]
 
@@ -91,6 +96,10 @@ def measure(args: argparse.Namespace, layout: Layout) -> dict:
             outcomes = m.stats().outcomes
             assert outcomes.get("failed", 0) == outcomes.get("data_loss", 0) == 0, outcomes
         assert group.index.stats().pinned == 0 and len(group.assembly) == 0
+        restored = blocks_view(whole.storage.cpu(), whole.layout)[targets]
+        for pool in pools:  # every head of every block, where the rank that holds it had it
+            first, end = pool.descriptor.sharding.heads
+            assert torch.equal(restored[:, :, first:end], blocks_view(pool.storage.cpu(), pool.layout)[sources])
         for m in sharded + [single] + per_rank:
             m.close()
     finally:
@@ -98,7 +107,7 @@ def measure(args: argparse.Namespace, layout: Layout) -> dict:
             pool.close()
     nbytes = n * span
     median = {name: statistics.median(t) for name, t in seconds.items()}
-    return {"layout": layout.name, "tp": tp, "span": span, "rank_span": PoolLayout(spec, layout).block_bytes,
+    return {"device": device, "layout": layout.name, "tp": tp, "span": span, "rank_span": PoolLayout(spec, layout).block_bytes,
             "blocks": n, "bytes": nbytes, **{f"{name} GB/s": nbytes / t / GB for name, t in median.items()},
             **{f"{kind} vs per-rank": statistics.median(c / p for c, p in zip(seconds[f"cross-rank {kind}"],
                                                                                seconds[f"per-rank {kind}"]))

@@ -101,3 +101,20 @@ def test_gpu_ranks_assemble_blocks_behind_their_own_events_that_another_split_re
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_the_device_checks_canonical_stage_runs_and_checks_every_head(cuda_sim, monkeypatch):
+    """What ``kvxfer devcheck`` measures on a lent GPU, in miniature on the simulator (its figures mean
+    nothing here; that it runs and its bytes check out does). The ranks take turns: Triton's interpreter,
+    which runs the device XXH3 here, is not thread-safe."""
+    import argparse
+
+    from kvxfer.bench import shards
+    from kvxfer.devcheck import shard_stage
+
+    monkeypatch.setattr(shards, "_threads", lambda calls: [call() for call in calls])
+
+    args = argparse.Namespace(tp=2, heads=4, layers=2, batch=4, min_mib=1, reps=1, threads=0)
+    result = shard_stage.canonical_blocks({}, args)["results"]
+    assert [r["layout"] for r in result] == ["BLHNC", "LBHNC"] and all(r["device"] == "cuda:0" for r in result)
+    assert not cuda_sim.violations

@@ -97,3 +97,12 @@ def test_an_fp8_cache_with_per_tensor_scales_shares_and_never_matches_other_form
         reports = run_alone(engine, f"x-{other}", PROMPT + TAIL)
         assert external_hits(reports, f"x-{other}") == 0
         assert engine.worker.spec.names.cache_group(0) != fp8_tp1.worker.spec.names.cache_group(0)
+
+
+def test_k_and_v_of_different_head_sizes_are_one_cell_split_by_heads(daemon, make_engine):
+    model = Model(num_kv_heads=2, head_size=16, head_size_v=8)
+    tp2 = make_engine(daemon.config["socket"], model=model, tensor_parallel=2)
+    tp1 = make_engine(daemon.config["socket"], model=model, layout="LBHNC")
+    names = tp1.worker.spec.names
+    assert (names.spec.kv_parts, names.spec.head_size, names.kv_format) == (1, 24, "k16v8")
+    shares(daemon, tp2, tp1, PROMPT)

@@ -80,13 +80,14 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
 
 
 def kv_element(spec: FullAttentionSpec, latent: bool, cache_dtype: str) -> tuple[int, int, torch.dtype, str]:
-    """(kv_parts, head_size, dtype, kv_format) of a KV cache's elements as kvxfer stores them. A per-token-head
-    quantised cache's (head, token) cell holds K and V codes, then their fp32 scales: one opaque part of that
-    many bytes, whose scales travel with their head (so a TP split of the heads keeps them)."""
+    """(kv_parts, head_size, dtype, kv_format) of a KV cache's elements as kvxfer stores them. A cell kvxfer
+    does not split into K and V is one part: K and V of different widths (K's, then V's elements), or a
+    per-token-head quantised cache's K and V codes then their fp32 scales (one part of that many bytes, whose
+    scales travel with their head, so a TP split of the heads keeps them)."""
     mode = spec.kv_quant_mode
     if mode is KVQuantMode.NONE:
-        if not latent and spec.head_size_v != spec.head_size:
-            raise ValueError("kvxfer needs K and V of one head size (or an MLA latent)")
+        if not latent and spec.head_size_v != spec.head_size:  # K then V in each cell, of their own widths
+            return 1, spec.head_size + spec.head_size_v, spec.dtype, f"k{spec.head_size}v{spec.head_size_v}"
         return (1 if latent else 2), spec.head_size, spec.dtype, ""
     if not latent and mode is KVQuantMode.FP8_PER_TENSOR and spec.head_size_v == spec.head_size:
         return 2, spec.head_size, spec.dtype, f"{cache_dtype}:per_tensor"  # the scales are the weights'

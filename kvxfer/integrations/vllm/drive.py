@@ -62,6 +62,7 @@ class Model:
     head_size: int = 16
     latent: bool = False  # an MLA cache (one latent a token: num_kv_heads 1, head_size its width), no V
     kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: "fp8" (per-tensor scales), "fp8_per_token_head", ...
+    head_size_v: int = 0  # V's head size where it differs from K's (0: the same)
     dtype: torch.dtype = torch.bfloat16
     weights_seed: int = 0
 
@@ -83,7 +84,7 @@ def _cache_format(model: Model) -> dict:
     """The cache spec's dtype and quantisation, as vLLM's attention backends make them (Triton's
     per-token-head modes: each head's token cell is its K and V codes, then their two fp32 scales)."""
     if model.kv_cache_dtype == "auto":
-        return {"dtype": model.dtype}
+        return {"dtype": model.dtype, **({"head_size_v": model.head_size_v} if model.head_size_v else {})}
     mode = get_kv_quant_mode(model.kv_cache_dtype)
     if mode.is_per_token_head:
         return {"dtype": torch.uint8, "kv_quant_mode": mode, "state_content_bytes": 2 * model.head_size + 8}
