@@ -7,6 +7,7 @@ The ``kvxfer`` program (``service.cli``) adds the daemon's own subcommands
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -15,6 +16,8 @@ from collections.abc import Callable
 
 from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.geometry.layout import DTYPES, PRESETS, KVSpec, Layout, PoolLayout, parse_dtype
+from kvxfer.geometry.sharding import Sharding, stored_format
+from kvxfer.transfer.plan import shard_pieces
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
@@ -39,8 +42,19 @@ def spec_from_args(args: argparse.Namespace) -> KVSpec:
 
 
 def _layout_command(args: argparse.Namespace) -> int:
-    pool_layout = PoolLayout(spec_from_args(args), Layout.parse(args.layout))
+    spec, sharding = spec_from_args(args), None
+    if args.tp_size > 1 or args.tp_rank:  # --heads is the model's: the pool is the rank's share
+        sharding = Sharding("layout", args.tp_rank, args.tp_size, spec.num_kv_heads)
+        first, end = sharding.heads
+        spec = dataclasses.replace(spec, num_kv_heads=end - first)
+    pool_layout = PoolLayout(spec, Layout.parse(args.layout))
     info = pool_layout.describe()
+    if sharding is not None:
+        canonical, _ = stored_format(pool_layout, sharding)
+        offsets, places, length = shard_pieces(pool_layout, canonical, sharding.heads[0])
+        info["canonical"] = {"tp_rank": sharding.tp_rank, "tp_size": sharding.tp_size, "heads": list(sharding.heads),
+                             "block_bytes": canonical.block_bytes,
+                             "pieces": [[int(o), int(p), length] for o, p in zip(offsets, places)]}
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()
@@ -57,12 +71,20 @@ def _layout_command(args: argparse.Namespace) -> int:
     print("\nblock runs [offset, end)")
     for block, runs in enumerate(info["block_runs"]):
         print(f"P{block}: " + " ".join(f"[{o},{o + n})" for o, n in runs))
+    if sharding is not None:
+        c = info["canonical"]
+        print(f"\nrank {c['tp_rank']} of {c['tp_size']} holds heads [{c['heads'][0]}, {c['heads'][1]}) of the model's "
+              f"{sharding.total_kv_heads}; a canonical block (L,H,N,KV,D of every head) is {c['block_bytes']} B")
+        print("its pieces of block P0 -> their offsets in the canonical block: "
+              + " ".join(f"[{o},{o + n})->{p}" for o, p, n in c["pieces"]))
     return 0
 
 
 def _layout_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("layout", help="print strides, page offsets and block runs of a pool layout")
     add_spec_arguments(p)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (--heads: the model's KV heads)")
+    p.add_argument("--tp-rank", type=int, default=0, help="the rank whose pool and canonical pieces to print")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_layout_command)
 

@@ -347,3 +347,22 @@ def test_blocks_of_another_manifest_on_disk_are_never_served(tmp_path, model, kv
     assert other.disk.stats().events.get("dropped_at_start_foreign_format", 0) == (0 if same else 4)
     assert other.disk.contains("ns", [b"\x01", b"\x04"]) == [same, same]
     other.close(5)
+
+
+def test_kvxfer_layout_prints_a_ranks_pieces_of_the_canonical_block_worked_by_hand(capsys):
+    """The example at the top: rank 1 of 2, layer l's piece [16 l, 16 l + 16) of its 16-byte block... in
+    miniature: 2 layers, 4 heads, 2 tokens, 1 int8 element: its pieces [0,8) and [8,16) go to 8 and 24."""
+    import json
+
+    from kvxfer import cli
+
+    argv = ["layout", "--layers", "2", "--heads", "4", "--block-size", "2", "--head-size", "1", "--dtype", "int8",
+            "--blocks", "3", "--tp-size", "2", "--tp-rank", "1"]
+    assert cli.main(argv + ["--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["spec"]["num_kv_heads"] == 2 and info["block_bytes"] == 16
+    assert info["canonical"] == {"tp_rank": 1, "tp_size": 2, "heads": [2, 4], "block_bytes": 32,
+                                 "pieces": [[0, 8, 8], [8, 24, 8]]}
+    assert cli.main(argv) == 0
+    assert "[0,8)->8 [8,16)->24" in capsys.readouterr().out
+    assert cli.main(argv[:-4] + ["--tp-size", "3"]) != 0
