@@ -25,10 +25,13 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer.cpu import NATIVE_STEP_BYTES
+from kvxfer.transfer.plan import shard_pieces
 
 #: Element widths -> an integer dtype of that width (the bytes move as they are, whatever the dtype:
 #: torch has no index kernels for every float8).
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Pieces shorter than this move by torch: a memcpy and a hash call a piece would cost more.
+NATIVE_PIECE_BYTES = 1024
 #: The axes of both views, outermost first.
 _AXES = (Axis.B, Axis.L, Axis.H, Axis.N, Axis.KV, Axis.D)
 
@@ -47,8 +50,8 @@ class ShardCopyEngine(CopyEngine):
 
     def __init__(self, storage: torch.Tensor, layout: PoolLayout, heads: tuple[int, int], host: HostTier,
                  canonical: PoolLayout, threads: int = 2, use_native: bool = True) -> None:
-        """``threads``: of the C loop and of the hashing of tier copies; ``use_native``: a BLHNC pool's
-        slices move in the C loop where it is built (one memcpy a layer; else torch)."""
+        """``threads``: of the C loop and of the hashing of tier copies; ``use_native``: pieces of at least
+        ``NATIVE_PIECE_BYTES`` move in the C loop where it is built (one memcpy a piece; else torch)."""
         first, end = heads
         if host.slot_bytes != canonical.block_bytes or end - first != layout.spec.num_kv_heads:
             raise Internal("a shard engine's slots hold canonical blocks, and its pool the rank's heads")
@@ -59,23 +62,24 @@ class ShardCopyEngine(CopyEngine):
         s = canonical.spec  # BLHNC: a slot is [L, H, N, KV, D], contiguous
         shape = (host.capacity, s.num_layers, s.num_kv_heads, s.block_size, s.kv_parts, s.head_size)
         self._slots = host.buffer.view(_WORDS[s.element_size]).view(shape)[:, :, first:end]
-        # A BLHNC pool's block is, layer by layer, the rank's slice of each layer of a slot: rows of one
-        # layer's slice on both sides (the C loop copies rows, and hashes the pool block it copied as it goes).
-        self._native = native.load() if use_native and layout.layout == canonical.layout else None
+        # The rank's pieces of a block (contiguous on both sides: one a layer in BLHNC and LBHNC) as rows
+        # of the piece's length on both sides; the C loop copies rows (and hashes each piece it copied,
+        # its contract: the stored block is hashed whole once every rank's pieces are in).
+        offsets, places, piece = shard_pieces(layout, canonical, first)
+        self._pieces = len(offsets)
+        rows_fit = all(int(v) % piece == 0 for v in (*offsets, *places, layout.strides[Axis.B], host.slot_bytes))
+        wanted = use_native and piece >= NATIVE_PIECE_BYTES and rows_fit
+        self._native = native.load() if wanted else None
         if self._native is not None:
-            layers, row = s.num_layers, layout.block_bytes // s.num_layers
-            self._pool_rows = storage.numpy().reshape(-1, row)
-            self._pool_spans = storage.numpy().reshape(layout.spec.num_blocks, layout.block_bytes)
-            self._tier_rows = host.buffer.numpy().reshape(-1, row)
-            share = s.num_kv_heads // (end - first)  # slices a slot's layer holds
-            self._row_of_layer = np.arange(layers, dtype=np.int64)
-            self._tier_row_of_layer = self._row_of_layer * share + first // (end - first)
-            self._rows_per_slot = layers * share
-            self._step = max(1, NATIVE_STEP_BYTES // layout.block_bytes)
+            self._pool_rows = storage.numpy().reshape(-1, piece)
+            self._tier_rows = host.buffer.numpy().reshape(-1, piece)
+            self._piece_rows, self._place_rows = offsets // piece, places // piece
+            self._block_rows, self._slot_rows = layout.strides[Axis.B] // piece, host.slot_bytes // piece
+            self._step = max(1, NATIVE_STEP_BYTES // piece)
 
     @property
     def descriptors_per_block(self) -> int:
-        return self._layout.spec.num_layers * self._layout.runs_per_block
+        return self._pieces
 
     @property
     def hashes_pool(self) -> bool:
@@ -103,19 +107,17 @@ class ShardCopyEngine(CopyEngine):
         return CompletedHandle()
 
     def _native_copy(self, direction: Direction, blocks: np.ndarray, slots: np.ndarray) -> CopyHandle:
-        pool_rows = (blocks[:, None] * len(self._row_of_layer) + self._row_of_layer[None, :]).ravel()
-        tier_rows = (slots[:, None] * self._rows_per_slot + self._tier_row_of_layer[None, :]).ravel()
+        pool_rows = (blocks[:, None] * self._block_rows + self._piece_rows[None, :]).ravel()
+        tier_rows = (slots[:, None] * self._slot_rows + self._place_rows[None, :]).ravel()
         pool, tier = self._pool_rows, self._tier_rows
-        try:
+        try:  # each piece a "block" of one row, hashed on its source side (the C loop's contract)
             if direction is Direction.TO_HOST:
-                self._native.copy_hash(tier, pool, tier_rows, pool_rows, self._pool_spans, blocks, self._step,
-                                       self._threads)
+                self._native.copy_hash(tier, pool, tier_rows, pool_rows, pool, pool_rows, self._step, self._threads)
             else:
-                self._native.copy_hash(pool, tier, pool_rows, tier_rows, self._pool_spans, blocks, self._step,
-                                       self._threads)
+                self._native.copy_hash(pool, tier, pool_rows, tier_rows, tier, tier_rows, self._step, self._threads)
         except Internal as exc:
             return CompletedHandle(exc)
-        return CompletedHandle()  # (the sums are of the rank's part: the stored block is hashed whole)
+        return CompletedHandle()  # (those sums are of pieces: a stored block is hashed whole)
 
     @property
     def hash_threads(self) -> int:

@@ -260,12 +260,16 @@ def test_heads_mask():
     assert Layout.parse("BLHNC") == BLHNC
 
 
+@pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "BLNHC"])
 @pytest.mark.parametrize("tp, total", [(2, 4), (4, 2), (1, 4)])
-def test_the_c_loop_and_torch_move_the_same_bytes(tp, total):
+def test_the_c_loop_and_torch_move_the_same_bytes(tp, total, layout, monkeypatch):
+    from kvxfer.transfer import shard
+
+    monkeypatch.setattr(shard, "NATIVE_PIECE_BYTES", 16)  # this example's pieces are short
     spec = spec_of(total, tp, layers=3, block_size=4, head_size=8, dtype=torch.bfloat16)
     stored, _ = stored_format(PoolLayout(spec, BLHNC), Sharding("m", 0, tp, total))
     rank = Sharding("m", tp - 1, tp, total)
-    pool = Pool.create("p", spec, BLHNC, shm_dir=None, sharding=rank)
+    pool = Pool.create("p", spec, PRESETS[layout], shm_dir=None, sharding=rank)
     pool.storage.copy_(torch.randint(0, 256, (pool.storage.numel(),), dtype=torch.uint8))
     tiers = [HostTier(5, stored.block_bytes), HostTier(5, stored.block_bytes)]
     engines = [ShardCopyEngine(pool.storage, pool.layout, rank.heads, tier, stored, use_native=flag)
@@ -274,11 +278,11 @@ def test_the_c_loop_and_torch_move_the_same_bytes(tp, total):
     for engine in engines:
         engine.submit(CopyBatch(Direction.TO_HOST, [5, 1, 3], [4, 0, 2])).wait()
     assert torch.equal(tiers[0].buffer, tiers[1].buffer) and tiers[0].buffer[[0, 2, 4]].any()
-    before = pool.storage.clone()
+    before = blocks_view(pool.storage.clone(), pool.layout)
     for engine in engines:
         pool.storage.zero_()
         engine.submit(CopyBatch(Direction.TO_POOL, [2, 4, 5], [4, 0, 2])).wait()
-        assert torch.equal(pool.storage.view(6, -1)[[2, 4, 5]], before.view(6, -1)[[5, 1, 3]])
+        assert torch.equal(blocks_view(pool.storage, pool.layout)[[2, 4, 5]], before[[5, 1, 3]])
     pool.close()
 
 
