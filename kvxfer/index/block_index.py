@@ -57,6 +57,7 @@ class BlockIndex:
         self._lock = threading.Lock()
         self._evictions = 0
         self._ready_count = self._pinned_count = 0  # kept as entries change: Stats reads them in O(1)
+        self._pin_runs: np.ndarray | None = None  # per slot: how many times its pins rose from 0 (if tracked)
 
     # -- store -----------------------------------------------------------------
     def prepare_store(self, namespace: str, keys: list[bytes]) -> Plan:
@@ -256,6 +257,22 @@ class BlockIndex:
         before = np.count_nonzero(self._pins[at])
         self._pins[at] += delta
         self._pinned_count += int(np.count_nonzero(self._pins[at]) - before)
+        if self._pin_runs is not None and delta > 0:
+            at = np.asarray(at, dtype=np.int64)
+            self._pin_runs[at[self._pins[at] == delta]] += 1  # pinned from nothing: a new run
+
+    def track_pin_runs(self) -> None:
+        """Count each slot's pin runs from now on (``pin_runs``)."""
+        with self._lock:
+            if self._pin_runs is None:
+                self._pin_runs = np.zeros(len(self._pins), dtype=np.int64)
+
+    def pin_runs(self, slots: Sequence[int]) -> np.ndarray:
+        """The current pin run of each of these slots, which the caller holds pinned: a run lasts while
+        any pin is held, and a slot's bytes are written only unpinned, so within one run they never change."""
+        if self._pin_runs is None:
+            raise Internal("pin runs are not tracked on this index")
+        return self._pin_runs[slot_array(slots)]
 
     def _ready(self, namespace: str, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Each key's slot (-1: none) and whether it holds a complete entry."""

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvxfer.index.entries import Plan
 from kvxfer.records import Outcome
 
@@ -145,9 +147,48 @@ class Assembly:
         return [self._pending.pop(k).slot for k in gone]
 
 
+class Verified:
+    """Stored blocks verified during their current pin run (``BlockIndex.pin_runs``): the ranks restoring a
+    block while any of them holds it pinned verify its checksum once, not once a rank (a complete, pinned
+    entry's bytes are never rewritten); a rank that finds another verifying a block waits for its answer.
+    A new run (the slot unpinned, then pinned again) verifies again."""
+
+    def __init__(self, capacity: int) -> None:
+        self._runs = np.zeros(capacity, dtype=np.int64)  # the run in which each slot was verified good (0: none)
+        self._busy: dict[int, threading.Event] = {}  # slot -> set once the rank verifying it has its answer
+        self._lock = threading.Lock()
+
+    def share(self, slots: np.ndarray, runs: np.ndarray, tried: set[int], limit: int
+              ) -> tuple[list[int], list[threading.Event]]:
+        """Up to ``limit`` positions of ``slots`` (none in ``tried``) this caller verifies next (now marked as
+        being verified: ``done`` must follow), and the answers of other ranks' verifications to wait for.
+        Ranks that ask at once take turns, a few blocks each: they verify a batch together."""
+        with self._lock:
+            mine, waits = [], []
+            for j in np.flatnonzero(self._runs[slots] != runs).tolist():
+                event = self._busy.get(int(slots[j]))
+                if event is not None:
+                    waits.append(event)
+                elif j not in tried and len(mine) < limit:
+                    self._busy[int(slots[j])] = threading.Event()
+                    mine.append(j)
+            return mine, waits
+
+    def done(self, slots: np.ndarray, runs: np.ndarray, good: list[bool]) -> None:
+        """This caller's answers for the slots ``share`` gave it (``good``: each one's checksum matched)."""
+        with self._lock:
+            ok = np.asarray(good, dtype=bool)
+            self._runs[slots[ok]] = runs[ok]
+            for slot in slots.tolist():
+                self._busy.pop(slot).set()
+
+    def trusted(self, slots: np.ndarray, runs: np.ndarray) -> list[bool]:
+        return (self._runs[slots] == runs).tolist()
+
+
 def heads_mask(first: int, end: int) -> int:
     """The bit mask of heads ``[first, end)``."""
     return ((1 << (end - first)) - 1) << first
 
 
-__all__ = ["ASSEMBLY_TIMEOUT_S", "Assembly", "Claim", "Settled", "heads_mask"]
+__all__ = ["ASSEMBLY_TIMEOUT_S", "Assembly", "Claim", "Settled", "Verified", "heads_mask"]

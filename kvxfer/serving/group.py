@@ -23,7 +23,7 @@ from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.geometry.sharding import Manifest
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.assembly import Assembly
+from kvxfer.serving.assembly import Assembly, Verified
 from kvxfer.serving.disk_store import DiskSettings, DiskStore
 from kvxfer.serving.promotion import promote
 from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
@@ -82,9 +82,12 @@ class CacheGroup:
         self.name = name
         self.format = BlockFormat.of(layout, manifest)
         self.assembly = Assembly(layout.spec.num_kv_heads) if manifest is not None else None
+        self.verified = Verified(capacity_blocks) if manifest is not None else None  # ranks verify a block once
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
         self.index = BlockIndex(self.host.kind, self.host.slots,
                                 events=kv_events.tier(self.host.kind, name) if kv_events else None)
+        if self.verified is not None:
+            self.index.track_pin_runs()
         # Held from a batch's slot reservation until the blocks it evicted are copied out of
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()

@@ -24,10 +24,15 @@ from kvxfer.index.block_index import Plan
 from kvxfer.serving.group import CacheGroup
 from kvxfer.transfer import CopyEngine, engine_for
 from kvxfer.transfer.base import LateCopies
+from kvxfer.tiers.slots import slot_array
 from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.validate import check_namespace, checked_keys
 
 
+#: How long a rank's restore waits for another rank's check of the same stored block (then checks it itself).
+VERIFY_WAIT_S = 5.0
+#: Bytes of stored blocks a rank verifies at a time: ranks restoring a batch at once share its checks.
+VERIFY_STEP_BYTES = 8 << 20
 #: Keys a Delete handles at a time: its memory is bounded by this, not by the request.
 DELETE_CHUNK = 1024
 #: Told of each transfer as it ends: its kind and result (bytes, seconds, outcomes).
@@ -230,11 +235,14 @@ class PoolManager:
         corrupt: set[int] = set()
         moved, seconds = 0, 0.0
         late: LateCopies | None = None
+        trusted = None
         try:
             if slots:
                 start = time.perf_counter()
+                if self.group.verified is not None:
+                    trusted = self._verify_once(slots, plan.checksums, batch.deadline)
                 done = self.copier.to_pool(slots, plan.checksums, _at(batch.blocks, positions), cancelled,
-                                           batch.deadline)
+                                           batch.deadline, trusted)
                 corrupt = done.corrupt
                 stopped = Outcome.DEADLINE_EXCEEDED if done.expired else Outcome.CANCELLED
                 _set(plan.outcomes, positions[done.completed:], stopped)
@@ -252,6 +260,28 @@ class PoolManager:
             self._complete(slots, late, self.index.complete_load, lambda: self.index.complete_load(slots, corrupt),
                            restore=True)
         return TransferResult(plan.outcomes, moved, seconds)
+
+    def _verify_once(self, slots: Sequence[int], expected: list[int], deadline: float | None) -> list[bool]:
+        """Which of these pinned canonical blocks are known good in their pin run: verified here now, or by
+        another rank's restore (waited for). The others (bad, or not answered in time) the copy checks again."""
+        verified, at = self.group.verified, slot_array(slots)
+        runs = self.index.pin_runs(at)
+        tried: set[int] = set()
+        step = max(1, VERIFY_STEP_BYTES // self.host.slot_bytes)
+        while True:
+            mine, waits = verified.share(at, runs, tried, step)
+            if not mine:
+                break
+            tried.update(mine)
+            good: list[bool] = []
+            try:
+                sums = self.copier.tier_checksums([slots[j] for j in mine])
+                good = [got == expected[j] for got, j in zip(sums, mine)]
+            finally:
+                verified.done(at[mine], runs[mine], good if len(good) == len(mine) else [False] * len(mine))
+        for event in waits:
+            event.wait(max(0.0, deadline - time.monotonic()) if deadline is not None else VERIFY_WAIT_S)
+        return verified.trusted(at, runs)
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
         """Keys in prefix order: how many leading ones are present, and each one's tier."""

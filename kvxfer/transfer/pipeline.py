@@ -114,12 +114,15 @@ class CheckedCopier:
         return result
 
     def to_pool(self, slots: Sequence[int], expected: list[int], blocks: list[int],
-                cancelled: Callable[[], bool] | None = None, deadline: float | None = None) -> PipelineResult:
+                cancelled: Callable[[], bool] | None = None, deadline: float | None = None,
+                trusted: Sequence[bool] | None = None) -> PipelineResult:
         """Copy tier ``slots`` into pool ``blocks``, verified against ``expected``.
 
         Blocks in ``corrupt`` hold undefined bytes and must be reported failed, never read.
         ``deadline`` (time.monotonic()): no chunk starts after it; blocks that landed after it
-        are not ``completed`` (the engine may have reused them by then).
+        are not ``completed`` (the engine may have reused them by then). ``trusted[i]``: slot i's
+        tier copy was verified already while pinned (by another rank's restore), so it is not
+        hashed again where the tier copy is what gets checked.
         """
         fused = self.engine.hashes_copies
         verify_after = fused or (self.engine.descriptors_per_block == 1 and self.engine.hashes_pool)
@@ -128,7 +131,12 @@ class CheckedCopier:
         def start(a: int, c: int) -> _Chunk:
             chunk = _Chunk(a, blocks[a:a + c], slots[a:a + c], expected[a:a + c], None)
             if not verify_after:  # check the tier copy first; never copy bad bytes
-                bad = _mismatches(self.tier_checksums(chunk.slots), chunk.expected)
+                if trusted is None:
+                    bad = _mismatches(self.tier_checksums(chunk.slots), chunk.expected)
+                else:
+                    check = [j for j in range(len(chunk.slots)) if not trusted[a + j]]
+                    sums = self.tier_checksums([chunk.slots[j] for j in check])
+                    bad = {check[i] for i in _mismatches(sums, [chunk.expected[j] for j in check])}
                 result.corrupt |= {a + j for j in bad}
                 chunk.blocks = [b for j, b in enumerate(chunk.blocks) if j not in bad]
                 chunk.slots = [s for j, s in enumerate(chunk.slots) if j not in bad]

@@ -370,3 +370,43 @@ def test_kvxfer_layout_prints_a_ranks_pieces_of_the_canonical_block_worked_by_ha
     assert cli.main(argv) == 0
     assert "[0,8)->8 [8,16)->24" in capsys.readouterr().out
     assert cli.main(argv[:-4] + ["--tp-size", "3"]) != 0
+
+
+def test_ranks_restoring_a_pinned_block_verify_it_once_and_a_new_pin_run_verifies_again(monkeypatch):
+    group = group_for(4, 2)
+    engine = Engine(group, 4, 2)
+    engine.offload([(1, b"k")])
+    hashed = []
+    for manager in engine.managers:
+        original = manager.copier.tier_checksums
+        monkeypatch.setattr(manager.copier, "tier_checksums",
+                            lambda slots, original=original: hashed.append(list(slots)) or original(slots))
+    held = group.index.prepare_load("ns", [b"k"])  # another restore in flight: the block stays pinned
+    assert engine.restore([(b"k", 2)]) == [[Outcome.DONE]] * 2
+    assert [s for call in hashed for s in call] == held.slots  # verified once for both ranks, in the same run
+    group.index.complete_load(held.slots)  # the run ends: nothing pins the block
+    group.host.buffer[held.slots[0], 3] ^= 1  # and then a byte flips
+    assert engine.managers[1].restore("ns", [(b"k", 3)]).outcomes == [Outcome.DATA_LOSS]  # a new run: checked
+    engine.close()
+
+
+def test_ranks_verifying_the_same_blocks_at_once_hash_each_once_and_agree():
+    group = group_for(8, 8, capacity=64, blocks=20)
+    engine = Engine(group, 8, 8, blocks=20)
+    pairs = [(b, bytes([b])) for b in range(1, 9)]
+    engine.offload(pairs)
+    held = group.index.prepare_load("ns", [k for _, k in pairs])
+    group.host.buffer[held.slots[3], 0] ^= 1  # one block is bad
+    results = {}
+    threads = [threading.Thread(target=lambda m=m: results.setdefault(m, m.restore("ns", [(k, b + 10) for b, k in
+                                                                                          pairs]).outcomes))
+               for m in engine.managers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for outcomes in results.values():  # (a rank that comes after the bad block was dropped: not found)
+        assert outcomes[3] in (Outcome.DATA_LOSS, Outcome.NOT_FOUND) and outcomes.count(Outcome.DONE) == 7
+    assert Outcome.DATA_LOSS in [o[3] for o in results.values()]
+    group.index.complete_load(held.slots)
+    engine.close()
