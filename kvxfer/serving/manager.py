@@ -239,7 +239,7 @@ class PoolManager:
         try:
             if slots:
                 start = time.perf_counter()
-                if self.group.verified is not None:
+                if self.group.verified is not None and self.copier.checks_tier_first:
                     trusted = self._verify_once(slots, plan.checksums, batch.deadline)
                 done = self.copier.to_pool(slots, plan.checksums, _at(batch.blocks, positions), cancelled,
                                            batch.deadline, trusted)

@@ -125,7 +125,7 @@ class CheckedCopier:
         hashed again where the tier copy is what gets checked.
         """
         fused = self.engine.hashes_copies
-        verify_after = fused or (self.engine.descriptors_per_block == 1 and self.engine.hashes_pool)
+        verify_after = not self.checks_tier_first
         result = PipelineResult()
 
         def start(a: int, c: int) -> _Chunk:
@@ -157,6 +157,11 @@ class CheckedCopier:
 
         self._run(len(slots), start, finish, cancelled, deadline, result)
         return result
+
+    @property
+    def checks_tier_first(self) -> bool:
+        """Whether a restore verifies the tier copy before copying it (else what landed, or as it copies)."""
+        return not (self.engine.hashes_copies or (self.engine.descriptors_per_block == 1 and self.engine.hashes_pool))
 
     def tier_checksums(self, slots: Sequence[int]) -> list[int]:
         """The checksum of each tier slot: on the engine's hash threads, without the GIL, where
