@@ -60,8 +60,8 @@ class Sharding:
     tp_size: int
     total_kv_heads: int
     # How an element encodes KV beyond its dtype: quantisation and its scales, e.g. "fp8:per_tensor" (scales
-    # in the weights) or "fp8_per_token_head:k128v128:inline_f32" (each head's token cell holds its K and V
-    # codes, then their fp32 scales: they travel with the head). Empty: plain values.
+    # in the weights) or "fp8_per_token_head:k128v128:inline_f32" (each head's token cell holds its K codes
+    # and fp32 scale, then V's: the scales travel with the head). Empty: plain values.
     kv_format: str = ""
 
     def __post_init__(self) -> None:

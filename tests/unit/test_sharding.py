@@ -288,8 +288,8 @@ def test_the_c_loop_and_torch_move_the_same_bytes(tp, total, layout, monkeypatch
 
 def test_fp8_codes_and_their_per_token_head_scales_worked_by_hand():
     """vLLM's fp8_per_token_head cell, by hand: 1 layer, 2 heads, blocks of 2 tokens, head size 2. A
-    (head, token) cell is 12 bytes: K's 2 fp8 codes, V's 2, then K's and V's fp32 scales. The canonical
-    block is 2 x 2 x 12 = 48 bytes, cell (h, n) at 24 h + 12 n; rank h of TP=2 holds head h's 24 bytes."""
+    (head, token) cell is 12 bytes: K's 2 fp8 codes and fp32 scale, then V's. The canonical block is
+    2 x 2 x 12 = 48 bytes, cell (h, n) at 24 h + 12 n; rank h of TP=2 holds head h's 24 bytes."""
     import struct
 
     fmt = "fp8_per_token_head:k2v2:inline_f32"
@@ -302,9 +302,10 @@ def test_fp8_codes_and_their_per_token_head_scales_worked_by_hand():
     whole = Pool.create("w", whole_spec, BLHNC, shm_dir=None, sharding=Sharding("m", 0, 1, 2, fmt))
     managers = [PoolManager(p, group) for p in ranks + [whole]]
 
-    def cell(k, v, k_scale, v_scale):  # codes of fp8 e4m3 values, then the scales
-        codes = torch.tensor(k + v, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
-        return bytes(codes) + struct.pack("<ff", k_scale, v_scale)
+    def cell(k, v, k_scale, v_scale):  # each half: codes of fp8 e4m3 values, then its scale
+        def codes(x):
+            return bytes(torch.tensor(x, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).tolist())
+        return codes(k) + struct.pack("<f", k_scale) + codes(v) + struct.pack("<f", v_scale)
 
     cells = {(h, n): cell([1.0 + h, 2.0], [0.5, -1.0 - n], 0.25 * (h + 1), 4.0 + n) for h in (0, 1) for n in (0, 1)}
     for h, pool in enumerate(ranks):  # block 1 of rank h: its head's two token cells, 12 bytes each
@@ -313,7 +314,7 @@ def test_fp8_codes_and_their_per_token_head_scales_worked_by_hand():
     assert managers[2].restore("ns", [(b"k", 3)]).outcomes == [Outcome.DONE]
     block = bytes(whole.storage[3 * 48:4 * 48].tolist())
     assert block == b"".join(cells[(h, n)] for h in (0, 1) for n in (0, 1))  # cell (h, n) at 24 h + 12 n
-    k_codes, k_scale = torch.frombuffer(bytearray(block[24:26]), dtype=torch.float8_e4m3fn), block[28:32]
+    k_codes, k_scale = torch.frombuffer(bytearray(block[24:26]), dtype=torch.float8_e4m3fn), block[26:30]
     assert (k_codes.float() * struct.unpack("<f", k_scale)[0]).tolist() == [1.0, 1.0]  # head 1: (2, 2) x 0.5
     for m in managers:
         m.close()

@@ -75,8 +75,8 @@ def test_another_model_of_the_same_geometry_never_matches(daemon, make_engine):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_per_token_head", "int8_per_token_head"])
 def test_per_token_head_scales_travel_with_their_heads_across_tp_sizes(daemon, make_engine, kv_cache_dtype):
-    """vLLM's per-token-head quantised cache: each head's token cell is its K and V codes, then their fp32
-    scales. A TP=2 engine's blocks restore into a TP=1 engine bit-exact, scales included."""
+    """vLLM's per-token-head quantised cache: each head's token cell is its K codes and fp32 scale, then
+    V's. A TP=2 engine's blocks restore into a TP=1 engine bit-exact, scales included."""
     model = Model(num_kv_heads=2, kv_cache_dtype=kv_cache_dtype)
     tp2 = make_engine(daemon.config["socket"], model=model, tensor_parallel=2)
     tp1 = make_engine(daemon.config["socket"], model=model)

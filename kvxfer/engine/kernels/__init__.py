@@ -14,6 +14,7 @@ import torch
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.engine.kernels.cache_write import cache_write_torch, cache_write_triton
+from kvxfer.engine.kernels.quantized_write import cell_views, quantized_write_torch, quantized_write_triton
 from kvxfer.engine.kernels.slot_mapping import PAD_SLOT_ID, slot_mapping_torch, slot_mapping_triton
 
 
@@ -25,6 +26,7 @@ class Kernel(enum.Enum):
 
 _SLOT_MAPPING = {Kernel.TRITON: slot_mapping_triton, Kernel.TORCH: slot_mapping_torch}
 _CACHE_WRITE = {Kernel.TRITON: cache_write_triton, Kernel.TORCH: cache_write_torch}
+_QUANTIZED_WRITE = {Kernel.TRITON: quantized_write_triton, Kernel.TORCH: quantized_write_torch}
 
 
 def default_kernel(tensor: torch.Tensor) -> Kernel:
@@ -82,5 +84,21 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, k_cache: torch.Tenso
                                                      slot_mapping)
 
 
+def write_kv_quantized(key: torch.Tensor, value: torch.Tensor, views: tuple, slot_mapping: torch.Tensor,
+                       kernel: Kernel | None = None) -> None:
+    """Quantise one layer's new K and V (``[num_tokens, H, hs]``, ``[num_tokens, H, hsv]``) per token and
+    head into a per-token-head quantised cache: ``views`` from ``cell_views`` (codes and scales inline)."""
+    k, v, ks, vs = views
+    if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2] or key.shape[1:] != k.shape[2:] \
+            or value.shape[2] != v.shape[3] or ks.shape != k.shape[:3] or vs.shape != v.shape[:3]:
+        raise InvalidArgument(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match the cache's cells "
+                              f"[*, {k.shape[2]}, {k.shape[3]} + {v.shape[3]}]")
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise InvalidArgument("head_size must be the innermost, contiguous axis")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1 or slot_mapping.numel() < key.shape[0]:
+        raise InvalidArgument(f"slot_mapping must be int64 with at least {key.shape[0]} entries")
+    _QUANTIZED_WRITE[kernel or default_kernel(k)](key, value, views, slot_mapping)
+
+
 __all__ = ["PAD_SLOT_ID", "Kernel", "cache_write_torch", "default_kernel", "cache_write_triton", "compute_slot_mapping",
-           "slot_mapping_torch", "slot_mapping_triton", "write_kv", "write_latent"]
+           "cell_views", "slot_mapping_torch", "slot_mapping_triton", "write_kv", "write_kv_quantized", "write_latent"]

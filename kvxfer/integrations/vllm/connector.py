@@ -82,7 +82,7 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
 def kv_element(spec: FullAttentionSpec, latent: bool, cache_dtype: str) -> tuple[int, int, torch.dtype, str]:
     """(kv_parts, head_size, dtype, kv_format) of a KV cache's elements as kvxfer stores them. A cell kvxfer
     does not split into K and V is one part: K and V of different widths (K's, then V's elements), or a
-    per-token-head quantised cache's K and V codes then their fp32 scales (one part of that many bytes, whose
+    per-token-head quantised cache's K codes and fp32 scale then V's (one part of that many bytes, whose
     scales travel with their head, so a TP split of the heads keeps them)."""
     mode = spec.kv_quant_mode
     if mode is KVQuantMode.NONE:

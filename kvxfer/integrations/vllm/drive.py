@@ -82,7 +82,7 @@ class Model:
 
 def _cache_format(model: Model) -> dict:
     """The cache spec's dtype and quantisation, as vLLM's attention backends make them (Triton's
-    per-token-head modes: each head's token cell is its K and V codes, then their two fp32 scales)."""
+    per-token-head modes: each head's token cell is its K codes and fp32 scale, then V's)."""
     if model.kv_cache_dtype == "auto":
         return {"dtype": model.dtype, **({"head_size_v": model.head_size_v} if model.head_size_v else {})}
     mode = get_kv_quant_mode(model.kv_cache_dtype)
