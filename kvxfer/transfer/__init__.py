@@ -48,7 +48,7 @@ def _shard_mapped(pool: Pool, host: HostTier, canonical: PoolLayout, threads: in
 
 def _shard_cuda(pool: Pool, host: HostTier, canonical: PoolLayout, threads: int, deadline_s: float) -> CopyEngine:
     return CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(pool.cuda_device),
-                          deadline_s=deadline_s, hash_threads=threads,
+                          deadline_s=deadline_s, pool=pool.storage, hash_threads=threads,
                           shard=(canonical, pool.descriptor.sharding.heads[0]))
 
 

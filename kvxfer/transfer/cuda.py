@@ -45,7 +45,7 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 from kvxfer.transfer.plan import CopyPlan, plan_copies, plan_shard_copies, shard_pieces
 from kvxfer.transfer.planner import CostTable, Method, Planner
-from kvxfer.transfer.staging import Stager, wants_staging
+from kvxfer.transfer.staging import Pieces, Stager, pieces_want_staging
 from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
 
 #: First and longest sleep between event polls. The longest bounds how late a request's last
@@ -150,11 +150,12 @@ class CudaCopyEngine(CopyEngine):
         self._streams = {Direction.TO_HOST: _Stream(driver.stream()), Direction.TO_POOL: _Stream(driver.stream())}
         self._late: list[_Quarantined] = []
         self._lock = threading.Lock()  # the late list: the job thread and the reaper both look
-        whole = shard is None  # device hashing and staging move whole blocks
+        whole = shard is None  # the device XXH3 hashes whole blocks
         self._pieces = shard_pieces(layout, *shard) if shard is not None else None
         device_hashed = whole and pool is not None and device_checksums and layout.runs_per_block == 1
         self._hasher = StreamHasher(pool, layout.block_bytes) if device_hashed else None
-        self._stager = Stager(pool, layout, driver) if whole and pool is not None and wants_staging(layout) else None
+        pieces = Pieces.shard(layout, *shard) if shard is not None else Pieces.runs(layout)
+        self._stager = Stager(pool, pieces, driver) if pool is not None and pieces_want_staging(pieces) else None
         self.planner = Planner(layout, costs or CostTable.load(), driver.batched,
                                self._stager.rows if self._stager is not None else 0)
         self._hash_threads = hash_threads
@@ -231,7 +232,7 @@ class CudaCopyEngine(CopyEngine):
         """The batch through ``stream``'s staging buffers, a buffer's worth at a time: offload gathers
         blocks into a buffer and moves its rows to their tier slots, restore the reverse. Both DMAs
         read and write in stream order (STREAM): a buffer is reused two rounds later."""
-        stager, block = self._stager, self.layout.block_bytes
+        stager = self._stager
 
         def rounds() -> int:
             calls = 0
@@ -239,8 +240,8 @@ class CudaCopyEngine(CopyEngine):
                 blocks, slots = batch.blocks[a:a + stager.rows], np.asarray(batch.slots[a:a + stager.rows], np.int64)
                 buffer = stream.staging[stream.turn]
                 stream.turn ^= 1
-                rows = buffer.data_ptr() + np.arange(len(blocks), dtype=np.int64) * block
-                tier, sizes = self._host_ptr + slots * block, np.full(len(blocks), block, dtype=np.int64)
+                rows, tier, sizes = stager.descriptors(buffer, slots, self.host.slot_bytes)
+                tier = self._host_ptr + tier
                 if batch.direction is Direction.TO_HOST:
                     stager.enqueue(stream.handle, buffer, blocks, to_staging=True)
                     calls += self.driver.copy(tier, rows, sizes, stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)

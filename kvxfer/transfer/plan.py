@@ -19,6 +19,10 @@ from kvxfer.geometry.layout import Axis, PoolLayout
 from kvxfer.tiers.slots import slot_array
 
 
+#: A canonical block's axes, outermost first (its order; B is outside).
+_CANONICAL_AXES = (Axis.L, Axis.H, Axis.N, Axis.KV, Axis.D)
+
+
 @dataclass(frozen=True)
 class CopyPlan:
     """Parallel arrays, one row per descriptor: ``nbytes`` bytes between pool offset
@@ -64,12 +68,9 @@ def file_calls(plan: CopyPlan, max_iov: int = 1024) -> list[tuple[int, list[tupl
     return calls
 
 
-def shard_pieces(layout: PoolLayout, canonical: PoolLayout, first_head: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """A tensor-parallel rank's block as pieces contiguous in both its pool and a canonical slot: their
-    offsets in block 0 of the pool, their offsets in a slot, and their common length. A piece grows from
-    D outwards over the axes L, H, N, KV, D for as long as both sides keep them contiguous (BLHNC: one
-    piece a layer; flash_attn: one a head vector)."""
-    spec, axes = layout.spec, (Axis.L, Axis.H, Axis.N, Axis.KV, Axis.D)
+def _piece_index(layout: PoolLayout, canonical: PoolLayout) -> tuple[tuple[Axis, ...], np.ndarray, int]:
+    """The axes outside a rank's pieces, the index of each piece over them, and the pieces' length."""
+    spec, axes = layout.spec, _CANONICAL_AXES
     length, inner = spec.element_size, len(axes)
     while inner > 0:
         axis = axes[inner - 1]
@@ -80,10 +81,38 @@ def shard_pieces(layout: PoolLayout, canonical: PoolLayout, first_head: int) -> 
     outer = axes[:inner]
     index = np.array(list(itertools.product(*(range(spec.axis_size(a)) for a in outer))), dtype=np.int64)
     index = index.reshape(-1, len(outer)) if outer else np.zeros((1, 0), dtype=np.int64)  # (one piece: the block)
-    pool = index @ np.array([layout.strides[a] for a in outer], dtype=np.int64)
-    slot = index @ np.array([canonical.strides[a] for a in outer], dtype=np.int64) + first_head * canonical.strides[
-        Axis.H]
-    return pool, slot, length
+    return outer, index, length
+
+
+def _at(index: np.ndarray, outer: tuple[Axis, ...], strides: dict[Axis, int]) -> np.ndarray:
+    return index @ np.array([strides[a] for a in outer], dtype=np.int64)
+
+
+def shard_pieces(layout: PoolLayout, canonical: PoolLayout, first_head: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A tensor-parallel rank's block as pieces contiguous in both its pool and a canonical slot: their
+    offsets in block 0 of the pool, their offsets in a slot, and their common length. A piece grows from
+    D outwards over the axes L, H, N, KV, D for as long as both sides keep them contiguous (BLHNC: one
+    piece a layer; flash_attn: one a head vector)."""
+    outer, index, length = _piece_index(layout, canonical)
+    return (_at(index, outer, layout.strides),
+            _at(index, outer, canonical.strides) + first_head * canonical.strides[Axis.H], length)
+
+
+def shard_rows(layout: PoolLayout, canonical: PoolLayout, first_head: int
+               ) -> tuple[np.ndarray, np.ndarray, int, tuple[np.ndarray, np.ndarray, int]]:
+    """For staging a rank's block as one row in the canonical order of its heads (L, its H, N, KV, D): the
+    pieces' pool offsets (block 0), their offsets in the row, their length; and the row's layer slices,
+    as (offsets in the row, offsets in a canonical slot, length)."""
+    spec = layout.spec
+    outer, index, length = _piece_index(layout, canonical)
+    row_strides, step = {}, spec.element_size
+    for axis in reversed(_CANONICAL_AXES):
+        row_strides[axis] = step
+        step *= spec.axis_size(axis)
+    layers = np.arange(spec.num_layers, dtype=np.int64)
+    size = row_strides[Axis.L]  # one layer of the rank's heads
+    slices = (layers * size, layers * canonical.strides[Axis.L] + first_head * canonical.strides[Axis.H], size)
+    return _at(index, outer, layout.strides), _at(index, outer, row_strides), length, slices
 
 
 def plan_shard_copies(layout: PoolLayout, pieces: tuple[np.ndarray, np.ndarray, int], slot_bytes: int,

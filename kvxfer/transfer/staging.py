@@ -18,16 +18,18 @@ function on the stream (cuLaunchHostFunc), the Triton kernel under its interpret
 from __future__ import annotations
 
 from ctypes import c_void_p
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kvxfer.geometry.layout import PoolLayout
+from kvxfer.geometry.layout import Axis, PoolLayout
 from kvxfer.memory.cuda_driver import Driver
 from kvxfer.memory.cuda_mem import device_buffer
-from kvxfer.transfer.device_checksum import upload
+from kvxfer.transfer.device_checksum import upload as upload_ids
+from kvxfer.transfer.plan import shard_rows
 
 #: Runs shorter than this go through staging. Measured on an H200 (devcheck, scattered blocks
 #: of one run each, fraction of a contiguous pinned copy): 512 KiB 0.83-0.88, 64 KiB 0.41-0.56.
@@ -41,89 +43,136 @@ TILE = 1024
 
 def wants_staging(layout: PoolLayout) -> bool:
     """Whether a layout's blocks move faster gathered into staging than as their runs."""
-    return (layout.runs_per_block > 1 and layout.run_length < STAGING_RUN_BYTES
-            and layout.block_bytes <= STAGING_BUFFER_BYTES)
+    return pieces_want_staging(Pieces.runs(layout))
+
+
+def pieces_want_staging(pieces: Pieces) -> bool:
+    """Whether blocks cut into these pieces move faster gathered into staging rows (a descriptor a row
+    part) than as their pieces (a descriptor each): short pieces, more of them than row parts."""
+    return (len(pieces.src) > len(pieces.slices[0]) and pieces.length < STAGING_RUN_BYTES
+            and pieces.row <= STAGING_BUFFER_BYTES)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """How a pool block moves through staging: piece o of block b lies at pool offset
+    ``src[o] + b * block_stride`` and at ``dst[o]`` of the block's staging row (``row`` bytes);
+    ``slices``: where a row goes in a tier slot, as (row offsets, slot offsets, length) of its parts."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: int
+    block_stride: int
+    row: int
+    slices: tuple[np.ndarray, np.ndarray, int]
+
+    @classmethod
+    def runs(cls, layout: PoolLayout) -> Pieces:
+        """A whole block's runs, back to back in pool-offset order: a row is the tier slot's bytes."""
+        run, count = layout.run_length, layout.runs_per_block
+        zero = np.zeros(1, dtype=np.int64)
+        return cls(np.asarray(layout._outer_offsets, dtype=np.int64), np.arange(count, dtype=np.int64) * run, run,
+                   layout.strides[Axis.B], layout.block_bytes, (zero, zero, layout.block_bytes))
+
+    @classmethod
+    def shard(cls, layout: PoolLayout, canonical: PoolLayout, first_head: int) -> Pieces:
+        """A tensor-parallel rank's pieces of a block, gathered into its heads' slice of each layer in the
+        canonical order: a row is ``L`` slices, each one contiguous run of a canonical slot."""
+        src, dst, length, (rows, places, size) = shard_rows(layout, canonical, first_head)
+        return cls(src, dst, length, layout.strides[Axis.B], layout.block_bytes, (rows, places, size))
 
 
 @triton.jit
-def _runs_kernel(pool_ptr, staging_ptr, blocks_ptr, outer_ptr, run_units, runs_per_block,
-                 TO_STAGING: tl.constexpr, TILE: tl.constexpr):
-    """Program (i * runs_per_block + o, t): tile t of run o of the i-th block, between the pool
-    (run o of block b at outer[o] + b * run_units) and staging row i (run o at o * run_units)."""
+def _pieces_kernel(pool_ptr, staging_ptr, blocks_ptr, src_ptr, dst_ptr, piece_units, pieces_per_block, block_units,
+                   row_units, TO_STAGING: tl.constexpr, TILE: tl.constexpr):
+    """Program (i * pieces_per_block + o, t): tile t of piece o of the i-th block, between the pool (at
+    src[o] + block * block_units) and staging row i (at i * row_units + dst[o])."""
     pair = tl.program_id(0).to(tl.int64)
-    i, o = pair // runs_per_block, pair % runs_per_block
+    i, o = pair // pieces_per_block, pair % pieces_per_block
     block = tl.load(blocks_ptr + i).to(tl.int64)
-    pool_start = tl.load(outer_ptr + o).to(tl.int64) + block * run_units
-    staging_start = pair * run_units  # row i, run o: (i * runs_per_block + o) * run_units
+    pool_start = tl.load(src_ptr + o).to(tl.int64) + block * block_units
+    staging_start = i * row_units + tl.load(dst_ptr + o).to(tl.int64)
     idx = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    mask = idx < run_units
+    mask = idx < piece_units
     if TO_STAGING:
         tl.store(staging_ptr + staging_start + idx, tl.load(pool_ptr + pool_start + idx, mask=mask), mask=mask)
     else:
         tl.store(pool_ptr + pool_start + idx, tl.load(staging_ptr + staging_start + idx, mask=mask), mask=mask)
 
 
-def _units(layout: PoolLayout, pool: torch.Tensor, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The pool and staging as 8-byte words when every run is word-aligned (one load per word), else bytes."""
-    run = layout.run_length
-    aligned = (run % 8 == 0 and pool.data_ptr() % 8 == 0 and staging.data_ptr() % 8 == 0
-               and all(o % 8 == 0 for o in layout._outer_offsets))
-    if not aligned:
-        return pool, staging, 1
-    return pool[:pool.numel() // 8 * 8].view(torch.int64), staging[:staging.numel() // 8 * 8].view(torch.int64), 8
+def _unit(pieces: Pieces, pool: torch.Tensor, staging: torch.Tensor) -> int:
+    """8 (words) when every piece and offset is word-aligned (one load per word), else 1 (bytes)."""
+    values = [pieces.length, pieces.block_stride, pieces.row, pool.data_ptr(), staging.data_ptr()]
+    aligned = all(v % 8 == 0 for v in values) and not (pieces.src % 8).any() and not (pieces.dst % 8).any()
+    return 8 if aligned else 1
 
 
-def move_runs(layout: PoolLayout, pool: torch.Tensor, staging: torch.Tensor, blocks: torch.Tensor,
-              outer: torch.Tensor, to_staging: bool) -> None:
-    """Gather pool ``blocks`` into staging rows 0.. (``to_staging``), or scatter the rows back, on
-    the current stream. ``blocks``: int64 block ids on the pool's device; ``outer``: the layout's
-    run offsets in the same units as ``_units`` chooses (``outer_offsets``)."""
+def _as_units(tensor: torch.Tensor, unit: int) -> torch.Tensor:
+    return tensor if unit == 1 else tensor[:tensor.numel() // 8 * 8].view(torch.int64)
+
+
+def move_pieces(pieces: Pieces, offsets: dict[int, tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor,
+                staging: torch.Tensor, blocks: torch.Tensor, to_staging: bool) -> None:
+    """Gather pool ``blocks`` into staging rows 0.. (``to_staging``), or scatter the rows back, on the
+    current stream. ``blocks``: int64 block ids on the pool's device; ``offsets``: ``upload``'s."""
     n = blocks.numel()
     if n == 0:
         return
-    pool_units, staging_units, unit = _units(layout, pool, staging)
-    run_units = layout.run_length // unit
-    tile = min(TILE, triton.next_power_of_2(run_units))
-    grid = (n * layout.runs_per_block, triton.cdiv(run_units, tile))
-    _runs_kernel[grid](pool_units, staging_units, blocks, outer[unit], run_units, layout.runs_per_block,
-                       TO_STAGING=to_staging, TILE=tile)
+    unit = _unit(pieces, pool, staging)
+    piece_units = pieces.length // unit
+    tile = min(TILE, triton.next_power_of_2(piece_units))
+    grid = (n * len(pieces.src), triton.cdiv(piece_units, tile))
+    src, dst = offsets[unit]
+    _pieces_kernel[grid](_as_units(pool, unit), _as_units(staging, unit), blocks, src, dst, piece_units,
+                         len(pieces.src), pieces.block_stride // unit, pieces.row // unit, TO_STAGING=to_staging,
+                         TILE=tile)
 
 
-def outer_offsets(layout: PoolLayout, device: torch.device) -> dict[int, torch.Tensor]:
-    """Block 0's run offsets in bytes (key 1) and in words (key 8), on ``device`` (set-up: uploads)."""
-    offsets = np.asarray(layout._outer_offsets, dtype=np.int64)
-    return {unit: torch.from_numpy(offsets // unit).to(device) for unit in (1, 8)}
+def upload(pieces: Pieces, device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The pieces' offsets in bytes (key 1) and in words (key 8), on ``device`` (set-up: uploads)."""
+    return {unit: (torch.from_numpy(pieces.src // unit).to(device), torch.from_numpy(pieces.dst // unit).to(device))
+            for unit in (1, 8)}
 
 
-def move_runs_torch(layout: PoolLayout, pool: torch.Tensor, staging: torch.Tensor, blocks: list[int],
-                    to_staging: bool) -> None:
-    """The torch twin of ``move_runs`` (the same bytes, by index arithmetic): the reference the
+def move_pieces_torch(pieces: Pieces, pool: torch.Tensor, staging: torch.Tensor, blocks: list[int],
+                      to_staging: bool) -> None:
+    """The torch twin of ``move_pieces`` (the same bytes, by index arithmetic): the reference the
     kernel is tested against."""
-    run, rows = layout.run_length, len(blocks)
-    if rows == 0:
+    if not blocks:
         return
-    starts = (torch.tensor(blocks, dtype=torch.int64)[:, None] * run
-              + torch.tensor(layout._outer_offsets, dtype=torch.int64)[None, :]).reshape(-1)
-    index = (starts[:, None] + torch.arange(run, dtype=torch.int64)[None, :]).reshape(-1)
-    row_bytes = rows * layout.block_bytes
+    span = torch.arange(pieces.length, dtype=torch.int64)[None, :]
+    b = torch.tensor(blocks, dtype=torch.int64)[:, None]
+    pool_index = ((b * pieces.block_stride + torch.from_numpy(pieces.src)[None, :]).reshape(-1, 1) + span).reshape(-1)
+    rows = torch.arange(len(blocks), dtype=torch.int64)[:, None] * pieces.row
+    staging_index = ((rows + torch.from_numpy(pieces.dst)[None, :]).reshape(-1, 1) + span).reshape(-1)
     if to_staging:
-        staging[:row_bytes] = pool[index]
+        staging[staging_index] = pool[pool_index]
     else:
-        pool[index] = staging[:row_bytes]
+        pool[pool_index] = staging[staging_index]
 
 
 class Stager:
     """The staging kernels of one pool, enqueued on a copy stream in its order."""
 
-    def __init__(self, pool: torch.Tensor, layout: PoolLayout, driver: Driver) -> None:
-        self.pool, self.layout, self.driver = pool, layout, driver
-        self.rows = STAGING_BUFFER_BYTES // layout.block_bytes  # blocks one buffer holds
-        self._outer = outer_offsets(layout, pool.device)  # now, not in a submit: the upload synchronises
+    def __init__(self, pool: torch.Tensor, pieces: Pieces, driver: Driver) -> None:
+        self.pool, self.pieces, self.driver = pool, pieces, driver
+        self.rows = STAGING_BUFFER_BYTES // pieces.row  # blocks one buffer holds
+        self._offsets = upload(pieces, pool.device)  # now, not in a submit: the upload synchronises
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
 
     def buffer(self) -> torch.Tensor:
         """A staging buffer in the pool's device memory (each stream of the engine holds two)."""
-        return device_buffer(self.driver, self.rows * self.layout.block_bytes)
+        return device_buffer(self.driver, self.rows * self.pieces.row)
+
+    def descriptors(self, buffer: torch.Tensor, slots: np.ndarray, slot_bytes: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(staging addresses, tier offsets, sizes) moving rows 0.. to or from tier ``slots``: one a row
+        (a whole block), or one a layer's slice of a canonical slot (a rank's row)."""
+        rows, places, size = self.pieces.slices
+        row_starts = buffer.data_ptr() + np.arange(len(slots), dtype=np.int64) * self.pieces.row
+        staging = (row_starts[:, None] + rows[None, :]).ravel()
+        tier = (slots[:, None] * slot_bytes + places[None, :]).ravel()
+        return staging, tier, np.full(len(staging), size, dtype=np.int64)
 
     def enqueue(self, stream: c_void_p, buffer: torch.Tensor, blocks: list[int], to_staging: bool) -> None:
         """Gather pool ``blocks`` into ``buffer``'s rows 0.. (``to_staging``), or scatter the rows into
@@ -132,10 +181,10 @@ class Stager:
         ids = np.asarray(blocks, dtype=np.int64)
         if not self.pool.is_cuda:  # "device" memory is host memory: a host function in stream order
             tensor = torch.from_numpy(ids)
-            self.driver.launch_host(stream, lambda: move_runs(self.layout, self.pool, buffer, tensor, self._outer,
-                                                              to_staging))
+            self.driver.launch_host(stream, lambda: move_pieces(self.pieces, self._offsets, self.pool, buffer, tensor,
+                                                                to_staging))
             return
         if stream.value not in self._streams:
             self._streams[stream.value] = torch.cuda.ExternalStream(stream.value, device=self.pool.device)
         with torch.cuda.stream(self._streams[stream.value]):
-            move_runs(self.layout, self.pool, buffer, upload(ids, self.pool.device), self._outer, to_staging)
+            move_pieces(self.pieces, self._offsets, self.pool, buffer, upload_ids(ids, self.pool.device), to_staging)

@@ -118,3 +118,33 @@ def test_the_device_checks_canonical_stage_runs_and_checks_every_head(cuda_sim, 
     result = shard_stage.canonical_blocks({}, args)["results"]
     assert [r["layout"] for r in result] == ["BLHNC", "LBHNC"] and all(r["device"] == "cuda:0" for r in result)
     assert not cuda_sim.violations
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "LBNHC"])
+def test_short_pieces_go_through_staging_rows_and_move_the_same_bytes(cuda_sim, monkeypatch, layout):
+    """A rank's pieces of a head vector (flash_attn) gathered into staging rows by the kernel on the copy
+    stream, then a descriptor a layer's slice: the bytes the CPU engine moves, a buffer's worth a round."""
+    from kvxfer.transfer import staging
+    from kvxfer.transfer.planner import Method
+
+    canonical, _ = canonical_of(2)
+    pool = Pool.create("p", rank_spec(2), PRESETS[layout], device="cuda:0")
+    data = torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8)
+    pool.storage.copy_(data)
+    monkeypatch.setattr(staging, "STAGING_BUFFER_BYTES", 2 * pool.layout.block_bytes)  # two blocks a round
+    host = HostTier(6, canonical.block_bytes, pin_device=0)
+    engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, host, cuda_driver.driver(0), pool=pool.storage,
+                            shard=(canonical, 2))
+    assert engine._stager is not None and engine._stager.rows == 2
+    reference = HostTier(6, canonical.block_bytes)
+    ShardCopyEngine(data.clone(), pool.layout, (2, 4), reference, canonical, use_native=False).submit(
+        CopyBatch(Direction.TO_HOST, [7, 3, 4, 11, 2], [2, 5, 0, 1, 4])).wait()
+    handle = engine.submit(CopyBatch(Direction.TO_HOST, [7, 3, 4, 11, 2], [2, 5, 0, 1, 4]))
+    handle.wait()
+    assert handle.method is Method.STAGED and torch.equal(host.buffer, reference.buffer)
+    pool.storage.zero_()
+    engine.submit(CopyBatch(Direction.TO_POOL, [1, 6, 9, 10, 5], [2, 5, 0, 1, 4])).wait()
+    got, want = blocks_view(pool.storage, pool.layout), blocks_view(data, pool.layout)
+    assert torch.equal(got[[1, 6, 9, 10, 5]], want[[7, 3, 4, 11, 2]])
+    assert not cuda_sim.violations
+    pool.close()
