@@ -94,7 +94,12 @@ class Assembly:
                     claim.positions.append(i)
                     claim.slots.append(entry.slot)
             if new:
-                plan = prepare(namespace, [keys[i] for i in new])
+                try:
+                    plan = prepare(namespace, [keys[i] for i in new])
+                except BaseException:  # nothing claimed: the entries this call joined are not written by it
+                    for key in (keys[i] for i in claim.positions):
+                        self._pending[(namespace, key)].writers -= 1
+                    raise
                 now = self._clock()
                 for j, i in enumerate(new):
                     claim.outcomes[i] = plan.outcomes[j]

@@ -193,7 +193,11 @@ class PoolManager:
         self._forget(settled.dropped)
         if settled.complete:
             slots, keys = [s for s, _ in settled.complete], [k for _, k in settled.complete]
-            checksums: list[int | None] = list(self.copier.tier_checksums(slots))
+            try:
+                checksums: list[int | None] = list(self.copier.tier_checksums(slots))
+            except BaseException:  # never visible, and their slots free again
+                self._forget(slots)
+                raise
             self.index.complete_store(slots, checksums, batch.engine)
             self.group.write_through(batch.namespace, keys, slots, checksums)
 

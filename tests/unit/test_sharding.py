@@ -411,3 +411,32 @@ def test_ranks_verifying_the_same_blocks_at_once_hash_each_once_and_agree():
     assert Outcome.DATA_LOSS in [o[3] for o in results.values()]
     group.index.complete_load(held.slots)
     engine.close()
+
+
+def test_a_failing_reservation_or_checksum_leaves_no_entry_behind(monkeypatch):
+    """The index refusing a reservation (a bug) leaves the entries another rank claimed expirable; a
+    checksum pass that fails at publication forgets the entries (never visible, slots free)."""
+    clock = [0.0]
+    group = group_for(4, 2, capacity=4)
+    group.assembly = Assembly(4, timeout_s=10, clock=lambda: clock[0])
+    engine = Engine(group, 4, 2)
+    assert engine.managers[0].offload("ns", [(1, b"k")]).outcomes == [Outcome.DONE]
+
+    def broken(namespace, keys):
+        raise Internal("reservation failed")
+
+    monkeypatch.setattr(group, "prepare_store", broken)
+    with pytest.raises(Internal):
+        engine.managers[1].offload("ns", [(1, b"k"), (2, b"new")])
+    monkeypatch.undo()
+    clock[0] = 11
+    engine.managers[0].reap()
+    assert len(group.assembly) == 0 and group.index.stats().used == 0  # the claimed entry expired
+
+    monkeypatch.setattr(engine.managers[1].copier, "tier_checksums", lambda slots: (_ for _ in ()).throw(
+        Internal("hash failed")))
+    engine.managers[0].offload("ns", [(1, b"k")])
+    with pytest.raises(Internal):
+        engine.managers[1].offload("ns", [(1, b"k")])
+    assert len(group.assembly) == 0 and group.index.stats().used == 0
+    engine.close()
