@@ -106,3 +106,15 @@ def test_k_and_v_of_different_head_sizes_are_one_cell_split_by_heads(daemon, mak
     names = tp1.worker.spec.names
     assert (names.spec.kv_parts, names.spec.head_size, names.kv_format) == (1, 24, "k16v8")
     shares(daemon, tp2, tp1, PROMPT)
+
+
+@pytest.mark.parametrize("field", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallel_ranks_hold_other_tokens_and_keep_a_group_a_rank(daemon, make_engine, field):
+    from kvxfer.integrations.vllm.connector import engine_names
+
+    engine = make_engine(daemon.config["socket"], model=Model(num_kv_heads=2), tensor_parallel=2)
+    assert engine.worker.spec.names.canonical
+    setattr(engine.config.parallel_config, field, 2)
+    names = engine_names(engine.config, engine.kv_cache_config)
+    assert not names.canonical and names.sharding(0) is None
+    assert names.cache_group(0) != names.cache_group(1)

@@ -63,9 +63,12 @@ def engine_names(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
     parallel = vllm_config.parallel_config
     kv = KVSpec(num_layers, kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, head_size, dtype,
                 kv_parts=kv_parts)
-    # Canonical blocks (shared across TP sizes and layouts) where every rank holds every layer (no pipeline
-    # parallelism: its stages hold different layers).
-    canonical = parallel.world_size == parallel.tensor_parallel_size
+    # Canonical blocks (shared across TP sizes and layouts) where every rank holds every layer and token of
+    # its heads: no pipeline parallelism (its stages hold different layers), no context parallelism (its
+    # ranks hold different tokens).
+    canonical = (parallel.world_size == parallel.tensor_parallel_size
+                 and getattr(parallel, "decode_context_parallel_size", 1) == 1
+                 and getattr(parallel, "prefill_context_parallel_size", 1) == 1)
     total = (1 if latent else vllm_config.model_config.get_total_num_kv_heads()) if canonical else 0
     names = EngineNames(engine_id=transfer.engine_id or "", model=model_identity(vllm_config, settings), spec=kv,
                         layout=kvxfer_layout(layout), world_size=parallel.world_size,

@@ -6,8 +6,9 @@ geometry and the tenant (vLLM's ``cache_salt``): another model or tenant never m
 
 Every rank registers with its ``Sharding`` and the engine's blocks are stored canonically
 (every head, one order): engines of the same model share them whatever their tensor-
-parallel size and layout. With pipeline parallelism (whose ranks hold different layers)
-each rank has a cache group of its own, and the namespace binds the split and the layout.
+parallel size and layout. With pipeline or context parallelism (whose ranks hold different
+layers or tokens) each rank has a cache group of its own, and the namespace binds the split
+and the layout.
 """
 
 from __future__ import annotations
