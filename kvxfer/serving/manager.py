@@ -283,8 +283,9 @@ class PoolManager:
                 good = [got == expected[j] for got, j in zip(sums, mine)]
             finally:
                 verified.done(at[mine], runs[mine], good if len(good) == len(mine) else [False] * len(mine))
+        until = deadline if deadline is not None else time.monotonic() + VERIFY_WAIT_S  # one bound for all
         for event in waits:
-            event.wait(max(0.0, deadline - time.monotonic()) if deadline is not None else VERIFY_WAIT_S)
+            event.wait(max(0.0, until - time.monotonic()))
         return verified.trusted(at, runs)
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:

@@ -15,7 +15,9 @@
  * ctypes), so this file implements no hash of its own. It is loaded through
  * ctypes (kvxfer/transfer/native.py), which releases the GIL for the call; it
  * includes no Python header. Indices are trusted: the engine checks bounds first.
- * A batch of zero rows per block only hashes (a GPU's DMA engine copied the bytes).
+ * A batch of zero rows per block only hashes (a GPU's DMA engine copied the bytes); a batch
+ * with no `hashed` array only copies (a tensor-parallel rank's pieces of a block that is
+ * hashed whole once every rank's pieces are in).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -110,6 +112,11 @@ static void do_step(const job_t *j, int64_t step) {
     if (b1 > j->blocks)
         b1 = j->blocks;
     const int64_t k = j->rows_per_block, n = j->row_bytes;
+    if (j->hashed == NULL) { /* copies alone */
+        for (int64_t r = b0 * k; r < b1 * k; r++)
+            memcpy(j->dst + j->dst_rows[r] * n, j->src + j->src_rows[r] * n, (size_t)n);
+        return;
+    }
     if (k > 0 && j->stream != NULL && j->span_bytes > PIECE_BYTES) {
         void *state = j->stream->create();
         for (int64_t b = b0; b < b1; b++)

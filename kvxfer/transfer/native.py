@@ -77,6 +77,20 @@ class NativeCopier:
             raise Internal(f"native copy refused a batch of {blocks} blocks in steps of {step_blocks}")
         return sums.tolist()
 
+    def copy_rows(self, dst: np.ndarray, src: np.ndarray, dst_rows: np.ndarray, src_rows: np.ndarray,
+                  step_rows: int, threads: int) -> None:
+        """Copy ``src[src_rows[r]]`` to ``dst[dst_rows[r]]`` for every r, nothing hashed, in steps of
+        ``step_rows`` rows on up to ``threads`` threads (the row indices are trusted)."""
+        if not len(src_rows):
+            return
+        if (dst.shape[1] != src.shape[1] or len(dst_rows) != len(src_rows)
+                or not all(a.flags.c_contiguous for a in (dst, src, dst_rows, src_rows))
+                or {dst_rows.dtype, src_rows.dtype} != {np.dtype(np.int64)}):
+            raise Internal("native copy: arrays of mismatched shapes, types or strides")
+        if self._call(_address(dst), _address(src), dst.shape[1], _address(dst_rows), _address(src_rows), 1, None,
+                      None, 0, None, len(src_rows), step_rows, self._hash, self._stream_address, threads) != 0:
+            raise Internal(f"native copy refused {len(src_rows)} rows in steps of {step_rows}")
+
     def hash_spans(self, hashed: np.ndarray, spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
         """The checksum of each row ``hashed[spans[b]]``, on up to ``threads`` threads, nothing copied
         (the tier copies a GPU's DMA engine wrote). ``spans`` must be in range (trusted)."""

@@ -63,8 +63,7 @@ class ShardCopyEngine(CopyEngine):
         shape = (host.capacity, s.num_layers, s.num_kv_heads, s.block_size, s.kv_parts, s.head_size)
         self._slots = host.buffer.view(_WORDS[s.element_size]).view(shape)[:, :, first:end]
         # The rank's pieces of a block (contiguous on both sides: one a layer in BLHNC and LBHNC) as rows
-        # of the piece's length on both sides; the C loop copies rows (and hashes each piece it copied,
-        # its contract: the stored block is hashed whole once every rank's pieces are in).
+        # of the piece's length on both sides, which the C loop copies.
         offsets, places, piece = shard_pieces(layout, canonical, first)
         self._pieces = len(offsets)
         rows_fit = all(int(v) % piece == 0 for v in (*offsets, *places, layout.strides[Axis.B], host.slot_bytes))
@@ -110,14 +109,14 @@ class ShardCopyEngine(CopyEngine):
         pool_rows = (blocks[:, None] * self._block_rows + self._piece_rows[None, :]).ravel()
         tier_rows = (slots[:, None] * self._slot_rows + self._place_rows[None, :]).ravel()
         pool, tier = self._pool_rows, self._tier_rows
-        try:  # each piece a "block" of one row, hashed on its source side (the C loop's contract)
+        try:  # copies alone: a stored block is hashed whole once every rank's pieces are in
             if direction is Direction.TO_HOST:
-                self._native.copy_hash(tier, pool, tier_rows, pool_rows, pool, pool_rows, self._step, self._threads)
+                self._native.copy_rows(tier, pool, tier_rows, pool_rows, self._step, self._threads)
             else:
-                self._native.copy_hash(pool, tier, pool_rows, tier_rows, tier, tier_rows, self._step, self._threads)
+                self._native.copy_rows(pool, tier, pool_rows, tier_rows, self._step, self._threads)
         except Internal as exc:
             return CompletedHandle(exc)
-        return CompletedHandle()  # (those sums are of pieces: a stored block is hashed whole)
+        return CompletedHandle()
 
     @property
     def hash_threads(self) -> int:

@@ -77,6 +77,18 @@ static void *caller(void *arg) {
                 printf("block %d of batch %d wrong\n", b, batch);
                 exit(1);
             }
+        /* Copy only (no hashed array: nothing hashed, no sum written), into a cleared destination. */
+        memset(dst, 0, (size_t)n * BLOCK);
+        if (kvx_copy_hash(dst, src, ROW, dst_rows, src_rows, ROWS_PER_BLOCK, NULL, NULL, 0, NULL, n, step,
+                          fnv1a, stream, threads) != 0) {
+            printf("copy-only batch refused\n");
+            exit(1);
+        }
+        for (int b = 0; b < n; b++)
+            if (memcmp(dst + b * BLOCK, src + perm[b] * BLOCK, BLOCK) != 0) {
+                printf("copy-only block %d of batch %d wrong\n", b, batch);
+                exit(1);
+            }
         /* Hash only (zero rows per block: nothing copied), the source's scattered blocks. */
         if (kvx_copy_hash(NULL, NULL, 0, NULL, NULL, 0, src, perm, BLOCK, sums, n, step, fnv1a, stream, threads) != 0) {
             printf("hash-only batch refused\n");

@@ -15,17 +15,24 @@ import triton.language as tl
 
 
 @triton.jit
+def slot_place(slot_mapping_ptr, token, BLOCK_SIZE: tl.constexpr):
+    """A token's (block, offset in the block); block 0 for a slot of -1 (padding) or in the null block,
+    where nothing is written."""
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.where(slot < BLOCK_SIZE, 0, slot)
+    return slot // BLOCK_SIZE, slot % BLOCK_SIZE
+
+
+@triton.jit
 def _cache_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                         key_stride_t, key_stride_h, value_stride_t, value_stride_h,
                         k_stride_b, k_stride_n, k_stride_h, v_stride_b, v_stride_n, v_stride_h,
                         BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr,
                         TILE: tl.constexpr, HAS_V: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < BLOCK_SIZE:  # -1 (padding) or the null block: write nothing
+    block, offset = slot_place(slot_mapping_ptr, token, BLOCK_SIZE)
+    if block == 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
     for i in range(0, NUM_HEADS * HEAD_SIZE, TILE):
         idx = i + tl.arange(0, TILE)
         mask = idx < NUM_HEADS * HEAD_SIZE

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvxfer.engine.kernels.cache_write import slot_place
 from kvxfer.errors import InvalidArgument
 
 #: Code type -> (QMAX, QMIN).
@@ -61,11 +62,9 @@ def _quantized_write_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sl
                             QMAX: tl.constexpr, QMIN: tl.constexpr, IS_INT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < BLOCK_SIZE:  # -1 (padding) or the null block: write nothing
+    block, offset = slot_place(slot_mapping_ptr, token, BLOCK_SIZE)
+    if block == 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
     _quantize_store(key_ptr + token * key_stride_t + head * key_stride_h, k_ptr, ks_ptr,
                     block * k_sb + offset * k_sn + head * k_sh, block * ks_sb + offset * ks_sn + head * ks_sh,
                     HS, PADDED, QMAX, QMIN, IS_INT)
