@@ -206,4 +206,4 @@ def test_a_full_device_is_evicted_into_and_the_daemon_goes_on(tmp_path):
         finally:
             daemon.cleanup()
     finally:
-        subprocess.run(["umount", str(mount)], check=False)
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)  # even if a killed daemon still holds it

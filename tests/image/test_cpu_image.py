@@ -30,6 +30,7 @@ from kvxfer.records import Outcome
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "docker.io/library/python:3.11-slim-bookworm"
 IMAGE = "localhost/kvxfer:ci-cpu"
+FREE_NEEDED = 6 << 30
 BASE_PACKAGES = "python3,python3-venv,python3-dev,gcc,libc6-dev,ca-certificates,passwd"
 #: The host's package-registry settings, mounted into the build (proxy CA, local wheel indexes).
 HOST_PIP = ["/etc/pip.conf", "/etc/xdg/pip", "/etc/ssl/certs/ca-certificates.crt", "/opt/wheels", "/opt/pypi",
@@ -73,6 +74,9 @@ def image(tmp_path_factory):
     if not all(shutil.which(tool) for tool in ("podman", "runc", "mmdebstrap")):
         pytest.skip("needs podman, runc and mmdebstrap (.ci/run installs them)")
     work = tmp_path_factory.mktemp("image")
+    free = shutil.disk_usage(work).free
+    if free < FREE_NEEDED:  # the build's layers and pip's unpacked wheels; a full disk is no verdict on the image
+        pytest.skip(f"the image build needs {FREE_NEEDED >> 30} GiB free under {work}, {free / 2**30:.1f} GiB is")
     conf = work / "containers.conf"
     conf.write_text("[containers]\ndefault_ulimits = []\n")
     if _podman(conf, "image", "exists", BASE, check=False).returncode != 0:
