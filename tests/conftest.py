@@ -15,8 +15,9 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# tests/vllm needs vLLM, installed only into its own environment (make test-vllm).
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+# tests/vllm and tests/sglang need their engines, each installed only into its own environment
+# (make test-vllm, make test-sglang).
+collect_ignore = [name for name in ("vllm", "sglang") if not importlib.util.find_spec(name)]
 
 
 @pytest.fixture

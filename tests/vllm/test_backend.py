@@ -11,9 +11,9 @@ from kvxfer import Client
 from kvxfer.errors import PermissionDenied
 from service import launch
 from kvxfer.integrations.vllm.drive import Engine, Model
-from kvxfer.integrations.vllm.link import LinkDown
+from kvxfer.integrations.link import LinkDown
 from tests.vllm.conftest import DAEMON, RETRY_S, kv_transfer
-from tests.vllm.tiermem import flip_byte
+from tests.tiermem import flip_byte
 
 PROMPT = list(range(10, 74))  # 64 tokens: 4 blocks of 16
 TAIL = [900, 901, 902, 903, 904, 905, 906, 907]

@@ -14,7 +14,7 @@ from service import launch
 from tests.e2e.redis_server import free_port
 from tests.vllm.conftest import DAEMON
 from tests.vllm.test_backend import PROMPT, TAIL, run_alone
-from tests.vllm.tiermem import flip_byte
+from tests.tiermem import flip_byte
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingMana
                                      ReqContext, RequestOffloadingContext, ScheduleEndContext)
 
 from kvxfer.errors import KvxferError
-from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
+from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.naming import EngineNames
 
 log = logging.getLogger("kvxfer.vllm")

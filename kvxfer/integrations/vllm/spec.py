@@ -6,7 +6,6 @@ value stops vLLM at start-up with a message that names it, never later.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvxfer.geometry.layout import PoolLayout
 from kvxfer.integrations.vllm.allocation import SharedKVAllocation
 from kvxfer.errors import KvxferError
-from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
+from kvxfer.integrations.link import DaemonLink, LinkDown
+from kvxfer.integrations.settings import parse_settings
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames
 from kvxfer.integrations.vllm.registration import check_memory, register_rank
@@ -45,28 +45,8 @@ class Settings:
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
-        known = {name for name in cls.__dataclass_fields__}
-        unknown = sorted(set(extra) - known - VLLM_KEYS, key=str)
-        if unknown:  # a misspelt key must not be dropped in silence
-            name = str(unknown[0])
-            near = difflib.get_close_matches(name, sorted(known | VLLM_KEYS), n=1)
-            raise ValueError(f"kv_connector_extra_config.{name}: not a setting of kvxfer or of vLLM's offloading "
-                             f"connector{f' (did you mean {near[0]!r}?)' if near else ''}; kvxfer's settings: "
-                             f"{sorted(known)}")
-        ours = {k: v for k, v in extra.items() if k in known}
-        for name, value in ours.items():
-            default = getattr(cls, name)
-            if isinstance(default, bool):
-                if not isinstance(value, bool):
-                    raise ValueError(f"kv_connector_extra_config.{name}: true or false, got {value!r}")
-            elif isinstance(default, float):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
-                    raise ValueError(f"kv_connector_extra_config.{name}: a number of seconds in (0, 3600], "
-                                     f"got {value!r}")
-                ours[name] = float(value)
-            elif not isinstance(value, str) or (name == "socket" and not value):
-                raise ValueError(f"kv_connector_extra_config.{name}: a string, got {value!r}")
-        return cls(**ours)
+        return parse_settings(cls, extra, where="kv_connector_extra_config", foreign=VLLM_KEYS,
+                              engine="vLLM's offloading connector")
 
     @property
     def target(self) -> str:

@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingW
 from kvxfer.client import SUCCESS, Client, CudaEvent
 from kvxfer.events.records import EngineBlocks, KeyFormat
 from kvxfer.errors import KvxferError
-from kvxfer.integrations.vllm.link import DaemonLink, LinkDown
+from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.manager import KvxferBlocks
 from kvxfer.records import Outcome
 

@@ -1,17 +1,20 @@
-"""One engine process's connection to its kvxfer sidecar, built so that the daemon can never hurt the engine.
+"""One engine process's connection to its kvxfer sidecar, built so that the daemon can never hurt the engine
+(shared by the vLLM and SGLang backends).
 
 Every call has a short deadline. A daemon that is gone (``UNAVAILABLE``; or restarted,
 which makes the epoch the engine holds stale: ``FAILED_PRECONDITION``) or slow
 (``DEADLINE_EXCEEDED``) turns the link *down*: callers get ``LinkDown`` at once, without
 an RPC, until ``retry_s`` has passed; then one call tries again, re-running ``on_connect``
 (register the pool again, learn the new epochs) if the daemon was gone. Each change of
-state is logged once.
+state is logged once. Calls may come from several threads (SGLang's prefetch and backup
+threads): one lock guards the session, never an RPC.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -19,7 +22,7 @@ from typing import TypeVar
 from kvxfer.client import Client
 from kvxfer.errors import DeadlineExceeded, FailedPrecondition, KvxferError, NotFound, Unavailable
 
-log = logging.getLogger("kvxfer.vllm")
+log = logging.getLogger("kvxfer.engine")
 T = TypeVar("T")
 
 #: How soon a daemon that answered but did not know the pool is asked again.
@@ -49,8 +52,9 @@ class DaemonLink:
     """A Client that is rebuilt after the daemon went away, and calls that never wait on a dead daemon."""
 
     def __init__(self, target: str, *, timeout_s: float, retry_s: float, role: str,
-                 on_connect: Callable[[Client], None] | None = None) -> None:
+                 on_connect: Callable[[Client], None] | None = None, engine: str = "vLLM") -> None:
         self.target = target
+        self.engine = engine
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.role = role
@@ -60,20 +64,24 @@ class DaemonLink:
         self._next_try = 0.0
         self._cause = ""  # why the link is down, for the LinkDown of calls made while it rests
         self.connects = 0
+        self._lock = threading.RLock()  # the session's state; a thread that finds it connecting waits for it
 
     def call(self, fn: Callable[[Client], T]) -> T:
         """Run ``fn(client)``; raises ``LinkDown`` if the daemon is down (now or recently), or the
         ``KvxferError`` of a refusal (the daemon is up but said no: full, invalid)."""
-        if self.resting:
-            raise LinkDown(self.state is LinkState.GONE, cause=self._cause)
-        connecting = self._client is None
+        connecting = False
         try:
-            if connecting:
-                self._client = self._connect()
-            connecting = False
-            result = fn(self._client)
+            with self._lock:
+                if self.resting:
+                    raise LinkDown(self.state is LinkState.GONE, cause=self._cause)
+                if self._client is None:
+                    connecting = True
+                    self._client = self._connect()
+                    connecting = False
+                client = self._client
+            result = fn(client)
         except GONE as exc:
-            self._down(LinkState.GONE, exc, settling=not connecting)
+            self._down(LinkState.GONE, exc, settling=not connecting, client=client if not connecting else None)
             raise LinkDown(True, cause=self._cause) from None
         except DeadlineExceeded as exc:
             self._down(LinkState.SLOW, exc)
@@ -98,20 +106,22 @@ class DaemonLink:
         self.connects += 1
         return client
 
-    def _down(self, state: LinkState, exc: KvxferError, settling: bool = False) -> None:
+    def _down(self, state: LinkState, exc: KvxferError, settling: bool = False, client: Client | None = None) -> None:
         """The link is down; ``settling``: the daemon answered a call (not a registration) but did not
-        know the pool: a restarted daemon while this engine's workers register again."""
-        if state is LinkState.GONE and self._client is not None:
-            self._client.close()
-            self._client = None
-        self._cause = str(exc)
-        if self.state is not state:  # once per change, with where and why
-            log.warning("kvxfer %s: daemon at %s is %s (%s); vLLM goes on without it and retries every %.1f s",
-                        self.role, self.target, state.value, exc, self.retry_s)
-        self.state = state
-        # Such a daemon is asked again soon; one that does not answer, or refuses a registration, after retry_s.
-        settling = settling and isinstance(exc, (FailedPrecondition, NotFound))
-        self._next_try = time.monotonic() + (min(SETTLE_S, self.retry_s) if settling else self.retry_s)
+        know the pool: a restarted daemon while this engine's workers register again. ``client``: the
+        session the failed call used (a newer one, made by another thread meanwhile, is kept)."""
+        with self._lock:
+            if state is LinkState.GONE and self._client is not None and client in (None, self._client):
+                self._client.close()
+                self._client = None
+            self._cause = str(exc)
+            if self.state is not state:  # once per change, with where and why
+                log.warning("kvxfer %s: daemon at %s is %s (%s); %s goes on without it and retries every %.1f s",
+                            self.role, self.target, state.value, exc, self.engine, self.retry_s)
+            self.state = state
+            # Such a daemon is asked again soon; one that does not answer, or refuses a registration, after retry_s.
+            settling = settling and isinstance(exc, (FailedPrecondition, NotFound))
+            self._next_try = time.monotonic() + (min(SETTLE_S, self.retry_s) if settling else self.retry_s)
 
     @property
     def resting(self) -> bool:

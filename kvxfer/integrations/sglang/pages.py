@@ -1,0 +1,224 @@
+"""Moving SGLang host pages to and from the daemon, and never failing SGLang.
+
+Two pools per engine process, in one cache group (so their pages are the same blocks):
+
+- **host**: SGLang's own host pool, when SGLang allocated it in a memfd (the extra config's
+  ``"allocator": "shm"``). Its descriptor is handed to the daemon, which copies a page
+  straight out of it and into it: no copy in SGLang's process.
+- **staging**: a sealed memfd of ``staging_pages`` pages in the same layout, mapped here and by
+  the daemon. It carries what the host pool cannot: every page when the host pool is private
+  memory, host page 0 (kvxfer's null block), and SGLang's generic (non-zero-copy) interface.
+
+Every call has a deadline; a daemon that is down, slow or restarted turns into misses
+(``False``) and the link rests for ``retry_s`` (``kvxfer.integrations.link``). A restore
+starts no copy after its deadline, so pages SGLang reclaims after a failed prefetch are never
+written later; a store whose deadline passed stores nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvxfer.client import Client
+from kvxfer.errors import KvxferError
+from kvxfer.geometry.layout import NULL_BLOCK, PoolLayout
+from kvxfer.integrations.link import DaemonLink, LinkDown
+from kvxfer.integrations.sglang.naming import HostGeometry, PageNames
+from kvxfer.memory import shm
+from kvxfer.memory.pool import PoolHandle
+from kvxfer.records import Medium, Outcome
+
+log = logging.getLogger("kvxfer.sglang")
+#: What a store may answer for a page that is (or is being) stored.
+STORED = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The backend's knobs (keys of ``--hicache-storage-backend-extra-config``), with their defaults."""
+
+    socket: str = "/tmp/kvxfer.sock"  # the sidecar's gRPC socket; its descriptor socket is <socket>.fd
+    timeout_s: float = 1.0  # deadline of lookups and registrations
+    retry_s: float = 2.0  # after a failure, no call to the daemon for this long
+    deadline_s: float = 5.0  # a batch of pages moves within this long, or its pages are misses
+    cache_group: str = ""  # prefix of the cache group; replicas that share it share a host tier
+    model_id: str = ""  # the model's identity (default: SGLang's model name)
+    tenant: str = ""  # a deployment's own namespace: equal keys of another tenant never match
+    staging_pages: int = 128  # pages of the staging area (SGLang moves at most 128 a batch)
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.socket}"
+
+
+class Staging:
+    """A sealed memfd of pages in the host pool's layout, mapped here and registered with the daemon."""
+
+    def __init__(self, geometry: HostGeometry, name: str) -> None:
+        self.geometry = geometry
+        nbytes = PoolLayout(geometry.spec, geometry.layout).nbytes
+        self.fd = shm.create_sealed(name, nbytes)
+        self._map = mmap.mmap(self.fd, nbytes)
+        self.pages = torch.frombuffer(self._map, dtype=torch.uint8).view(geometry.spec.dtype).view(geometry.shape)
+        self.slots = list(range(NULL_BLOCK + 1, geometry.spec.num_blocks))  # every slot but the null block
+        self.lock = threading.Lock()  # one batch at a time owns the slots
+
+    def page(self, slot: int) -> torch.Tensor:
+        return self.pages.select(self.geometry.page_axis, slot)
+
+    def close(self) -> None:
+        self.pages = None  # the mapping goes with the last view of it
+        os.close(self.fd)
+
+
+def page_of(pages: torch.Tensor, geometry: HostGeometry, index: int) -> torch.Tensor:
+    return pages.select(geometry.page_axis, index)
+
+
+class PageMover:
+    """Stores and loads pages by SGLang's keys; every answer is per page, ``False`` meaning a miss."""
+
+    def __init__(self, names: PageNames, settings: Settings, host: torch.Tensor | None, host_fd: int | None) -> None:
+        """``host``: SGLang's host buffer (any shape, its bytes in ``names.geometry``'s layout);
+        ``host_fd``: its memfd when SGLang allocated it in one (zero copy), else None."""
+        self.names = names
+        self.settings = settings
+        g = names.geometry
+        self.host = host.view(-1).view(g.shape) if host is not None else None
+        self.host_fd = host_fd
+        self.staging = Staging(g.with_pages(settings.staging_pages + 1), names.pool_id("staging"))
+        self.link = DaemonLink(settings.target, timeout_s=settings.timeout_s, retry_s=settings.retry_s,
+                               role=f"HiCache rank {names.share.tp_rank}", on_connect=self._register, engine="SGLang")
+
+    # -- the session -----------------------------------------------------------------
+    def _register(self, client: Client) -> None:
+        """Register this process's pools (on every (re)connection: a restarted daemon knows none)."""
+        n = self.names
+        if self.host_fd is not None:
+            client.register_pool(n.pool_id("host"), n.geometry.spec, n.geometry.layout, PoolHandle(Medium.SHM),
+                                 fd=self.host_fd, cache_group=n.cache_group)
+        s = self.staging.geometry
+        client.register_pool(n.pool_id("staging"), s.spec, s.layout, PoolHandle(Medium.SHM), fd=self.staging.fd,
+                             cache_group=n.cache_group)
+
+    def _guarded(self, what: str, count: int, fn: Callable[[Client], list[bool]]) -> list[bool]:
+        """``fn`` through the link; a daemon that is down or refuses is ``count`` misses, never an exception."""
+        try:
+            return self.link.call(fn)
+        except LinkDown:
+            return [False] * count
+        except KvxferError as exc:  # the daemon is up and said no (full, invalid): these pages miss
+            log.warning("kvxfer: %s of %d pages refused: %s", what, count, exc)
+            return [False] * count
+
+    # -- SGLang's questions ----------------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys the daemon holds."""
+        if not keys:
+            return 0
+
+        def lookup(client: Client) -> list[bool]:
+            hits = client.lookup(keys, pool_ids=[self.names.pool_id("staging")], namespace=self.names.namespace,
+                                 timeout=self.settings.timeout_s).hits
+            return [True] * hits + [False] * (len(keys) - hits)
+
+        return sum(1 for _ in _leading(self._guarded("lookup", len(keys), lookup)))
+
+    def store(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[bool]:
+        """Store host pages ``pages`` under ``keys``."""
+        return self._move(keys, pages, store=True)
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[bool]:
+        """Load ``keys`` into host pages ``pages``; a page whose answer is False was not written."""
+        return self._move(keys, pages, store=False)
+
+    def store_tensors(self, keys: Sequence[bytes], values: Sequence[torch.Tensor]) -> list[bool]:
+        """Store pages given as tensors (SGLang's flat data pages)."""
+        return self._staged(keys, lambda i, page: page.copy_(values[i].view(page.shape)), store=True)
+
+    def load_tensors(self, keys: Sequence[bytes], targets: Sequence[torch.Tensor]) -> list[bool]:
+        """Load ``keys`` into the tensors ``targets`` (SGLang's flat data pages)."""
+        return self._staged(keys, lambda i, page: targets[i].view(page.shape).copy_(page), store=False)
+
+    # -- the data path ---------------------------------------------------------------
+    def _move(self, keys: Sequence[bytes], pages: Sequence[int], store: bool) -> list[bool]:
+        if self.host is None:
+            raise ValueError("kvxfer: the host pool is not registered")
+        direct = [i for i, p in enumerate(pages) if self.host_fd is not None and p != NULL_BLOCK]
+        results = [False] * len(keys)
+        if direct:
+            pool = self.names.pool_id("host")
+            answers = self._transfer(pool, [keys[i] for i in direct], [pages[i] for i in direct], store)
+            for i, ok in zip(direct, answers):
+                results[i] = ok
+        chosen = set(direct)
+        staged = [i for i in range(len(keys)) if i not in chosen]
+        if staged:
+            g = self.names.geometry
+
+            def copy(j: int, page: torch.Tensor) -> None:
+                host_page = page_of(self.host, g, pages[staged[j]])
+                (page.copy_(host_page) if store else host_page.copy_(page))
+
+            for i, ok in zip(staged, self._staged([keys[i] for i in staged], copy, store)):
+                results[i] = ok
+        return results
+
+    def _staged(self, keys: Sequence[bytes], copy: Callable[[int, torch.Tensor], None], store: bool) -> list[bool]:
+        """Through the staging area, as many pages at a time as it holds; ``copy(i, page)`` moves
+        page ``i`` of the batch between SGLang and staging ``page``."""
+        results: list[bool] = []
+        size = len(self.staging.slots)
+        with self.staging.lock:
+            for start in range(0, len(keys), size):
+                chunk = keys[start:start + size]
+                slots = self.staging.slots[:len(chunk)]
+                if store:
+                    for j, slot in enumerate(slots):
+                        copy(start + j, self.staging.page(slot))
+                answers = self._transfer(self.names.pool_id("staging"), chunk, slots, store)
+                if not store:
+                    for j, (slot, ok) in enumerate(zip(slots, answers)):
+                        if ok:
+                            copy(start + j, self.staging.page(slot))
+                results += answers
+        return results
+
+    def _transfer(self, pool: str, keys: Sequence[bytes], slots: Sequence[int], store: bool) -> list[bool]:
+        s, ns = self.settings, self.names.namespace
+        deadline = time.monotonic() + s.deadline_s
+        wait = s.deadline_s + s.timeout_s  # the answer of a copy started just before the deadline
+
+        def offload(client: Client) -> list[bool]:
+            result = client.offload(list(zip(slots, keys)), pool_id=pool, namespace=ns, partial=True, timeout=wait,
+                                    deadline=deadline)
+            return [o in STORED for o in result.outcomes]
+
+        def restore(client: Client) -> list[bool]:
+            result = client.restore(list(zip(keys, slots)), pool_id=pool, namespace=ns, partial=True, timeout=wait,
+                                    deadline=deadline)
+            if Outcome.DATA_LOSS in result.outcomes:
+                log.warning("kvxfer: %d stored pages failed their checksum; dropped, loaded as misses",
+                            result.outcomes.count(Outcome.DATA_LOSS))
+            return [o is Outcome.DONE for o in result.outcomes]
+
+        return self._guarded("store" if store else "load", len(keys), offload if store else restore)
+
+    def close(self) -> None:
+        self.link.close()
+        self.staging.close()
+
+
+def _leading(answers: list[bool]):
+    for ok in answers:
+        if not ok:
+            return
+        yield ok
