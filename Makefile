@@ -8,11 +8,15 @@ PYTEST_ARGS ?=
 LMCACHE_VENV ?= .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-vllm serve bench bench-peer proto devcheck devcheck-wheels wheel clean
+.PHONY: install test test-vllm test-sglang serve bench bench-peer proto devcheck devcheck-wheels wheel clean
 
 # (Re)install when the project's metadata or its C copy loop changes; torch is pinned to the local
 # CPU build.
@@ -38,6 +42,20 @@ $(VLLM_STAMP): pyproject.toml constraints.txt tests/vllm/requirements.txt
 # The kvxfer backend under vLLM's real scheduler and connector, against real daemons.
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+# SGLang 0.5.23 in an environment of its own, on the torch it asks for (2.14.1, whose CUDA build runs
+# on the CPU here): SGLang declares CUDA-only kernels, so it goes in with --no-deps after the
+# pure-Python packages its HiCache classes import.
+$(SGLANG_STAMP): pyproject.toml tests/sglang/requirements.txt
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SGLANG_PY) -m pip install -q -e . -r tests/sglang/requirements.txt
+	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23
+	touch $(SGLANG_STAMP)
+
+# The kvxfer HiCache backend with SGLang's own host pools and backend factory, against real daemons.
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest tests/sglang $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/kvxfer serve $(SERVE_ARGS)
