@@ -78,3 +78,73 @@ def attach(name: str, pool: Any, extra: dict | None, **kwargs: Any) -> HiCacheSt
     store.register_mem_pool_host(pool)
     store.on_host_pools_registered()
     return store
+
+
+class Controller:
+    """SGLang's own ``HiCacheController`` over a CPU device pool, its storage threads running, driven as
+    its radix cache drives it: ``backup`` is a write-through of host pages, ``prefetch`` a request's hit
+    query, host allocation and load. One process group of one rank (gloo) stands in for the TP group."""
+
+    def __init__(self, extra: dict | None, *, backend: str = "dynamic", layout: str = "page_first",
+                 model: Model = Model(), model_name: str = "tiny-llama") -> None:
+        import threading
+
+        import torch.distributed as dist
+        from sglang.srt.managers.cache_controller import HiCacheController
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.runtime_context import get_parallel
+
+        if not dist.is_initialized():
+            import tempfile
+
+            dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+        tokens, page = model.device_tokens, model.page_size
+        device = MHATokenToKVPool(tokens, page, model.dtype, model.heads, model.head_dim, model.layers, "cpu", False)
+        allocator = PagedTokenToKVPoolAllocator(tokens, page, model.dtype, "cpu", device, need_sort=False)
+        self.host = MHATokenToKVPoolHost(device._mha_buffer_info(), 2.0, 0, page, layout, pin_memory=False,
+                                         device="cpu", allocator_type=(extra or {}).get("allocator", "default"),
+                                         device_capacity_tokens=tokens, start_layer=0, end_layer=model.layers)
+        self.page_size = page
+        self.ctl = HiCacheController(allocator, self.host, page, dist.group.WORLD, threading.Event(),
+                                     io_backend="direct")
+        one_rank = dict(tp_rank=0, tp_size=1, attn_tp_rank=0, attn_tp_size=1, attn_dp_rank=0, attn_dcp_rank=0,
+                        attn_dcp_size=1, pp_rank=0, pp_size=1)
+        with get_parallel().override(**one_rank):
+            self.ctl.attach_storage_backend(backend, prefetch_threshold=page, model_name=model_name,
+                                            storage_backend_extra_config=dict(extra or {}))
+
+    @property
+    def store(self) -> HiCacheStorage:
+        return self.ctl.storage_backend
+
+    def backup(self, tokens: list[int], host_indices: torch.Tensor, timeout: float = 60) -> int:
+        """Write the pages of ``tokens`` (in ``host_indices``) through to storage; the tokens it completed."""
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        hashes = get_storage_hash_str(tokens, None, page_size=self.page_size)
+        self.ctl.write_storage(host_indices, tokens, hash_value=hashes)
+        return self.ctl.ack_backup_queue.get(timeout=timeout).completed_tokens
+
+    def prefetch(self, request_id: str, tokens: list[int], timeout: float = 60) -> tuple[int, int, torch.Tensor]:
+        """A request's prefetch: (tokens the hit query found, tokens loaded, the host indices loaded into)."""
+        self.ctl.prefetch(request_id, tokens)
+        hit = self.ctl.prefetch_hit_queue.get(timeout=timeout)
+        if hit.storage_hit_count == 0:
+            return 0, 0, torch.empty(0, dtype=torch.int64)
+        hit.host_indices = self.ctl.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
+        self.ctl.prefetch_buffer.put(hit)
+        completed = 0
+        while True:
+            ack = self.ctl.ack_prefetch_queue.get(timeout=timeout)
+            if ack.completed_tokens is not None:
+                completed = ack.completed_tokens
+            if getattr(ack, "completed_req", False):
+                return hit.storage_hit_count, completed, hit.host_indices
+
+    def threads_alive(self) -> bool:
+        names = ("prefetch_thread", "backup_thread", "prefetch_io_aux_thread", "prefetch_sync_thread")
+        return all(getattr(self.ctl, n).is_alive() for n in names if hasattr(self.ctl, n))
+
+    def close(self) -> None:
+        self.ctl.detach_storage_backend()
