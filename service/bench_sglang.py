@@ -1,28 +1,29 @@
-"""``kvxfer bench sglang``: SGLang HiCache's batch set and get through kvxfer beside SGLang's file backend.
+"""``kvxfer bench sglang``: SGLang HiCache's write-through and prefetch through kvxfer beside SGLang's file backend.
 
-SGLang 0.5.23's own host pool (``--layout``, bf16 pages of ``--page-size`` tokens) and its own
-storage-backend factory, in this process, against a real daemon; each repetition moves
-``--pages`` pages in batches of 128 (SGLang's STORAGE_BATCH_SIZE) as SGLang's cache controller
-calls its backend:
+SGLang 0.5.23's own ``HiCacheController`` (its backup, prefetch, I/O and sync threads) over a
+CPU device pool and its own host pool (``--layout``, bf16 pages of ``--page-size`` tokens), in
+this process, against a real daemon (``kvxfer.integrations.sglang.drive.Controller``). Each
+repetition writes ``--pages`` fresh pages through to storage (``write_storage``: batch sets of
+128 pages, SGLang's STORAGE_BATCH_SIZE) and then prefetches them into other host pages (the hit
+query, then batch gets), as its radix cache drives the controller:
 
-- ``kvxfer zero copy``: interface_v1 with host page indices, the host pool in SGLang's memfd
-  (``allocator: shm``): the daemon copies pages out of it and into it;
+- ``kvxfer zero copy``: interface_v1, the host pool in SGLang's memfd (``allocator: shm``):
+  the daemon copies pages out of it and into it;
 - ``kvxfer staged``: the same with SGLang's default (private) host memory: one copy through
   the backend's staging area;
-- ``file``: SGLang's ``HiCacheFile`` (``--hicache-storage-backend file``) in ``--dir``, through
-  the generic interface the controller uses for it (get_data_page + batch_set;
-  get_dummy_flat_data_page + batch_get + set_from_flat_data_page);
+- ``file``: SGLang's ``HiCacheFile`` (``--hicache-storage-backend file``) in ``--dir``;
 - ``copy``: a plain copy of the same pages into another host buffer and back.
 
-A set stores fresh keys every repetition; a get loads the pages the last set stored, into
-zeroed pages, and the bytes are checked. The subjects are interleaved in every repetition.
-Needs SGLang (``make test-sglang`` installs it into .venv-sglang).
+The prefetched bytes are checked against the written ones. A first repetition warms up and is not
+counted (SGLang compiles its page-hash extension on first use). The subjects are interleaved in
+every repetition; ratios are medians of per-repetition ratios. Needs SGLang (``make
+test-sglang`` installs it into .venv-sglang).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import shutil
 import statistics
 import tempfile
 import time
@@ -36,42 +37,13 @@ from service.config import DEFAULT_POOL
 BATCH = 128
 
 
-class Subject:
-    """One way of storing SGLang's pages: ``put(keys, pages)`` and ``get(keys, pages)`` as the controller calls."""
-
-    def __init__(self, name: str, pool, store, generic: bool) -> None:
-        self.name, self.pool, self.store, self.generic = name, pool, store, generic
-
-    def put(self, keys: list[str], indices: torch.Tensor) -> bool:
-        if not self.generic:
-            return all(self.store.batch_set_v1(keys, indices))
-        size = self.pool.page_size
-        data = [self.pool.get_data_page(indices[i * size], flat=True) for i in range(len(keys))]
-        return bool(self.store.batch_set(keys, data))
-
-    def get(self, keys: list[str], indices: torch.Tensor) -> bool:
-        if not self.generic:
-            return all(self.store.batch_get_v1(keys, indices))
-        size = self.pool.page_size
-        pages = self.store.batch_get(keys, [self.pool.get_dummy_flat_data_page() for _ in keys])
-        for i, page in enumerate(pages):
-            if page is None:
-                return False
-            self.pool.set_from_flat_data_page(indices[i * size], page)
-        return True
-
-
-def _batches(keys: list[str], indices: torch.Tensor, size: int):
-    for start in range(0, len(keys), BATCH):
-        yield keys[start:start + BATCH], indices[start * size:(start + BATCH) * size]
-
-
-def _used(pool, pages: int) -> torch.Tensor:
-    """The first ``pages`` host pages, as bytes (the ones the benchmark moves)."""
+def _pages(host, indices: torch.Tensor) -> torch.Tensor:
+    """The host pages at ``indices`` (token indices, whole pages), as bytes."""
     from kvxfer.integrations.sglang.backend import host_geometry
 
-    g = host_geometry(pool)
-    return pool.kv_buffer.view(-1).view(g.shape).narrow(g.page_axis, 0, pages).view(torch.uint8)
+    g = host_geometry(host)
+    pages = host.kv_buffer.view(-1).view(g.shape).index_select(g.page_axis, indices[::host.page_size] // host.page_size)
+    return pages.view(torch.uint8)
 
 
 def _timed(fn) -> float:
@@ -89,77 +61,81 @@ def run(args: argparse.Namespace) -> int:
                         device_tokens=args.pages * args.page_size)
     small = {**DEFAULT_POOL, "spec": {**DEFAULT_POOL["spec"], "num_blocks": 16}, "host_capacity_mib": 4}
     daemon = launch.spawn({"pools": [small], "log_level": "warning", "registered_host_capacity_mib": args.host_mib})
-    progress = Progress(2 * args.reps + 1)
+    progress = Progress(2 * args.reps + 3)
     workdir = tempfile.mkdtemp(prefix="kvxfer-hicache-file-", dir=args.dir)
-    subjects: list[Subject] = []
+    subjects: dict = {}
     try:
         for name, allocator in (("kvxfer zero copy", "shm"), ("kvxfer staged", "default")):
-            pool = drive.host_pool(args.layout, allocator, model=model)
             extra = drive.extra_config(daemon.config["socket"], allocator, deadline_s=60.0, timeout_s=10.0)
-            subjects.append(Subject(name, pool, drive.attach("dynamic", pool, extra), generic=False))
-        pool = drive.host_pool(args.layout, "default", model=model)
-        subjects.append(Subject("file", pool, drive.attach("file", pool, {"file_storage_path": workdir}),
-                                generic=True))
-        progress.step(f"daemon up; {len(subjects)} backends attached")
+            subjects[name] = drive.Controller(extra, layout=args.layout, model=model, model_name=name)
+        subjects["file"] = drive.Controller({"file_storage_path": workdir}, backend="file", layout=args.layout,
+                                            model=model)
+        progress.step(f"daemon up; {len(subjects)} HiCache controllers attached")
         results = _measure(args, subjects, progress)
     finally:
-        for s in subjects:
-            if hasattr(s.store, "close"):
-                s.store.close()
+        for controller in subjects.values():
+            controller.close()
         daemon.cleanup()
+        shutil.rmtree(workdir, ignore_errors=True)
     print(format_table(["subject", "set pages/s", "set GB/s", "get pages/s", "get GB/s", "set / copy", "get / copy"],
                        [[r["subject"], r["set pages/s"], r["set GB/s"], r["get pages/s"], r["get GB/s"],
                          r["set / copy"], r["get / copy"]] for r in results["subjects"]],
-                       {"x / copy": "time / a plain copy of the same pages's (median of per-repetition ratios)"}))
+                       {"x / copy": "time / a plain copy of the same pages' (median of per-repetition ratios)"}))
     print(f"{args.pages} pages of {human_bytes(results['page_bytes'])} ({args.layout}), batches of {BATCH}, "
           f"median of {args.reps} repetitions")
     save(args, results, plot)
     return 0
 
 
-def _measure(args: argparse.Namespace, subjects: list[Subject], progress: Progress) -> dict:
-    first = subjects[0].pool
-    indices = first.alloc(args.pages * first.page_size)
-    for s in subjects[1:]:
-        assert torch.equal(s.pool.alloc(args.pages * s.pool.page_size), indices)
+def _measure(args: argparse.Namespace, subjects: dict, progress: Progress) -> dict:
+    """Per repetition and subject: write fresh pages through (set), then prefetch them into other host pages
+    (get, checked)."""
+    tokens_n = args.pages * args.page_size
+    first = next(iter(subjects.values())).host
     page_bytes = first.get_data_page(0, flat=True).numel() * first.dtype.itemsize
     nbytes = args.pages * page_bytes
-    spare = torch.empty_like(first.kv_buffer)
-    times: dict[str, list[float]] = {f"{s.name} {op}": [] for s in subjects for op in ("set", "get")}
-    times.update({"copy set": [], "copy get": []})
-    for rep in range(args.reps):
+    times: dict[str, list[float]] = {f"{name} {op}": [] for name in [*subjects, "copy"] for op in ("set", "get")}
+    spare = None  # the copy's destination, made (and touched) once, as the tiers' memory is
+    for rep in range(args.reps + 1):  # repetition 0 warms up (SGLang builds its page-hash extension on first use)
         gen = torch.Generator().manual_seed(rep)
-        for s in subjects:
-            raw = s.pool.kv_buffer.view(-1).view(torch.uint8)
+        tokens = {name: torch.randint(0, 1 << 30, (tokens_n,), generator=gen).tolist() for name in subjects}
+        sources = {}
+        for name, c in subjects.items():  # fresh prompts: no subject finds another repetition's pages
+            sources[name] = c.host.alloc(tokens_n)
+            raw = c.host.kv_buffer.view(-1).view(torch.uint8)
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-        times["copy set"].append(_timed(lambda: spare.copy_(first.kv_buffer)))
-        keys = {s.name: [hashlib.sha256(f"{s.name}-{rep}-{i}".encode()).hexdigest() for i in range(args.pages)]
-                for s in subjects}  # each its own pages: none finds another's stored
-        for s in subjects:
-            stored = []
-            times[f"{s.name} set"].append(_timed(lambda: stored.extend(
-                s.put(k, i) for k, i in _batches(keys[s.name], indices, s.pool.page_size))))
-            if not all(stored):
-                raise SystemExit(f"{s.name}: a batch set failed")
-        progress.step(f"repetition {rep + 1}: sets")
-        times["copy get"].append(_timed(lambda: first.kv_buffer.copy_(spare)))
-        for s in subjects:
-            expected = _used(s.pool, args.pages).clone()
-            s.pool.kv_buffer.zero_()
-            loaded = []
-            times[f"{s.name} get"].append(_timed(lambda: loaded.extend(
-                s.get(k, i) for k, i in _batches(keys[s.name], indices, s.pool.page_size))))
-            if not all(loaded) or not torch.equal(_used(s.pool, args.pages), expected):
-                raise SystemExit(f"{s.name}: a batch get failed or loaded other bytes")
-        progress.step(f"repetition {rep + 1}: gets, bytes checked")
+        source = _pages(first, sources[next(iter(subjects))])
+        spare = torch.empty_like(source) if spare is None else spare
+        times["copy set"].append(_timed(lambda: spare.copy_(source)))
+        for name, c in subjects.items():
+            done = []
+            times[f"{name} set"].append(_timed(lambda: done.append(c.backup(tokens[name], sources[name]))))
+            if done != [tokens_n]:
+                raise SystemExit(f"{name}: the write-through stored {done[0]} of {tokens_n} tokens")
+        progress.step(f"repetition {rep}: write-through")
+        times["copy get"].append(_timed(lambda: source.copy_(spare)))
+        for name, c in subjects.items():
+            got = []
+            times[f"{name} get"].append(_timed(lambda: got.append(c.prefetch(f"rep{rep}", tokens[name]))))
+            found, loaded, into = got[0]
+            if (found, loaded) != (tokens_n, tokens_n) or not torch.equal(_pages(c.host, into),
+                                                                         _pages(c.host, sources[name])):
+                raise SystemExit(f"{name}: the prefetch found {found} and loaded {loaded} of {tokens_n} tokens, "
+                                 "or other bytes")
+            c.host.free(into)
+            c.host.free(sources[name])
+        progress.step(f"repetition {rep}: prefetch, bytes checked")
+        if rep == 0:
+            for series in times.values():
+                series.clear()
     rows = []
-    for s in subjects + [Subject("copy", None, None, False)]:
-        row = {"subject": s.name}
+    for name in [*subjects, "copy"]:
+        row = {"subject": name}
         for op in ("set", "get"):
-            seconds = statistics.median(times[f"{s.name} {op}"])
+            seconds = statistics.median(times[f"{name} {op}"])
             row[f"{op} pages/s"] = round(args.pages / seconds)
             row[f"{op} GB/s"] = round(nbytes / seconds / GB, 3)
-            ratios = [a / b for a, b in zip(times[f"{s.name} {op}"], times[f"copy {op}"])]
+            ratios = [a / b for a, b in zip(times[f"{name} {op}"], times[f"copy {op}"])]
             row[f"{op} / copy"] = round(statistics.median(ratios), 2)
         rows.append(row)
     return {"layout": args.layout, "pages": args.pages, "page_bytes": page_bytes, "reps": args.reps, "subjects": rows}
@@ -178,6 +154,7 @@ def plot(results: dict, path: str) -> None:
         ax.bar([i + j * width for i in range(len(rows))], [r[f"{op} GB/s"] for r in rows], width, label=f"batch {op}")
     ax.set_xticks([i + width / 2 for i in range(len(rows))], [r["subject"] for r in rows])
     ax.set_ylabel("GB/s of SGLang host pages")
+    ax.set_xlabel("set: write-through (batch sets); get: prefetch (hit query + batch gets)")
     ax.set_title(f"SGLang HiCache L3: {results['pages']} pages of {human_bytes(results['page_bytes'])} "
                  f"({results['layout']})")
     ax.legend()

@@ -27,6 +27,9 @@ CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 TLS = {"tcp": {"enabled": True, "tlsCert": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
                "tlsKey": "-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n"},
        "token": {"value": "0123456789abcdef0123"}}
+SGLANG = {"engine": {"kind": "sglang", "name": "sglang", "model": "Qwen/Qwen2.5-0.5B",
+                     "image": {"repository": "registry.example/sglang-kvxfer", "tag": "v0.5.23-0.1.0"},
+                     "args": ["--hicache-mem-layout", "page_first"]}}
 CASES = {
     "default (GPU, device plugin)": {},
     "CPU engine, no GPU": {"gpu": {"mode": "none"}, "engine": {"device": "cpu"}},
@@ -36,6 +39,7 @@ CASES = {
     "monitoring off": {"monitoring": {"service": False, "serviceMonitor": {"enabled": False},
                                       "prometheusRule": {"enabled": False}, "dashboard": {"enabled": False}}},
     "sidecar only (engine's own chart)": {"engine": {"enabled": False}},
+    "SGLang engine": SGLANG,
     "disk and remote tiers": {"kvxfer": {
         "config": {"disk": {"path": "/var/lib/kvxfer", "capacity_gib": 50},
                    "remote": {"url": "rediss://redis:6380/0", "username": "kvxfer",
@@ -103,9 +107,7 @@ def test_the_pod_runs_kvxfer_as_a_hardened_native_sidecar_sharing_socket_and_shm
     assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
     assert sc["capabilities"]["drop"] == ["ALL"] and sc["seccompProfile"]["type"] == "RuntimeDefault"
     assert _mib(volumes["kvxfer-shm"]["emptyDir"]["sizeLimit"]) >= _pools_and_tiers_mib(config)
-    transfer = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
-    assert transfer["kv_connector_extra_config"]["socket"] == config["socket"]
-    assert transfer["kv_load_failure_policy"] == "recompute"
+    assert _engine_socket(engine) == config["socket"]
     metrics_port = int(config["metrics_listen"].rsplit(":", 1)[1])
     assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in sidecar["ports"]
     # Triton's run-time cache (kernels, the launcher it compiles) on a writable volume, not the root
@@ -113,6 +115,30 @@ def test_the_pod_runs_kvxfer_as_a_hardened_native_sidecar_sharing_socket_and_shm
     mounts = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
     assert env["TRITON_CACHE_DIR"].startswith(env["TRITON_HOME"] + "/") and mounts[env["TRITON_HOME"]] == "kvxfer-cache"
     assert "emptyDir" in volumes["kvxfer-cache"]
+
+
+def _engine_socket(engine: dict) -> str:
+    """The sidecar socket the engine's command line names (vLLM's KV connector, or SGLang's HiCache backend)."""
+    if "command" in engine:  # SGLang
+        line = engine["command"]
+        assert line[:3] == ["python3", "-m", "sglang.launch_server"] and "--enable-hierarchical-cache" in line
+        assert line[line.index("--hicache-storage-backend") + 1] == "dynamic"
+        extra = json.loads(line[line.index("--hicache-storage-backend-extra-config") + 1])
+        assert extra["module_path"] == "kvxfer.integrations.sglang" and extra["interface_v1"] == 1
+        return extra["socket"]
+    transfer = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    return transfer["kv_connector_extra_config"]["socket"]
+
+
+def test_an_sglang_engine_gets_kvxfer_as_its_hicache_storage_backend():
+    (engine,) = pod_of(render(SGLANG))["containers"]
+    line = engine["command"]
+    assert line[line.index("--model-path") + 1] == "Qwen/Qwen2.5-0.5B"
+    assert line[-2:] == ["--hicache-mem-layout", "page_first"]
+    extra = json.loads(line[line.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra["allocator"] == "shm" and extra["class_name"] == "KvxferStore"  # the daemon reads pages in place
+    assert "env" not in engine  # vLLM's layout variable is vLLM's
 
 
 def _mib(quantity: str) -> int:

@@ -79,6 +79,39 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- dict "kv_connector" "KvxferConnector" "kv_connector_module_path" "kvxfer.integrations.vllm" "kv_role" "kv_both" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" (dict "socket" (include "kvxfer.socketPath" .)) | toJson -}}
 {{- end -}}
 
+{{/* SGLang's HiCache storage backend: the kvxfer sidecar, the host pool in a memfd the sidecar reads in place. */}}
+{{- define "kvxfer.hicacheConfig" -}}
+{{- dict "backend_name" "kvxfer" "module_path" "kvxfer.integrations.sglang" "class_name" "KvxferStore" "interface_v1" 1 "allocator" "shm" "socket" (include "kvxfer.socketPath" .) | toJson -}}
+{{- end -}}
+
+{{/* The engine's command line: the model, its port and the flags that point it at the sidecar. */}}
+{{- define "kvxfer.engineArgs" -}}
+{{- $e := .Values.engine -}}
+{{- if eq $e.kind "sglang" }}
+- python3
+- -m
+- sglang.launch_server
+- --model-path
+- {{ $e.model | quote }}
+- --port
+- {{ $e.port | quote }}
+- --enable-hierarchical-cache
+- --hicache-storage-backend
+- dynamic
+- --hicache-storage-backend-extra-config
+- {{ include "kvxfer.hicacheConfig" . | quote }}
+{{- else }}
+- {{ $e.model | quote }}
+- --port
+- {{ $e.port | quote }}
+- --kv-transfer-config
+- {{ include "kvxfer.kvTransferConfig" . | quote }}
+{{- end }}
+{{- range $e.args }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* The GPU claim a container joins (gpu.mode dra). */}}
 {{- define "kvxfer.draClaims" -}}
 {{- if eq .Values.gpu.mode "dra" }}
