@@ -111,3 +111,18 @@ def test_engines_of_another_model_layout_or_rank_never_hit(daemon, stores):
     assert stores(host_pool("page_first"), extra_config(socket), tp_rank=1, tp_size=2).batch_exists(KEYS[:2]) == 0
     assert stores(host_pool("page_first"), extra_config(socket, tenant="b")).batch_exists(KEYS[:2]) == 0
     assert stores(host_pool("page_first"), extra_config(socket)).batch_exists(KEYS[:2]) == 2
+
+
+def test_a_detached_backend_unregisters_its_pools(daemon):
+    from kvxfer import Client
+    from tests.sglang.conftest import backend
+
+    pool = host_pool("page_first")
+    store = backend(pool, extra_config(daemon.config["socket"]))
+    pages = pool.alloc(2 * pool.page_size)
+    assert store.batch_set_v1(KEYS[:2], pages) == [True, True]
+    with Client(daemon.target) as client:
+        before = {p.pool_id for p in client.pools()}
+        store.close()  # what SGLang's detach_storage_backend calls
+        after = {p.pool_id for p in client.pools()}
+    assert {store.mover.names.pool_id("host"), store.mover.names.pool_id("staging")} <= before - after

@@ -128,8 +128,9 @@ class KvxferStore(HiCacheStorage):
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
-        answers = self.mover.load_tensors(_keys(keys), target_locations)
-        return [t if ok else None for t, ok in zip(target_locations, answers)]
+        targets = target_locations or [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        answers = self.mover.load_tensors(_keys(keys), targets)
+        return [t if ok else None for t, ok in zip(targets, answers)]
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:

@@ -75,8 +75,10 @@ class Staging:
         return self.pages.select(self.geometry.page_axis, slot)
 
     def close(self) -> None:
-        self.pages = None  # the mapping goes with the last view of it
-        os.close(self.fd)
+        if self.fd >= 0:
+            self.pages = None  # the mapping goes with the last view of it
+            os.close(self.fd)
+            self.fd = -1
 
 
 def page_of(pages: torch.Tensor, geometry: HostGeometry, index: int) -> torch.Tensor:
@@ -213,6 +215,16 @@ class PageMover:
         return self._guarded("store" if store else "load", len(keys), offload if store else restore)
 
     def close(self) -> None:
+        """Unregister this process's pools (SGLang detached the backend; the process may live on), then
+        let go of the staging area. The daemon also drops them when this process exits."""
+        client = self.link.client
+        if client is not None:
+            roles = (["host"] if self.host_fd is not None else []) + ["staging"]
+            for role in roles:
+                try:
+                    client.unregister_pool(self.names.pool_id(role), drain_s=1.0, timeout=self.settings.timeout_s)
+                except KvxferError as exc:
+                    log.warning("kvxfer: could not unregister pool %s: %s", self.names.pool_id(role), exc)
         self.link.close()
         self.staging.close()
 
