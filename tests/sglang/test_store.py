@@ -1,6 +1,7 @@
 """SGLang's host pools stored and loaded through kvxfer, byte-exact, in every layout and by both data paths."""
 
 import hashlib
+import time
 import json
 import subprocess
 import sys
@@ -126,3 +127,45 @@ def test_a_detached_backend_unregisters_its_pools(daemon):
         store.close()  # what SGLang's detach_storage_backend calls
         after = {p.pool_id for p in client.pools()}
     assert {store.mover.names.pool_id("host"), store.mover.names.pool_id("staging")} <= before - after
+
+
+def test_kv_events_name_sglangs_pages_in_chain_order(daemon, stores):
+    """Routers see SGLang's own page hashes, each store with the hash before it (when SGLang passes its
+    prefix keys), even where host page 0 (staged) splits a batch."""
+    import threading
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from kvxfer import Client
+    from kvxfer.events.records import EventKind
+
+    pool = host_pool("page_first")
+    store = stores(pool, extra_config(daemon.config["socket"]))
+    pages = pool.alloc(6 * pool.page_size)  # host pages 0..5: page 0 goes through staging
+    order = torch.tensor([3, 0, 4, 5]).repeat_interleave(pool.page_size) * pool.page_size + torch.arange(
+        pool.page_size).repeat(4)
+    fill(pool, 13)
+    seen, ready = [], threading.Event()
+    namespace = store.mover.names.namespace
+
+    def watch() -> None:
+        with Client(daemon.target) as client:
+            stream = client.watch_events([namespace], timeout=20)
+            ready.set()
+            for batch in stream:
+                seen.extend(e for e in batch.events if e.kind is EventKind.STORED)
+                if sum(len(e.keys) for e in seen) >= 4:
+                    return
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    ready.wait(10)
+    time.sleep(0.3)
+    assert store.batch_set_v1(KEYS[2:6], order, HiCacheStorageExtraInfo(prefix_keys=KEYS[:2])) == [True] * 4
+    watcher.join(20)
+    assert pages.numel() == 6 * pool.page_size
+    chain = [(e.engine.parent_block_hash, list(e.keys)) for e in seen]
+    assert [k for _, keys in chain for k in keys] == [k.encode() for k in KEYS[2:6]]
+    for parent, keys in chain:  # each run's parent is the page before its first
+        assert parent == KEYS[KEYS.index(keys[0].decode()) - 1].encode()
+    assert all(e.engine.block_size == pool.page_size for e in seen)

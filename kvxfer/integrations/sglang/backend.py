@@ -24,9 +24,11 @@ from kvxfer.integrations.sglang.naming import HostGeometry, PageNames, RankShare
 from kvxfer.integrations.sglang.pages import PageMover, Settings
 
 log = logging.getLogger("kvxfer.sglang")
-#: SGLang's own keys in the same extra config.
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "allocator",
-                         "tp_lcm_size"})
+#: SGLang's own keys in the same extra config (its prefetch knobs, which it usually takes out first, and
+#: the path it adds for ``--file-storage-path``).
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "allocator", "tp_lcm_size",
+                         "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                         "hicache_storage_pass_prefix_keys", "file_storage_path"})
 
 
 def host_geometry(host_pool: Any) -> HostGeometry:
@@ -90,7 +92,9 @@ class KvxferStore(HiCacheStorage):
             return [False] * len(keys)
         if not self.writer:
             return [True] * len(keys)
-        return self.mover.store(_keys(keys), pages)
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        parent = None if prefix is None else (prefix[-1].encode() if prefix else b"")
+        return self.mover.store(_keys(keys), pages, parent)
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:

@@ -29,6 +29,7 @@ import torch
 
 from kvxfer.client import Client
 from kvxfer.errors import KvxferError
+from kvxfer.events.records import EngineBlocks, KeyFormat
 from kvxfer.geometry.layout import NULL_BLOCK, PoolLayout
 from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames
@@ -134,47 +135,60 @@ class PageMover:
 
         return sum(1 for _ in _leading(self._guarded("lookup", len(keys), lookup)))
 
-    def store(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[bool]:
-        """Store host pages ``pages`` under ``keys``."""
-        return self._move(keys, pages, store=True)
+    def store(self, keys: Sequence[bytes], pages: Sequence[int], parent: bytes | None = None) -> list[bool]:
+        """Store host pages ``pages`` under ``keys``. ``parent``: the key before ``keys[0]`` in SGLang's hash
+        chain (empty: ``keys[0]`` starts one; None: not known), announced with the pages' KV events."""
+        return self._move(keys, pages, True, parent)
 
     def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[bool]:
-        """Load ``keys`` into host pages ``pages``; a page whose answer is False was not written."""
-        return self._move(keys, pages, store=False)
+        """Load ``keys`` into host pages ``pages``; a page whose answer is False was not written, nor any
+        after it (SGLang uses the loaded prefix)."""
+        return self._move(keys, pages, False, None)
 
     def store_tensors(self, keys: Sequence[bytes], values: Sequence[torch.Tensor]) -> list[bool]:
         """Store pages given as tensors (SGLang's flat data pages)."""
-        return self._staged(keys, lambda i, page: page.copy_(values[i].view(page.shape)), store=True)
+        return self._staged(keys, lambda i, page: page.copy_(values[i].view(page.shape)), True, None)
 
     def load_tensors(self, keys: Sequence[bytes], targets: Sequence[torch.Tensor]) -> list[bool]:
         """Load ``keys`` into the tensors ``targets`` (SGLang's flat data pages)."""
-        return self._staged(keys, lambda i, page: targets[i].view(page.shape).copy_(page), store=False)
+        return self._staged(keys, lambda i, page: targets[i].view(page.shape).copy_(page), False, None)
 
     # -- the data path ---------------------------------------------------------------
-    def _move(self, keys: Sequence[bytes], pages: Sequence[int], store: bool) -> list[bool]:
+    def _move(self, keys: Sequence[bytes], pages: Sequence[int], store: bool, parent: bytes | None) -> list[bool]:
+        """Runs of consecutive pages by the route they take (in place, or staged: host page 0 and private
+        memory), in chain order, so that each run's parent key is the one before it."""
         if self.host is None:
             raise ValueError("kvxfer: the host pool is not registered")
-        direct = [i for i, p in enumerate(pages) if self.host_fd is not None and p != NULL_BLOCK]
-        results = [False] * len(keys)
-        if direct:
-            pool = self.names.pool_id("host")
-            answers = self._transfer(pool, [keys[i] for i in direct], [pages[i] for i in direct], store)
-            for i, ok in zip(direct, answers):
-                results[i] = ok
-        chosen = set(direct)
-        staged = [i for i in range(len(keys)) if i not in chosen]
-        if staged:
-            g = self.names.geometry
+        direct = [self.host_fd is not None and p != NULL_BLOCK for p in pages]
+        results: list[bool] = []
+        start = 0
+        while start < len(keys):
+            end = start + 1
+            while end < len(keys) and direct[end] == direct[start]:
+                end += 1
+            run_parent = parent if start == 0 else (keys[start - 1] if parent is not None else None)
+            run_keys, run_pages = keys[start:end], pages[start:end]
+            if direct[start]:
+                answers = self._transfer(self.names.pool_id("host"), run_keys, run_pages, store, run_parent)
+            else:
+                answers = self._staged(run_keys, self._host_copy(run_pages, store), store, run_parent)
+            results += answers
+            if not store and not all(answers):  # SGLang uses the loaded prefix only
+                break
+            start = end
+        return results + [False] * (len(keys) - len(results))
 
-            def copy(j: int, page: torch.Tensor) -> None:
-                host_page = page_of(self.host, g, pages[staged[j]])
-                (page.copy_(host_page) if store else host_page.copy_(page))
+    def _host_copy(self, pages: Sequence[int], store: bool) -> Callable[[int, torch.Tensor], None]:
+        g = self.names.geometry
 
-            for i, ok in zip(staged, self._staged([keys[i] for i in staged], copy, store)):
-                results[i] = ok
-        return results
+        def copy(j: int, page: torch.Tensor) -> None:
+            host_page = page_of(self.host, g, pages[j])
+            (page.copy_(host_page) if store else host_page.copy_(page))
 
-    def _staged(self, keys: Sequence[bytes], copy: Callable[[int, torch.Tensor], None], store: bool) -> list[bool]:
+        return copy
+
+    def _staged(self, keys: Sequence[bytes], copy: Callable[[int, torch.Tensor], None], store: bool,
+                parent: bytes | None) -> list[bool]:
         """Through the staging area, as many pages at a time as it holds; ``copy(i, page)`` moves
         page ``i`` of the batch between SGLang and staging ``page``."""
         results: list[bool] = []
@@ -186,7 +200,8 @@ class PageMover:
                 if store:
                     for j, slot in enumerate(slots):
                         copy(start + j, self.staging.page(slot))
-                answers = self._transfer(self.names.pool_id("staging"), chunk, slots, store)
+                chunk_parent = parent if start == 0 or parent is None else keys[start - 1]
+                answers = self._transfer(self.names.pool_id("staging"), chunk, slots, store, chunk_parent)
                 if not store:
                     for j, (slot, ok) in enumerate(zip(slots, answers)):
                         if ok:
@@ -194,14 +209,17 @@ class PageMover:
                 results += answers
         return results
 
-    def _transfer(self, pool: str, keys: Sequence[bytes], slots: Sequence[int], store: bool) -> list[bool]:
+    def _transfer(self, pool: str, keys: Sequence[bytes], slots: Sequence[int], store: bool,
+                  parent: bytes | None) -> list[bool]:
         s, ns = self.settings, self.names.namespace
         deadline = time.monotonic() + s.deadline_s
         wait = s.deadline_s + s.timeout_s  # the answer of a copy started just before the deadline
+        engine = None if parent is None else EngineBlocks(KeyFormat.OPAQUE, tuple(keys), parent,
+                                                          self.names.geometry.spec.block_size)
 
         def offload(client: Client) -> list[bool]:
             result = client.offload(list(zip(slots, keys)), pool_id=pool, namespace=ns, partial=True, timeout=wait,
-                                    deadline=deadline)
+                                    deadline=deadline, engine=engine)
             return [o in STORED for o in result.outcomes]
 
         def restore(client: Client) -> list[bool]:
