@@ -169,3 +169,23 @@ def test_kv_events_name_sglangs_pages_in_chain_order(daemon, stores):
     for parent, keys in chain:  # each run's parent is the page before its first
         assert parent == KEYS[KEYS.index(keys[0].decode()) - 1].encode()
     assert all(e.engine.block_size == pool.page_size for e in seen)
+
+
+def test_replicas_of_the_same_weights_share_and_updated_weights_do_not(daemon, stores, tmp_path):
+    """A local model directory is named by its weights' bytes: two paths to the same weights share pages,
+    the same path after a weight update does not."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"weights v1" * 1000)
+    socket = daemon.config["socket"]
+    pool = host_pool("page_first")
+    store = stores(pool, extra_config(socket), model=str(a))
+    pages = pool.alloc(2 * pool.page_size)
+    fill(pool, 14)
+    assert store.batch_set_v1(KEYS[:2], pages) == [True, True]
+    assert stores(host_pool("page_first"), extra_config(socket), model=str(b)).batch_exists(KEYS[:2]) == 2
+    (a / "model.safetensors").write_bytes(b"weights v2" * 1000)
+    assert stores(host_pool("page_first"), extra_config(socket), model=str(a)).batch_exists(KEYS[:2]) == 0
+    assert stores(host_pool("page_first"), extra_config(socket, model_id="pinned"),
+                  model=str(a)).batch_exists(KEYS[:2]) == 0  # an explicit identity is its own

@@ -2,7 +2,7 @@
 
 import os
 
-from kvxfer.integrations.vllm.identity import SAMPLE_BYTES, model_identity, weights_identity
+from kvxfer.integrations.identity import SAMPLE_BYTES, model_identity, weights_identity
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "_name_or_path": "/models/a",
           "transformers_version": "4.57.0"}

@@ -19,6 +19,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
                                                   PoolName, PoolTransfer, PoolTransferResult)
 
+from kvxfer.integrations.identity import weights_identity
 from kvxfer.integrations.settings import parse_settings
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames, RankShare
 from kvxfer.integrations.sglang.pages import PageMover, Settings
@@ -39,6 +40,19 @@ def host_geometry(host_pool: Any) -> HostGeometry:
     return HostGeometry.of(mla=mla, host_layout=host_pool.layout, num_layers=host_pool.layer_num,
                            num_pages=host_pool.page_num, page_size=host_pool.page_size, num_heads=heads,
                            head_dim=head_dim, dtype=host_pool.dtype, v_head_dim=getattr(host_pool, "v_head_dim", None))
+
+
+def model_identity(model_name: str | None, host_pool: Any, model_id: str = "") -> str:
+    """The model in the namespace: ``model_id`` if set, else the weights SGLang serves (a local directory by
+    content, a hub name as itself), tagged with the host pool's own page format when it has one."""
+    tag = getattr(host_pool, "storage_format_tag", None)
+    path = model_name or ""
+    if tag and path.endswith(f"-{tag}"):  # SGLang's storage_model_name() appended it
+        path = path[:-len(tag) - 1]
+    if not (model_id or path):
+        raise ValueError("kvxfer: SGLang gave no model name; set model_id in the extra config")
+    weights = f"id:{model_id}" if model_id else weights_identity(path, None)
+    return f"{weights}|{tag or 'plain'}"
 
 
 def shared_fd(host_pool: Any) -> int | None:
@@ -64,9 +78,7 @@ class KvxferStore(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         geometry = host_geometry(mem_pool_host)
-        model = self.settings.model_id or self.config.model_name or ""
-        if not model:
-            raise ValueError("kvxfer: SGLang gave no model name; set model_id in the extra config")
+        model = model_identity(self.config.model_name, mem_pool_host, self.settings.model_id)
         names = PageNames(model, geometry, self.share, self.settings.cache_group, self.settings.tenant)
         fd = shared_fd(mem_pool_host)
         if fd is None:

@@ -30,7 +30,7 @@ from vllm.v1.request import Request
 
 from kvxfer.errors import KvxferError
 from kvxfer.geometry.layout import KVSpec
-from kvxfer.integrations.vllm import identity
+from kvxfer.integrations import identity
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames, kvxfer_layout
 from kvxfer.integrations.vllm.spec import KvxferOffloadingSpec, Settings

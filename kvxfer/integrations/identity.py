@@ -1,4 +1,4 @@
-"""What a vLLM engine's KV bytes depend on besides the cache geometry: the model's weights, its
+"""What an engine's KV bytes depend on besides the cache geometry: the model's weights, its
 architecture and the precision it runs in.
 
 Replicas that load the same weights from different paths share blocks; a weight update
