@@ -22,7 +22,6 @@ from typing import TypeVar
 from kvxfer.client import Client
 from kvxfer.errors import DeadlineExceeded, FailedPrecondition, KvxferError, NotFound, Unavailable
 
-log = logging.getLogger("kvxfer.engine")
 T = TypeVar("T")
 
 #: How soon a daemon that answered but did not know the pool is asked again.
@@ -55,6 +54,7 @@ class DaemonLink:
                  on_connect: Callable[[Client], None] | None = None, engine: str = "vLLM") -> None:
         self.target = target
         self.engine = engine
+        self.log = logging.getLogger(f"kvxfer.{engine.lower()}")  # the backend's own logger: kvxfer.vllm, ...
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.role = role
@@ -87,7 +87,7 @@ class DaemonLink:
             self._down(LinkState.SLOW, exc)
             raise LinkDown(False, unsure=True, cause=self._cause) from None
         if self.state is not LinkState.UP:
-            log.warning("kvxfer %s: daemon at %s is serving; offloading on", self.role, self.target)
+            self.log.warning("kvxfer %s: daemon at %s is serving; offloading on", self.role, self.target)
             self.state = LinkState.UP
         return result
 
@@ -116,7 +116,7 @@ class DaemonLink:
                 self._client = None
             self._cause = str(exc)
             if self.state is not state:  # once per change, with where and why
-                log.warning("kvxfer %s: daemon at %s is %s (%s); %s goes on without it and retries every %.1f s",
+                self.log.warning("kvxfer %s: daemon at %s is %s (%s); %s goes on without it and retries every %.1f s",
                             self.role, self.target, state.value, exc, self.engine, self.retry_s)
             self.state = state
             # Such a daemon is asked again soon; one that does not answer, or refuses a registration, after retry_s.

@@ -81,6 +81,9 @@ class KvxferStore(HiCacheStorage):
         model = model_identity(self.config.model_name, mem_pool_host, self.settings.model_id)
         names = PageNames(model, geometry, self.share, self.settings.cache_group, self.settings.tenant)
         fd = shared_fd(mem_pool_host)
+        if not self.config.extra_config or not self.config.extra_config.get("interface_v1"):
+            log.warning("kvxfer: SGLang hands pages over as tensors (\"interface_v1\": 1 in the extra config "
+                        "passes host pages, which the daemon moves with one copy fewer)")
         if fd is None:
             log.info("kvxfer: SGLang's host pool is private memory; pages move through a staging area "
                      "(\"allocator\": \"shm\" in the extra config lets the daemon read them in place)")

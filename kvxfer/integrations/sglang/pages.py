@@ -38,6 +38,9 @@ from kvxfer.memory.pool import PoolHandle
 from kvxfer.records import Medium, Outcome
 
 log = logging.getLogger("kvxfer.sglang")
+#: SGLang moves at most this many pages a batch (its STORAGE_BATCH_SIZE): a staging area this size
+#: moves a batch of private host pages in one request.
+STORAGE_BATCH = 128
 #: What a store may answer for a page that is (or is being) stored.
 STORED = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT})
 
@@ -53,7 +56,7 @@ class Settings:
     cache_group: str = ""  # prefix of the cache group; replicas that share it share a host tier
     model_id: str = ""  # the model's identity (default: SGLang's model name)
     tenant: str = ""  # a deployment's own namespace: equal keys of another tenant never match
-    staging_pages: int = 128  # pages of the staging area (SGLang moves at most 128 a batch)
+    staging_pages: int = 0  # pages of the staging area; 0: 1 beside a shared host pool (host page 0), else 128
 
     @property
     def target(self) -> str:
@@ -97,7 +100,8 @@ class PageMover:
         g = names.geometry
         self.host = host.view(-1).view(g.shape) if host is not None else None
         self.host_fd = host_fd
-        self.staging = Staging(g.with_pages(settings.staging_pages + 1), names.pool_id("staging"))
+        pages = settings.staging_pages or (1 if host_fd is not None else STORAGE_BATCH)
+        self.staging = Staging(g.with_pages(pages + 1), names.pool_id("staging"))
         self.link = DaemonLink(settings.target, timeout_s=settings.timeout_s, retry_s=settings.retry_s,
                                role=f"HiCache rank {names.share.tp_rank}", on_connect=self._register, engine="SGLang")
 
