@@ -15,3 +15,17 @@ def write_block(storage: torch.Tensor, layout: PoolLayout, block: int, data: tor
     for r in layout.block_runs(block):
         storage[r.offset:r.end] = data[pos:pos + r.length]
         pos += r.length
+
+
+def made_and_closed(factory):
+    """A fixture's body: yields a maker of ``factory(...)`` objects, each closed after the test."""
+    made = []
+
+    def make(*args, **kwargs):
+        thing = factory(*args, **kwargs)
+        made.append(thing)
+        return thing
+
+    yield make
+    for thing in made:
+        thing.close()

@@ -139,6 +139,9 @@ def test_an_sglang_engine_gets_kvxfer_as_its_hicache_storage_backend():
     extra = json.loads(line[line.index("--hicache-storage-backend-extra-config") + 1])
     assert extra["allocator"] == "shm" and extra["class_name"] == "KvxferStore"  # the daemon reads pages in place
     assert "env" not in engine  # vLLM's layout variable is vLLM's
+    eight = {**SGLANG, "kvxfer": {"registeredPools": 8}}  # TP=8: two pools and a cache group a rank
+    config = rendered_config(render(eight))
+    assert config["max_pools"] == 17 and config["max_cache_groups"] == 9
 
 
 def _mib(quantity: str) -> int:

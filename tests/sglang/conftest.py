@@ -10,6 +10,7 @@ import torch
 
 from kvxfer.integrations.sglang import drive
 from service import launch
+from tests.helpers import made_and_closed
 
 RETRY_S = 0.2
 DAEMON = {"grace_period_s": 5, "log_level": "debug", "registered_host_capacity_mib": 16, "max_pools": 16,
@@ -50,13 +51,4 @@ def daemon():
 
 @pytest.fixture
 def stores():
-    made = []
-
-    def make(*args, **kwargs):
-        store = backend(*args, **kwargs)
-        made.append(store)
-        return store
-
-    yield make
-    for store in made:
-        store.close()
+    yield from made_and_closed(backend)

@@ -8,6 +8,7 @@ import torch
 
 from kvxfer.integrations.sglang import drive
 from service import launch
+from tests.helpers import made_and_closed
 from tests.sglang.conftest import DAEMON, RETRY_S, fill
 
 TOKENS = list(range(5000, 5000 + 48))  # six pages of 8
@@ -20,16 +21,7 @@ def _pages(host, indices: torch.Tensor) -> list[bytes]:
 
 @pytest.fixture
 def controllers():
-    made = []
-
-    def make(extra, **kwargs) -> drive.Controller:
-        c = drive.Controller(extra, **kwargs)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    yield from made_and_closed(drive.Controller)
 
 
 @pytest.mark.parametrize("allocator", ["shm", "default"])

@@ -37,6 +37,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $c "socket" (include "kvxfer.socketPath" .) -}}
 {{- $_ := set $c "socket_mode" "0660" -}}
 {{- $_ := set $c "socket_group" (toString .Values.kvxfer.fsGroup) -}}
+{{- if and .Values.engine.enabled (eq .Values.engine.kind "sglang") -}}
+{{- /* Each SGLang rank registers two pools (its host pool, a staging area) in a cache group of its own. */ -}}
+{{- $ranks := int .Values.kvxfer.registeredPools -}}
+{{- $own := len (default (list) $c.pools) -}}
+{{- if not (hasKey $c "max_pools") -}}
+{{- $_ := set $c "max_pools" (max 8 (add (mul 2 $ranks) $own)) -}}
+{{- end -}}
+{{- if not (hasKey $c "max_cache_groups") -}}
+{{- $_ := set $c "max_cache_groups" (max 8 (add $ranks $own)) -}}
+{{- end -}}
+{{- end -}}
 {{- if .Values.kvxfer.tcp.enabled -}}
 {{- $_ := set $c "listen" (printf "0.0.0.0:%d" (int .Values.kvxfer.tcp.port)) -}}
 {{- $_ := set $c "tls_cert" "/etc/kvxfer/tls/tls.crt" -}}
