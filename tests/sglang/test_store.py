@@ -189,3 +189,21 @@ def test_replicas_of_the_same_weights_share_and_updated_weights_do_not(daemon, s
     assert stores(host_pool("page_first"), extra_config(socket), model=str(a)).batch_exists(KEYS[:2]) == 0
     assert stores(host_pool("page_first"), extra_config(socket, model_id="pinned"),
                   model=str(a)).batch_exists(KEYS[:2]) == 0  # an explicit identity is its own
+
+
+def test_sglangs_storage_metrics_get_each_batchs_pages_and_bandwidth(daemon, stores):
+    from sglang.srt.observability.metrics_collector import StorageMetricsCollector
+
+    pool = host_pool("page_first")
+    store = stores(pool, extra_config(daemon.config["socket"]))
+    pages = pool.alloc(4 * pool.page_size)
+    fill(pool, 15)
+    assert store.batch_set_v1(KEYS[:4], pages) == [True] * 4
+    assert store.batch_get_v1(KEYS[:4], pages) == [True] * 4
+    assert store.batch_get_v1(["absent"], pages[:pool.page_size]) == [False]  # no page moved: no sample
+    metrics = store.get_stats()
+    assert metrics.backup_pgs == [4] and metrics.prefetch_pgs == [4]
+    assert all(0 < gbps < 1000 for gbps in metrics.backup_bandwidth + metrics.prefetch_bandwidth)
+    StorageMetricsCollector({"model_name": "tiny"}).log_storage_metrics(metrics)  # SGLang's own collector takes it
+    again = store.get_stats()
+    assert again.backup_pgs == [] and again.prefetch_pgs == []

@@ -13,12 +13,16 @@ and writes in place (docs/sglang.md). Page keys are SGLang's chained page hashes
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import deque
 from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
                                                   PoolName, PoolTransfer, PoolTransferResult)
 
+from kvxfer.geometry.layout import PoolLayout
 from kvxfer.integrations.identity import weights_identity
 from kvxfer.integrations.settings import parse_settings
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames, RankShare
@@ -30,6 +34,40 @@ log = logging.getLogger("kvxfer.sglang")
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "allocator", "tp_lcm_size",
                          "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                          "hicache_storage_pass_prefix_keys", "file_storage_path"})
+
+
+#: Batches remembered between two of SGLang's metric reads (it reads every scheduler step; bounded anyway).
+METRIC_BATCHES = 4096
+
+
+class BatchMetrics:
+    """Pages and GB/s of every batch loaded and stored, for SGLang's own storage metrics
+    (``--enable-storage-metrics``: its prefetch and backup page and bandwidth histograms)."""
+
+    def __init__(self, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        self._lock = threading.Lock()  # the prefetch and backup threads record, the scheduler takes
+        self._batches = {kind: deque(maxlen=METRIC_BATCHES) for kind in ("prefetch", "backup")}
+
+    def record(self, kind: str, answers: list[bool], started: float) -> list[bool]:
+        pages, seconds = sum(answers), time.perf_counter() - started
+        if pages and seconds > 0:
+            with self._lock:
+                self._batches[kind].append((pages, pages * self.page_bytes / seconds / 1e9))
+        return answers
+
+    def take(self) -> Any:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        with self._lock:
+            for kind, pages, bandwidth in (("prefetch", metrics.prefetch_pgs, metrics.prefetch_bandwidth),
+                                           ("backup", metrics.backup_pgs, metrics.backup_bandwidth)):
+                for n, gbps in self._batches[kind]:
+                    pages.append(n)
+                    bandwidth.append(gbps)
+                self._batches[kind].clear()
+        return metrics
 
 
 def host_geometry(host_pool: Any) -> HostGeometry:
@@ -74,6 +112,7 @@ class KvxferStore(HiCacheStorage):
         # An MLA latent is the same on every TP rank: one rank writes it (SGLang's own rule).
         self.writer = storage_config.is_storage_writer
         self.mover: PageMover | None = None
+        self.metrics: BatchMetrics | None = None
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -88,6 +127,7 @@ class KvxferStore(HiCacheStorage):
             log.info("kvxfer: SGLang's host pool is private memory; pages move through a staging area "
                      "(\"allocator\": \"shm\" in the extra config lets the daemon read them in place)")
         self.mover = PageMover(names, self.settings, mem_pool_host.kv_buffer, fd)
+        self.metrics = BatchMetrics(PoolLayout(geometry.spec, geometry.layout).block_bytes)
         log.info("kvxfer: HiCache rank %d stores %s pages (%s) in namespace %s of cache group %s",
                  self.share.tp_rank, geometry.host_layout, "zero copy" if fd is not None else "staged",
                  names.namespace, names.cache_group)
@@ -109,12 +149,16 @@ class KvxferStore(HiCacheStorage):
             return [True] * len(keys)
         prefix = extra_info.prefix_keys if extra_info is not None else None
         parent = None if prefix is None else (prefix[-1].encode() if prefix else b"")
-        return self.mover.store(_keys(keys), pages, parent)
+        started = time.perf_counter()
+        return self.metrics.record("backup", self.mover.store(_keys(keys), pages, parent), started)
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         pages = self._pages(keys, host_indices)
-        return [False] * len(keys) if pages is None else self.mover.load(_keys(keys), pages)
+        if pages is None:
+            return [False] * len(keys)
+        started = time.perf_counter()
+        return self.metrics.record("prefetch", self.mover.load(_keys(keys), pages), started)
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         return self.mover.exists(_keys(keys))
@@ -148,7 +192,8 @@ class KvxferStore(HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
         targets = target_locations or [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        answers = self.mover.load_tensors(_keys(keys), targets)
+        started = time.perf_counter()
+        answers = self.metrics.record("prefetch", self.mover.load_tensors(_keys(keys), targets), started)
         return [t if ok else None for t, ok in zip(targets, answers)]
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -159,7 +204,12 @@ class KvxferStore(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> bool:
         if not self.writer:
             return True
-        return all(self.mover.store_tensors(_keys(keys), values))
+        started = time.perf_counter()
+        return all(self.metrics.record("backup", self.mover.store_tensors(_keys(keys), values), started))
+
+    def get_stats(self) -> Any:
+        """Pages and GB/s of each batch since the last call, measured here (SGLang's storage metrics)."""
+        return self.metrics.take() if self.metrics is not None else None
 
     def clear(self) -> None:
         log.info("kvxfer: clear() leaves the daemon's pages, shared with other replicas, in place")
