@@ -138,7 +138,11 @@ class KvxferStore(HiCacheStorage):
         if host_indices.numel() != len(keys) * size:
             log.error("kvxfer: %d host indices for %d pages of %d tokens", host_indices.numel(), len(keys), size)
             return None
-        return (host_indices[::size] // size).tolist()
+        starts = host_indices[::size]
+        if bool((starts % size).any()):  # a page's tokens are one host page, from its first token
+            log.error("kvxfer: host indices that do not start pages of %d tokens", size)
+            return None
+        return (starts // size).tolist()
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
