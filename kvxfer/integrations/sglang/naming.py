@@ -15,14 +15,13 @@ SGLang seeds its page hashes with the request's ``cache_salt``, so tenants never
 
 from __future__ import annotations
 
-import hashlib
-import re
 import uuid
 from dataclasses import dataclass, field
 
 import torch
 
 from kvxfer.errors import InvalidArgument
+from kvxfer.integrations.identity import digest, safe_group_prefix
 from kvxfer.geometry.layout import KVSpec, Layout, dtype_name
 
 #: SGLang's host layouts (``--hicache-mem-layout``) in kvxfer's axes: MHA pools hold K and V
@@ -38,11 +37,7 @@ MLA_LAYOUTS: dict[str, str] = {
     "page_first": "B,N,L,H,KV,D",  # [pages x page_size, layers, 1, kv_cache_dim]
     "page_first_direct": "B,L,N,H,KV,D",  # [pages, layers, page_size, 1, kv_cache_dim]
 }
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
-
-def _digest(*parts: object, size: int = 16) -> str:
-    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:size]
 
 
 @dataclass(frozen=True)
@@ -115,17 +110,17 @@ class PageNames:
         """Changes whenever a page's bytes would mean something else (not with the number of pages)."""
         g, s, r = self.geometry, self.geometry.spec, self.share
         tp = ("mla",) if g.mla else (r.tp_rank, r.tp_size)  # a latent is the same on every TP rank
-        return _digest("sglang", self.model, g.layout.spelled, s.num_layers, s.block_size, s.num_kv_heads,
+        return digest("sglang", self.model, g.layout.spelled, s.num_layers, s.block_size, s.num_kv_heads,
                        s.head_size, dtype_name(s.dtype), *tp, r.pp_rank, r.pp_size, r.cp_rank, r.cp_size)
 
     @property
     def cache_group(self) -> str:
         """Stable across engine restarts; shared by replicas of the same model and share on one node."""
-        return f"{_UNSAFE.sub('-', self.group_prefix)[:24] or 'sglang'}-{self.fingerprint}"
+        return f"{safe_group_prefix(self.group_prefix, 'sglang')}-{self.fingerprint}"
 
     @property
     def namespace(self) -> str:
-        tenant = _digest(self.tenant) if self.tenant else "shared"
+        tenant = digest(self.tenant) if self.tenant else "shared"
         return f"sglang:{self.fingerprint}:{tenant}"
 
     def pool_id(self, role: str) -> str:

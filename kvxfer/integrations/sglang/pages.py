@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ from kvxfer.memory.pool import PoolHandle
 from kvxfer.records import Medium, Outcome
 
 log = logging.getLogger("kvxfer.sglang")
+T = TypeVar("T")
 #: SGLang moves at most this many pages a batch (its STORAGE_BATCH_SIZE): a staging area this size
 #: moves a batch of private host pages in one request.
 STORAGE_BATCH = 128
@@ -54,7 +56,7 @@ class Settings:
     retry_s: float = 2.0  # after a failure, no call to the daemon for this long
     deadline_s: float = 5.0  # a batch of pages moves within this long, or its pages are misses
     cache_group: str = ""  # prefix of the cache group; replicas that share it share a host tier
-    model_id: str = ""  # the model's identity (default: SGLang's model name)
+    model_id: str = ""  # the model's identity (default: the served weights, by content for a local directory)
     tenant: str = ""  # a deployment's own namespace: equal keys of another tenant never match
     staging_pages: int = 0  # pages of the staging area; 0: 1 beside a shared host pool (host page 0), else 128
 
@@ -76,7 +78,7 @@ class Staging:
         self.lock = threading.Lock()  # one batch at a time owns the slots
 
     def page(self, slot: int) -> torch.Tensor:
-        return self.pages.select(self.geometry.page_axis, slot)
+        return page_of(self.pages, self.geometry, slot)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -116,28 +118,24 @@ class PageMover:
         client.register_pool(n.pool_id("staging"), s.spec, s.layout, PoolHandle(Medium.SHM), fd=self.staging.fd,
                              cache_group=n.cache_group)
 
-    def _guarded(self, what: str, count: int, fn: Callable[[Client], list[bool]]) -> list[bool]:
-        """``fn`` through the link; a daemon that is down or refuses is ``count`` misses, never an exception."""
+    def _guarded(self, what: str, miss: T, fn: Callable[[Client], T]) -> T:
+        """``fn`` through the link; a daemon that is down or refuses answers ``miss``, never an exception."""
         try:
             return self.link.call(fn)
         except LinkDown:
-            return [False] * count
+            return miss
         except KvxferError as exc:  # the daemon is up and said no (full, invalid): these pages miss
-            log.warning("kvxfer: %s of %d pages refused: %s", what, count, exc)
-            return [False] * count
+            log.warning("kvxfer: %s refused: %s", what, exc)
+            return miss
 
     # -- SGLang's questions ----------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the daemon holds."""
         if not keys:
             return 0
-
-        def lookup(client: Client) -> list[bool]:
-            hits = client.lookup(keys, pool_ids=[self.names.pool_id("staging")], namespace=self.names.namespace,
-                                 timeout=self.settings.timeout_s).hits
-            return [True] * hits + [False] * (len(keys) - hits)
-
-        return sum(1 for _ in _leading(self._guarded("lookup", len(keys), lookup)))
+        return self._guarded(f"a lookup of {len(keys)} pages", 0, lambda client: client.lookup(
+            keys, pool_ids=[self.names.pool_id("staging")], namespace=self.names.namespace,
+            timeout=self.settings.timeout_s).hits)
 
     def store(self, keys: Sequence[bytes], pages: Sequence[int], parent: bytes | None = None) -> list[bool]:
         """Store host pages ``pages`` under ``keys``. ``parent``: the key before ``keys[0]`` in SGLang's hash
@@ -211,7 +209,9 @@ class PageMover:
                         if ok:
                             copy(start + j, self.staging.page(slot))
                 results += answers
-        return results
+                if not store and not all(answers):  # SGLang uses the loaded prefix only
+                    break
+        return results + [False] * (len(keys) - len(results))
 
     def _transfer(self, pool: str, keys: Sequence[bytes], slots: Sequence[int], store: bool,
                   parent: bytes | None) -> list[bool]:
@@ -234,7 +234,8 @@ class PageMover:
                             result.outcomes.count(Outcome.DATA_LOSS))
             return [o is Outcome.DONE for o in result.outcomes]
 
-        return self._guarded("store" if store else "load", len(keys), offload if store else restore)
+        return self._guarded(f"a {'store' if store else 'load'} of {len(keys)} pages", [False] * len(keys),
+                             offload if store else restore)
 
     def close(self) -> None:
         """Unregister this process's pools (SGLang detached the backend; the process may live on), then
@@ -249,10 +250,3 @@ class PageMover:
                     log.warning("kvxfer: could not unregister pool %s: %s", self.names.pool_id(role), exc)
         self.link.close()
         self.staging.close()
-
-
-def _leading(answers: list[bool]):
-    for ok in answers:
-        if not ok:
-            return
-        yield ok

@@ -13,11 +13,10 @@ and the layout.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass
 
 from kvxfer.errors import InvalidArgument
+from kvxfer.integrations.identity import digest, safe_group_prefix
 from kvxfer.geometry.layout import KVSpec, Layout, dtype_name
 from kvxfer.geometry.sharding import Sharding
 
@@ -28,11 +27,7 @@ VLLM_LAYOUTS: dict[str, str] = {
     "LBHNC": "L,B,H,N,KV,D", "LBNHC": "L,B,N,H,KV,D", "LHBNC": "L,H,B,N,KV,D",
 }
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
-
-def _digest(*parts: object, size: int = 16) -> str:
-    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:size]
 
 
 def kvxfer_layout(vllm_layout: str) -> Layout:
@@ -69,30 +64,30 @@ class EngineNames:
         latent = ("latent",) if s.kv_parts == 1 else ()  # (K/V engines keep the names they had)
         latent += (self.kv_format,) if self.kv_format else ()
         if self.canonical:
-            return _digest("canonical", self.model, s.num_layers, s.block_size, self.total_kv_heads, s.head_size,
+            return digest("canonical", self.model, s.num_layers, s.block_size, self.total_kv_heads, s.head_size,
                            dtype_name(s.dtype), *latent)
-        return _digest(self.model, self.layout.spelled, s.num_layers, s.block_size, s.num_kv_heads, s.head_size,
+        return digest(self.model, self.layout.spelled, s.num_layers, s.block_size, s.num_kv_heads, s.head_size,
                        dtype_name(s.dtype), self.world_size, *latent)
 
     def sharding(self, rank: int) -> Sharding | None:
         """What rank ``rank`` registers: its share of the model's heads (None: per-rank groups)."""
         if not self.canonical:
             return None
-        return Sharding(_digest(self.model, size=32), rank, self.world_size, self.total_kv_heads, self.kv_format)
+        return Sharding(digest(self.model, size=32), rank, self.world_size, self.total_kv_heads, self.kv_format)
 
     def pool_id(self, rank: int) -> str:
         """Unique to this engine instance and rank (a restarted engine registers anew)."""
-        return f"vllm-{_digest(self.engine_id, size=12)}-r{rank}"
+        return f"vllm-{digest(self.engine_id, size=12)}-r{rank}"
 
     def pool_ids(self) -> list[str]:
         return [self.pool_id(rank) for rank in range(self.world_size)]
 
     def cache_group(self, rank: int) -> str:
         """Stable across engine restarts and shared by engines of the same model and split on one node."""
-        prefix = _UNSAFE.sub("-", self.group_prefix)[:24] or "vllm"
+        prefix = safe_group_prefix(self.group_prefix, "vllm")
         return f"{prefix}-{self.fingerprint}" + ("" if self.canonical else f"-r{rank}")
 
     def namespace(self, cache_salt: str | None, generation: int = 0) -> str:
         """``generation``: how many times the engine forgot what it stored (``forget_on_reset``)."""
-        tenant = _digest(cache_salt) if cache_salt else "shared"
+        tenant = digest(cache_salt) if cache_salt else "shared"
         return f"vllm:{self.fingerprint}:{tenant}" + (f":g{generation}" if generation else "")
