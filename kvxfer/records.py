@@ -36,6 +36,7 @@ class TierKind(enum.Enum):
     DISK = "disk"
     REMOTE = "remote"
     SHARED_FS = "shared_fs"
+    PEER = "peer"  # another node's daemon, read over NIXL (kvxfer.peering)
 
 
 class Medium(enum.Enum):
@@ -103,9 +104,9 @@ class TierStats:
     @property
     def has_occupancy(self) -> bool:
         """False for the tiers every node shares (Redis evicts on its own; a shared filesystem is
-        filled by every node): capacity, use and evictions are not ours to count (their figures
-        here are zeros, not measurements)."""
-        return self.tier not in (TierKind.REMOTE, TierKind.SHARED_FS)
+        filled by every node; a peer is another node's host tier): capacity, use and evictions
+        are not ours to count (their figures here are zeros, not measurements)."""
+        return self.tier not in (TierKind.REMOTE, TierKind.SHARED_FS, TierKind.PEER)
 
 
 @dataclass(frozen=True)

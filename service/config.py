@@ -18,10 +18,12 @@ from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
 from kvxfer.events.settings import EventSettings
+from kvxfer.peering.settings import PeeringSettings
 from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.remote_store import RemoteSettings
 from kvxfer.serving.shared_fs_store import SharedFsSettings
 from service import config_sections as sections
+from service.config_peering import peering as peering_section
 from service.config_sections import ConfigError
 from kvxfer.serving.registry import Limits
 from kvxfer.tiers.host import capacity_blocks
@@ -89,6 +91,7 @@ class Config:
     remote: RemoteSettings | None = None  # every cache group's remote tier (Redis); absent: none
     shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier; absent: none
     events: EventSettings = field(default_factory=EventSettings)  # KV events: replay buffer, publisher
+    peering: PeeringSettings | None = None  # other nodes' daemons, read over NIXL; absent: none
 
     @property
     def limits(self) -> Limits:
@@ -105,7 +108,7 @@ class Config:
         return Path(self.token_file).read_text().strip()
 
 
-_SECTIONS = ("pools", "disk", "remote", "shared_fs", "events")
+_SECTIONS = ("pools", "disk", "remote", "shared_fs", "events", "peering")
 _SCALARS = {f.name: f for f in fields(Config) if f.name not in _SECTIONS}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -243,7 +246,8 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     return validate(replace(Config(), **values, pools=pools, disk=sections.disk(raw.get("disk")),
                             remote=sections.remote(raw.get("remote")),
                             shared_fs=sections.shared_fs(raw.get("shared_fs")),
-                            events=sections.events(raw.get("events"))))
+                            events=sections.events(raw.get("events")),
+                            peering=peering_section(raw.get("peering"))))
 
 
 def validate(config: Config) -> Config:
@@ -299,6 +303,8 @@ def validate(config: Config) -> Config:
         value = getattr(config, name)
         if value and not Path(value).is_file():
             raise ConfigError(f"{name}: {value} is not a readable file")
+    if config.peering is not None and not config.listen:
+        raise ConfigError("peering: needs listen (the TLS listener with a token its peers call)")
     if config.token_file and not _TOKEN_RE.fullmatch(config.token):
         raise ConfigError(f"token_file: {config.token_file} must hold 1-256 printable ASCII characters without "
                           "spaces (it travels in gRPC metadata and on the descriptor socket)")

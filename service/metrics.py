@@ -31,6 +31,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from kvxfer.events.hub import EventHub
+from kvxfer.peering.hub import Peering
 from kvxfer.records import PoolStats, TransferResult
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.registry import PoolRegistry
@@ -91,6 +92,37 @@ class DaemonCollector(Collector):
         yield info
         if self.pools.kv_events is not None:
             yield from _kv_events(self.pools.kv_events)
+        if self.pools.peering is not None:
+            yield from _peering(self.pools.peering)
+
+
+def _peering(peering: Peering) -> Iterator[Metric]:
+    """Daemon-to-daemon transfer: by peer (configured names) and direction (in: read from it; out: it
+    read from here), failures by cause (kvxfer.peering.counters.CAUSES)."""
+    blocks, nbytes, seconds, failures = peering.counters.snapshot()
+    labels = ["peer", "direction"]
+    moved = CounterMetricFamily("kvxfer_peer_bytes", "Bytes moved between this daemon and a peer over NIXL "
+                                "(in: read and verified here; out: read from here, released by the peer).", labels=labels)
+    count = CounterMetricFamily("kvxfer_peer_blocks", "Blocks moved between this daemon and a peer.", labels=labels)
+    for (peer, direction), n in sorted(blocks.items()):
+        count.add_metric([peer, direction], n)
+        moved.add_metric([peer, direction], nbytes[peer, direction])
+    read = CounterMetricFamily("kvxfer_peer_read_seconds", "Seconds NIXL reads from a peer took (rate(bytes{in}) / "
+                               "rate(seconds) = read bandwidth).", labels=["peer"])
+    for peer, s in sorted(seconds.items()):
+        read.add_metric([peer], s)
+    failed = CounterMetricFamily("kvxfer_peer_failures", "Peer calls and reads that failed, by cause; each is a "
+                                 "miss, never wrong bytes.", labels=["peer", "cause"])
+    for (peer, cause), n in sorted(failures.items()):
+        failed.add_metric([peer, cause], n)
+    leases, leased = peering.leases.open
+    open_leases = GaugeMetricFamily("kvxfer_peer_leases", "Leases granted to peers open now.")
+    open_leases.add_metric([], leases)
+    pinned = GaugeMetricFamily("kvxfer_peer_leased_blocks", "Host-tier blocks pinned by peers' leases now.")
+    pinned.add_metric([], leased)
+    expired = CounterMetricFamily("kvxfer_peer_leases_expired", "Leases that ended at their deadline, unreleased.")
+    expired.add_metric([], peering.leases.expired)
+    yield from (moved, count, read, failed, open_leases, pinned, expired)
 
 
 def _kv_events(hub: EventHub) -> Iterator[Metric]:

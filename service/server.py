@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer.events.hub import EventHub
+from kvxfer.peering.hub import Peering
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.fdpass import SUFFIX
 from kvxfer.memory.cuda_driver import CudaError, on_device_lost
@@ -42,6 +43,7 @@ from service import logs, preflight
 from service.config import Config
 from service.fdsocket import DescriptorSocket
 from service.metrics import Metrics
+from service.peer_servicer import PeerServicer, peer_handlers
 from service.servicer import KVTransferServicer, RequestLimits, handlers
 
 if TYPE_CHECKING:
@@ -128,6 +130,7 @@ class Daemon:
         self.kv_events = EventHub(config.events.replay_keys, config.events.linger_ms / 1000,
                                   config.events.max_subscribers)
         self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events)  # empty until listening
+        self.peering: Peering | None = None
         self.publisher: ZmqPublisher | None = None
         self.metrics_server: WSGIServer | None = None
         self.health = health.aio.HealthServicer()
@@ -144,6 +147,10 @@ class Daemon:
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         limits = RequestLimits(c.max_concurrent_rpcs, c.max_batch_blocks, c.max_pools, c.max_queued_jobs)
         self.server.add_generic_rpc_handlers((handlers(KVTransferServicer(self.registry, limits, self.executor)),))
+        if c.peering is not None:
+            self.peering = self.registry.peering = Peering(c.peering, self.registry.groups)
+            self.server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self.peering, self.executor,
+                                                                             c.max_batch_blocks)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.server)
@@ -219,7 +226,11 @@ class Daemon:
             self.metrics_server.server_close()
         if self.fd_socket is not None:
             self.fd_socket.close()
+        if self.peering is not None:
+            self.peering.leases.close()  # before the groups whose slots they pin
         self.registry.close()
+        if self.peering is not None:
+            self.peering.close()
         if self.publisher is not None:
             self.publisher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)

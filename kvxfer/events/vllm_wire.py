@@ -19,8 +19,10 @@ import msgspec
 from kvxfer.events.records import EventKind, KeyFormat, TierEvent, engine_hash
 from kvxfer.records import TierKind
 
-MEDIUM = {TierKind.HOST: "CPU", TierKind.DISK: "DISK", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "SHARED_FS"}
-LOCALITY = {TierKind.HOST: "LOCAL", TierKind.DISK: "LOCAL", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "REMOTE"}
+MEDIUM = {TierKind.HOST: "CPU", TierKind.DISK: "DISK", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "SHARED_FS",
+          TierKind.PEER: "REMOTE"}
+LOCALITY = {TierKind.HOST: "LOCAL", TierKind.DISK: "LOCAL", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "REMOTE",
+            TierKind.PEER: "REMOTE"}
 OWNERSHIP = "kvxfer"
 MAX_NAMESPACES = 4096  # key formats remembered (namespaces that described their blocks lately)
 

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
@@ -30,6 +31,9 @@ from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
 from kvxfer.serving.shared_fs_store import SharedFsSettings, SharedFsStore
 from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.lower import LowerTier
+
+if TYPE_CHECKING:
+    from kvxfer.peering.hub import Peering
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,10 @@ class CacheGroup:
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
                  disk: DiskSettings | None = None, remote: RemoteSettings | None = None,
                  shared_fs: SharedFsSettings | None = None, kv_events: EventHub | None = None,
-                 manifest: Manifest | None = None) -> None:
+                 manifest: Manifest | None = None, peering: Peering | None = None) -> None:
         """``kv_events``: where every tier of the group announces blocks becoming restorable and going.
-        ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools."""
+        ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
+        ``peering``: other nodes' daemons are a tier too, asked after the local ones and before Redis."""
         self.name = name
         self.format = BlockFormat.of(layout, manifest)
         self.assembly = Assembly(layout.spec.num_kv_heads) if manifest is not None else None
@@ -95,6 +100,10 @@ class CacheGroup:
         settings = {"disk": disk, "remote": remote, "shared_fs": shared_fs}
         self.lower_tiers: list[LowerTier] = [make(settings[section], name, fingerprint, nbytes, kv_events)
                                              for section, make in LOWER_TIERS if settings[section] is not None]
+        if peering is not None:
+            remote = [i for i, t in enumerate(self.lower_tiers) if t.kind is TierKind.REMOTE]
+            at = remote[0] if remote else len(self.lower_tiers)
+            self.lower_tiers.insert(at, peering.tier(self.format.fingerprint, self.host))
 
     def _tier(self, kind: TierKind) -> LowerTier | None:
         return next((t for t in self.lower_tiers if t.kind is kind), None)

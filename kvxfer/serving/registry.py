@@ -82,6 +82,7 @@ class PoolRegistry:
         self.limits = limits
         self.observer = observer  # told of every transfer of every pool (the daemon's metrics)
         self.kv_events = kv_events  # where the groups' tiers announce their blocks (WatchEvents)
+        self.peering = None  # kvxfer.peering.hub.Peering: set by the daemon before its pools are made
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
         self._pools: dict[str, ServedPool] = {}
         self._groups: dict[str, _Group] = {}
@@ -118,7 +119,7 @@ class PoolRegistry:
                 entry = _Group(CacheGroup(name, stored, host_capacity_blocks, pin_device=pool.cuda_device,
                                           disk=self.limits.disk, remote=self.limits.remote,
                                           shared_fs=self.limits.shared_fs, kv_events=self.kv_events,
-                                          manifest=manifest), owner)
+                                          manifest=manifest, peering=self.peering), owner)
             # PoolManager refuses a pool whose block format differs from the group's.
             manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
                                   observer=self.observer, copy_threads=self.limits.copy_threads,

@@ -38,6 +38,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DISK: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
     TIER_SHARED_FS: _ClassVar[Tier]
+    TIER_PEER: _ClassVar[Tier]
 
 class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -74,6 +75,7 @@ TIER_HOST: Tier
 TIER_DISK: Tier
 TIER_REMOTE: Tier
 TIER_SHARED_FS: Tier
+TIER_PEER: Tier
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_STORED: EventKind
 EVENT_KIND_REMOVED: EventKind
@@ -539,3 +541,91 @@ class WaitJobsResponse(_message.Message):
     finished: _containers.RepeatedCompositeFieldContainer[JobResult]
     unknown_job_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, finished: _Optional[_Iterable[_Union[JobResult, _Mapping]]] = ..., unknown_job_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PeerConnectRequest(_message.Message):
+    __slots__ = ("peer", "agent_metadata")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    agent_metadata: bytes
+    def __init__(self, peer: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
+
+class PeerConnectResponse(_message.Message):
+    __slots__ = ("peer", "agent_metadata")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    agent_metadata: bytes
+    def __init__(self, peer: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
+
+class PeerLookupRequest(_message.Message):
+    __slots__ = ("peer", "namespace", "block_format", "keys")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    namespace: str
+    block_format: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PeerLookupResponse(_message.Message):
+    __slots__ = ("present",)
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, present: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class PeerLeaseRequest(_message.Message):
+    __slots__ = ("peer", "namespace", "block_format", "keys", "lease_ms")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    namespace: str
+    block_format: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ms: int
+    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LeasedBlock(_message.Message):
+    __slots__ = ("position", "address", "checksum")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    address: int
+    checksum: int
+    def __init__(self, position: _Optional[int] = ..., address: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PeerLeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "blocks", "block_bytes", "lease_ms", "memory_metadata")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_METADATA_FIELD_NUMBER: _ClassVar[int]
+    lease_id: bytes
+    blocks: _containers.RepeatedCompositeFieldContainer[LeasedBlock]
+    block_bytes: int
+    lease_ms: int
+    memory_metadata: bytes
+    def __init__(self, lease_id: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[LeasedBlock, _Mapping]]] = ..., block_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., memory_metadata: _Optional[bytes] = ...) -> None: ...
+
+class PeerReleaseRequest(_message.Message):
+    __slots__ = ("peer", "lease_id", "corrupt_positions")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    lease_id: bytes
+    corrupt_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, peer: _Optional[str] = ..., lease_id: _Optional[bytes] = ..., corrupt_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PeerReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

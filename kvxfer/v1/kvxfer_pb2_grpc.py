@@ -539,3 +539,217 @@ class KVTransfer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVPeerStub:
+    """Daemon to daemon (docs/peering.md): another node's daemon, one of this daemon's configured
+    peers, finds blocks here and reads them with NIXL straight out of this daemon's host tier.
+    Served on the TCP listener only (TLS and its token), to peers named in `peering.peers`.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PeerConnect = channel.unary_unary(
+                '/kvxfer.v1.KVPeer/PeerConnect',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerConnectRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerConnectResponse.FromString,
+                _registered_method=True)
+        self.PeerLookup = channel.unary_unary(
+                '/kvxfer.v1.KVPeer/PeerLookup',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerLookupRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerLookupResponse.FromString,
+                _registered_method=True)
+        self.PeerLease = channel.unary_unary(
+                '/kvxfer.v1.KVPeer/PeerLease',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerLeaseRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerLeaseResponse.FromString,
+                _registered_method=True)
+        self.PeerRelease = channel.unary_unary(
+                '/kvxfer.v1.KVPeer/PeerRelease',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseResponse.FromString,
+                _registered_method=True)
+
+
+class KVPeerServicer:
+    """Daemon to daemon (docs/peering.md): another node's daemon, one of this daemon's configured
+    peers, finds blocks here and reads them with NIXL straight out of this daemon's host tier.
+    Served on the TCP listener only (TLS and its token), to peers named in `peering.peers`.
+    """
+
+    def PeerConnect(self, request, context):
+        """Exchange NIXL agents' connection information (no memory is exposed by it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PeerLookup(self, request, context):
+        """Which of these keys the host tier holds, for blocks of this format.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PeerLease(self, request, context):
+        """Pin the blocks held and expose exactly their slots to the caller's NIXL agent until
+        PeerRelease or the lease's end, whichever comes first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PeerRelease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVPeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PeerConnect': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerConnect,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerConnectRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerConnectResponse.SerializeToString,
+            ),
+            'PeerLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerLookup,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerLookupRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerLookupResponse.SerializeToString,
+            ),
+            'PeerLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerLease,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerLeaseRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerLeaseResponse.SerializeToString,
+            ),
+            'PeerRelease': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerRelease,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvxfer.v1.KVPeer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvxfer.v1.KVPeer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVPeer:
+    """Daemon to daemon (docs/peering.md): another node's daemon, one of this daemon's configured
+    peers, finds blocks here and reads them with NIXL straight out of this daemon's host tier.
+    Served on the TCP listener only (TLS and its token), to peers named in `peering.peers`.
+    """
+
+    @staticmethod
+    def PeerConnect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVPeer/PeerConnect',
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerConnectRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVPeer/PeerLookup',
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerLookupRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVPeer/PeerLease',
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerLeaseRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerRelease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVPeer/PeerRelease',
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

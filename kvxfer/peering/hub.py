@@ -1,0 +1,42 @@
+"""Peering for one daemon: its NIXL agent, the leases it grants, the peers it reads from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvxfer.peering.agent import Agent
+from kvxfer.peering.counters import PeerCounters
+from kvxfer.peering.leases import LeaseTable
+from kvxfer.peering.link import PeerLink
+from kvxfer.peering.settings import PeeringSettings
+from kvxfer.peering.store import PeerStore
+from kvxfer.tiers.host import HostTier
+
+if TYPE_CHECKING:
+    from kvxfer.serving.group import CacheGroup
+
+
+class Peering:
+    """Made once by the daemon; each cache group gets a ``PeerStore`` of it (``tier``)."""
+
+    def __init__(self, settings: PeeringSettings, groups: Callable[[], list[CacheGroup]]) -> None:
+        self.settings = settings
+        self.agent = Agent(settings)
+        self.counters = PeerCounters()
+        self.leases = LeaseTable(self.agent, settings, groups, self.counters)
+        timeout = settings.timeout_ms / 1000
+        self.links = [PeerLink(settings.name, peer, self.agent, timeout) for peer in settings.peers]
+
+    def tier(self, block_format: bytes, host: HostTier) -> PeerStore:
+        """The peers as a lower tier of a cache group whose blocks have this format's fingerprint."""
+        return PeerStore(self.agent, self.links, self.counters, block_format, host, self.settings.lease_ms)
+
+    def admits(self, peer: str) -> bool:
+        return self.settings.peer(peer) is not None
+
+    def close(self) -> None:
+        self.leases.close()
+        for link in self.links:
+            link.close()
+        self.agent.close()

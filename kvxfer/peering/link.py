@@ -1,0 +1,117 @@
+"""One configured peer as the reading daemon sees it: its TLS channel, its token, its NIXL agent.
+
+Every call has the peering deadline; a peer that fails (unreachable, refusing, too slow)
+opens a breaker, so that lookups and restores skip it for a backoff instead of waiting on
+it each time. The NIXL connection is made on first use and again after a failure (the
+peer may have restarted with a new agent).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from kvxfer.errors import PermissionDenied, Unavailable
+from kvxfer.peering.agent import Agent
+from kvxfer.peering.settings import PeerAddress
+from kvxfer.tiers.breaker import Breaker
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvxfer.peering")
+
+
+class PeerUnavailable(Unavailable):
+    """A peer call failed; ``cause`` is the failure's label (``unreachable``, ``refused``, ``timeout``)."""
+
+    def __init__(self, peer: str, cause: str, detail: str) -> None:
+        super().__init__(f"peer {peer}: {cause}: {detail}")
+        self.cause = cause
+
+
+_CAUSES = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.UNAVAILABLE: "unreachable",
+           grpc.StatusCode.UNAUTHENTICATED: "refused", grpc.StatusCode.PERMISSION_DENIED: "refused"}
+
+
+class PeerLink:
+    def __init__(self, me: str, peer: PeerAddress, agent: Agent, timeout_s: float) -> None:
+        self.me = me
+        self.peer = peer
+        self.agent = agent
+        self.timeout_s = timeout_s
+        self.breaker = Breaker(peer.address, tier=f"peer {peer.name}")
+        options = [("grpc.ssl_target_name_override", peer.server_name)] if peer.server_name else []
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(peer.tls_ca).read_bytes())
+        self._channel = grpc.secure_channel(peer.address, creds, options=options)
+        self._stub = pb_grpc.KVPeerStub(self._channel)
+        self._auth = (("authorization", f"Bearer {peer.token}"),)
+        self._connect_lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.peer.name
+
+    def _call(self, method: str, request, timeout: float | None = None):
+        if not self.breaker.allows():
+            raise PeerUnavailable(self.name, "backoff", "skipped after a recent failure")
+        try:
+            answer = getattr(self._stub, method)(request, timeout=timeout or self.timeout_s, metadata=self._auth)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            error = PeerUnavailable(self.name, _CAUSES.get(code, "refused"), f"{code.name}: {exc.details()}")
+            if code in _CAUSES:  # the peer is down, slow or refuses us: back off (a bad request does not)
+                self.breaker.failed(error)
+            raise error from None
+        self.breaker.succeeded()
+        return answer
+
+    def ensure_connected(self) -> None:
+        """Exchange NIXL agents' connection information once (and after ``disconnect``)."""
+        with self._connect_lock:
+            if self.agent.knows(self.name):
+                return
+            answer = self._call("PeerConnect", pb.PeerConnectRequest(peer=self.me,
+                                                                    agent_metadata=self.agent.connection_info()))
+            try:
+                self.agent.add_peer(self.name, answer.agent_metadata)
+            except PermissionDenied as exc:
+                raise PeerUnavailable(self.name, "refused", str(exc)) from None
+            log.info("peer connected", extra={"peer": self.name, "address": self.peer.address})
+
+    def disconnect(self) -> None:
+        self.agent.forget_peer(self.name)
+
+    def lookup(self, namespace: str, block_format: bytes, keys: list[bytes]) -> list[bool]:
+        answer = self._call("PeerLookup", pb.PeerLookupRequest(peer=self.me, namespace=namespace,
+                                                              block_format=block_format, keys=keys))
+        present = list(answer.present)
+        return present if len(present) == len(keys) else [False] * len(keys)
+
+    def lease(self, namespace: str, block_format: bytes, keys: list[bytes], lease_ms: int) -> pb.PeerLeaseResponse:
+        self.ensure_connected()
+        return self._call("PeerLease", pb.PeerLeaseRequest(peer=self.me, namespace=namespace,
+                                                          block_format=block_format, keys=keys, lease_ms=lease_ms))
+
+    def release(self, lease_id: bytes, corrupt_positions: list[int], failed: Callable[[str], None]) -> None:
+        """End a lease without waiting for the answer (a stalled peer must not hold a restore; its
+        lease ends there at its deadline anyway); ``failed(cause)`` hears of a release that failed."""
+        if not self.breaker.allows():
+            failed("backoff")
+            return
+        call = self._stub.PeerRelease.future(pb.PeerReleaseRequest(peer=self.me, lease_id=lease_id,
+                                                                   corrupt_positions=corrupt_positions),
+                                             timeout=self.timeout_s, metadata=self._auth)
+
+        def done(future) -> None:
+            if future.exception() is not None:
+                failed("release")
+                log.warning("peer lease not released", extra={"peer": self.name, "error": str(future.exception())})
+
+        call.add_done_callback(done)
+
+    def close(self) -> None:
+        self._channel.close()

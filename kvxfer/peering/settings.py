@@ -1,0 +1,33 @@
+"""What the ``peering`` config section says: this daemon's name, its peers, UCX and lease bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """One configured peer: how to reach its TCP listener and how to prove who we are to it."""
+
+    name: str  # its peering.name: the NIXL agent name it answers with
+    address: str  # HOST:PORT of its TLS listener
+    tls_ca: str  # the CA file its certificate is checked against
+    token: str = field(repr=False, default="")  # its listener's token (read from token_file)
+    server_name: str = ""  # the name its certificate carries, when not the address's host
+
+
+@dataclass(frozen=True)
+class PeeringSettings:
+    name: str  # this daemon's name among its peers (its NIXL agent's name)
+    peers: tuple[PeerAddress, ...] = ()
+    ucx_tls: str = ""  # UCX_TLS ("tcp", "rc,cuda_copy", ...); "" leaves UCX's choice
+    ucx_net_devices: str = ""  # UCX_NET_DEVICES ("eth0", "mlx5_0:1", "lo"); "" leaves UCX's choice
+    timeout_ms: int = 2000  # one peer call, and one read, at most this long; then misses
+    lease_ms: int = 5000  # the lease this daemon asks its peers for
+    max_lease_ms: int = 30_000  # the longest lease this daemon grants
+    max_leases: int = 256  # leases this daemon grants at once, over all peers
+    max_leased_blocks: int = 65_536  # blocks pinned for peers at once, over all leases
+    progress_interval_us: int = 200  # how often NIXL's worker is progressed while a lease or read is open
+
+    def peer(self, name: str) -> PeerAddress | None:
+        return next((p for p in self.peers if p.name == name), None)

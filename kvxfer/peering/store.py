@@ -1,0 +1,192 @@
+"""The reading side: configured peers as a lower tier of one cache group (``LowerTier``).
+
+A restore of keys this daemon lacks asks its peers in order; the first that holds some
+leases them (pinned there, their slots exposed to this agent alone), and promotion reads
+them with NIXL straight from the peer's host tier into the slots it reserved here. Every
+block's checksum is compared before it is published; a block that does not match is
+DATA_LOSS if it was read inside its lease, a miss if the lease may have ended under the
+read (the peer could have reused the slot: its bytes say nothing about the block). A dead,
+refusing or slow peer is a miss within ``timeout_ms``; nothing is ever written to a peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvxfer.errors import PermissionDenied
+from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.peering.agent import Agent, ReadResult
+from kvxfer.peering.counters import PeerCounters
+from kvxfer.peering.link import PeerLink, PeerUnavailable
+from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.tiers.host import HostTier
+from kvxfer.tiers.lower import StagedBlock
+
+log = logging.getLogger("kvxfer.peering")
+MARGIN_S = 0.05  # a read must end this long before its lease does (clocks and the answer's flight)
+
+
+@dataclass
+class _Leased:
+    link: PeerLink
+    lease_id: bytes
+    expires: float  # monotonic, counted from before the request was sent
+    blocks: dict[int, tuple[int, int, int]]  # position in fetch.keys -> (peer's position, address, checksum)
+
+
+class PeerFetch:
+    """Blocks leased from peers for one promotion; ``end`` releases the leases."""
+
+    def __init__(self, store: PeerStore, keys: list[bytes], leases: list[_Leased]) -> None:
+        self.store = store
+        self.keys = keys
+        self._leases = leases
+
+    def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
+        verdicts: dict[int, tuple[Outcome, int]] = {}
+        for leased in self._leases:
+            mine = [(j, t) for j, t in targets if j in leased.blocks]
+            if mine:
+                verdicts.update(self.store.read_leased(leased, mine))
+        return [verdicts.get(j, (Outcome.NOT_FOUND, 0)) for j, _ in targets]
+
+    def end(self, corrupt: set[int]) -> None:
+        for leased in self._leases:
+            bad = [leased.blocks[j][0] for j in sorted(corrupt) if j in leased.blocks]
+            name = leased.link.name
+            leased.link.release(leased.lease_id, bad, lambda cause, name=name: self.store.counters.failed(name, cause))
+
+
+class PeerStore:
+    """Read-only: takes no evictions or stores, holds nothing of its own."""
+
+    kind = TierKind.PEER
+    takes_evictions = False
+    takes_stores = False
+    restart_warm = False
+
+    def __init__(self, agent: Agent, links: list[PeerLink], counters: PeerCounters, block_format: bytes,
+                 host: HostTier, lease_ms: int) -> None:
+        self.agent = agent
+        self.links = links
+        self.counters = counters
+        self.block_format = block_format
+        self.slot_bytes = host.slot_bytes
+        self.lease_ms = lease_ms
+        self._registration = agent.register(host.buffer.data_ptr(), host.buffer.numel())  # where reads land
+
+    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
+        return None
+
+    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
+        return 0
+
+    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        present = [False] * len(keys)
+        for link in self.links:
+            missing = [i for i, p in enumerate(present) if not p]
+            if not missing:
+                break
+            try:
+                there = link.lookup(namespace, self.block_format, [keys[i] for i in missing])
+            except PeerUnavailable as exc:
+                self.counters.failed(link.name, exc.cause)
+                continue
+            for i, hit in zip(missing, there):
+                present[i] = hit
+        return present
+
+    def fetch(self, namespace: str, keys: list[bytes]) -> PeerFetch:
+        wanted = list(range(len(keys)))
+        leases: list[_Leased] = []
+        for link in self.links:
+            if not wanted:
+                break
+            leased = self._lease(link, namespace, [keys[i] for i in wanted], wanted)
+            if leased is not None:
+                leases.append(leased)
+                wanted = [i for i in wanted if i not in leased.blocks]
+        held = sorted(i for leased in leases for i in leased.blocks)
+        order = {i: j for j, i in enumerate(held)}
+        for leased in leases:  # positions in fetch.keys, which lists the held keys in request order
+            leased.blocks = {order[i]: b for i, b in leased.blocks.items()}
+        return PeerFetch(self, [keys[i] for i in held], leases)
+
+    def _lease(self, link: PeerLink, namespace: str, keys: list[bytes], wanted: list[int]) -> _Leased | None:
+        asked = time.monotonic()
+        try:
+            answer = link.lease(namespace, self.block_format, keys, self.lease_ms)
+            if answer.blocks and answer.memory_metadata:
+                self.agent.learn(link.name, answer.memory_metadata)
+        except PeerUnavailable as exc:
+            self.counters.failed(link.name, exc.cause)
+            return None
+        except PermissionDenied as exc:
+            self.counters.failed(link.name, "refused")
+            log.error("a peer's lease was refused", extra={"peer": link.name, "error": str(exc)})
+            _release_quietly(link, answer.lease_id)
+            return None
+        positions = [b.position for b in answer.blocks]
+        if not answer.blocks:
+            return None
+        if (answer.block_bytes != self.slot_bytes or len(set(positions)) != len(positions)
+                or max(positions) >= len(keys) or not 0 < answer.lease_ms <= self.lease_ms):
+            self.counters.failed(link.name, "malformed")  # never read by a lease we cannot trust
+            log.error("a peer answered a lease it could not have granted", extra={"peer": link.name})
+            _release_quietly(link, answer.lease_id)
+            return None
+        blocks = {wanted[b.position]: (b.position, b.address, b.checksum) for b in answer.blocks}
+        return _Leased(link, answer.lease_id, asked + answer.lease_ms / 1000, blocks)
+
+    def read_leased(self, leased: _Leased, targets: list[tuple[int, torch.Tensor]]) -> dict[int, tuple[Outcome, int]]:
+        """Read one lease's blocks into their host slots and check each; a miss where the read failed."""
+        name, missed = leased.link.name, {j: (Outcome.NOT_FOUND, 0) for j, _ in targets}
+        margin = min(MARGIN_S, (leased.expires - time.monotonic()) / 10)
+        timeout_at = time.monotonic() + self.links[0].timeout_s
+        deadline = min(timeout_at, leased.expires - margin)  # a read never outlasts its lease
+        if time.monotonic() >= deadline:
+            self.counters.failed(name, "lease_expired")
+            return missed
+        pairs = [(t.data_ptr(), leased.blocks[j][1]) for j, t in targets]
+        log.debug("peer read", extra={"peer": name, "blocks": len(pairs)})
+        start = time.perf_counter()
+        result = self.agent.read(name, pairs, self.slot_bytes, deadline)
+        seconds = time.perf_counter() - start
+        if result is not ReadResult.DONE:
+            cause = "transfer" if result is ReadResult.FAILED else "timeout" if deadline == timeout_at else "lease_expired"
+            self.counters.failed(name, cause)
+            leased.link.disconnect()  # connect again next time (the peer may have restarted)
+            return missed
+        in_lease = time.monotonic() < leased.expires
+        sums = rows_checksums(t.numpy() for _, t in targets)
+        verdicts: dict[int, tuple[Outcome, int]] = {}
+        for (j, _), got in zip(targets, sums):
+            if got == leased.blocks[j][2]:
+                verdicts[j] = (Outcome.DONE, got)
+            else:
+                verdicts[j] = (Outcome.DATA_LOSS, 0) if in_lease else (Outcome.NOT_FOUND, 0)
+                self.counters.failed(name, "corrupt" if in_lease else "lease_expired")
+        good = sum(1 for v, _ in verdicts.values() if v is Outcome.DONE)
+        self.counters.moved(name, "in", good, good * self.slot_bytes, seconds)
+        return verdicts
+
+    def delete(self, namespace: str, keys: list[bytes]) -> int:
+        return 0  # a peer's blocks are its own: a Delete here removes this daemon's copies
+
+    def stats(self) -> TierStats:
+        return TierStats(TierKind.PEER, 0, 0, 0, 0, 0, self.slot_bytes, any(link.breaker.open for link in self.links),
+                         self.counters.events())
+
+    def flush(self, timeout: float) -> bool:
+        return True
+
+    def close(self, timeout: float = 0.0) -> None:
+        self.agent.deregister(self._registration)
+
+
+def _release_quietly(link: PeerLink, lease_id: bytes) -> None:
+    link.release(lease_id, [], lambda cause: None)  # else it ends at its deadline there

@@ -1,0 +1,103 @@
+"""The KVPeer servicer: other nodes' daemons find, lease and release blocks here.
+
+Only on the TCP listener (TLS, and the token every RPC there needs) and only for the peers
+``peering.peers`` names; a request from anywhere else is PERMISSION_DENIED and changes
+nothing. Index lookups and NIXL registration run on the worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from kvxfer.errors import InvalidArgument, PermissionDenied
+from kvxfer.peering.hub import Peering
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.validate import check_count, check_namespace, checked_keys, shown
+from service.status import parser, rpc
+
+FORMAT_BYTES = 32  # a block format's fingerprint (sha256)
+LEASE_ID_BYTES = 16
+MAX_METADATA_BYTES = 1 << 20  # an agent's connection information is a few hundred bytes
+
+
+class PeerServicer:
+    def __init__(self, peering: Peering, executor: ThreadPoolExecutor, max_batch_blocks: int) -> None:
+        self.peering = peering
+        self._executor = executor
+        self.max_batch_blocks = max_batch_blocks
+
+    async def _blocking(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _admit(self, request, context) -> str:
+        """The calling peer's name, if it may call here at all."""
+        if context.peer().startswith("unix:"):
+            raise PermissionDenied("peer RPCs are served on the TCP listener only")
+        if not self.peering.admits(request.peer):
+            raise PermissionDenied(f"peer {shown(request.peer)} is not one of this daemon's peering.peers")
+        return request.peer
+
+    def _keys(self, request) -> list[bytes]:
+        check_namespace(request.namespace)
+        if len(request.block_format) != FORMAT_BYTES:
+            raise InvalidArgument(f"block_format: {FORMAT_BYTES} bytes, got {len(request.block_format)}")
+        check_count(len(request.keys), self.max_batch_blocks, "keys")
+        return checked_keys(request.keys, limit=self.max_batch_blocks)
+
+    @rpc
+    async def PeerConnect(self, request: pb.PeerConnectRequest, context) -> pb.PeerConnectResponse:
+        peer = self._admit(request, context)
+        if not 0 < len(request.agent_metadata) <= MAX_METADATA_BYTES:
+            raise InvalidArgument(f"agent_metadata: 1 to {MAX_METADATA_BYTES} bytes")
+        agent = self.peering.agent
+        await self._blocking(agent.add_peer, peer, request.agent_metadata)
+        return pb.PeerConnectResponse(peer=agent.name, agent_metadata=await self._blocking(agent.connection_info))
+
+    @rpc
+    async def PeerLookup(self, request: pb.PeerLookupRequest, context) -> pb.PeerLookupResponse:
+        self._admit(request, context)
+        keys = self._keys(request)
+        present = await self._blocking(self.peering.leases.holding, request.block_format, request.namespace, keys)
+        return pb.PeerLookupResponse(present=present)
+
+    @rpc
+    async def PeerLease(self, request: pb.PeerLeaseRequest, context) -> pb.PeerLeaseResponse:
+        peer = self._admit(request, context)
+        keys = self._keys(request)
+        granted = await self._blocking(self.peering.leases.grant, peer, request.block_format, request.namespace,
+                                       keys, request.lease_ms)
+        if granted is None:
+            return pb.PeerLeaseResponse()
+        lease = granted.lease
+        return pb.PeerLeaseResponse(
+            lease_id=granted.lease_id, block_bytes=lease.group.host.slot_bytes, lease_ms=granted.lease_ms,
+            memory_metadata=granted.metadata,
+            blocks=[pb.LeasedBlock(position=p, address=a, checksum=c)
+                    for p, a, c in zip(lease.positions, lease.addresses, lease.checksums)])
+
+    @rpc
+    async def PeerRelease(self, request: pb.PeerReleaseRequest, context) -> pb.PeerReleaseResponse:
+        peer = self._admit(request, context)
+        if len(request.lease_id) != LEASE_ID_BYTES:
+            raise InvalidArgument(f"lease_id: {LEASE_ID_BYTES} bytes, got {len(request.lease_id)}")
+        check_count(len(request.corrupt_positions), self.max_batch_blocks, "corrupt_positions")
+        released = await self._blocking(self.peering.leases.release, peer, request.lease_id,
+                                        list(request.corrupt_positions))
+        return pb.PeerReleaseResponse(released=released)
+
+
+def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:
+    """KVPeer's handlers, with parsers that refuse bad bytes and over-long repeated fields first."""
+    batch = servicer.max_batch_blocks
+    repeated = {"PeerLookupRequest": {"keys": batch}, "PeerLeaseRequest": {"keys": batch},
+                "PeerReleaseRequest": {"corrupt_positions": batch}}
+    service = pb.DESCRIPTOR.services_by_name["KVPeer"]
+    methods = {m.name: grpc.unary_unary_rpc_method_handler(
+        getattr(servicer, m.name),
+        request_deserializer=parser(getattr(pb, m.input_type.name), repeated.get(m.input_type.name)),
+        response_serializer=getattr(pb, m.output_type.name).SerializeToString) for m in service.methods}
+    return grpc.method_handlers_generic_handler(service.full_name, methods)
