@@ -23,7 +23,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(STAMP): pyproject.toml setup.py constraints.txt kvxfer/transfer/_fused.c kvxfer/transfer/_fused.h kvxfer/_fastpath.c \
 		kvxfer/_tables.c kvxfer/_use_order.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,peering]'
 	touch $(STAMP)
 
 install: $(STAMP)

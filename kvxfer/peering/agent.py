@@ -14,6 +14,7 @@ Three rules shape it:
 from __future__ import annotations
 
 import enum
+import importlib
 import logging
 import os
 import threading
@@ -36,14 +37,21 @@ class ReadResult(enum.Enum):
 
 
 def _nixl():
-    """The NIXL Python API and its error classes (imported only where peering is configured)."""
-    try:
-        from nixl import _api
-        from nixl_cu13 import _bindings  # nixl's wheel for this platform (nixl-cu13 runs on CPU too)
-    except ImportError as exc:
-        raise FailedPrecondition(f"peering needs NIXL: pip install 'kvxfer[peering]' ({exc})") from None
-    errors = tuple(getattr(_bindings, n) for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error"))
-    return _api, _bindings, errors
+    """NIXL's Python API, bindings and error classes (imported only where peering is configured): the
+    wheel built for CUDA 13 (it runs on a CPU too), or for CUDA 12 on such a node. Not the ``nixl``
+    meta package: it would pull a CUDA build of torch."""
+    for wheel in ("nixl_cu13", "nixl_cu12"):
+        try:
+            api = importlib.import_module(f"{wheel}._api")
+            bindings = importlib.import_module(f"{wheel}._bindings")
+            break
+        except ImportError:
+            continue
+    else:
+        raise FailedPrecondition("peering needs NIXL: pip install 'kvxfer[peering]' (nixl-cu13, or nixl-cu12 on "
+                                 "a CUDA 12 node)")
+    errors = tuple(getattr(bindings, n) for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error"))
+    return api, bindings, errors
 
 
 class Agent:

@@ -4,7 +4,7 @@ import pytest
 
 from tests.peering.cluster import make_tls, start_cluster
 
-collect_ignore_glob = [] if importlib.util.find_spec("nixl") else ["test_*.py"]  # kvxfer[peering] not installed
+collect_ignore_glob = [] if importlib.util.find_spec("nixl_cu13") else ["test_*.py"]  # kvxfer[peering] not installed
 
 
 @pytest.fixture(scope="session")

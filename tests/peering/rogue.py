@@ -28,7 +28,7 @@ class Rogue:
     def agent(self):
         if self._agent is None:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl_cu13._api import nixl_agent, nixl_agent_config
             self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=True, backends=[]))
             self._agent.create_backend("UCX", {})
         return self._agent

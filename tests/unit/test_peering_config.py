@@ -1,0 +1,74 @@
+"""The ``peering`` section: every value checked, each mistake one precise message."""
+
+import pytest
+
+from service import config as cfg
+from service.config_sections import ConfigError
+
+
+@pytest.fixture
+def files(tmp_path):
+    ca, token = tmp_path / "ca.pem", tmp_path / "token"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    token.write_text("t0ken\n")
+    return {"tls_cert": str(ca), "tls_key": str(ca), "token_file": str(token), "ca": str(ca), "token": str(token)}
+
+
+def _load(tmp_path, files, peering):
+    return cfg.load(overrides={"socket": str(tmp_path / "k.sock"), "listen": "127.0.0.1:7000",
+                               "tls_cert": files["tls_cert"], "tls_key": files["tls_key"],
+                               "token_file": files["token_file"], "peering": peering})
+
+
+def _peer(files, **over):
+    return {"name": "b", "address": "10.0.0.2:7000", "tls_ca": files["ca"], "token_file": files["token"], **over}
+
+
+def test_a_valid_section(tmp_path, files):
+    c = _load(tmp_path, files, {"name": "a", "peers": [_peer(files)], "ucx_tls": "tcp", "lease_ms": 2000})
+    p = c.peering
+    assert p.name == "a" and p.ucx_tls == "tcp" and p.lease_ms == 2000
+    assert p.peers[0].name == "b" and p.peers[0].token == "t0ken" and "t0ken" not in repr(p)
+
+
+BAD = {
+    "not a mapping": ("yes", "peering: must be a mapping"),
+    "unknown key": ({"name": "a", "peer": []}, "unknown keys ['peer']"),
+    "bad name": ({"name": "a b"}, "peering.name"),
+    "bad number": ({"name": "a", "lease_ms": 0}, "peering.lease_ms: an integer in [1, 600000]"),
+    "bool number": ({"name": "a", "max_leases": True}, "peering.max_leases"),
+    "bad ucx list": ({"name": "a", "ucx_tls": "tcp; rm -rf"}, "peering.ucx_tls"),
+    "peers not a list": ({"name": "a", "peers": {"b": 1}}, "peering.peers: a list"),
+    "peer missing keys": ({"name": "a", "peers": [{"name": "b"}]}, "peering.peers[0]: a mapping of"),
+    "peer bad address": ({"name": "a", "peers": ["ADDR"]}, "peering.peers[0].address: HOST:PORT"),
+    "duplicate names": ({"name": "a", "peers": ["P", "P"]}, "names must be distinct"),
+    "itself": ({"name": "b", "peers": ["P"]}, "differ from peering.name"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_values_are_refused_with_the_setting_named(tmp_path, files, case):
+    raw, message = BAD[case]
+    if isinstance(raw, dict) and "peers" in raw and isinstance(raw["peers"], list):
+        raw = {**raw, "peers": [_peer(files) if p == "P" else _peer(files, address="nowhere") if p == "ADDR" else p
+                                for p in raw["peers"]]}
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, files, raw)
+    assert message in str(err.value)
+
+
+def test_a_peer_address_token_and_ca_are_checked(tmp_path, files):
+    for over, message in (({"address": "host"}, ".address: HOST:PORT"), ({"address": "h:70000"}, ".address"),
+                          ({"tls_ca": "/nonexistent"}, ".tls_ca: '/nonexistent' is not a readable file"),
+                          ({"server_name": "bad name"}, ".server_name")):
+        with pytest.raises(ConfigError) as err:
+            _load(tmp_path, files, {"name": "a", "peers": [_peer(files, **over)]})
+        assert message in str(err.value)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="token_file: must hold"):
+        _load(tmp_path, files, {"name": "a", "peers": [_peer(files, token_file=str(tmp_path / "empty"))]})
+
+
+def test_peering_needs_the_tls_listener(tmp_path, files):
+    with pytest.raises(ConfigError, match="peering: needs listen"):
+        cfg.load(overrides={"socket": str(tmp_path / "k.sock"), "peering": {"name": "a"}})
