@@ -11,7 +11,9 @@ DAEMON_BENCHES = [("daemon", "service.bench_daemon", "throughput and latency thr
                   ("peer", "service.bench_peer", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy"),
                   ("demotion", "service.bench_demotion", "host-tier evictions reaching the disk under several clients"),
                   ("events", "service.bench_events", "offloads with 100 KV event subscribers against none"),
-                  ("sglang", "service.bench_sglang", "SGLang HiCache's write-through and prefetch, beside its files")]
+                  ("sglang", "service.bench_sglang", "SGLang HiCache's write-through and prefetch, beside its files"),
+                  ("peer-transfer", "service.bench_peer_transfer",
+                   "one daemon restoring blocks another holds, over NIXL, against a plain memcpy")]
 
 
 def _serve_command(args: argparse.Namespace) -> int:

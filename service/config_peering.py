@@ -7,6 +7,7 @@ is reached over TLS against a CA file, and names are unique.
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 from kvxfer.peering.settings import PeerAddress, PeeringSettings
@@ -33,10 +34,12 @@ def peering(raw) -> PeeringSettings | None:
     unknown = set(raw) - PEERING_KEYS
     if unknown:
         raise ConfigError(f"peering: unknown keys {sorted(unknown)}; allowed: {sorted(PEERING_KEYS)}")
-    name = raw.get("name")
+    name = raw.get("name", "")
+    if name == "":
+        name = socket.gethostname()  # a Kubernetes pod's name: each replica of one config its own
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ConfigError(f"peering.name: 1-63 letters, digits, '_', '.', '-' (this daemon's name among its "
-                          f"peers), got {shown(name)}")
+                          f"peers; empty: this host's name), got {shown(name)}")
     numbers = {}
     for key, (low, top) in BOUNDS.items():
         value = raw.get(key, getattr(PeeringSettings, key))

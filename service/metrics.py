@@ -101,8 +101,8 @@ def _peering(peering: Peering) -> Iterator[Metric]:
     read from here), failures by cause (kvxfer.peering.counters.CAUSES)."""
     blocks, nbytes, seconds, failures = peering.counters.snapshot()
     labels = ["peer", "direction"]
-    moved = CounterMetricFamily("kvxfer_peer_bytes", "Bytes moved between this daemon and a peer over NIXL "
-                                "(in: read and verified here; out: read from here, released by the peer).", labels=labels)
+    moved = CounterMetricFamily("kvxfer_peer_bytes", "Bytes moved between this daemon and a peer over NIXL (in: "
+                                "read and verified here; out: read from here, released by the peer).", labels=labels)
     count = CounterMetricFamily("kvxfer_peer_blocks", "Blocks moved between this daemon and a peer.", labels=labels)
     for (peer, direction), n in sorted(blocks.items()):
         count.add_metric([peer, direction], n)

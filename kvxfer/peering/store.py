@@ -157,8 +157,8 @@ class PeerStore:
         result = self.agent.read(name, pairs, self.slot_bytes, deadline)
         seconds = time.perf_counter() - start
         if result is not ReadResult.DONE:
-            cause = "transfer" if result is ReadResult.FAILED else "timeout" if deadline == timeout_at else "lease_expired"
-            self.counters.failed(name, cause)
+            stopped_by = "timeout" if deadline == timeout_at else "lease_expired"
+            self.counters.failed(name, "transfer" if result is ReadResult.FAILED else stopped_by)
             leased.link.disconnect()  # connect again next time (the peer may have restarted)
             return missed
         in_lease = time.monotonic() < leased.expires

@@ -21,7 +21,7 @@ import yaml
 
 from service import cli as service_cli
 from service import config as service_config
-from service import config_sections, launch
+from service import config_peering, config_sections, launch
 from tests.conftest import PYTHON, ROOT, python_env
 
 pytestmark = pytest.mark.e2e
@@ -188,5 +188,7 @@ def test_the_configuration_reference_lists_exactly_the_daemons_keys():
     assert set(documented["shared_fs"]) == config_sections.SHARED_FS_KEYS
     assert set(documented["remote"]) == config_sections.REMOTE_KEYS
     assert set(documented["events"]) == config_sections.EVENTS_KEYS
+    assert set(documented["peering"]) == config_peering.PEERING_KEYS
+    assert set(documented["peering"]["peers"][0]) == config_peering.PEER_KEYS
     for flag in ("--device", "--layout", "--num-blocks", "--host-capacity-mib", "--allow-overcommit", "--check"):
         assert flag in text

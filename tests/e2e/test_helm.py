@@ -30,6 +30,8 @@ TLS = {"tcp": {"enabled": True, "tlsCert": "-----BEGIN CERTIFICATE-----\nMIIB\n-
 SGLANG = {"engine": {"kind": "sglang", "name": "sglang", "model": "Qwen/Qwen2.5-0.5B",
                      "image": {"repository": "registry.example/sglang-kvxfer", "tag": "v0.5.23-0.1.0"},
                      "args": ["--hicache-mem-layout", "page_first"]}}
+PEERING = {**TLS, "peering": {"enabled": True, "caKey": "ca.crt", "ucxTls": "tcp",
+                              "peers": [{"name": "decode-0", "address": "10.0.0.7:7070"}]}}
 CASES = {
     "default (GPU, device plugin)": {},
     "CPU engine, no GPU": {"gpu": {"mode": "none"}, "engine": {"device": "cpu"}},
@@ -40,6 +42,7 @@ CASES = {
                                       "prometheusRule": {"enabled": False}, "dashboard": {"enabled": False}}},
     "sidecar only (engine's own chart)": {"engine": {"enabled": False}},
     "SGLang engine": SGLANG,
+    "peering over NIXL": {"kvxfer": PEERING},
     "disk and remote tiers": {"kvxfer": {
         "config": {"disk": {"path": "/var/lib/kvxfer", "capacity_gib": 50},
                    "remote": {"url": "rediss://redis:6380/0", "username": "kvxfer",
@@ -313,3 +316,23 @@ def test_kv_events_get_their_ports_a_service_and_the_daemons_config(tmp_path):
     path = tmp_path / "kvxfer.yaml"
     path.write_text(yaml.safe_dump({**config, "socket": str(tmp_path / "k.sock"), "socket_group": ""}))
     assert service_config.load(str(path)).events.publish == "tcp://*:5557"
+
+
+
+def test_peering_renders_the_daemons_peers_with_the_fleets_ca_and_token(tmp_path):
+    objects = render({"kvxfer": {**PEERING}})
+    config = rendered_config(objects)
+    assert config["peering"] == {"name": "", "ucx_tls": "tcp",
+                                 "peers": [{"name": "decode-0", "address": "10.0.0.7:7070",
+                                            "tls_ca": "/etc/kvxfer/tls/ca.crt", "token_file": "/etc/kvxfer/token/token"}]}
+    from service import config as service_config  # the daemon takes what the chart renders
+    for name in ("tls_cert", "tls_key", "token_file"):
+        config[name] = str(tmp_path / name)
+        (tmp_path / name).write_text("t0ken\n")
+    config["peering"]["peers"][0].update(tls_ca=config["tls_cert"], token_file=config["token_file"])
+    path = tmp_path / "kvxfer.yaml"
+    path.write_text(yaml.safe_dump({**config, "socket": str(tmp_path / "k.sock"), "socket_group": ""}))
+    loaded = service_config.load(str(path))
+    assert loaded.peering.peers[0].address == "10.0.0.7:7070" and loaded.peering.name  # the pod's name
+    with pytest.raises(Exception, match="tcp|enabled"):
+        render({"kvxfer": {"peering": {"enabled": True}}})  # peering needs the TLS listener

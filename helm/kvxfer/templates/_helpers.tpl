@@ -62,6 +62,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $e "replay" (printf "tcp://*:%d" (int .Values.kvxfer.events.replayPort)) -}}
 {{- $_ := set $c "events" $e -}}
 {{- end -}}
+{{- if .Values.kvxfer.peering.enabled -}}
+{{- $p := .Values.kvxfer.peering -}}
+{{- $ca := printf "/etc/kvxfer/tls/%s" $p.caKey -}}
+{{- $peers := list -}}
+{{- range $p.peers -}}
+{{- $peers = append $peers (dict "name" .name "address" .address "tls_ca" $ca "token_file" "/etc/kvxfer/token/token") -}}
+{{- end -}}
+{{- $e := deepCopy (default (dict) $c.peering) -}}
+{{- $_ := set $e "name" $p.name -}}
+{{- $_ := set $e "peers" $peers -}}
+{{- if $p.ucxTls }}{{ $_ := set $e "ucx_tls" $p.ucxTls }}{{ end -}}
+{{- if $p.ucxNetDevices }}{{ $_ := set $e "ucx_net_devices" $p.ucxNetDevices }}{{ end -}}
+{{- $_ := set $c "peering" $e -}}
+{{- end -}}
 {{- toYaml $c -}}
 {{- end -}}
 
