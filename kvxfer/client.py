@@ -188,6 +188,13 @@ class Client:
                                     pool_deadline_ns=_ns(deadline))
         return self._transfer(self._stub.Restore, request, partial, timeout)
 
+    def push(self, keys: Sequence[bytes], peer: str, *, pool_id: str | None = None, namespace: str | None = None,
+             partial: bool = False, timeout: float | None = None) -> TransferResult:
+        """Copy the blocks of ``keys`` the daemon holds into peer ``peer``'s host tier (docs/peering.md)."""
+        request = pb.PushRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace, keys=list(keys),
+                                 peer=peer)
+        return self._transfer(self._stub.Push, request, partial, timeout)
+
     # -- asynchronous jobs -------------------------------------------------------
     def submit_offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                        namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None,

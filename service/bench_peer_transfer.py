@@ -45,11 +45,12 @@ def _block_bytes(spec: dict) -> int:
     return spec["num_layers"] * 2 * spec["block_size"] * spec["num_kv_heads"] * spec["head_size"] * 2
 
 
-def _scrape(port: int) -> tuple[float, float]:
-    """B's bytes read from peers and seconds its reads took, so far."""
+def _scrape(port: int, peer: str, direction: str) -> tuple[float, float]:
+    """A daemon's bytes moved with ``peer`` in ``direction`` and the seconds its own NIXL transfers took, so far."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    nbytes = sum(float(m) for m in re.findall(r'kvxfer_peer_bytes_total\{direction="in",peer="a"\} (\S+)', text))
-    seconds = sum(float(m) for m in re.findall(r'kvxfer_peer_read_seconds_total\{peer="a"\} (\S+)', text))
+    labels = f'\\{{direction="{direction}",peer="{peer}"\\}}'
+    nbytes = sum(float(m) for m in re.findall(f"kvxfer_peer_bytes_total{labels} (\\S+)", text))
+    seconds = sum(float(m) for m in re.findall(f"kvxfer_peer_transfer_seconds_total{labels} (\\S+)", text))
     return nbytes, seconds
 
 
@@ -59,16 +60,52 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+RING_BYTES = 256 << 20  # baseline copies read a window of this, a new one each time: from memory, not a cache
+
+
+def _cold_copy(ring: torch.Tensor, dst: torch.Tensor, rep: int) -> float:
+    """Seconds of a plain copy of ``dst``'s size out of ``ring`` (a window not read lately, as the daemons'
+    host tiers' blocks are not in a cache either) into ``dst``: the fastest of three windows (one copy can
+    lose the core on 2 cores). Nothing is written around it to flush caches: that slows the daemons'
+    next request too (3x here)."""
+    n = dst.numel()
+    starts = [((3 * rep + i) * n) % (ring.numel() - n + 1) for i in range(3)]
+    return min(_timed(lambda: dst.copy_(ring[s:s + n])) for s in starts)
+
+
+def _pull(a: Client, b: Client, keys: list[bytes]) -> float:
+    """B restores blocks only A holds; its seconds. (B then forgets them: the next repetition reads again.)"""
+    elapsed = _timed(lambda: _check(b.restore(list(zip(keys, range(1, len(keys) + 1)))), len(keys), "restore"))
+    b.delete(keys)
+    return elapsed
+
+
+def _push(a: Client, b: Client, keys: list[bytes]) -> float:
+    """A pushes blocks into B; its seconds. (B forgets them after.)"""
+    elapsed = _timed(lambda: _check(a.push(keys, "b"), len(keys), "push"))
+    b.delete(keys)
+    return elapsed
+
+
+def _check(result, n: int, what: str) -> None:
+    if result.outcomes != [Outcome.DONE] * n:
+        raise RuntimeError(f"{what} from the peer: {set(result.outcomes)}")
+
+
+#: what is measured: (name, function, the daemon whose NIXL transfers are scraped, its peer, direction)
+WAYS = [("pull", _pull, "b", "a", "in"), ("push", _push, "a", "b", "out")]
+
+
 def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
     pool = _pool(args.blocks)
     configs = peering_configs(["a", "b"], tls, transport, {"a": pool, "b": pool})
-    metrics_port = free_port()
-    configs["b"]["metrics_listen"] = f"127.0.0.1:{metrics_port}"
+    ports = {name: free_port() for name in ("a", "b")}
     daemons = {}
     rows = []
     try:  # the daemons never outlive the benchmark
         for name in ("a", "b"):
-            daemons[name] = launch.spawn({**configs[name], "log_level": "warning"})
+            daemons[name] = launch.spawn({**configs[name], "log_level": "warning",
+                                          "metrics_listen": f"127.0.0.1:{ports[name]}"})
         with Client(daemons["a"].target, NS, token=TOKEN, timeout=120) as a, \
                 Client(daemons["b"].target, NS, token=TOKEN, timeout=120) as b:
             storage = a.map_pool().storage
@@ -76,33 +113,28 @@ def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
             keys = [b"peer-%d" % i for i in range(args.blocks)]
             a.offload(list(zip(range(1, args.blocks + 1), keys)))
             block_bytes = a.map_pool().layout.block_bytes
+            ring = torch.randint(0, 256, (RING_BYTES,), dtype=torch.uint8)
             for batch in args.batches:
-                src = torch.randint(0, 256, (batch * block_bytes,), dtype=torch.uint8)
-                dst = torch.empty_like(src)
-                restore, read, copy = [], [], []
-                for rep in range(args.reps + 1):
-                    chosen = keys[(rep * batch) % (args.blocks - batch + 1):][:batch]
-                    before = _scrape(metrics_port)
-                    start = time.perf_counter()
-                    result = b.restore(list(zip(chosen, range(1, batch + 1))))
-                    elapsed = time.perf_counter() - start
-                    after = _scrape(metrics_port)
-                    if result.outcomes != [Outcome.DONE] * batch:
-                        raise RuntimeError(f"restore from the peer: {set(result.outcomes)}")
-                    b.delete(chosen)  # read from A again next time
-                    memcpy = min(_timed(lambda: dst.copy_(src)) for _ in range(3))  # a short copy is noisy
-                    if rep:  # the first repetition connects and warms up
-                        nbytes = batch * block_bytes
-                        restore.append(nbytes / elapsed / GB)
-                        read.append((after[0] - before[0]) / max(after[1] - before[1], 1e-9) / GB)
-                        copy.append(nbytes / memcpy / GB)
-                rows.append({"transport": transport, "batch": batch, "bytes": batch * block_bytes,
-                             "restore_gbps": statistics.median(restore), "read_gbps": statistics.median(read),
-                             "memcpy_gbps": statistics.median(copy),
-                             "restore_vs_memcpy": statistics.median(r / c for r, c in zip(restore, copy)),
-                             "read_vs_memcpy": statistics.median(r / c for r, c in zip(read, copy))})
-                progress.step(f"{transport}, {batch} blocks: restore {rows[-1]['restore_gbps']:.2f} GB/s, read "
-                              f"{rows[-1]['read_gbps']:.2f} GB/s, memcpy {rows[-1]['memcpy_gbps']:.2f} GB/s")
+                dst = torch.empty(batch * block_bytes, dtype=torch.uint8)
+                nbytes = batch * block_bytes
+                for way, fn, where, peer, direction in WAYS:
+                    whole, copy = [], []
+                    fn(a, b, keys[:batch])  # connects and warms up: not counted
+                    before = _scrape(ports[where], peer, direction)  # not inside a timed request: its work lingers
+                    for rep in range(args.reps):
+                        chosen = keys[(rep * batch) % (args.blocks - batch + 1):][:batch]
+                        whole.append(nbytes / fn(a, b, chosen) / GB)
+                        copy.append(nbytes / _cold_copy(ring, dst, rep) / GB)
+                    after = _scrape(ports[where], peer, direction)
+                    nixl = (after[0] - before[0]) / max(after[1] - before[1], 1e-9) / GB  # over the repetitions
+                    rows.append({"transport": transport, "way": way, "batch": batch, "bytes": nbytes,
+                                 "whole_gbps": statistics.median(whole), "nixl_gbps": nixl,
+                                 "memcpy_gbps": statistics.median(copy),
+                                 "whole_vs_memcpy": statistics.median(r / c for r, c in zip(whole, copy)),
+                                 "nixl_vs_memcpy": nixl / statistics.median(copy)})
+                    r = rows[-1]
+                    progress.step(f"{transport}, {way} {batch} blocks: {r['whole_gbps']:.2f} GB/s, NIXL "
+                                  f"{r['nixl_gbps']:.2f} GB/s, memcpy {r['memcpy_gbps']:.2f} GB/s")
     finally:
         for d in daemons.values():
             d.stop()
@@ -113,18 +145,19 @@ def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     if max(args.batches) > args.blocks:
         raise SystemExit("--batches: each at most --blocks")
-    progress = Progress(len(args.transports) * len(args.batches))
+    progress = Progress(len(args.transports) * len(args.batches) * len(WAYS))
     with tempfile.TemporaryDirectory() as where:
         tls = self_signed(Path(where), TOKEN)
         rows = [row for t in args.transports for row in _transport(args, t, tls, progress)]
     block = _block_bytes(DEFAULT_POOL["spec"])
-    print(format_table(["transport", "blocks", "bytes", "restore GB/s", "NIXL read GB/s", "memcpy GB/s",
-                        "restore / memcpy", "read / memcpy"],
-                       [[r["transport"], r["batch"], human_bytes(r["bytes"]), r["restore_gbps"], r["read_gbps"],
-                         r["memcpy_gbps"], r["restore_vs_memcpy"], r["read_vs_memcpy"]] for r in rows],
-                       {"restore": f"B's Restore of blocks only A holds ({human_bytes(block)} each): lease, NIXL "
-                                   "READ, checksums, publication, the copy into B's pool",
-                        "NIXL read": "B's own measure of the READ alone (its peer metrics)",
+    print(format_table(["transport", "way", "blocks", "bytes", "whole GB/s", "NIXL GB/s", "memcpy GB/s",
+                        "whole / memcpy", "NIXL / memcpy"],
+                       [[r["transport"], r["way"], r["batch"], human_bytes(r["bytes"]), r["whole_gbps"], r["nixl_gbps"],
+                         r["memcpy_gbps"], r["whole_vs_memcpy"], r["nixl_vs_memcpy"]] for r in rows],
+                       {"pull": f"B's Restore of blocks only A holds ({human_bytes(block)} each): lease, NIXL READ, "
+                                "checksums, publication, the copy into B's pool",
+                        "push": "A's Push into B: reservation, NIXL WRITE, commit (B checksums and publishes)",
+                        "NIXL": "the transfer alone, as the daemon that made it measured it (its peer metrics)",
                         "memcpy": "a plain copy of the same bytes in this process, interleaved (the baseline)"}))
     save(args, {"args": {k: v for k, v in vars(args).items() if k not in ("func", "json", "plot")}, "rows": rows},
          plot)
@@ -139,16 +172,17 @@ def plot(results: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for transport in dict.fromkeys(r["transport"] for r in results["rows"]):
-        rows = [r for r in results["rows"] if r["transport"] == transport]
-        sizes = [r["bytes"] / (1 << 20) for r in rows]
-        ax.plot(sizes, [r["restore_gbps"] for r in rows], "o-", label=f"{transport}: restore from the peer")
-        ax.plot(sizes, [r["read_gbps"] for r in rows], "s--", label=f"{transport}: NIXL read")
-    rows = results["rows"]
-    ax.plot([r["bytes"] / (1 << 20) for r in rows if r["transport"] == rows[0]["transport"]],
-            [r["memcpy_gbps"] for r in rows if r["transport"] == rows[0]["transport"]], "k:", label="memcpy")
+        for way in dict.fromkeys(r["way"] for r in results["rows"]):
+            rows = [r for r in results["rows"] if r["transport"] == transport and r["way"] == way]
+            sizes = [r["bytes"] / (1 << 20) for r in rows]
+            ax.plot(sizes, [r["whole_gbps"] for r in rows], "o-", label=f"{transport} {way}: the whole request")
+            ax.plot(sizes, [r["nixl_gbps"] for r in rows], "s--", label=f"{transport} {way}: NIXL alone")
+    first = results["rows"][0]
+    rows = [r for r in results["rows"] if r["transport"] == first["transport"] and r["way"] == first["way"]]
+    ax.plot([r["bytes"] / (1 << 20) for r in rows], [r["memcpy_gbps"] for r in rows], "k:", label="memcpy")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("MiB a restore")
+    ax.set_xlabel("MiB a request")
     ax.set_ylabel("GB/s")
     ax.set_title("kvxfer bench peer-transfer: daemon to daemon over NIXL (UCX)")
     ax.legend(fontsize=8)

@@ -102,15 +102,16 @@ def _peering(peering: Peering) -> Iterator[Metric]:
     blocks, nbytes, seconds, failures = peering.counters.snapshot()
     labels = ["peer", "direction"]
     moved = CounterMetricFamily("kvxfer_peer_bytes", "Bytes moved between this daemon and a peer over NIXL (in: "
-                                "read and verified here; out: read from here, released by the peer).", labels=labels)
+                                "into this daemon's host tier, verified; out: from it, verified there).", labels=labels)
     count = CounterMetricFamily("kvxfer_peer_blocks", "Blocks moved between this daemon and a peer.", labels=labels)
     for (peer, direction), n in sorted(blocks.items()):
         count.add_metric([peer, direction], n)
         moved.add_metric([peer, direction], nbytes[peer, direction])
-    read = CounterMetricFamily("kvxfer_peer_read_seconds", "Seconds NIXL reads from a peer took (rate(bytes{in}) / "
-                               "rate(seconds) = read bandwidth).", labels=["peer"])
-    for peer, s in sorted(seconds.items()):
-        read.add_metric([peer], s)
+    read = CounterMetricFamily("kvxfer_peer_transfer_seconds", "Seconds the NIXL transfers this daemon made took "
+                               "(in: its reads, out: its pushes; rate(bytes) / rate(seconds) = their bandwidth).",
+                               labels=labels)
+    for (peer, direction), s in sorted(seconds.items()):
+        read.add_metric([peer, direction], s)
     failed = CounterMetricFamily("kvxfer_peer_failures", "Peer calls and reads that failed, by cause; each is a "
                                  "miss, never wrong bytes.", labels=["peer", "cause"])
     for (peer, cause), n in sorted(failures.items()):

@@ -15,6 +15,7 @@ import grpc
 
 from kvxfer.errors import InvalidArgument, PermissionDenied
 from kvxfer.peering.hub import Peering
+from kvxfer.peering.leases import Granted
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_count, check_namespace, checked_keys, shown
 from service.status import parser, rpc
@@ -72,12 +73,7 @@ class PeerServicer:
                                        keys, request.lease_ms)
         if granted is None:
             return pb.PeerLeaseResponse()
-        lease = granted.lease
-        return pb.PeerLeaseResponse(
-            lease_id=granted.lease_id, block_bytes=lease.group.host.slot_bytes, lease_ms=granted.lease_ms,
-            memory_metadata=granted.metadata,
-            blocks=[pb.LeasedBlock(position=p, address=a, checksum=c)
-                    for p, a, c in zip(lease.positions, lease.addresses, lease.checksums)])
+        return pb.PeerLeaseResponse(lease_id=granted.exposed_id, **_exposed(granted))
 
     @rpc
     async def PeerRelease(self, request: pb.PeerReleaseRequest, context) -> pb.PeerReleaseResponse:
@@ -89,12 +85,43 @@ class PeerServicer:
                                         list(request.corrupt_positions))
         return pb.PeerReleaseResponse(released=released)
 
+    @rpc
+    async def PeerReserve(self, request: pb.PeerReserveRequest, context) -> pb.PeerReserveResponse:
+        peer = self._admit(request, context)
+        keys = self._keys(request)
+        granted = await self._blocking(self.peering.leases.reserve, peer, request.block_format, request.namespace,
+                                       keys, request.lease_ms)
+        if granted is None:
+            return pb.PeerReserveResponse()
+        return pb.PeerReserveResponse(reservation_id=granted.exposed_id, present_positions=granted.present,
+                                      **_exposed(granted))
+
+    @rpc
+    async def PeerCommit(self, request: pb.PeerCommitRequest, context) -> pb.PeerCommitResponse:
+        peer = self._admit(request, context)
+        if len(request.reservation_id) != LEASE_ID_BYTES:
+            raise InvalidArgument(f"reservation_id: {LEASE_ID_BYTES} bytes, got {len(request.reservation_id)}")
+        check_count(len(request.checksums), self.max_batch_blocks, "checksums")
+        stored = await self._blocking(self.peering.leases.commit, peer, request.reservation_id,
+                                      list(request.checksums))
+        return pb.PeerCommitResponse(stored=stored)
+
+
+def _exposed(granted: Granted) -> dict:
+    """The fields a lease's and a reservation's answers share: the slots exposed, and for how long."""
+    e = granted.exposed
+    checksums = e.checksums or [0] * len(e.slots)  # a reservation's are the pusher's to say
+    return {"block_bytes": e.group.host.slot_bytes, "lease_ms": granted.lease_ms, "memory_metadata": granted.metadata,
+            "blocks": [pb.LeasedBlock(position=p, address=a, checksum=c)
+                       for p, a, c in zip(e.positions, e.addresses, checksums)]}
+
 
 def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:
     """KVPeer's handlers, with parsers that refuse bad bytes and over-long repeated fields first."""
     batch = servicer.max_batch_blocks
     repeated = {"PeerLookupRequest": {"keys": batch}, "PeerLeaseRequest": {"keys": batch},
-                "PeerReleaseRequest": {"corrupt_positions": batch}}
+                "PeerReleaseRequest": {"corrupt_positions": batch}, "PeerReserveRequest": {"keys": batch},
+                "PeerCommitRequest": {"checksums": batch}}
     service = pb.DESCRIPTOR.services_by_name["KVPeer"]
     methods = {m.name: grpc.unary_unary_rpc_method_handler(
         getattr(servicer, m.name),

@@ -29,7 +29,7 @@ from kvxfer.geometry.sharding import MAX_FORMAT_CHARS, MAX_MODEL_CHARS
 from kvxfer.records import PoolRef, TransferResult
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_count, check_name, shown
+from kvxfer.validate import check_count, check_name, check_namespace, checked_keys, shown
 from service import watch
 from service.status import parser, rpc, stream_rpc
 
@@ -138,6 +138,18 @@ class KVTransferServicer:
     @rpc
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.TransferResponse:
         return await self._transfer(TransferKind.RESTORE, request, request.slots, request.keys)
+
+    @rpc
+    async def Push(self, request: pb.PushRequest, context) -> pb.TransferResponse:
+        served = self.registry.get(_ref(request.pool), registrant=True)
+        check_namespace(request.namespace)
+        keys = checked_keys(request.keys, limit=self.limits.max_batch_blocks)
+        peering = self.registry.peering
+        if peering is None:
+            raise FailedPrecondition("peering is not configured on this daemon (docs/peering.md)")
+        pushed = await self._blocking(peering.push, served.manager.group, request.namespace, keys, request.peer)
+        return pb.TransferResponse(statuses=[wire.OUTCOME_TO_STATUS[o] for o in pushed.outcomes],
+                                   bytes=pushed.blocks * served.manager.group.host.slot_bytes, seconds=pushed.seconds)
 
     @rpc
     async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:
@@ -261,6 +273,7 @@ def handlers(servicer: KVTransferServicer) -> grpc.GenericRpcHandler:
     lim = servicer.limits
     batch = lim.max_batch_blocks
     repeated = {"OffloadRequest": {"slots": batch, "keys": batch}, "RestoreRequest": {"slots": batch, "keys": batch},
+                "PushRequest": {"keys": batch},
                 "LookupRequest": {"pools": lim.max_pools, "keys": batch}, "DeleteRequest": {"keys": batch},
                 "WaitJobsRequest": {"job_ids": lim.max_job_ids},
                 "WatchEventsRequest": {"namespaces": watch.MAX_WATCHED},

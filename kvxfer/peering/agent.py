@@ -30,7 +30,7 @@ DRAM = "DRAM"
 UCX = "UCX"
 
 
-class ReadResult(enum.Enum):
+class XferResult(enum.Enum):
     DONE = "done"
     FAILED = "failed"  # the transfer failed (the peer went away, a transport error)
     TIMEOUT = "timeout"  # still running at the deadline: cancelled
@@ -186,18 +186,26 @@ class Agent:
         finally:
             self.unhold()
 
-    def read(self, peer: str, pairs: Sequence[tuple[int, int]], nbytes: int, deadline: float) -> ReadResult:
-        """READ ``nbytes`` from each remote address into each local one (``pairs``), by ``deadline``
-        (monotonic); on TIMEOUT or FAILED nothing more lands afterwards."""
+    def read(self, peer: str, pairs: Sequence[tuple[int, int]], nbytes: int, deadline: float) -> XferResult:
+        """READ ``nbytes`` from each remote address into each local one (``pairs``: local, remote), by
+        ``deadline`` (monotonic); on TIMEOUT or FAILED nothing more lands afterwards."""
+        return self._transfer("READ", peer, pairs, nbytes, deadline)
+
+    def write(self, peer: str, pairs: Sequence[tuple[int, int]], nbytes: int, deadline: float) -> XferResult:
+        """WRITE ``nbytes`` from each local address to each remote one (``pairs``: local, remote)."""
+        return self._transfer("WRITE", peer, pairs, nbytes, deadline)
+
+    def _transfer(self, op: str, peer: str, pairs: Sequence[tuple[int, int]], nbytes: int,
+                  deadline: float) -> XferResult:
         n = self._nixl
         with self.busy():
             try:
-                local = n.get_xfer_descs([(dst, nbytes, 0) for dst, _ in pairs], DRAM)
-                remote = n.get_xfer_descs([(src, nbytes, 0) for _, src in pairs], DRAM)
-                handle = n.initialize_xfer("READ", local, remote, peer)
+                local = n.get_xfer_descs([(mine, nbytes, 0) for mine, _ in pairs], DRAM)
+                remote = n.get_xfer_descs([(theirs, nbytes, 0) for _, theirs in pairs], DRAM)
+                handle = n.initialize_xfer(op, local, remote, peer)
             except self.errors as exc:
-                log.warning("peer read refused", extra={"peer": peer, "error": type(exc).__name__})
-                return ReadResult.FAILED
+                log.warning("peer transfer refused", extra={"peer": peer, "op": op, "error": type(exc).__name__})
+                return XferResult.FAILED
             state, pause = "PROC", 20e-6
             try:
                 state = n.transfer(handle)
@@ -206,13 +214,13 @@ class Agent:
                     pause = min(pause * 2, self._interval)
                     state = n.check_xfer_state(handle)
             except self.errors as exc:
-                log.warning("peer read failed", extra={"peer": peer, "error": type(exc).__name__})
+                log.warning("peer transfer failed", extra={"peer": peer, "op": op, "error": type(exc).__name__})
                 state = "ERR"
             finally:
                 self._release(handle, peer)
         if state == "DONE":
-            return ReadResult.DONE
-        return ReadResult.TIMEOUT if state == "PROC" else ReadResult.FAILED
+            return XferResult.DONE
+        return XferResult.TIMEOUT if state == "PROC" else XferResult.FAILED
 
     def _release(self, handle, peer: str) -> None:
         """Free a transfer; one still running is cancelled, and if it cannot be, its endpoint goes."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-DIRECTIONS = ("in", "out")  # in: read from the peer into this daemon; out: the peer read from this one
+DIRECTIONS = ("in", "out")  # in: bytes that came into this daemon's host tier from the peer; out: the other way
 CAUSES = ("unreachable", "refused", "timeout", "backoff", "transfer", "corrupt", "lease_expired", "malformed",
           "release")
 
@@ -19,7 +19,7 @@ class PeerCounters:
         self._lock = threading.Lock()
         self.blocks: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
-        self.seconds: Counter[str] = Counter()  # reading, by peer
+        self.seconds: Counter[tuple[str, str]] = Counter()  # NIXL transfers' own time, by peer and direction
         self.failures: Counter[tuple[str, str]] = Counter()
 
     def moved(self, peer: str, direction: str, blocks: int, nbytes: int, seconds: float = 0.0) -> None:
@@ -27,7 +27,7 @@ class PeerCounters:
             self.blocks[peer, direction] += blocks
             self.bytes[peer, direction] += nbytes
             if seconds:
-                self.seconds[peer] += seconds
+                self.seconds[peer, direction] += seconds
 
     def failed(self, peer: str, cause: str, n: int = 1) -> None:
         with self._lock:

@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvxfer.errors import InvalidArgument
 from kvxfer.peering.agent import Agent
 from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.leases import LeaseTable
 from kvxfer.peering.link import PeerLink
+from kvxfer.peering.push import Pushed, push
 from kvxfer.peering.settings import PeeringSettings
 from kvxfer.peering.store import PeerStore
 from kvxfer.tiers.host import HostTier
+from kvxfer.validate import shown
 
 if TYPE_CHECKING:
     from kvxfer.serving.group import CacheGroup
@@ -34,6 +37,13 @@ class Peering:
 
     def admits(self, peer: str) -> bool:
         return self.settings.peer(peer) is not None
+
+    def push(self, group: CacheGroup, namespace: str, keys: list[bytes], peer: str) -> Pushed:
+        """Write the blocks of ``keys`` this daemon holds into peer ``peer``'s host tier."""
+        link = next((link for link in self.links if link.name == peer), None)
+        if link is None:
+            raise InvalidArgument(f"peer {shown(peer)} is not one of peering.peers")
+        return push(self.agent, link, self.counters, group, namespace, keys, self.settings.lease_ms)
 
     def close(self) -> None:
         self.leases.close()

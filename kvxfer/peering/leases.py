@@ -1,10 +1,15 @@
-"""The serving side: leases on host-tier blocks that peers read.
+"""The serving side: host-tier slots exposed to a peer for a bounded time.
 
-A lease pins the blocks a peer asked for that the host tier holds (they are neither evicted
-nor overwritten while it lasts), exposes exactly their slots to the peer's NIXL agent, and
-ends at ``PeerRelease`` or at its deadline, whichever comes first; then the slots are
-withdrawn and unpinned. A reader that found a block's bytes wrong says so at release; the
-block is checksummed here again and dropped only if it is wrong here too.
+Two kinds, one table (bounded in number and in blocks, ended on time by a timer thread):
+
+- a **lease** (a peer pulls): the blocks the host tier holds of the keys asked, pinned (neither
+  evicted nor overwritten while it lasts), their slots exposed to the peer's NIXL agent; ends at
+  ``release`` or its deadline, then the slots are withdrawn and unpinned. A block the reader
+  found corrupt is checksummed here again and dropped only if it is wrong here too.
+- a **reservation** (a peer pushes): fresh host slots for the keys this daemon lacks, invisible
+  until ``commit``, exposed for the peer's WRITE; at commit each slot's bytes are checksummed
+  and published only if they match what the pusher says they are; at its deadline the slots
+  are dropped unpublished.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvxfer.errors import InvalidArgument, ResourceExhausted
 from kvxfer.peering.agent import Agent
 from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.settings import PeeringSettings
+from kvxfer.records import Outcome
 from kvxfer.validate import shown
 
 if TYPE_CHECKING:
@@ -31,35 +37,41 @@ log = logging.getLogger("kvxfer.peering")
 
 
 @dataclass
-class Lease:
+class Exposed:
     peer: str
     group: CacheGroup
     positions: list[int]  # in the peer's request
     slots: list[int]
     addresses: list[int]
-    checksums: list[int]
+    checksums: list[int]  # a lease's blocks' (a reservation's: unknown until commit)
     expires: float  # monotonic
-    ended: bool = field(default=False)
+    pushed: bool = False  # a reservation (else a lease)
+
+    def drop(self) -> None:
+        """End unreleased (its deadline, the daemon stopping): unpin a lease, drop a reservation."""
+        if self.pushed:
+            self.group.index.complete_store(self.slots, [None] * len(self.slots))
+        else:
+            self.group.index.complete_load(self.slots)
 
 
 @dataclass(frozen=True)
 class Granted:
-    lease_id: bytes
-    lease: Lease
+    exposed_id: bytes
+    exposed: Exposed
     lease_ms: int
-    metadata: bytes  # NIXL descriptors of exactly the leased slots
+    metadata: bytes  # NIXL descriptors of exactly the exposed slots
+    present: list[int]  # a reservation: positions held already
 
 
 class LeaseTable:
-    """Leases granted to peers, bounded in number and in blocks, ended on time by a timer thread."""
-
     def __init__(self, agent: Agent, settings: PeeringSettings, groups: Callable[[], list[CacheGroup]],
                  counters: PeerCounters) -> None:
         self.agent = agent
         self.counters = counters
         self.settings = settings
         self._groups = groups
-        self._leases: dict[bytes, Lease] = {}
+        self._open: dict[bytes, Exposed] = {}
         self._deadlines: list[tuple[float, bytes]] = []  # a heap
         self._blocks = 0
         self._lock = threading.Condition()
@@ -79,78 +91,125 @@ class LeaseTable:
 
     def grant(self, peer: str, block_format: bytes, namespace: str, keys: list[bytes], lease_ms: int) -> Granted | None:
         """Lease the keys one cache group of this format holds (the group holding most); None if none does."""
+        self._check(lease_ms, len(keys))
+        best = None
+        for group in self._matching(block_format):
+            plan = group.index.prepare_load(namespace, keys)  # pinned
+            if best is None or len(plan.slots) > len(best[1].slots):
+                if best is not None:
+                    best[0].index.complete_load(best[1].slots)
+                best = (group, plan)
+            else:
+                group.index.complete_load(plan.slots)
+        if best is None or not best[1].slots:
+            if best is not None:
+                best[0].index.complete_load(best[1].slots)
+            return None
+        group, plan = best
+        return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], list(plan.checksums),
+                                      0.0), lease_ms, [])
+
+    def reserve(self, peer: str, block_format: bytes, namespace: str, keys: list[bytes], lease_ms: int
+                ) -> Granted | None:
+        """Slots for the keys this daemon lacks, in the first cache group of this format; None if there is none."""
+        self._check(lease_ms, len(keys))
+        group = next(iter(self._matching(block_format)), None)
+        if group is None:
+            return None
+        plan = group.prepare_store(namespace, keys)  # evicts (and demotes) to make room; invisible until commit
+        present = [i for i, o in enumerate(plan.outcomes) if o is Outcome.ALREADY_PRESENT]
+        if not plan.slots:
+            return Granted(b"", Exposed(peer, group, [], [], [], [], 0.0, True), 0, b"", present)
+        return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], [], 0.0, True),
+                              lease_ms, present)
+
+    def _check(self, lease_ms: int, n: int) -> None:
         if not 1 <= lease_ms <= self.settings.max_lease_ms:
             raise InvalidArgument(f"lease_ms: between 1 and {self.settings.max_lease_ms}, got {lease_ms}")
         with self._lock:
-            if len(self._leases) >= self.settings.max_leases:
-                raise ResourceExhausted(f"{len(self._leases)} peer leases are open; at most {self.settings.max_leases}")
-            if self._blocks + len(keys) > self.settings.max_leased_blocks:
+            if len(self._open) >= self.settings.max_leases:
+                raise ResourceExhausted(f"{len(self._open)} peer leases are open; at most {self.settings.max_leases}")
+            if self._blocks + n > self.settings.max_leased_blocks:
                 raise ResourceExhausted(f"{self._blocks} blocks are leased to peers; at most "
                                         f"{self.settings.max_leased_blocks}")
-            best = None
-            for group in self._matching(block_format):
-                plan = group.index.prepare_load(namespace, keys)  # pinned
-                if best is None or len(plan.slots) > len(best[1].slots):
-                    if best is not None:
-                        best[0].index.complete_load(best[1].slots)
-                    best = (group, plan)
-                else:
-                    group.index.complete_load(plan.slots)
-            if best is None or not best[1].slots:
-                if best is not None:
-                    best[0].index.complete_load(best[1].slots)
-                return None
-            group, plan = best
-            buffer = group.host.buffer
-            addresses = [buffer[s].data_ptr() for s in plan.slots]
-            try:
-                metadata = self.agent.expose(addresses, group.host.slot_bytes)
-            except self.agent.errors as exc:
-                group.index.complete_load(plan.slots)
-                raise ResourceExhausted(f"NIXL could not register the leased slots ({type(exc).__name__})") from None
-            expires = time.monotonic() + lease_ms / 1000
-            lease = Lease(peer, group, list(plan.positions), list(plan.slots), addresses, list(plan.checksums), expires)
-            lease_id = secrets.token_bytes(16)
-            self._leases[lease_id] = lease
-            self._blocks += len(lease.slots)
-            heapq.heappush(self._deadlines, (expires, lease_id))
+
+    def _open_new(self, exposed: Exposed, lease_ms: int, present: list[int]) -> Granted:
+        group = exposed.group
+        buffer = group.host.buffer
+        exposed.addresses = [buffer[s].data_ptr() for s in exposed.slots]
+        try:
+            metadata = self.agent.expose(exposed.addresses, group.host.slot_bytes)
+        except self.agent.errors as exc:
+            exposed.drop()
+            raise ResourceExhausted(f"NIXL could not register the slots ({type(exc).__name__})") from None
+        exposed_id = secrets.token_bytes(16)
+        with self._lock:
+            exposed.expires = time.monotonic() + lease_ms / 1000
+            self._open[exposed_id] = exposed
+            self._blocks += len(exposed.slots)
+            heapq.heappush(self._deadlines, (exposed.expires, exposed_id))
             self._lock.notify()
-            if len(self._leases) == 1:
-                self.agent.hold()  # NIXL's worker is progressed while any lease is open
-        return Granted(lease_id, lease, lease_ms, metadata)
+            if len(self._open) == 1:
+                self.agent.hold()  # NIXL's worker is progressed while anything is exposed
+        return Granted(exposed_id, exposed, lease_ms, metadata, present)
+
+    def _take(self, peer: str, exposed_id: bytes, pushed: bool) -> Exposed | None:
+        """Close a lease or reservation of ``peer``'s (None: ended already, or not its own)."""
+        with self._lock:
+            exposed = self._open.get(exposed_id)
+            if exposed is None or exposed.peer != peer or exposed.pushed != pushed:
+                return None
+            self._end(exposed_id)
+            return exposed
 
     def release(self, peer: str, lease_id: bytes, corrupt_positions: list[int]) -> bool:
-        """End a lease of ``peer``'s; blocks it found corrupt are checked here and dropped if bad here too."""
+        """End a lease; blocks the reader found corrupt are checked here and dropped if bad here too."""
         with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.peer != peer:  # ended already (expired), or not this peer's
-                return False
-            suspects = set(corrupt_positions)
-            if not suspects <= set(lease.positions):
-                raise InvalidArgument(f"corrupt_positions: {shown(sorted(suspects - set(lease.positions))[:4])} "
-                                      "were not leased")
-            self._end(lease_id)
-        bad = set()
-        if suspects:
-            js = [j for j, p in enumerate(lease.positions) if p in suspects]
-            sums = lease.group.host.checksums([lease.slots[j] for j in js])
-            bad = {j for j, got in zip(js, sums) if got != lease.checksums[j]}
+            lease = self._open.get(lease_id)
+            if lease is not None and not set(corrupt_positions) <= set(lease.positions):
+                wrong = sorted(set(corrupt_positions) - set(lease.positions))
+                raise InvalidArgument(f"corrupt_positions: {shown(wrong[:4])} were not leased")
+        lease = self._take(peer, lease_id, pushed=False)
+        if lease is None:
+            return False
+        suspects = set(corrupt_positions)
+        js = [j for j, p in enumerate(lease.positions) if p in suspects]
+        sums = lease.group.host.checksums([lease.slots[j] for j in js]) if js else []
+        bad = {j for j, got in zip(js, sums) if got != lease.checksums[j]}
+        if bad:
             self.dropped_corrupt += len(bad)
-            if bad:
-                log.error("blocks a peer read were corrupt here too: dropped",
-                          extra={"peer": peer, "blocks": len(bad), "cache_group": lease.group.name})
+            log.error("blocks a peer read were corrupt here too: dropped",
+                      extra={"peer": peer, "blocks": len(bad), "cache_group": lease.group.name})
         lease.group.index.complete_load(lease.slots, bad)
         good = len(lease.slots) - len(bad)
         self.counters.moved(peer, "out", good, good * lease.group.host.slot_bytes)
         return True
 
-    def _end(self, lease_id: bytes) -> None:
-        """(lock held) Withdraw a lease's slots; the caller unpins them."""
-        lease = self._leases.pop(lease_id)
-        lease.ended = True
-        self._blocks -= len(lease.slots)
-        self.agent.withdraw(lease.addresses, lease.group.host.slot_bytes)
-        if not self._leases:
+    def commit(self, peer: str, reservation_id: bytes, checksums: list[int]) -> list[bool]:
+        """Publish what a peer wrote into a reservation: each block whose bytes match its checksum."""
+        with self._lock:
+            reservation = self._open.get(reservation_id)
+            if reservation is not None and len(checksums) != len(reservation.slots):
+                raise InvalidArgument(f"checksums: one per reserved block ({len(reservation.slots)}), got "
+                                      f"{len(checksums)}")
+        reservation = self._take(peer, reservation_id, pushed=True)
+        if reservation is None:
+            return []
+        got = reservation.group.host.checksums(reservation.slots)
+        stored = [a == b for a, b in zip(got, checksums)]
+        reservation.group.index.complete_store(reservation.slots, [c if ok else None for c, ok in zip(got, stored)])
+        good = sum(stored)
+        self.counters.moved(peer, "in", good, good * reservation.group.host.slot_bytes)
+        if good < len(stored):
+            self.counters.failed(peer, "corrupt", len(stored) - good)
+        return stored
+
+    def _end(self, exposed_id: bytes) -> None:
+        """(lock held) Withdraw a lease's or reservation's slots; the caller unpins or publishes them."""
+        exposed = self._open.pop(exposed_id)
+        self._blocks -= len(exposed.slots)
+        self.agent.withdraw(exposed.addresses, exposed.group.host.slot_bytes)
+        if not self._open:
             self.agent.unhold()
 
     def _expire_loop(self) -> None:
@@ -158,14 +217,14 @@ class LeaseTable:
             while not self._closed:
                 now = time.monotonic()
                 while self._deadlines and self._deadlines[0][0] <= now:
-                    _, lease_id = heapq.heappop(self._deadlines)
-                    lease = self._leases.get(lease_id)
-                    if lease is not None:
-                        self._end(lease_id)
-                        lease.group.index.complete_load(lease.slots)
+                    _, exposed_id = heapq.heappop(self._deadlines)
+                    exposed = self._open.get(exposed_id)
+                    if exposed is not None:
+                        self._end(exposed_id)
+                        exposed.drop()
                         self.expired += 1
-                        log.warning("a peer lease expired unreleased", extra={"peer": lease.peer,
-                                                                               "blocks": len(lease.slots)})
+                        log.warning("a peer lease expired unreleased", extra={
+                            "peer": exposed.peer, "blocks": len(exposed.slots), "pushed": exposed.pushed})
                 wait = self._deadlines[0][0] - now if self._deadlines else None
                 self._lock.wait(wait)
 
@@ -174,16 +233,16 @@ class LeaseTable:
 
     @property
     def open(self) -> tuple[int, int]:
-        """(leases, blocks) open now."""
-        return len(self._leases), self._blocks
+        """(leases and reservations, blocks) open now."""
+        return len(self._open), self._blocks
 
     def close(self) -> None:
-        """End every lease (the daemon stops)."""
+        """End everything (the daemon stops)."""
         with self._lock:
             self._closed = True
-            for lease_id in list(self._leases):
-                lease = self._leases[lease_id]
-                self._end(lease_id)
-                lease.group.index.complete_load(lease.slots)
+            for exposed_id in list(self._open):
+                exposed = self._open[exposed_id]
+                self._end(exposed_id)
+                exposed.drop()
             self._lock.notify()
         self._timer.join(timeout=2.0)

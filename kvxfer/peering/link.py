@@ -55,11 +55,18 @@ class PeerLink:
     def name(self) -> str:
         return self.peer.name
 
-    def _call(self, method: str, request, timeout: float | None = None):
+    def _call(self, method: str, request):
+        return self._finish(self._start(method, request))
+
+    def _start(self, method: str, request) -> grpc.Future:
+        """Send a call without waiting for its answer (``_finish`` waits)."""
         if not self.breaker.allows():
             raise PeerUnavailable(self.name, "backoff", "skipped after a recent failure")
+        return getattr(self._stub, method).future(request, timeout=self.timeout_s, metadata=self._auth)
+
+    def _finish(self, call: grpc.Future):
         try:
-            answer = getattr(self._stub, method)(request, timeout=timeout or self.timeout_s, metadata=self._auth)
+            answer = call.result()
         except grpc.RpcError as exc:
             code = exc.code()
             error = PeerUnavailable(self.name, _CAUSES.get(code, "refused"), f"{code.name}: {exc.details()}")
@@ -85,16 +92,33 @@ class PeerLink:
     def disconnect(self) -> None:
         self.agent.forget_peer(self.name)
 
-    def lookup(self, namespace: str, block_format: bytes, keys: list[bytes]) -> list[bool]:
-        answer = self._call("PeerLookup", pb.PeerLookupRequest(peer=self.me, namespace=namespace,
-                                                              block_format=block_format, keys=keys))
-        present = list(answer.present)
-        return present if len(present) == len(keys) else [False] * len(keys)
+    def lookup(self, namespace: str, block_format: bytes, keys: list[bytes]) -> Callable[[], list[bool]]:
+        """Ask which keys the peer holds; returns the wait for the answer (so that peers are asked at once)."""
+        call = self._start("PeerLookup", pb.PeerLookupRequest(peer=self.me, namespace=namespace,
+                                                             block_format=block_format, keys=keys))
+
+        def answer() -> list[bool]:
+            present = list(self._finish(call).present)
+            return present if len(present) == len(keys) else [False] * len(keys)
+
+        return answer
 
     def lease(self, namespace: str, block_format: bytes, keys: list[bytes], lease_ms: int) -> pb.PeerLeaseResponse:
         self.ensure_connected()
         return self._call("PeerLease", pb.PeerLeaseRequest(peer=self.me, namespace=namespace,
                                                           block_format=block_format, keys=keys, lease_ms=lease_ms))
+
+    def reserve(self, namespace: str, block_format: bytes, keys: list[bytes], lease_ms: int
+                ) -> pb.PeerReserveResponse:
+        self.ensure_connected()
+        return self._call("PeerReserve", pb.PeerReserveRequest(peer=self.me, namespace=namespace,
+                                                              block_format=block_format, keys=keys, lease_ms=lease_ms))
+
+    def commit(self, reservation_id: bytes, checksums: list[int]) -> list[bool]:
+        answer = self._call("PeerCommit", pb.PeerCommitRequest(peer=self.me, reservation_id=reservation_id,
+                                                               checksums=checksums))
+        stored = list(answer.stored)
+        return stored if len(stored) == len(checksums) else [False] * len(checksums)
 
     def release(self, lease_id: bytes, corrupt_positions: list[int], failed: Callable[[str], None]) -> None:
         """End a lease without waiting for the answer (a stalled peer must not hold a restore; its

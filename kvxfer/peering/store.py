@@ -19,7 +19,7 @@ import torch
 
 from kvxfer.errors import PermissionDenied
 from kvxfer.geometry.checksum import rows_checksums
-from kvxfer.peering.agent import Agent, ReadResult
+from kvxfer.peering.agent import Agent, XferResult
 from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.link import PeerLink, PeerUnavailable
 from kvxfer.records import Outcome, TierKind, TierStats
@@ -86,18 +86,19 @@ class PeerStore:
         return 0
 
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        """Every peer is asked at once: a lookup waits for the slowest answer, not for their sum."""
         present = [False] * len(keys)
+        asked = []
         for link in self.links:
-            missing = [i for i, p in enumerate(present) if not p]
-            if not missing:
-                break
             try:
-                there = link.lookup(namespace, self.block_format, [keys[i] for i in missing])
+                asked.append((link, link.lookup(namespace, self.block_format, keys)))
             except PeerUnavailable as exc:
                 self.counters.failed(link.name, exc.cause)
-                continue
-            for i, hit in zip(missing, there):
-                present[i] = hit
+        for link, answer in asked:
+            try:
+                present = [p or hit for p, hit in zip(present, answer())]
+            except PeerUnavailable as exc:
+                self.counters.failed(link.name, exc.cause)
         return present
 
     def fetch(self, namespace: str, keys: list[bytes]) -> PeerFetch:
@@ -156,9 +157,9 @@ class PeerStore:
         start = time.perf_counter()
         result = self.agent.read(name, pairs, self.slot_bytes, deadline)
         seconds = time.perf_counter() - start
-        if result is not ReadResult.DONE:
+        if result is not XferResult.DONE:
             stopped_by = "timeout" if deadline == timeout_at else "lease_expired"
-            self.counters.failed(name, "transfer" if result is ReadResult.FAILED else stopped_by)
+            self.counters.failed(name, "transfer" if result is XferResult.FAILED else stopped_by)
             leased.link.disconnect()  # connect again next time (the peer may have restarted)
             return missed
         in_lease = time.monotonic() < leased.expires

@@ -629,3 +629,61 @@ class PeerReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("pool", "namespace", "keys", "peer")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    peer: str
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., peer: _Optional[str] = ...) -> None: ...
+
+class PeerReserveRequest(_message.Message):
+    __slots__ = ("peer", "namespace", "block_format", "keys", "lease_ms")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    namespace: str
+    block_format: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ms: int
+    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class PeerReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "blocks", "present_positions", "block_bytes", "lease_ms", "memory_metadata")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_METADATA_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: bytes
+    blocks: _containers.RepeatedCompositeFieldContainer[LeasedBlock]
+    present_positions: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    lease_ms: int
+    memory_metadata: bytes
+    def __init__(self, reservation_id: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[LeasedBlock, _Mapping]]] = ..., present_positions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., memory_metadata: _Optional[bytes] = ...) -> None: ...
+
+class PeerCommitRequest(_message.Message):
+    __slots__ = ("peer", "reservation_id", "checksums")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    reservation_id: bytes
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, peer: _Optional[str] = ..., reservation_id: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PeerCommitResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, stored: _Optional[_Iterable[bool]] = ...) -> None: ...

@@ -89,6 +89,11 @@ class KVTransferStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/kvxfer.v1.KVTransfer/Push',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PushRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.TransferResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -174,6 +179,17 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """Copy blocks this daemon holds into a configured peer's host tier (NIXL WRITE into slots the
+        peer reserved; it verifies and publishes them): a prefill node's daemon hands a decode node
+        its prefix before the decode engine asks. DONE: the peer holds the block now (or held it);
+        NOT_FOUND: not held here; FAILED: the peer could not be reached or the write failed;
+        DATA_LOSS: the peer found the bytes wrong (nothing published there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +247,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PushRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.TransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -540,6 +561,33 @@ class KVTransfer:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVTransfer/Push',
+            kvxfer_dot_v1_dot_kvxfer__pb2.PushRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.TransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class KVPeerStub:
     """Daemon to daemon (docs/peering.md): another node's daemon, one of this daemon's configured
@@ -572,6 +620,16 @@ class KVPeerStub:
                 '/kvxfer.v1.KVPeer/PeerRelease',
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseResponse.FromString,
+                _registered_method=True)
+        self.PeerReserve = channel.unary_unary(
+                '/kvxfer.v1.KVPeer/PeerReserve',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReserveRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReserveResponse.FromString,
+                _registered_method=True)
+        self.PeerCommit = channel.unary_unary(
+                '/kvxfer.v1.KVPeer/PeerCommit',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerCommitRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerCommitResponse.FromString,
                 _registered_method=True)
 
 
@@ -609,6 +667,20 @@ class KVPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PeerReserve(self, request, context):
+        """The pushing side: reserve host slots for the keys this daemon lacks and expose exactly
+        those to the caller's agent, which WRITEs the blocks; PeerCommit verifies and publishes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PeerCommit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -631,6 +703,16 @@ def add_KVPeerServicer_to_server(servicer, server):
                     servicer.PeerRelease,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseResponse.SerializeToString,
+            ),
+            'PeerReserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerReserve,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReserveRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerReserveResponse.SerializeToString,
+            ),
+            'PeerCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeerCommit,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerCommitRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerCommitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -744,6 +826,60 @@ class KVPeer:
             '/kvxfer.v1.KVPeer/PeerRelease',
             kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.PeerReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerReserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVPeer/PeerReserve',
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerReserveRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVPeer/PeerCommit',
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerCommitRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerCommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,15 +40,19 @@ class Rogue:
 
     def read(self, peer: str, addresses: list[int], nbytes: int, metadata: bytes) -> tuple[str, np.ndarray]:
         """READ each address's ``nbytes`` with NIXL; ("DONE" | "ERR" | "REFUSED", the bytes)."""
+        return self.xfer("READ", peer, addresses, nbytes, metadata, np.zeros(len(addresses) * nbytes, dtype=np.uint8))
+
+    def xfer(self, op: str, peer: str, addresses: list[int], nbytes: int, metadata: bytes,
+             out: np.ndarray) -> tuple[str, np.ndarray]:
+        """``op`` (READ or WRITE) between ``out`` and each address's ``nbytes`` with NIXL."""
         ag = self.agent
         if metadata:
             ag.add_remote_agent(metadata)
-        out = np.zeros(len(addresses) * nbytes, dtype=np.uint8)
         ag.register_memory([(out.ctypes.data, out.nbytes, 0, "")], "DRAM")
         local = ag.get_xfer_descs([(out.ctypes.data + i * nbytes, nbytes, 0) for i in range(len(addresses))], "DRAM")
         remote = ag.get_xfer_descs([(a, nbytes, 0) for a in addresses], "DRAM")
         try:
-            handle = ag.initialize_xfer("READ", local, remote, peer)
+            handle = ag.initialize_xfer(op, local, remote, peer)
         except Exception:  # noqa: BLE001 - NIXL refuses descriptors it holds no registration for
             return "REFUSED", out
         state = ag.transfer(handle)

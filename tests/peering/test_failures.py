@@ -5,7 +5,10 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
+
+from kvxfer.errors import InvalidArgument
 
 from kvxfer.records import Outcome, TierKind
 from tests.peering.cluster import TOKEN, block, client, fill, keys
@@ -19,12 +22,24 @@ BIG_POOL = {"id": "rank0", "device": "cpu", "layout": "BLHNC",
 N = 120
 
 
-def _mid_read(reader, peer, signum) -> None:
-    """Signal ``peer`` as soon as ``reader`` started reading from it."""
+def _restore_signalling_mid_read(d, b, ks, signum) -> dict:
+    """B restores ``ks`` (only A holds them); A gets ``signum`` as soon as B started reading from it.
+    Returns B's result and how long its restore took."""
+    outcome = {}
+
+    def restore():
+        start = time.monotonic()
+        outcome["result"] = b.restore(list(zip(ks, range(1, len(ks) + 1))), partial=True)
+        outcome["seconds"] = time.monotonic() - start
+
+    worker = threading.Thread(target=restore)
+    worker.start()
     deadline = time.monotonic() + 10
-    while '"msg": "peer read"' not in reader.log_text():
+    while '"msg": "peer read"' not in d["b"].log_text():
         assert time.monotonic() < deadline, "no read started"
-    peer.proc.send_signal(signum)
+    d["a"].proc.send_signal(signum)
+    worker.join(30)
+    return outcome
 
 
 def _peer_stats(c):
@@ -44,17 +59,7 @@ def test_a_peer_killed_or_stalled_mid_read_is_a_miss_within_the_deadline(cluster
     d = cluster(["a", "b"], "tcp", pools={"a": BIG_POOL, "b": BIG_POOL}, timeout_ms=1500, lease_ms=10_000)
     with client(d["a"]) as a, client(d["b"], timeout=30) as b:
         ks, _ = _offload_on_a(a, N, f"kill-{how.name}")
-        outcome = {}
-
-        def restore():
-            start = time.monotonic()
-            outcome["result"] = b.restore(list(zip(ks, range(1, N + 1))), partial=True)
-            outcome["seconds"] = time.monotonic() - start
-
-        worker = threading.Thread(target=restore)
-        worker.start()
-        _mid_read(d["b"], d["a"], how)
-        worker.join(30)
+        outcome = _restore_signalling_mid_read(d, b, ks, how)
         try:
             assert outcome["result"].outcomes == [Outcome.NOT_FOUND] * N  # misses, nothing partial
             assert outcome["seconds"] < 1.5 + 1.0
@@ -144,17 +149,7 @@ def test_a_lease_expiring_mid_read_is_a_miss_not_data_loss(cluster):
     d = cluster(["a", "b"], "tcp", pools={"a": BIG_POOL, "b": BIG_POOL}, timeout_ms=10_000, lease_ms=400)
     with client(d["a"]) as a, client(d["b"], timeout=30) as b:
         ks, _ = _offload_on_a(a, N, "expiry")
-        outcome = {}
-
-        def restore():
-            start = time.monotonic()
-            outcome["result"] = b.restore(list(zip(ks, range(1, N + 1))), partial=True)
-            outcome["seconds"] = time.monotonic() - start
-
-        worker = threading.Thread(target=restore)
-        worker.start()
-        _mid_read(d["b"], d["a"], signal.SIGSTOP)
-        worker.join(30)
+        outcome = _restore_signalling_mid_read(d, b, ks, signal.SIGSTOP)
         d["a"].proc.send_signal(signal.SIGCONT)
         assert outcome["seconds"] < 2.0
         assert set(outcome["result"].outcomes) == {Outcome.NOT_FOUND}
@@ -163,3 +158,44 @@ def test_a_lease_expiring_mid_read_is_a_miss_not_data_loss(cluster):
         assert a.lookup(ks).hits == N  # A lost nothing
         time.sleep(0.6)
         assert a.stats()[0].tiers[0].pinned_blocks == 0
+
+
+def test_a_push_to_a_dead_or_unknown_peer_fails_fast_and_changes_nothing(cluster):
+    d = cluster(["a"], also=("gone",), timeout_ms=1000)
+    with client(d["a"]) as a:
+        ks, _ = _offload_on_a(a, 3, "push-dead")
+        start = time.monotonic()
+        assert a.push(ks, "gone", partial=True).outcomes == [Outcome.FAILED] * 3
+        assert time.monotonic() - start < 2.0
+        with pytest.raises(InvalidArgument, match="not one of peering.peers"):
+            a.push(ks, "nobody")
+        assert a.lookup(ks).hits == 3 and a.stats()[0].tiers[0].pinned_blocks == 0
+
+
+def test_a_pushed_block_is_published_only_if_its_bytes_match(cluster, tls):
+    """A hand-written peer reserves slots on A, writes bytes and commits checksums, right and wrong;
+    a reservation never committed ends unpublished at its deadline."""
+    d = cluster(["a"], also=("friend",))
+    rogue = Rogue("friend", d["a"].config["listen"], tls.cert.read_bytes())
+    with client(d["a"]) as a:
+        fmt = _format(d, a)
+        ks = keys("pushed", 3)
+        rogue.connect()
+        r = rogue.call("PeerReserve", namespace="peers", block_format=fmt, keys=ks[:2], lease_ms=5000)
+        assert [b.position for b in r.blocks] == [0, 1] and a.lookup(ks[:2]).hits == 0  # invisible until commit
+        data = np.random.default_rng(1).integers(0, 256, 2 * r.block_bytes, dtype=np.uint8)
+        state, _ = rogue.xfer("WRITE", "a", [b.address for b in r.blocks], r.block_bytes, r.memory_metadata, data)
+        assert state == "DONE"
+        from kvxfer.geometry.checksum import rows_checksums
+        right = rows_checksums([data[:r.block_bytes], data[r.block_bytes:]])
+        stored = rogue.call("PeerCommit", reservation_id=r.reservation_id, checksums=[right[0], right[1] ^ 1]).stored
+        assert list(stored) == [True, False]
+        assert a.lookup(ks[:2]).tiers == [TierKind.HOST, None]
+        assert a.restore([(ks[0], 5)]).outcomes == [Outcome.DONE]
+        assert block(a, 5).numpy().tobytes() == data[:r.block_bytes].tobytes()
+        late = rogue.call("PeerReserve", namespace="peers", block_format=fmt, keys=ks[2:], lease_ms=300)
+        assert a.stats()[0].tiers[0].pinned_blocks == 1
+        time.sleep(0.6)
+        assert a.stats()[0].tiers[0].pinned_blocks == 0 and a.lookup(ks[2:]).hits == 0
+        assert list(rogue.call("PeerCommit", reservation_id=late.reservation_id, checksums=[0]).stored) == []
+    rogue.close()

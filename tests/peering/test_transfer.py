@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvxfer.records import Outcome
+from kvxfer.records import Outcome, TierKind
 
 from tests.e2e.conftest import SMALL_POOL
 from tests.peering.cluster import block, client, fill, keys
@@ -27,3 +27,22 @@ def test_blocks_offloaded_on_a_are_restored_on_b_bit_exact(cluster, transport, l
         # Now B holds them itself: restored again without A.
         d["a"].stop()
         assert b.lookup(ks).hits == 6
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_pushes_blocks_into_b_before_b_is_asked(cluster, transport):
+    d = cluster(["a", "b"], transport)
+    ks = keys(f"push-{transport}", 5)
+    with client(d["a"]) as a, client(d["b"]) as b:
+        written = fill(a, [1, 2, 3, 4], seed=2)
+        a.offload(list(zip([1, 2, 3, 4], ks[:4])))
+        b_written = fill(b, [30], seed=3)
+        b.offload([(30, ks[0])])  # B holds one already
+        result = a.push(ks, "b", partial=True)
+        assert result.outcomes == [Outcome.DONE] * 4 + [Outcome.NOT_FOUND]
+        assert result.bytes == 3 * len(written[1])  # the three B lacked were written
+        assert b.lookup(ks[:4]).tiers == [TierKind.HOST] * 4
+        d["a"].stop()  # B serves them on its own now
+        assert b.restore(list(zip(ks[:4], [40, 41, 42, 43]))).outcomes == [Outcome.DONE] * 4
+        assert block(b, 40).equal(b_written[30])  # its own copy was kept
+        assert all(block(b, 40 + i).equal(written[1 + i]) for i in (1, 2, 3))
