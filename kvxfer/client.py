@@ -176,16 +176,16 @@ class Client:
 
     def restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
                 namespace: str | None = None, partial: bool = False, timeout: float | None = None,
-                deadline: float | None = None) -> TransferResult:
+                deadline: float | None = None, peer: str = "") -> TransferResult:
         """Copy stored (key, block) pairs into the pool blocks this engine chose.
 
         ``deadline`` (a ``time.monotonic()`` value of this host): no copy into the pool starts
         after it; blocks not written by then are DEADLINE_EXCEEDED. Allow a few milliseconds for
-        a copy started just before it to land before reusing the blocks."""
-        ref = self._ref(pool_id)
-        request = pb.RestoreRequest(pool=ref, namespace=namespace or self.namespace,
+        a copy started just before it to land before reusing the blocks. ``peer``: a configured
+        peer known to hold the keys (docs/peering.md); those the daemon lacks are read from it first."""
+        request = pb.RestoreRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     keys=[p[0] for p in pairs], slots=[p[1] for p in pairs],
-                                    pool_deadline_ns=_ns(deadline))
+                                    pool_deadline_ns=_ns(deadline), peer=peer)
         return self._transfer(self._stub.Restore, request, partial, timeout)
 
     def push(self, keys: Sequence[bytes], peer: str, *, pool_id: str | None = None, namespace: str | None = None,

@@ -65,12 +65,15 @@ class PeerServicer:
         present = await self._blocking(self.peering.leases.holding, request.block_format, request.namespace, keys)
         return pb.PeerLookupResponse(present=present)
 
-    @rpc
-    async def PeerLease(self, request: pb.PeerLeaseRequest, context) -> pb.PeerLeaseResponse:
+    async def _expose(self, request, context, how: Callable) -> Granted | None:
+        """Lease (``how``: grant) or reserve (reserve) slots for a peer's request."""
         peer = self._admit(request, context)
         keys = self._keys(request)
-        granted = await self._blocking(self.peering.leases.grant, peer, request.block_format, request.namespace,
-                                       keys, request.lease_ms)
+        return await self._blocking(how, peer, request.block_format, request.namespace, keys, request.lease_ms)
+
+    @rpc
+    async def PeerLease(self, request: pb.PeerLeaseRequest, context) -> pb.PeerLeaseResponse:
+        granted = await self._expose(request, context, self.peering.leases.grant)
         if granted is None:
             return pb.PeerLeaseResponse()
         return pb.PeerLeaseResponse(lease_id=granted.exposed_id, **_exposed(granted))
@@ -87,10 +90,7 @@ class PeerServicer:
 
     @rpc
     async def PeerReserve(self, request: pb.PeerReserveRequest, context) -> pb.PeerReserveResponse:
-        peer = self._admit(request, context)
-        keys = self._keys(request)
-        granted = await self._blocking(self.peering.leases.reserve, peer, request.block_format, request.namespace,
-                                       keys, request.lease_ms)
+        granted = await self._expose(request, context, self.peering.leases.reserve)
         if granted is None:
             return pb.PeerReserveResponse()
         return pb.PeerReserveResponse(reservation_id=granted.exposed_id, present_positions=granted.present,

@@ -137,7 +137,17 @@ class KVTransferServicer:
 
     @rpc
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.TransferResponse:
+        if request.peer:  # the caller knows who holds the keys: read them from there first
+            await self._from_peer(request)
         return await self._transfer(TransferKind.RESTORE, request, request.slots, request.keys)
+
+    async def _from_peer(self, request: pb.RestoreRequest) -> None:
+        served = self.registry.get(_ref(request.pool), registrant=True)
+        check_namespace(request.namespace)
+        keys = checked_keys(request.keys, limit=self.limits.max_batch_blocks)
+        if self.registry.peering is None:
+            raise FailedPrecondition("peer: peering is not configured on this daemon (docs/peering.md)")
+        await self._blocking(self.registry.peering.pull, served.manager.group, request.namespace, keys, request.peer)
 
     @rpc
     async def Push(self, request: pb.PushRequest, context) -> pb.TransferResponse:

@@ -40,10 +40,19 @@ class Peering:
 
     def push(self, group: CacheGroup, namespace: str, keys: list[bytes], peer: str) -> Pushed:
         """Write the blocks of ``keys`` this daemon holds into peer ``peer``'s host tier."""
+        return push(self.agent, self._link(peer), self.counters, group, namespace, keys, self.settings.lease_ms)
+
+    def pull(self, group: CacheGroup, namespace: str, keys: list[bytes], peer: str) -> None:
+        """Read the keys the group lacks from peer ``peer`` into its host tier (a caller said it holds them)."""
+        link = self._link(peer)
+        store = next(t for t in group.lower_tiers if isinstance(t, PeerStore))
+        group.promote(namespace, keys, tiers=[store.only(link)])
+
+    def _link(self, peer: str) -> PeerLink:
         link = next((link for link in self.links if link.name == peer), None)
         if link is None:
             raise InvalidArgument(f"peer {shown(peer)} is not one of peering.peers")
-        return push(self.agent, link, self.counters, group, namespace, keys, self.settings.lease_ms)
+        return link
 
     def close(self) -> None:
         self.leases.close()

@@ -73,7 +73,8 @@ class LeaseTable:
         self._groups = groups
         self._open: dict[bytes, Exposed] = {}
         self._deadlines: list[tuple[float, bytes]] = []  # a heap
-        self._blocks = 0
+        self._blocks = 0  # exposed, or being exposed
+        self._opening = 0  # leases and reservations being exposed (counted against the bounds already)
         self._lock = threading.Condition()
         self._closed = False
         self.expired = 0
@@ -124,29 +125,46 @@ class LeaseTable:
                               lease_ms, present)
 
     def _check(self, lease_ms: int, n: int) -> None:
+        """Refuse before pinning anything (``_open_new`` checks again: requests run side by side)."""
         if not 1 <= lease_ms <= self.settings.max_lease_ms:
             raise InvalidArgument(f"lease_ms: between 1 and {self.settings.max_lease_ms}, got {lease_ms}")
         with self._lock:
-            if len(self._open) >= self.settings.max_leases:
-                raise ResourceExhausted(f"{len(self._open)} peer leases are open; at most {self.settings.max_leases}")
-            if self._blocks + n > self.settings.max_leased_blocks:
-                raise ResourceExhausted(f"{self._blocks} blocks are leased to peers; at most "
-                                        f"{self.settings.max_leased_blocks}")
+            self._bounds(n)
+
+    def _bounds(self, n: int) -> None:
+        """(lock held)"""
+        if len(self._open) + self._opening >= self.settings.max_leases:
+            raise ResourceExhausted(f"{len(self._open)} peer leases are open; at most {self.settings.max_leases}")
+        if self._blocks + n > self.settings.max_leased_blocks:
+            raise ResourceExhausted(f"{self._blocks} blocks are leased to peers; at most "
+                                    f"{self.settings.max_leased_blocks}")
 
     def _open_new(self, exposed: Exposed, lease_ms: int, present: list[int]) -> Granted:
+        n = len(exposed.slots)
+        with self._lock:  # counted before NIXL registers anything: requests run side by side
+            try:
+                self._bounds(n)
+            except ResourceExhausted:
+                exposed.drop()
+                raise
+            self._blocks += n
+            self._opening += 1
         group = exposed.group
         buffer = group.host.buffer
         exposed.addresses = [buffer[s].data_ptr() for s in exposed.slots]
         try:
             metadata = self.agent.expose(exposed.addresses, group.host.slot_bytes)
         except self.agent.errors as exc:
+            with self._lock:
+                self._blocks -= n
+                self._opening -= 1
             exposed.drop()
             raise ResourceExhausted(f"NIXL could not register the slots ({type(exc).__name__})") from None
         exposed_id = secrets.token_bytes(16)
         with self._lock:
+            self._opening -= 1
             exposed.expires = time.monotonic() + lease_ms / 1000
             self._open[exposed_id] = exposed
-            self._blocks += len(exposed.slots)
             heapq.heappush(self._deadlines, (exposed.expires, exposed_id))
             self._lock.notify()
             if len(self._open) == 1:

@@ -11,6 +11,7 @@ refusing or slow peer is a miss within ``timeout_ms``; nothing is ever written t
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -101,10 +102,11 @@ class PeerStore:
                 self.counters.failed(link.name, exc.cause)
         return present
 
-    def fetch(self, namespace: str, keys: list[bytes]) -> PeerFetch:
+    def fetch(self, namespace: str, keys: list[bytes], links: list[PeerLink] | None = None) -> PeerFetch:
+        """Lease what the peers (or ``links``) hold of ``keys``, asking them in order."""
         wanted = list(range(len(keys)))
         leases: list[_Leased] = []
-        for link in self.links:
+        for link in self.links if links is None else links:
             if not wanted:
                 break
             leased = self._lease(link, namespace, [keys[i] for i in wanted], wanted)
@@ -174,6 +176,12 @@ class PeerStore:
         good = sum(1 for v, _ in verdicts.values() if v is Outcome.DONE)
         self.counters.moved(name, "in", good, good * self.slot_bytes, seconds)
         return verdicts
+
+    def only(self, link: PeerLink) -> PeerStore:
+        """This tier reading from one peer alone (the one a caller named)."""
+        view = copy.copy(self)
+        view.links = [link]
+        return view
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         return 0  # a peer's blocks are its own: a Delete here removes this daemon's copies

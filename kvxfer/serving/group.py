@@ -143,11 +143,12 @@ class CacheGroup:
                 tier.stage(namespace, [(k, c, self.host.buffer[s]) for k, s, c in zip(keys, slots, checksums)
                                        if c is not None])
 
-    def promote(self, namespace: str, keys: list[bytes]) -> dict[bytes, Outcome]:
-        """Bring the named keys up from the lower tiers, top down; returns those that failed
+    def promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None = None
+                ) -> dict[bytes, Outcome]:
+        """Bring the named keys up from the lower tiers (or ``tiers``), top down; returns those that failed
         (DATA_LOSS, FAILED)."""
         failed: dict[bytes, Outcome] = {}
-        for tier in self.lower_tiers:
+        for tier in self.lower_tiers if tiers is None else tiers:
             missing = [k for k, t in zip(keys, self.index.tiers_of(namespace, keys)) if t is None and k not in failed]
             if missing:
                 failed.update(promote(tier, namespace, missing, self.host, self.index, self.store_lock,

@@ -233,7 +233,7 @@ class EngineBlocks(_message.Message):
     def __init__(self, key_format: _Optional[_Union[KeyFormat, str]] = ..., parent_block_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms", "client_id", "pool_deadline_ns")
+    __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms", "client_id", "pool_deadline_ns", "peer")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class RestoreRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -250,7 +251,8 @@ class RestoreRequest(_message.Message):
     lease_ms: int
     client_id: str
     pool_deadline_ns: int
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., pool_deadline_ns: _Optional[int] = ...) -> None: ...
+    peer: str
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., pool_deadline_ns: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("job_id", "statuses", "bytes", "seconds")

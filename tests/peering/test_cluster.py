@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvxfer.errors import InvalidArgument
 from kvxfer.records import Outcome, TierKind
 from tests.peering.cluster import block, client, fill, keys
 
@@ -101,3 +102,24 @@ def test_peering_costs_no_cpu_when_idle_and_little_while_serving(cluster):
         after = [_cpu_seconds(p) - s for p, s in zip(pids, start)]
         print(f"idle CPU over 2 s after serving: a {after[0]:.3f} s, b {after[1]:.3f} s")
         assert max(after) < 0.2  # the worker stops being progressed once leases end
+
+
+def test_a_restore_told_which_peer_holds_the_keys_reads_from_that_one(cluster):
+    d = cluster(["a", "b", "c"])
+    ks = keys("hint", 4)
+    with client(d["a"]) as a, client(d["b"]) as b, client(d["c"]) as c:
+        on_b = fill(b, [1, 2, 3, 4], seed=8)
+        b.offload(list(zip([1, 2, 3, 4], ks)))
+        assert c.restore(list(zip(ks[:2], [10, 11])), peer="b").outcomes == [Outcome.DONE] * 2
+        assert block(c, 10).equal(on_b[1]) and block(c, 11).equal(on_b[2])
+        asked_a = sum(n for k, n in _events(a).items() if k == "served")
+        assert asked_a == 0 and _events(b)["served"] == 2
+        # A wrong hint costs nothing but the question: the other peers are asked as always.
+        assert c.restore(list(zip(ks[2:], [12, 13])), peer="a").outcomes == [Outcome.DONE] * 2
+        assert block(c, 13).equal(on_b[4])
+        with pytest.raises(InvalidArgument, match="not one of peering.peers"):
+            c.restore([(ks[0], 14)], peer="nobody")
+
+
+def _events(c):
+    return next(t for t in c.stats()[0].tiers if t.tier is TierKind.PEER).events

@@ -78,3 +78,26 @@ def test_lease_bounds_and_foreign_formats(served):
     assert list(rogue.call("PeerLookup", namespace="peers", block_format=b"\x01" * 32, keys=ks).present) == [False] * 3
     assert list(rogue.call("PeerLookup", namespace="other", block_format=fmt, keys=ks).present) == [False] * 3
     assert list(rogue.call("PeerLookup", namespace="peers", block_format=fmt, keys=ks).present) == [True] * 3
+
+
+def test_a_peer_cannot_pin_more_than_the_bounds(cluster, tls):
+    d = cluster(["a"], also=("friend",), max_leases=2, max_leased_blocks=3)
+    with client(d["a"]) as a:
+        fill(a, [1, 2, 3, 4], seed=9)
+        ks = keys("bounds", 4)
+        a.offload(list(zip([1, 2, 3, 4], ks)))
+        fmt = BlockFormat.of(a.map_pool().layout).fingerprint
+        rogue = Rogue("friend", d["a"].config["listen"], tls.cert.read_bytes())
+        rogue.connect()
+        lease = lambda k: rogue.call("PeerLease", namespace="peers", block_format=fmt, keys=k, lease_ms=5000)  # noqa: E731
+        first = lease(ks[:2])
+        code, details = _status(lambda: lease(ks[2:]))  # 4 blocks would be pinned: at most 3
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 3" in details
+        second = lease(ks[2:3])
+        code, details = _status(lambda: lease(ks[3:]))  # a third lease: at most 2
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2" in details
+        assert a.stats()[0].tiers[0].pinned_blocks == 3
+        for granted in (first, second):
+            assert rogue.call("PeerRelease", lease_id=granted.lease_id).released
+        assert a.stats()[0].tiers[0].pinned_blocks == 0 and a.lookup(ks).hits == 4
+        rogue.close()
