@@ -162,10 +162,6 @@ class Agent:
             if gone:
                 self._nixl.deregister_memory(self._nixl.get_reg_descs([(a, nbytes, 0, "") for a in gone], DRAM))
 
-    @property
-    def exposed_slots(self) -> int:
-        return len(self._exposed)
-
     # -- transfers ------------------------------------------------------------------------
     def hold(self) -> None:
         """Progress the worker until ``unhold`` (while leases granted here are open)."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-DIRECTIONS = ("in", "out")  # in: bytes that came into this daemon's host tier from the peer; out: the other way
+# Directions: "in", bytes that came into this daemon's host tier from the peer (read, or pushed by it);
+# "out", the other way.
 CAUSES = ("unreachable", "refused", "timeout", "backoff", "transfer", "corrupt", "lease_expired", "malformed",
           "release")
 

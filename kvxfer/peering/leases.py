@@ -78,7 +78,6 @@ class LeaseTable:
         self._lock = threading.Condition()
         self._closed = False
         self.expired = 0
-        self.dropped_corrupt = 0
         self._timer = threading.Thread(target=self._expire_loop, name="kvxfer-peer-leases", daemon=True)
         self._timer.start()
 
@@ -195,7 +194,6 @@ class LeaseTable:
         sums = lease.group.host.checksums([lease.slots[j] for j in js]) if js else []
         bad = {j for j, got in zip(js, sums) if got != lease.checksums[j]}
         if bad:
-            self.dropped_corrupt += len(bad)
             log.error("blocks a peer read were corrupt here too: dropped",
                       extra={"peer": peer, "blocks": len(bad), "cache_group": lease.group.name})
         lease.group.index.complete_load(lease.slots, bad)

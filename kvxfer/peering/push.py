@@ -48,10 +48,8 @@ def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: CacheGroup
         asked = time.monotonic()
         try:
             answer = link.reserve(namespace, group.format.fingerprint, [keys[i] for i in held], lease_ms)
-            if answer.blocks:
-                agent.learn(link.name, answer.memory_metadata)
-        except (PeerUnavailable, PermissionDenied) as exc:
-            counters.failed(link.name, getattr(exc, "cause", "refused"))
+        except PeerUnavailable as exc:
+            counters.failed(link.name, exc.cause)
             return done
         positions = [b.position for b in answer.blocks]
         every = positions + list(answer.present_positions)
@@ -63,6 +61,12 @@ def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: CacheGroup
         for p in answer.present_positions:
             outcomes[held[p]] = Outcome.DONE
         if not answer.blocks:
+            return done
+        try:
+            agent.learn(link.name, answer.memory_metadata)
+        except PermissionDenied as exc:  # the reservation ends there unpublished at its deadline
+            counters.failed(link.name, "refused")
+            log.error("a peer's reservation was refused", extra={"peer": link.name, "error": str(exc)})
             return done
         buffer = group.host.buffer
         pairs = [(buffer[plan.slots[p]].data_ptr(), b.address) for p, b in zip(positions, answer.blocks)]

@@ -102,11 +102,11 @@ class PeerStore:
                 self.counters.failed(link.name, exc.cause)
         return present
 
-    def fetch(self, namespace: str, keys: list[bytes], links: list[PeerLink] | None = None) -> PeerFetch:
-        """Lease what the peers (or ``links``) hold of ``keys``, asking them in order."""
+    def fetch(self, namespace: str, keys: list[bytes]) -> PeerFetch:
+        """Lease what the peers hold of ``keys``, asking them in order."""
         wanted = list(range(len(keys)))
         leases: list[_Leased] = []
-        for link in self.links if links is None else links:
+        for link in self.links:
             if not wanted:
                 break
             leased = self._lease(link, namespace, [keys[i] for i in wanted], wanted)
@@ -123,15 +123,8 @@ class PeerStore:
         asked = time.monotonic()
         try:
             answer = link.lease(namespace, self.block_format, keys, self.lease_ms)
-            if answer.blocks and answer.memory_metadata:
-                self.agent.learn(link.name, answer.memory_metadata)
         except PeerUnavailable as exc:
             self.counters.failed(link.name, exc.cause)
-            return None
-        except PermissionDenied as exc:
-            self.counters.failed(link.name, "refused")
-            log.error("a peer's lease was refused", extra={"peer": link.name, "error": str(exc)})
-            _release_quietly(link, answer.lease_id)
             return None
         positions = [b.position for b in answer.blocks]
         if not answer.blocks:
@@ -142,6 +135,13 @@ class PeerStore:
             log.error("a peer answered a lease it could not have granted", extra={"peer": link.name})
             _release_quietly(link, answer.lease_id)
             return None
+        try:
+            self.agent.learn(link.name, answer.memory_metadata)
+        except PermissionDenied as exc:
+            self.counters.failed(link.name, "refused")
+            log.error("a peer's lease was refused", extra={"peer": link.name, "error": str(exc)})
+            _release_quietly(link, answer.lease_id)
+            return None
         blocks = {wanted[b.position]: (b.position, b.address, b.checksum) for b in answer.blocks}
         return _Leased(link, answer.lease_id, asked + answer.lease_ms / 1000, blocks)
 
@@ -149,7 +149,7 @@ class PeerStore:
         """Read one lease's blocks into their host slots and check each; a miss where the read failed."""
         name, missed = leased.link.name, {j: (Outcome.NOT_FOUND, 0) for j, _ in targets}
         margin = min(MARGIN_S, (leased.expires - time.monotonic()) / 10)
-        timeout_at = time.monotonic() + self.links[0].timeout_s
+        timeout_at = time.monotonic() + leased.link.timeout_s
         deadline = min(timeout_at, leased.expires - margin)  # a read never outlasts its lease
         if time.monotonic() >= deadline:
             self.counters.failed(name, "lease_expired")
