@@ -245,7 +245,8 @@ class Client:
     # -- registered pools ----------------------------------------------------------
     def register_pool(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, *,
                       host_capacity_mib: int = 0, cache_group: str = "", fd: int | None = None,
-                      sharding: Sharding | None = None, timeout: float | None = None) -> PoolDescriptor:
+                      sharding: Sharding | None = None, share_with_peers: bool = False, share_events: bool = False,
+                      timeout: float | None = None) -> PoolDescriptor:
         """Have the daemon serve memory this engine allocated (a file, or a memfd as ``fd``).
 
         This process opens the file itself (or passes ``fd``) and hands the open
@@ -256,7 +257,10 @@ class Client:
         share a host tier: register an engine's restart in the group it used before
         (a group admits only the user that created it); never put two tensor-parallel
         ranks in one group, unless each names its ``sharding``: then the ranks of engines of any
-        TP size and layout share one group of canonical blocks.
+        TP size and layout share one group of canonical blocks. A new group is private: other
+        nodes' daemons reach it only with ``share_with_peers``, and watchers that do not present
+        one of its pools see its keys only with ``share_events`` (a router's WatchEvents, the
+        ZeroMQ publisher); later pools of the group ask for the same.
         """
         if handle.medium is Medium.CUDA:  # named by its IPC handle: the hand-off only says who registers
             token = fdpass.hand_over(fdpass.socket_path_for(self._target), None, self._token)
@@ -265,7 +269,8 @@ class Client:
         request = pb.RegisterPoolRequest(pool_id=pool_id, spec=wire.spec_to_pb(spec), layout=layout.spelled,
                                          handle=wire.handle_to_pb(handle), host_capacity_mib=host_capacity_mib,
                                          cache_group=cache_group, registration_token=token,
-                                         sharding=wire.sharding_to_pb(sharding))
+                                         sharding=wire.sharding_to_pb(sharding), share_with_peers=share_with_peers,
+                                         share_events=share_events)
         response = self._call(self._stub.RegisterPool, request, timeout)
         desc = wire.descriptor_from_pb(response.pool)
         self._descriptors[pool_id] = desc
@@ -345,6 +350,10 @@ class Client:
         desc = self._descriptors.get(pool_id) or self.pool_info(pool_id)
         return pb.PoolRef(pool_id=pool_id, epoch=desc.epoch, registration_token=token)
 
+    def _registered_refs(self) -> list[pb.PoolRef]:
+        """The pools this client registered, with their tokens: a watch sees their (private) groups too."""
+        return [self._ref(pool_id) for pool_id in self._registrations]
+
     def _transfer(self, method, request, partial: bool, timeout: float | None) -> TransferResult:
         response = self._call(method, request, timeout)
         result = TransferResult([wire.STATUS_TO_OUTCOME[s] for s in response.statuses], response.bytes,
@@ -377,14 +386,16 @@ class Client:
     def watch_events(self, namespaces: Sequence[str] = (), *, from_sequence: int = 0, stream_id: str = "",
                      timeout: float | None = None) -> Iterator[EventBatch]:
         """The tiers' events for these namespaces (default: this client's), from ``from_sequence`` (0: the
-        next), until ``timeout`` (None: for ever). Pass the ``stream_id`` last seen: another one is a resync."""
+        next), until ``timeout`` (None: for ever). Pass the ``stream_id`` last seen: another one is a resync.
+        Shown: the daemon's own cache groups, groups registered with ``share_events``, and the groups of
+        the pools this client registered."""
         request = pb.WatchEventsRequest(namespaces=list(namespaces) or [self.namespace], from_sequence=from_sequence,
-                                        stream_id=stream_id)
+                                        stream_id=stream_id, pools=self._registered_refs())
         return event_batches(self._stream(self._stub.WatchEvents, request, timeout))
 
     def snapshot(self, namespaces: Sequence[str] = (), timeout: float | None = None) -> Iterator[SnapshotBatch]:
         """What the host and disk tiers hold of these namespaces, and where to watch from after it."""
-        request = pb.SnapshotRequest(namespaces=list(namespaces) or [self.namespace])
+        request = pb.SnapshotRequest(namespaces=list(namespaces) or [self.namespace], pools=self._registered_refs())
         return snapshot_batches(self._stream(self._stub.Snapshot, request, timeout or self.timeout * 12))
 
     def close(self) -> None:

@@ -75,7 +75,7 @@ class Config:
     max_cache_groups: int = 8
     cache_group_retention_s: float = 300.0
     max_queued_jobs: int = 256
-    max_jobs_per_client: int = 64
+    max_jobs_per_client: int = 0  # 0: a quarter of max_queued_jobs (at least 1)
     default_lease_s: float = 30.0
     max_lease_s: float = 600.0
     allow_register: bool = True
@@ -97,7 +97,7 @@ class Config:
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
-                      self.max_jobs_per_client, self.cache_group_retention_s, self.checksum_on_device, self.disk,
+                      self.max_jobs_per_client or max(1, self.max_queued_jobs // 4), self.cache_group_retention_s, self.checksum_on_device, self.disk,
                       self.remote, self.copy_threads, self.gpu_copy_deadline_s, self.shared_fs,
                       self.allow_overcommit)
 
@@ -257,7 +257,7 @@ def validate(config: Config) -> Config:
     if config.log_format not in {"json", "text"}:
         raise ConfigError(f"log_format: {shown(config.log_format)} must be json or text")
     for name in ("max_concurrent_rpcs", "workers", "max_message_mib", "max_pools", "max_cache_groups",
-                 "max_queued_jobs", "max_jobs_per_client", "max_batch_blocks", "max_streams_per_connection",
+                 "max_queued_jobs", "max_batch_blocks", "max_streams_per_connection",
                  "registered_host_capacity_mib"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{name}: must be at least 1")
@@ -267,9 +267,13 @@ def validate(config: Config) -> Config:
         raise ConfigError("gpu_copy_deadline_s: must be in (0, 3600] seconds")
     if config.max_batch_blocks > MAX_BATCH_BLOCKS:
         raise ConfigError(f"max_batch_blocks: at most {MAX_BATCH_BLOCKS}")
-    if config.max_jobs_per_client > config.max_queued_jobs // 2:
+    if config.max_jobs_per_client == 0:  # derived from the queue's bound: setting that one alone is enough
+        config = replace(config, max_jobs_per_client=max(1, config.max_queued_jobs // 4))
+    if config.max_jobs_per_client < 1:
+        raise ConfigError("max_jobs_per_client: must be at least 1 (or 0: a quarter of max_queued_jobs)")
+    if config.max_jobs_per_client > max(1, config.max_queued_jobs // 2):
         raise ConfigError(f"max_jobs_per_client: must be at most half of max_queued_jobs "
-                          f"({config.max_queued_jobs // 2}), so that one client can never take every job place")
+                          f"({max(1, config.max_queued_jobs // 2)}), so that one client can never take every job place")
     if config.cache_group_retention_s < 0:
         raise ConfigError("cache_group_retention_s: must be >= 0")
     if not 0 < config.default_lease_s <= config.max_lease_s:
@@ -305,6 +309,8 @@ def validate(config: Config) -> Config:
             raise ConfigError(f"{name}: {value} is not a readable file")
     if config.peering is not None and not config.listen:
         raise ConfigError("peering: needs listen (the TLS listener with a token its peers call)")
+    if config.peering is not None and not config.peering.tls_cert:  # its identity to peers: the listener's
+        config = replace(config, peering=replace(config.peering, tls_cert=config.tls_cert, tls_key=config.tls_key))
     if config.token_file and not _TOKEN_RE.fullmatch(config.token):
         raise ConfigError(f"token_file: {config.token_file} must hold 1-256 printable ASCII characters without "
                           "spaces (it travels in gRPC metadata and on the descriptor socket)")

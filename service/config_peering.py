@@ -15,7 +15,8 @@ from kvxfer.validate import shown
 from service.config_sections import ConfigError
 
 PEERING_KEYS = {"name", "peers", "ucx_tls", "ucx_net_devices", "timeout_ms", "lease_ms", "max_lease_ms",
-                "max_leases", "max_leased_blocks", "progress_interval_us"}
+                "max_leases", "max_leased_blocks", "progress_interval_us", "max_leases_per_peer",
+                "max_leased_blocks_per_peer", "host_share", "tls_client_ca", "tls_cert", "tls_key"}
 PEER_KEYS = {"name", "address", "tls_ca", "token_file", "server_name"}
 MAX_PEERS = 64
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -23,7 +24,9 @@ ADDRESS_RE = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
 UCX_LIST_RE = re.compile(r"[A-Za-z0-9_.:,^-]{1,256}")  # UCX's own list syntax ("tcp", "^cma", "mlx5_0:1")
 TOKEN_RE = re.compile(r"[\x21-\x7e]{1,256}")
 BOUNDS = {"timeout_ms": (1, 600_000), "lease_ms": (1, 600_000), "max_lease_ms": (1, 600_000),
-          "max_leases": (1, 1 << 16), "max_leased_blocks": (1, 1 << 26), "progress_interval_us": (1, 100_000)}
+          "max_leases": (1, 1 << 16), "max_leased_blocks": (1, 1 << 26), "progress_interval_us": (1, 100_000),
+          "max_leases_per_peer": (1, 1 << 16), "max_leased_blocks_per_peer": (1, 1 << 26)}
+MAX_HOST_SHARE = 0.9  # peers never hold the whole of a host tier: the local engine comes first
 
 
 def peering(raw) -> PeeringSettings | None:
@@ -46,6 +49,21 @@ def peering(raw) -> PeeringSettings | None:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
             raise ConfigError(f"peering.{key}: an integer in [{low}, {top}], got {shown(value)}")
         numbers[key] = value
+    share = raw.get("host_share", PeeringSettings.host_share)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= MAX_HOST_SHARE:
+        raise ConfigError(f"peering.host_share: the fraction of a host tier peers may hold, in (0, {MAX_HOST_SHARE}], "
+                          f"got {shown(share)}")
+    numbers["host_share"] = float(share)
+    files = {key: raw.get(key, "") for key in ("tls_client_ca", "tls_cert", "tls_key")}
+    for key, value in files.items():
+        if not isinstance(value, str) or len(value) > 4096 or (value and not Path(value).is_file()):
+            raise ConfigError(f"peering.{key}: {shown(value)} is not a readable file")
+    if not files["tls_client_ca"]:
+        raise ConfigError("peering.tls_client_ca: the CA file peers' client certificates are checked against "
+                          "(mutual TLS: a peer is known by the name its certificate carries, the token besides)")
+    if bool(files["tls_cert"]) != bool(files["tls_key"]):
+        raise ConfigError("peering.tls_cert and peering.tls_key: both or neither (neither: the listener's)")
+    numbers.update(files)
     ucx = {}
     for key in ("ucx_tls", "ucx_net_devices"):
         value = raw.get(key, "")

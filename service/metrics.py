@@ -136,7 +136,7 @@ def _kv_events(hub: EventHub) -> Iterator[Metric]:
     subscribers.add_metric([], hub.subscribers)
     publisher = CounterMetricFamily("kvxfer_events_publisher", "The vLLM-format publisher: batches published, "
                                     "replays answered, resyncs sent.", labels=["event"])
-    for name in ("published_batches", "replays", "publisher_resyncs"):
+    for name in ("published_batches", "replays", "publisher_resyncs", "replay_dropped"):
         publisher.add_metric([name], hub.counts[name])
     yield from (emitted, dropped, subscribers, publisher)
 

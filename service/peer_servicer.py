@@ -17,7 +17,7 @@ from kvxfer.errors import InvalidArgument, PermissionDenied
 from kvxfer.peering.hub import Peering
 from kvxfer.peering.leases import Granted
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_count, check_namespace, checked_keys, shown
+from kvxfer.validate import check_count, check_namespace, check_pool_id, checked_keys, shown
 from service.status import parser, rpc
 
 FORMAT_BYTES = 32  # a block format's fingerprint (sha256)
@@ -35,14 +35,19 @@ class PeerServicer:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _admit(self, request, context) -> str:
-        """The calling peer's name, if it may call here at all."""
+        """The calling peer's name, if it may call here at all: a configured peer, and the name its TLS client
+        certificate carries (the token alone proves only membership: any holder could claim any name)."""
         if context.peer().startswith("unix:"):
             raise PermissionDenied("peer RPCs are served on the TCP listener only")
         if not self.peering.admits(request.peer):
             raise PermissionDenied(f"peer {shown(request.peer)} is not one of this daemon's peering.peers")
+        if request.peer not in certificate_names(context.auth_context()):
+            raise PermissionDenied(f"peer {shown(request.peer)}: the caller's TLS certificate does not carry that "
+                                   "name (as its common name or a DNS name)")
         return request.peer
 
     def _keys(self, request) -> list[bytes]:
+        check_pool_id(request.cache_group, "cache_group")
         check_namespace(request.namespace)
         if len(request.block_format) != FORMAT_BYTES:
             raise InvalidArgument(f"block_format: {FORMAT_BYTES} bytes, got {len(request.block_format)}")
@@ -62,14 +67,16 @@ class PeerServicer:
     async def PeerLookup(self, request: pb.PeerLookupRequest, context) -> pb.PeerLookupResponse:
         self._admit(request, context)
         keys = self._keys(request)
-        present = await self._blocking(self.peering.leases.holding, request.block_format, request.namespace, keys)
+        present = await self._blocking(self.peering.leases.holding, request.cache_group, request.block_format,
+                                       request.namespace, keys)
         return pb.PeerLookupResponse(present=present)
 
     async def _expose(self, request, context, how: Callable) -> Granted | None:
         """Lease (``how``: grant) or reserve (reserve) slots for a peer's request."""
         peer = self._admit(request, context)
         keys = self._keys(request)
-        return await self._blocking(how, peer, request.block_format, request.namespace, keys, request.lease_ms)
+        return await self._blocking(how, peer, request.cache_group, request.block_format, request.namespace, keys,
+                                    request.lease_ms)
 
     @rpc
     async def PeerLease(self, request: pb.PeerLeaseRequest, context) -> pb.PeerLeaseResponse:
@@ -105,6 +112,12 @@ class PeerServicer:
         stored = await self._blocking(self.peering.leases.commit, peer, request.reservation_id,
                                       list(request.checksums))
         return pb.PeerCommitResponse(stored=stored)
+
+
+def certificate_names(auth: dict) -> set[str]:
+    """The names a verified TLS client certificate carries: its common name and subject alternative names."""
+    names = auth.get("x509_common_name", []) + auth.get("x509_subject_alternative_name", [])
+    return {n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names}
 
 
 def _exposed(granted: Granted) -> dict:

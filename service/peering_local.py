@@ -1,4 +1,4 @@
-"""Daemons that peer on one machine (loopback): a self-signed certificate, a token, their configs.
+"""Daemons that peer on one machine (loopback): a CA, a certificate per daemon, a token, their configs.
 
 For ``kvxfer bench peer-transfer`` and the tests; a deployment's peers have real certificates
 (docs/peering.md).
@@ -17,21 +17,42 @@ TRANSPORTS = {"shm": "", "tcp": "tcp"}  # UCX_TLS: its default (shared memory, c
 
 @dataclass(frozen=True)
 class Tls:
-    cert: Path
-    key: Path
+    """A CA (``ca``: what every daemon checks the others' certificates against) and a token file."""
+
+    ca: Path
+    ca_key: Path
     token: Path
+
+    def issue(self, name: str) -> tuple[Path, Path]:
+        """A certificate (and its key) for daemon ``name``: its TLS listener's (localhost, 127.0.0.1) and its
+        identity when it calls its peers (the name in the subject and as a DNS name). Made once."""
+        where = self.ca.parent
+        cert, key = where / f"{name}.pem", where / f"{name}.key"
+        if not cert.exists():
+            csr = where / f"{name}.csr"
+            ext = where / f"{name}.ext"
+            ext.write_text(f"subjectAltName=DNS:{name},DNS:localhost,IP:127.0.0.1\n"
+                           "extendedKeyUsage=serverAuth,clientAuth\n")
+            _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj",
+                     f"/CN={name}")
+            _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca), "-CAkey", str(self.ca_key),
+                     "-CAcreateserial", "-out", str(cert), "-days", "1", "-extfile", str(ext))
+        return cert, key
+
+
+def _openssl(*args: str) -> None:
+    if shutil.which("openssl") is None:
+        raise RuntimeError("openssl is needed to make certificates for loopback peers")
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
 def self_signed(where: Path, token: str) -> Tls:
-    """A certificate for localhost and 127.0.0.1 (its own CA), its key, and a token file, in ``where``."""
-    if shutil.which("openssl") is None:
-        raise RuntimeError("openssl is needed to make a certificate for loopback peers")
-    cert, key, token_file = where / "cert.pem", where / "key.pem", where / "token"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
-                    "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    """A CA of its own and a token file in ``where``; ``Tls.issue`` makes each daemon's certificate."""
+    ca, ca_key, token_file = where / "ca.pem", where / "ca.key", where / "token"
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "1",
+             "-subj", "/CN=kvxfer test CA")
     token_file.write_text(token + "\n")
-    return Tls(cert, key, token_file)
+    return Tls(ca, ca_key, token_file)
 
 
 def free_port() -> int:
@@ -47,11 +68,12 @@ def peering_configs(names: list[str], tls: Tls, transport: str, pools: dict[str,
     ports = {name: free_port() for name in [*names, *also]}
     configs = {}
     for name in names:
-        peers = [{"name": other, "address": f"127.0.0.1:{ports[other]}", "tls_ca": str(tls.cert),
+        peers = [{"name": other, "address": f"127.0.0.1:{ports[other]}", "tls_ca": str(tls.ca),
                   "token_file": str(tls.token)} for other in [*names, *also] if other != name]
-        configs[name] = {"listen": f"127.0.0.1:{ports[name]}", "tls_cert": str(tls.cert), "tls_key": str(tls.key),
+        cert, key = tls.issue(name)
+        configs[name] = {"listen": f"127.0.0.1:{ports[name]}", "tls_cert": str(cert), "tls_key": str(key),
                          "token_file": str(tls.token), "pools": [pools[name]],
-                         "peering": {"name": name, "peers": peers, "ucx_net_devices": "lo",
+                         "peering": {"name": name, "peers": peers, "ucx_net_devices": "lo", "tls_client_ca": str(tls.ca),
                                      "ucx_tls": TRANSPORTS[transport], **peering,
                                      **(per_daemon or {}).get(name, {})}}
     return configs

@@ -148,7 +148,7 @@ class Daemon:
         limits = RequestLimits(c.max_concurrent_rpcs, c.max_batch_blocks, c.max_pools, c.max_queued_jobs)
         self.server.add_generic_rpc_handlers((handlers(KVTransferServicer(self.registry, limits, self.executor)),))
         if c.peering is not None:
-            self.peering = self.registry.peering = Peering(c.peering, self.registry.groups)
+            self.peering = self.registry.peering = Peering(c.peering, self.registry.peer_groups)
             self.server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self.peering, self.executor,
                                                                              c.max_batch_blocks)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -177,7 +177,10 @@ class Daemon:
             self.fd_socket = DescriptorSocket(c.socket + SUFFIX, self.registry, c.socket_mode, gid, c.token)
             self.addresses.append(f"unix:{c.socket}")
         if c.listen:
-            creds = grpc.ssl_server_credentials([(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())])
+            # With peering, callers show a certificate of the peers' CA (a peer is known by the name it carries).
+            client_ca = Path(c.peering.tls_client_ca).read_bytes() if c.peering is not None else None
+            creds = grpc.ssl_server_credentials([(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())],
+                                                root_certificates=client_ca, require_client_auth=client_ca is not None)
             if not self.server.add_secure_port(c.listen, creds):
                 raise FailedPrecondition(f"cannot listen on {c.listen}")
             self.addresses.append(c.listen)
@@ -240,7 +243,8 @@ class Daemon:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_S)
-            self.registry.sweep()
+            # On a worker thread: a released group's blocks are written down to disk first.
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.registry.sweep)
 
 
 async def _serve(config: Config) -> int:

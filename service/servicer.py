@@ -27,7 +27,7 @@ from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import Layout
 from kvxfer.geometry.sharding import MAX_FORMAT_CHARS, MAX_MODEL_CHARS
 from kvxfer.records import PoolRef, TransferResult
-from kvxfer.serving.registry import PoolRegistry
+from kvxfer.serving.registry import PoolRegistry, Sharing
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_count, check_name, check_namespace, checked_keys, shown
 from service import watch
@@ -205,9 +205,10 @@ class KVTransferServicer:
         _check_length(request.sharding.model, MAX_MODEL_CHARS, "sharding.model")
         _check_length(request.sharding.kv_format, MAX_FORMAT_CHARS, "sharding.kv_format")
         sharding = wire.sharding_from_pb(request.sharding, request.HasField("sharding"))
+        sharing = Sharing(peers=request.share_with_peers, events=request.share_events)
         served, token = await self._blocking(self.registry.register, request.pool_id, spec, layout, handle,
                                              request.registration_token, request.host_capacity_mib,
-                                             request.cache_group, sharding)
+                                             request.cache_group, sharding, sharing)
         return pb.RegisterPoolResponse(pool=wire.pool_info(served.descriptor, served.cache_group),
                                        registration_token=token)
 
@@ -220,12 +221,14 @@ class KVTransferServicer:
 
     @stream_rpc
     async def WatchEvents(self, request: pb.WatchEventsRequest, context) -> AsyncIterator[bytes]:
-        async for response in watch.watch(self._hub(), self._encoded, request, self._hub().linger_s):
+        scopes = self.registry.event_scopes([_ref(p) for p in request.pools])
+        async for response in watch.watch(self._hub(), self._encoded, request, scopes, self._hub().linger_s):
             yield response
 
     @stream_rpc
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> AsyncIterator[pb.SnapshotResponse]:
-        async for response in watch.snapshot(self._hub(), self.registry, self._executor, request):
+        scopes = self.registry.event_scopes([_ref(p) for p in request.pools])
+        async for response in watch.snapshot(self._hub(), self.registry, self._executor, request, scopes):
             yield response
 
     def _hub(self) -> EventHub:
@@ -286,8 +289,8 @@ def handlers(servicer: KVTransferServicer) -> grpc.GenericRpcHandler:
                 "PushRequest": {"keys": batch},
                 "LookupRequest": {"pools": lim.max_pools, "keys": batch}, "DeleteRequest": {"keys": batch},
                 "WaitJobsRequest": {"job_ids": lim.max_job_ids},
-                "WatchEventsRequest": {"namespaces": watch.MAX_WATCHED},
-                "SnapshotRequest": {"namespaces": watch.MAX_WATCHED}}
+                "WatchEventsRequest": {"namespaces": watch.MAX_WATCHED, "pools": lim.max_pools},
+                "SnapshotRequest": {"namespaces": watch.MAX_WATCHED, "pools": lim.max_pools}}
     service = pb.DESCRIPTOR.services_by_name["KVTransfer"]
     methods = {
         m.name: (grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler)(

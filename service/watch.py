@@ -9,7 +9,10 @@ A subscriber costs no memory of its own: the buffer is the hub's. Each event is 
 for every subscriber (``Encoded``), and a response is those bytes joined: a hundred subscribers
 cost a hundred joins, not a hundred encodings.
 
-A Snapshot reads the host and disk indexes of every cache group a batch at a time on a worker
+Both show a caller only the cache groups it may see: the daemon's own, those registered with
+``share_events``, and those of the registered pools it names with their registration tokens.
+
+A Snapshot reads the host and disk indexes of every such cache group a batch at a time on a worker
 thread, after taking the hub's position: applying the events that follow that position on
 top of it gives the tiers as they are (an event the snapshot already reflects changes nothing).
 Redis and the shared filesystem are shared by every node: their contents are not this
@@ -83,10 +86,11 @@ def watched(names) -> frozenset[str]:
     return frozenset(names)
 
 
-async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
+async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest, scopes: frozenset[int],
                 linger: float = 0.05) -> AsyncIterator[bytes]:
-    """``linger``: seconds a response waits for more events (fewer, larger responses: a hundred
-    subscribers of a busy daemon cost it a hundred sends every ``linger``, not a hundred an event)."""
+    """``scopes``: the event scopes the caller may see (``PoolRegistry.event_scopes``). ``linger``: seconds a
+    response waits for more events (fewer, larger responses: a hundred subscribers of a busy daemon cost
+    it a hundred sends every ``linger``, not a hundred an event)."""
     namespaces = watched(request.namespaces)
     last = hub.last_sequence
     if request.from_sequence > last + 1:
@@ -116,7 +120,8 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
                 if not lost:  # (else the next read says resync: a response never spans a gap)
                     events += more
             after = events[-1].sequence
-            mine = [encoded.of(e) for e in events if e.namespace in namespaces or e.kind is EventKind.CLEARED]
+            mine = [encoded.of(e) for e in events
+                    if e.scope in scopes and (e.namespace in namespaces or e.kind is EventKind.CLEARED)]
             if mine or gap or clock() - said > IDLE_S:  # (other namespaces' events: the position, now and then)
                 said = clock()
                 head = pb.WatchEventsResponse(stream_id=stream, resync=gap, next_sequence=after + 1).SerializeToString()
@@ -126,11 +131,14 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
 
 
 async def snapshot(hub: EventHub, registry: PoolRegistry, executor: ThreadPoolExecutor,
-                   request: pb.SnapshotRequest) -> AsyncIterator[pb.SnapshotResponse]:
+                   request: pb.SnapshotRequest, scopes: frozenset[int]) -> AsyncIterator[pb.SnapshotResponse]:
+    """``scopes``: as for ``watch``: the groups of other scopes are not listed."""
     namespaces = sorted(watched(request.namespaces))
     sequence = hub.last_sequence  # first: every event up to here is reflected by what follows
     loop = asyncio.get_running_loop()
     for group in registry.groups():
+        if group.event_scope not in scopes:
+            continue
         indexes = [group.index] + ([group.disk.index] if group.disk is not None else [])
         for index in indexes:
             for namespace in namespaces:

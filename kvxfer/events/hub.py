@@ -5,13 +5,16 @@ entries are published, REMOVED before their slots can be reused), so the numbers
 order of what happened. Each subscriber reads from its own position; one that falls behind the
 buffer (or asks for a position it no longer holds) is told to resync, never shown a gap. The
 buffer is bounded by the keys it holds (``replay_keys``), so memory does not grow with
-subscribers or with time. Emitting costs a lock, an append and at most one wake-up call per
+subscribers or with time. Each event carries its cache group's scope: 0 for a group whose keys
+anyone may watch, else that group's own number, shown only to callers that prove they hold one
+of its pools (``service.watch``). Emitting costs a lock, an append and at most one wake-up call per
 event loop turn, whatever the number of subscribers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 import uuid
@@ -44,15 +47,26 @@ class EventHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future | None = None
         self._wake_pending = False
+        self._scopes = itertools.count(1)
+
+    @property
+    def scope(self) -> int:
+        return 0  # the hub itself: events anyone may see
 
     def tier(self, tier: TierKind, cache_group: str) -> TierEvents:
-        """The events of one tier of one cache group."""
+        """The events of one tier of one cache group (seen by anyone)."""
         return TierEvents(self, tier, cache_group)
 
+    def scoped(self, private: bool) -> ScopedEvents:
+        """What one cache group's tiers announce through: seen by anyone, or (``private``) in a scope of
+        its own (a fresh number, so that a later group of the same name is another scope)."""
+        return ScopedEvents(self, next(self._scopes) if private else 0)
+
     def emit(self, kind: EventKind, tier: TierKind, cache_group: str, namespace: str, keys: Sequence[bytes],
-             reason: Reason | None = None, engine: EngineBlocks | None = None) -> None:
+             reason: Reason | None = None, engine: EngineBlocks | None = None, scope: int = 0) -> None:
         with self._lock:
-            event = TierEvent(self._next, time.time(), kind, tier, cache_group, namespace, tuple(keys), reason, engine)
+            event = TierEvent(self._next, time.time(), kind, tier, cache_group, namespace, tuple(keys), reason, engine,
+                              scope)
             self._next += 1
             self._events.append(event)
             self._held += len(event.keys) + 1
@@ -124,24 +138,37 @@ class EventHub:
             done.set_result(None)
 
 
+class ScopedEvents:
+    """The hub as one cache group's tiers see it: their events carry the group's scope."""
+
+    __slots__ = ("hub", "scope")
+
+    def __init__(self, hub: EventHub, scope: int) -> None:
+        self.hub, self.scope = hub, scope
+
+    def tier(self, tier: TierKind, cache_group: str) -> TierEvents:
+        return TierEvents(self.hub, tier, cache_group, self.scope)
+
+
 class TierEvents:
     """What an index calls: the events of one tier of one cache group."""
 
-    __slots__ = ("hub", "tier", "cache_group")
+    __slots__ = ("hub", "tier", "cache_group", "scope")
 
-    def __init__(self, hub: EventHub, tier: TierKind, cache_group: str) -> None:
-        self.hub, self.tier, self.cache_group = hub, tier, cache_group
+    def __init__(self, hub: EventHub, tier: TierKind, cache_group: str, scope: int = 0) -> None:
+        self.hub, self.tier, self.cache_group, self.scope = hub, tier, cache_group, scope
 
     def stored(self, namespace: str, keys: Sequence[bytes], engine: EngineBlocks | None = None) -> None:
         if keys:
-            self.hub.emit(EventKind.STORED, self.tier, self.cache_group, namespace, keys, engine=engine)
+            self.hub.emit(EventKind.STORED, self.tier, self.cache_group, namespace, keys, engine=engine,
+                          scope=self.scope)
 
     def removed(self, namespace: str, keys: Sequence[bytes], reason: Reason) -> None:
         if keys:
-            self.hub.emit(EventKind.REMOVED, self.tier, self.cache_group, namespace, keys, reason)
+            self.hub.emit(EventKind.REMOVED, self.tier, self.cache_group, namespace, keys, reason, scope=self.scope)
 
     def cleared(self) -> None:
-        self.hub.emit(EventKind.CLEARED, self.tier, self.cache_group, "", ())
+        self.hub.emit(EventKind.CLEARED, self.tier, self.cache_group, "", (), scope=self.scope)
 
 
-__all__ = ["EventHub", "TierEvents"]
+__all__ = ["EventHub", "ScopedEvents", "TierEvents"]

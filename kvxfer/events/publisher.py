@@ -6,8 +6,17 @@ request (an empty frame, then the first sequence wanted as 8 big-endian bytes) w
 buffered batch from there, then an end marker (empty topic, sequence -1, empty payload). Where
 vLLM would replay from a position it no longer holds and leave a silent gap, this publisher
 first sends a batch of ``AllBlocksCleared`` (forget what you know of me), and does the same on
-the PUB socket if it ever falls behind the hub's buffer itself. One thread does it all (ZeroMQ
+the PUB socket if it ever falls behind the hub's buffer itself. Only the events of groups anyone may
+see are published (the daemon's own, and those registered with ``share_events``): a ZeroMQ
+subscriber proves nothing. One thread does it all (ZeroMQ
 sockets are not thread-safe); it reads the hub from its own position like any subscriber.
+
+The replay socket answers anyone who connects (ZeroMQ has no authentication), so what it may
+hold is bounded: the buffer by bytes and batches; each answer's payloads are the buffer's own
+bytes (zero copy: a thousand answers do not hold a thousand copies); and at most
+``replay_batches`` + 2 messages wait for one client (the socket's high-water mark, which a whole
+answer always fits in): an answer to a client that does not read what it asked for is dropped
+whole and counted (``replay_dropped``), never queued.
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ class ZmqPublisher:
             self._pub.bind(settings.publish)
             if settings.replay:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.SNDHWM, 1 << 20)
+                self._replay.setsockopt(zmq.SNDHWM, settings.replay_batches + 2)  # one whole answer
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so (EAGAIN), never grows
                 self._replay.bind(settings.replay)
         except ZMQError:
             self._ctx.destroy(linger=0)
@@ -81,7 +91,9 @@ class ZmqPublisher:
                 if gap:  # behind the hub's buffer: the subscribers are told, never shown a gap
                     self.hub.count("publisher_resyncs")
                     self._send(self._encoder.cleared(now))
-                self._send(self._encoder.encode(events, now))
+                public = [e for e in events if e.scope == 0]  # a private group's keys are its registrant's
+                if public:
+                    self._send(self._encoder.encode(public, now))
             except ZMQError as exc:  # a socket error: logged, and the thread goes on
                 log.warning("KV event publisher", extra={"error": str(exc)})
                 self._closed.wait(0.1)
@@ -92,7 +104,8 @@ class ZmqPublisher:
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
         self._buffered += len(payload)
-        while self._buffered > self.settings.replay_bytes and len(self._buffer) > 1:
+        while (self._buffered > self.settings.replay_bytes or len(self._buffer) > self.settings.replay_batches) \
+                and len(self._buffer) > 1:
             self._buffered -= len(self._buffer.popleft()[1])
         self.hub.count("published_batches")
 
@@ -102,13 +115,21 @@ class ZmqPublisher:
             return  # not a replay request (vLLM's publisher ignores these too)
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        self.hub.count("replays")
+        answer = []
         if self._buffer and first < self._buffer[0][0]:  # part of what was asked is gone: say so first
-            self._replay.send_multipart((client, b"", self._topic, start, self._encoder.cleared(time.time())))
-        for seq, payload in self._buffer:
-            if seq >= first:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            answer.append((self._topic, start, self._encoder.cleared(time.time())))
+        answer += [(self._topic, seq.to_bytes(8, "big"), payload) for seq, payload in self._buffer if seq >= first]
+        answer.append((b"", END_SEQ, b""))
+        try:
+            for topic, seq, payload in answer:  # (the payloads by reference: no copy a request)
+                self._replay.send_multipart((client, b"", topic, seq, payload), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # it has not read its earlier answers: this one is dropped, not queued
+            self.hub.count("replay_dropped")
+            return
+        except ZMQError as exc:  # gone meanwhile (EHOSTUNREACH)
+            log.debug("replay client gone", extra={"error": str(exc)})
+            return
+        self.hub.count("replays")
 
 
 __all__ = ["ZMQError", "ZmqPublisher"]

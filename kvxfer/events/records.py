@@ -75,6 +75,7 @@ class TierEvent:
     keys: tuple[bytes, ...]
     reason: Reason | None = None  # REMOVED only
     engine: EngineBlocks | None = None  # STORED by an offload that described its blocks
+    scope: int = 0  # who may see it: 0 anyone; else only holders of a pool of that cache group (EventHub.scoped)
 
 
 def engine_hash(key: bytes, key_format: KeyFormat) -> tuple[bytes, int | None]:

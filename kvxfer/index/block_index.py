@@ -231,6 +231,12 @@ class BlockIndex:
         with self._lock:
             return self._checksum[slot_array(slots)].tolist()
 
+    def drop_slots(self, slots: Sequence[int]) -> None:
+        """Make these entries invisible now (their keys free for another store); a pinned one's slot is freed
+        at its last unpin (a pending store's: when it completes, unpublished)."""
+        with self._lock:
+            self._drop(slot_array(slots), Reason.DELETED)
+
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove the entries of these (distinct) keys; a store in flight is dropped when it
         completes; absent keys are ignored. Returns how many were removed."""

@@ -54,6 +54,21 @@ def _nixl():
     return api, bindings, errors
 
 
+_MD_HEAD = b"nixlSerDes|Agent"  # NIXL 1.5's serialized agent metadata: this, the name's length (8 bytes LE), the name
+
+
+def metadata_agent(metadata: bytes) -> str | None:
+    """The agent name NIXL metadata carries (None: not NIXL agent metadata), read without loading it, so that
+    metadata of another agent is refused before NIXL could replace that agent's connection."""
+    head = len(_MD_HEAD)
+    if not metadata.startswith(_MD_HEAD) or len(metadata) < head + 8:
+        return None
+    n = int.from_bytes(metadata[head:head + 8], "little")
+    if not 0 < n <= 256 or len(metadata) < head + 8 + n:
+        return None
+    return metadata[head + 8:head + 8 + n].decode("utf-8", "replace")
+
+
 class Agent:
     """One NIXL agent named ``settings.name``; thread-safe."""
 
@@ -84,33 +99,39 @@ class Agent:
         return self._nixl.get_partial_agent_metadata(empty, True, [UCX])
 
     def add_peer(self, name: str, metadata: bytes) -> None:
-        """Know peer ``name`` from its metadata (again, when it restarted); refuses metadata of another name."""
+        """Know peer ``name`` from its metadata (again, when it restarted). Metadata of another name, or that NIXL
+        cannot load, is refused and changes nothing: a known peer's connection stays as it was."""
+        self._check_named(name, metadata, "metadata")
         with self._lock:
-            if name in self._peers:
+            self._load(name, metadata, "metadata")  # validated: loaded, or refused with nothing changed
+            if name in self._peers:  # a restarted peer: its old endpoint goes, then the new one is made
                 self._forget(name)
-            try:
-                got = self._nixl.add_remote_agent(metadata)
-            except self.errors as exc:
-                raise PermissionDenied(f"peer {name!r}: its NIXL metadata was refused ({type(exc).__name__})") \
-                    from None
-            got = got.decode() if isinstance(got, bytes) else got
-            if got != name:
-                self._nixl.remove_remote_agent(got)
-                raise PermissionDenied(f"peer {name!r} sent the NIXL metadata of agent {got!r}")
+                self._load(name, metadata, "metadata")
             self._peers.add(name)
 
     def learn(self, name: str, metadata: bytes) -> None:
-        """Load the descriptors a lease of peer ``name`` exposes; refuses another agent's."""
+        """Load the descriptors a lease of peer ``name`` exposes; refuses another agent's (changing nothing)."""
+        self._check_named(name, metadata, "lease's NIXL metadata")
         with self._lock:
-            try:
-                got = self._nixl.add_remote_agent(metadata)
-            except self.errors as exc:
-                raise PermissionDenied(f"peer {name!r}: its lease's NIXL metadata was refused "
-                                       f"({type(exc).__name__})") from None
-            got = got.decode() if isinstance(got, bytes) else got
-            if got != name:  # another agent's descriptors: forget that agent (it connects again)
-                self._forget(got)
-                raise PermissionDenied(f"peer {name!r} sent the NIXL metadata of agent {got!r}")
+            self._load(name, metadata, "lease's NIXL metadata")
+
+    @staticmethod
+    def _check_named(name: str, metadata: bytes, what: str) -> None:
+        got = metadata_agent(metadata)
+        if got != name:
+            raise PermissionDenied(f"peer {name!r}: its {what} names agent {got!r}" if got is not None else
+                                   f"peer {name!r}: its {what} is not NIXL agent metadata")
+
+    def _load(self, name: str, metadata: bytes, what: str) -> None:
+        """(lock held)"""
+        try:
+            got = self._nixl.add_remote_agent(metadata)
+        except self.errors as exc:
+            raise PermissionDenied(f"peer {name!r}: its {what} was refused ({type(exc).__name__})") from None
+        got = got.decode() if isinstance(got, bytes) else got
+        if got != name:  # (checked before: NIXL read another name than its header says)
+            self._forget(got)
+            raise PermissionDenied(f"peer {name!r} sent the NIXL metadata of agent {got!r}")
 
     def forget_peer(self, name: str) -> None:
         """Drop a peer's endpoint: its transfers in flight are cut (it must connect again)."""

@@ -29,11 +29,13 @@ class Peering:
         self.counters = PeerCounters()
         self.leases = LeaseTable(self.agent, settings, groups, self.counters)
         timeout = settings.timeout_ms / 1000
-        self.links = [PeerLink(settings.name, peer, self.agent, timeout) for peer in settings.peers]
+        self.links = [PeerLink(settings.name, peer, self.agent, timeout, settings.tls_cert, settings.tls_key)
+                      for peer in settings.peers]
 
-    def tier(self, block_format: bytes, host: HostTier) -> PeerStore:
-        """The peers as a lower tier of a cache group whose blocks have this format's fingerprint."""
-        return PeerStore(self.agent, self.links, self.counters, block_format, host, self.settings.lease_ms)
+    def tier(self, group: str, block_format: bytes, host: HostTier) -> PeerStore:
+        """The peers as a lower tier of cache group ``group``, whose blocks have this format's fingerprint:
+        each peer is asked for its group of the same name (which it serves only if shared with peers)."""
+        return PeerStore(self.agent, self.links, self.counters, group, block_format, host, self.settings.lease_ms)
 
     def admits(self, peer: str) -> bool:
         return self.settings.peer(peer) is not None

@@ -20,7 +20,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvxfer.errors import InvalidArgument, ResourceExhausted
@@ -46,6 +47,9 @@ class Exposed:
     checksums: list[int]  # a lease's blocks' (a reservation's: unknown until commit)
     expires: float  # monotonic
     pushed: bool = False  # a reservation (else a lease)
+    namespace: str = ""  # a reservation's, and its keys (reserved slot j holds keys[j]): the engine may take them
+    keys: list[bytes] = field(default_factory=list)
+    yielded: set[int] = field(default_factory=set)  # reserved slots whose key the engine stored meanwhile
 
     def drop(self) -> None:
         """End unreleased (its deadline, the daemon stopping): unpin a lease, drop a reservation."""
@@ -75,25 +79,29 @@ class LeaseTable:
         self._deadlines: list[tuple[float, bytes]] = []  # a heap
         self._blocks = 0  # exposed, or being exposed
         self._opening = 0  # leases and reservations being exposed (counted against the bounds already)
+        self._peer_open: Counter[str] = Counter()  # leases and reservations of each peer, open or being opened
+        self._peer_blocks: Counter[str] = Counter()  # blocks of each peer's
+        self._group_blocks: Counter[int] = Counter()  # blocks exposed of each host tier (by id of its group)
         self._lock = threading.Condition()
         self._closed = False
         self.expired = 0
         self._timer = threading.Thread(target=self._expire_loop, name="kvxfer-peer-leases", daemon=True)
         self._timer.start()
 
-    def holding(self, block_format: bytes, namespace: str, keys: list[bytes]) -> list[bool]:
-        """Which keys a host tier of this block format holds."""
+    def holding(self, cache_group: str, block_format: bytes, namespace: str, keys: list[bytes]) -> list[bool]:
+        """Which keys the host tier of that cache group holds (if it is shared with peers and of this format)."""
         present = [False] * len(keys)
-        for group in self._matching(block_format):
+        for group in self._matching(cache_group, block_format):
             for i, tier in enumerate(group.index.tiers_of(namespace, keys)):
                 present[i] = present[i] or tier is not None
         return present
 
-    def grant(self, peer: str, block_format: bytes, namespace: str, keys: list[bytes], lease_ms: int) -> Granted | None:
-        """Lease the keys one cache group of this format holds (the group holding most); None if none does."""
-        self._check(lease_ms, len(keys))
+    def grant(self, peer: str, cache_group: str, block_format: bytes, namespace: str, keys: list[bytes],
+              lease_ms: int) -> Granted | None:
+        """Lease the keys that cache group holds (shared with peers, of this format); None if it holds none."""
+        self._check(peer, lease_ms, len(keys))
         best = None
-        for group in self._matching(block_format):
+        for group in self._matching(cache_group, block_format):
             plan = group.index.prepare_load(namespace, keys)  # pinned
             if best is None or len(plan.slots) > len(best[1].slots):
                 if best is not None:
@@ -109,44 +117,78 @@ class LeaseTable:
         return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], list(plan.checksums),
                                       0.0), lease_ms, [])
 
-    def reserve(self, peer: str, block_format: bytes, namespace: str, keys: list[bytes], lease_ms: int
-                ) -> Granted | None:
-        """Slots for the keys this daemon lacks, in the first cache group of this format; None if there is none."""
-        self._check(lease_ms, len(keys))
-        group = next(iter(self._matching(block_format)), None)
+    def reserve(self, peer: str, cache_group: str, block_format: bytes, namespace: str, keys: list[bytes],
+                lease_ms: int) -> Granted | None:
+        """Slots for the keys this daemon lacks in that cache group (shared with peers, of this format); None
+        if there is no such group."""
+        self._check(peer, lease_ms, len(keys))
+        group = next(iter(self._matching(cache_group, block_format)), None)
         if group is None:
             return None
-        plan = group.prepare_store(namespace, keys)  # evicts (and demotes) to make room; invisible until commit
+        with self._lock:  # before evicting anything for it: a peer's share of the host tier is bounded
+            self._bounds(peer, len(keys), group)
+        plan = group.prepare_store(namespace, keys, engine=False)  # evicts (and demotes); invisible until commit
         present = [i for i, o in enumerate(plan.outcomes) if o is Outcome.ALREADY_PRESENT]
         if not plan.slots:
             return Granted(b"", Exposed(peer, group, [], [], [], [], 0.0, True), 0, b"", present)
-        return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], [], 0.0, True),
-                              lease_ms, present)
+        return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], [], 0.0, True,
+                                      namespace, [keys[i] for i in plan.positions]), lease_ms, present)
 
-    def _check(self, lease_ms: int, n: int) -> None:
+    def yield_to_engine(self, group: CacheGroup, namespace: str, keys: list[bytes]) -> None:
+        """The local engine stores these keys: reservations of them in ``group`` give them up (the engine comes
+        first; a peer's uncommitted copy must never stop the engine's). The reserved slots stay held until
+        their reservation ends (a peer's write may still land there), then are freed unpublished."""
+        if not self._open:  # (the usual case: a read of a dict's size, no lock)
+            return
+        wanted = set(keys)
+        with self._lock:
+            taken = []
+            for exposed in self._open.values():
+                if exposed.pushed and exposed.group is group and exposed.namespace == namespace:
+                    for j, key in enumerate(exposed.keys):
+                        if key in wanted and j not in exposed.yielded:
+                            exposed.yielded.add(j)
+                            taken.append(exposed.slots[j])
+            if taken:
+                group.index.drop_slots(taken)
+
+    def _check(self, peer: str, lease_ms: int, n: int) -> None:
         """Refuse before pinning anything (``_open_new`` checks again: requests run side by side)."""
         if not 1 <= lease_ms <= self.settings.max_lease_ms:
             raise InvalidArgument(f"lease_ms: between 1 and {self.settings.max_lease_ms}, got {lease_ms}")
         with self._lock:
-            self._bounds(n)
+            self._bounds(peer, n)
 
-    def _bounds(self, n: int) -> None:
-        """(lock held)"""
-        if len(self._open) + self._opening >= self.settings.max_leases:
-            raise ResourceExhausted(f"{len(self._open)} peer leases are open; at most {self.settings.max_leases}")
-        if self._blocks + n > self.settings.max_leased_blocks:
-            raise ResourceExhausted(f"{self._blocks} blocks are leased to peers; at most "
-                                    f"{self.settings.max_leased_blocks}")
+    def _bounds(self, peer: str, n: int, group: CacheGroup | None = None) -> None:
+        """(lock held) The daemon's bounds over all peers, each peer's own (one hoarder cannot stop the
+        others), and the share of a host tier peers may hold (the local engine keeps the rest)."""
+        s = self.settings
+        if len(self._open) + self._opening >= s.max_leases:
+            raise ResourceExhausted(f"{len(self._open)} peer leases are open; at most {s.max_leases}")
+        if self._blocks + n > s.max_leased_blocks:
+            raise ResourceExhausted(f"{self._blocks} blocks are leased to peers; at most {s.max_leased_blocks}")
+        if self._peer_open[peer] >= s.max_leases_per_peer:
+            raise ResourceExhausted(f"peer {shown(peer)} holds {self._peer_open[peer]} leases and reservations; at "
+                                    f"most {s.max_leases_per_peer} a peer")
+        if self._peer_blocks[peer] + n > s.max_leased_blocks_per_peer:
+            raise ResourceExhausted(f"peer {shown(peer)} holds {self._peer_blocks[peer]} blocks; at most "
+                                    f"{s.max_leased_blocks_per_peer} a peer")
+        if group is not None:
+            share = int(group.host.capacity * s.host_share)
+            if self._group_blocks[id(group)] + n > share:
+                raise ResourceExhausted(f"peers hold {self._group_blocks[id(group)]} blocks of cache group "
+                                        f"{shown(group.name)}'s host tier; at most {share} "
+                                        f"(peering.host_share {s.host_share:g} of {group.host.capacity})")
 
     def _open_new(self, exposed: Exposed, lease_ms: int, present: list[int]) -> Granted:
         n = len(exposed.slots)
         with self._lock:  # counted before NIXL registers anything: requests run side by side
             try:
-                self._bounds(n)
+                self._bounds(exposed.peer, n, exposed.group)
             except ResourceExhausted:
                 exposed.drop()
                 raise
-            self._blocks += n
+            self._count(exposed, 1)
             self._opening += 1
         group = exposed.group
         buffer = group.host.buffer
@@ -155,7 +197,7 @@ class LeaseTable:
             metadata = self.agent.expose(exposed.addresses, group.host.slot_bytes)
         except self.agent.errors as exc:
             with self._lock:
-                self._blocks -= n
+                self._count(exposed, -1)
                 self._opening -= 1
             exposed.drop()
             raise ResourceExhausted(f"NIXL could not register the slots ({type(exc).__name__})") from None
@@ -212,7 +254,8 @@ class LeaseTable:
         if reservation is None:
             return []
         got = reservation.group.host.checksums(reservation.slots)
-        stored = [a == b for a, b in zip(got, checksums)]
+        # (a slot the engine took the key of is freed unpublished: not PENDING any more; the key is held here)
+        stored = [a == b or j in reservation.yielded for j, (a, b) in enumerate(zip(got, checksums))]
         reservation.group.index.complete_store(reservation.slots, [c if ok else None for c, ok in zip(got, stored)])
         good = sum(stored)
         self.counters.moved(peer, "in", good, good * reservation.group.host.slot_bytes)
@@ -220,10 +263,22 @@ class LeaseTable:
             self.counters.failed(peer, "corrupt", len(stored) - good)
         return stored
 
+    def _count(self, exposed: Exposed, sign: int) -> None:
+        """(lock held) Count a lease or reservation in (1) or out (-1) of the bounds."""
+        n = sign * len(exposed.slots)
+        self._blocks += n
+        self._peer_open[exposed.peer] += sign
+        self._peer_blocks[exposed.peer] += n
+        self._group_blocks[id(exposed.group)] += n
+        for counter, key in ((self._peer_open, exposed.peer), (self._peer_blocks, exposed.peer),
+                             (self._group_blocks, id(exposed.group))):
+            if counter[key] <= 0:
+                del counter[key]  # (bounded by what is open: names and groups come and go)
+
     def _end(self, exposed_id: bytes) -> None:
         """(lock held) Withdraw a lease's or reservation's slots; the caller unpins or publishes them."""
         exposed = self._open.pop(exposed_id)
-        self._blocks -= len(exposed.slots)
+        self._count(exposed, -1)
         self.agent.withdraw(exposed.addresses, exposed.group.host.slot_bytes)
         if not self._open:
             self.agent.unhold()
@@ -244,8 +299,9 @@ class LeaseTable:
                 wait = self._deadlines[0][0] - now if self._deadlines else None
                 self._lock.wait(wait)
 
-    def _matching(self, block_format: bytes) -> list[CacheGroup]:
-        return [g for g in self._groups() if g.format.fingerprint == block_format]
+    def _matching(self, cache_group: str, block_format: bytes) -> list[CacheGroup]:
+        """The group a peer named, if peers may reach it (``groups``: only those) and its format matches."""
+        return [g for g in self._groups() if g.name == cache_group and g.format.fingerprint == block_format]
 
     @property
     def open(self) -> tuple[int, int]:

@@ -38,14 +38,17 @@ _CAUSES = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.UNAVAIL
 
 
 class PeerLink:
-    def __init__(self, me: str, peer: PeerAddress, agent: Agent, timeout_s: float) -> None:
+    def __init__(self, me: str, peer: PeerAddress, agent: Agent, timeout_s: float, cert: str = "", key: str = "") -> None:
+        """``cert``, ``key``: this daemon's certificate (its name in it) and key, shown to the peer (mutual TLS)."""
         self.me = me
         self.peer = peer
         self.agent = agent
         self.timeout_s = timeout_s
         self.breaker = Breaker(peer.address, tier=f"peer {peer.name}")
         options = [("grpc.ssl_target_name_override", peer.server_name)] if peer.server_name else []
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(peer.tls_ca).read_bytes())
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(peer.tls_ca).read_bytes(),
+                                             private_key=Path(key).read_bytes() if key else None,
+                                             certificate_chain=Path(cert).read_bytes() if cert else None)
         self._channel = grpc.secure_channel(peer.address, creds, options=options)
         self._stub = pb_grpc.KVPeerStub(self._channel)
         self._auth = (("authorization", f"Bearer {peer.token}"),)
@@ -92,9 +95,10 @@ class PeerLink:
     def disconnect(self) -> None:
         self.agent.forget_peer(self.name)
 
-    def lookup(self, namespace: str, block_format: bytes, keys: list[bytes]) -> Callable[[], list[bool]]:
-        """Ask which keys the peer holds; returns the wait for the answer (so that peers are asked at once)."""
-        call = self._start("PeerLookup", pb.PeerLookupRequest(peer=self.me, namespace=namespace,
+    def lookup(self, group: str, namespace: str, block_format: bytes, keys: list[bytes]) -> Callable[[], list[bool]]:
+        """Ask which keys the peer holds in its cache group ``group``; returns the wait for the answer (so that
+        peers are asked at once)."""
+        call = self._start("PeerLookup", pb.PeerLookupRequest(peer=self.me, namespace=namespace, cache_group=group,
                                                              block_format=block_format, keys=keys))
 
         def answer() -> list[bool]:
@@ -103,15 +107,16 @@ class PeerLink:
 
         return answer
 
-    def lease(self, namespace: str, block_format: bytes, keys: list[bytes], lease_ms: int) -> pb.PeerLeaseResponse:
+    def lease(self, group: str, namespace: str, block_format: bytes, keys: list[bytes], lease_ms: int
+              ) -> pb.PeerLeaseResponse:
         self.ensure_connected()
-        return self._call("PeerLease", pb.PeerLeaseRequest(peer=self.me, namespace=namespace,
+        return self._call("PeerLease", pb.PeerLeaseRequest(peer=self.me, namespace=namespace, cache_group=group,
                                                           block_format=block_format, keys=keys, lease_ms=lease_ms))
 
-    def reserve(self, namespace: str, block_format: bytes, keys: list[bytes], lease_ms: int
+    def reserve(self, group: str, namespace: str, block_format: bytes, keys: list[bytes], lease_ms: int
                 ) -> pb.PeerReserveResponse:
         self.ensure_connected()
-        return self._call("PeerReserve", pb.PeerReserveRequest(peer=self.me, namespace=namespace,
+        return self._call("PeerReserve", pb.PeerReserveRequest(peer=self.me, namespace=namespace, cache_group=group,
                                                               block_format=block_format, keys=keys, lease_ms=lease_ms))
 
     def commit(self, reservation_id: bytes, checksums: list[int]) -> list[bool]:

@@ -47,7 +47,7 @@ def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: CacheGroup
             outcomes[i] = Outcome.FAILED
         asked = time.monotonic()
         try:
-            answer = link.reserve(namespace, group.format.fingerprint, [keys[i] for i in held], lease_ms)
+            answer = link.reserve(group.name, namespace, group.format.fingerprint, [keys[i] for i in held], lease_ms)
         except PeerUnavailable as exc:
             counters.failed(link.name, exc.cause)
             return done

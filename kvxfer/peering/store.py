@@ -70,9 +70,10 @@ class PeerStore:
     takes_stores = False
     restart_warm = False
 
-    def __init__(self, agent: Agent, links: list[PeerLink], counters: PeerCounters, block_format: bytes,
+    def __init__(self, agent: Agent, links: list[PeerLink], counters: PeerCounters, group: str, block_format: bytes,
                  host: HostTier, lease_ms: int) -> None:
         self.agent = agent
+        self.group = group  # the cache group asked for on every peer: the one of the same name there
         self.links = links
         self.counters = counters
         self.block_format = block_format
@@ -92,7 +93,7 @@ class PeerStore:
         asked = []
         for link in self.links:
             try:
-                asked.append((link, link.lookup(namespace, self.block_format, keys)))
+                asked.append((link, link.lookup(self.group, namespace, self.block_format, keys)))
             except PeerUnavailable as exc:
                 self.counters.failed(link.name, exc.cause)
         for link, answer in asked:
@@ -122,7 +123,7 @@ class PeerStore:
     def _lease(self, link: PeerLink, namespace: str, keys: list[bytes], wanted: list[int]) -> _Leased | None:
         asked = time.monotonic()
         try:
-            answer = link.lease(namespace, self.block_format, keys, self.lease_ms)
+            answer = link.lease(self.group, namespace, self.block_format, keys, self.lease_ms)
         except PeerUnavailable as exc:
             self.counters.failed(link.name, exc.cause)
             return None

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvxfer.events.hub import EventHub
+from kvxfer.events.hub import EventHub, ScopedEvents
 from kvxfer.events.records import Reason
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PoolLayout, dtype_name
@@ -79,12 +79,13 @@ class CacheGroup:
 
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
                  disk: DiskSettings | None = None, remote: RemoteSettings | None = None,
-                 shared_fs: SharedFsSettings | None = None, kv_events: EventHub | None = None,
+                 shared_fs: SharedFsSettings | None = None, kv_events: EventHub | ScopedEvents | None = None,
                  manifest: Manifest | None = None, peering: Peering | None = None) -> None:
         """``kv_events``: where every tier of the group announces blocks becoming restorable and going.
         ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
         ``peering``: other nodes' daemons are a tier too, asked after the local ones and before Redis."""
         self.name = name
+        self.event_scope = kv_events.scope if kv_events is not None else 0  # who sees its events (EventHub.scoped)
         self.format = BlockFormat.of(layout, manifest)
         self.assembly = Assembly(layout.spec.num_kv_heads) if manifest is not None else None
         self.verified = Verified(capacity_blocks) if manifest is not None else None  # ranks verify a block once
@@ -100,10 +101,11 @@ class CacheGroup:
         settings = {"disk": disk, "remote": remote, "shared_fs": shared_fs}
         self.lower_tiers: list[LowerTier] = [make(settings[section], name, fingerprint, nbytes, kv_events)
                                              for section, make in LOWER_TIERS if settings[section] is not None]
+        self._reservations = peering.leases if peering is not None else None  # peers' pushes into this group
         if peering is not None:
             remote = [i for i, t in enumerate(self.lower_tiers) if t.kind is TierKind.REMOTE]
             at = remote[0] if remote else len(self.lower_tiers)
-            self.lower_tiers.insert(at, peering.tier(self.format.fingerprint, self.host))
+            self.lower_tiers.insert(at, peering.tier(name, self.format.fingerprint, self.host))
 
     def _tier(self, kind: TierKind) -> LowerTier | None:
         return next((t for t in self.lower_tiers if t.kind is kind), None)
@@ -120,9 +122,12 @@ class CacheGroup:
     def lower(self) -> bool:
         return bool(self.lower_tiers)
 
-    def prepare_store(self, namespace: str, keys: list[bytes]) -> Plan:
-        """Host slots for new keys; the blocks evicted to make room go to the lower tiers."""
+    def prepare_store(self, namespace: str, keys: list[bytes], engine: bool = True) -> Plan:
+        """Host slots for new keys; the blocks evicted to make room go to the lower tiers. ``engine``: the local
+        engine stores them, which comes first: a peer's reservation of the same keys gives them up."""
         with self.store_lock:
+            if engine and self._reservations is not None:
+                self._reservations.yield_to_engine(self, namespace, keys)
             plan = self.index.prepare_store(namespace, keys)
             if plan.evicted:
                 self._demote(plan.evicted)

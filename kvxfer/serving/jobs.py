@@ -237,7 +237,8 @@ class JobRunner:
             raise ResourceExhausted(f"{held} jobs queued or finished but not collected on pool "
                                     f"{self.manager.pool.descriptor.pool_id}; at most {self.max_queued}")
         if client_id:  # one client may not take every place (fairness): its own bound too
-            own = sum(j.client_id == client_id and j.state is not JobState.RUNNING for j in self._jobs.values())
+            # Every job it holds counts: queued, running, or finished and not collected.
+            own = sum(j.client_id == client_id for j in self._jobs.values())
             if own >= self.max_per_client:
                 raise ResourceExhausted(f"this client holds {own} jobs queued or not collected on pool "
                                         f"{self.manager.pool.descriptor.pool_id}; at most {self.max_per_client} "

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kvxfer.events.hub import EventHub
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
-    ResourceExhausted
+    ResourceExhausted, Unavailable
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.handoff import HandOff, HandOffs, check_path_names, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
@@ -41,6 +41,7 @@ from kvxfer.memory.shm import size_sealed
 from kvxfer.validate import check_pool_id, shown
 
 DAEMON = "daemon"  # the owner of the daemon's own pools and their cache groups
+RELEASE_DEMOTE_S = 30.0  # how long a released group's host tier may take to be written down to disk
 log = logging.getLogger(__name__)
 
 
@@ -66,10 +67,23 @@ class ServedPool:
                          store.offloaded, store.restored, store.outcomes, self.jobs.stats(), store.lookups)
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """Who besides a cache group's creator sees it. The daemon's own groups are shared both ways;
+    a registrant's are private unless it asks when it makes the group."""
+
+    peers: bool = False  # other nodes' daemons may read its blocks and push into it (peering)
+    events: bool = False  # any WatchEvents / Snapshot caller and the ZeroMQ publisher see its keys
+
+
+DAEMON_SHARING = Sharing(peers=True, events=True)
+
+
 @dataclass
 class _Group:
     group: CacheGroup
     owner: str
+    sharing: Sharing = Sharing()
     idle_since: float | None = None  # when its last pool went away
     pools: set[str] = field(default_factory=set)
 
@@ -86,52 +100,69 @@ class PoolRegistry:
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
         self._pools: dict[str, ServedPool] = {}
         self._groups: dict[str, _Group] = {}
+        self._closing: set[str] = set()  # groups released and being written down (not made again meanwhile)
         self._lock = threading.Lock()
         self._job_ids = itertools.count(1)  # job ids are unique across the daemon's pools
         self._watch = ProcessWatch(self._registrant_exited)
 
     def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
-            token: bytes = b"", registrant_pid: int = 0) -> ServedPool:
+            token: bytes = b"", registrant_pid: int = 0, sharing: Sharing | None = None) -> ServedPool:
         """Serve a mapped pool (owned, or registered) in a cache group (default: its own id).
 
-        A new group gets a host tier of ``host_capacity_blocks``; an existing group keeps its
-        own and admits only its ``owner``.
+        A new group gets a host tier of ``host_capacity_blocks`` and ``sharing`` (default: the
+        daemon's groups shared, others private); an existing group keeps its own, admits only its
+        ``owner``, and refuses a pool that asks for other sharing.
         """
+        sharing = sharing if sharing is not None else DAEMON_SHARING if owner == DAEMON else Sharing()
         pool_id = pool.descriptor.pool_id
         name = check_pool_id(cache_group or pool_id, "cache group")
-        with self._lock:
-            if pool_id in self._pools:
-                raise AlreadyExists(f"pool {shown(pool_id)} exists")
-            if len(self._pools) >= self.limits.max_pools:
-                raise ResourceExhausted(f"the daemon serves {len(self._pools)} pools; at most {self.limits.max_pools}")
-            entry = self._groups.get(name)
-            if entry is not None and entry.owner != owner:
-                raise PermissionDenied(f"cache group {shown(name)} belongs to another party; a pool joins only a "
-                                       "group its own party created (use another cache group)")
-            if entry is None:
-                stored, manifest = stored_format(pool.layout, pool.descriptor.sharding)
-                if owner != DAEMON and not self.limits.allow_overcommit:  # the daemon's own: checked at start
-                    room.ensure(host_capacity_blocks * stored.block_bytes, f"the host tier of pool {shown(pool_id)}")
-                self._sweep(time.monotonic(), force_room=True)
-                if len(self._groups) >= self.limits.max_cache_groups:
-                    raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
-                                            f"{self.limits.max_cache_groups}")
-                entry = _Group(CacheGroup(name, stored, host_capacity_blocks, pin_device=pool.cuda_device,
-                                          disk=self.limits.disk, remote=self.limits.remote,
-                                          shared_fs=self.limits.shared_fs, kv_events=self.kv_events,
-                                          manifest=manifest, peering=self.peering), owner)
-            # PoolManager refuses a pool whose block format differs from the group's.
-            manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
-                                  observer=self.observer, copy_threads=self.limits.copy_threads,
-                                  deadline_s=self.limits.gpu_copy_deadline_s)
-            self._groups[name] = entry
-            entry.pools.add(pool_id)
-            entry.idle_since = None
-            jobs = JobRunner(manager, self._job_ids, self.limits.max_queued_jobs, self.limits.default_lease_s,
-                             self.limits.max_lease_s, self.limits.max_jobs_per_client)
-            served = self._pools[pool_id] = ServedPool(manager, jobs, owner, token_digest(token) if token else b"",
-                                                       registrant_pid)
-            return served
+        released: list[CacheGroup] = []
+        try:
+            with self._lock:
+                if pool_id in self._pools:
+                    raise AlreadyExists(f"pool {shown(pool_id)} exists")
+                if len(self._pools) >= self.limits.max_pools:
+                    raise ResourceExhausted(f"the daemon serves {len(self._pools)} pools; at most "
+                                            f"{self.limits.max_pools}")
+                entry = self._groups.get(name)
+                if entry is not None and entry.owner != owner:
+                    raise PermissionDenied(f"cache group {shown(name)} belongs to another party; a pool joins only a "
+                                           "group its own party created (use another cache group)")
+                if entry is not None and entry.sharing != sharing:
+                    raise FailedPrecondition(f"cache group {shown(name)} was made with {entry.sharing}; a pool joining "
+                                             f"it asks for the same (got {sharing})")
+                if entry is None:
+                    stored, manifest = stored_format(pool.layout, pool.descriptor.sharding)
+                    if owner != DAEMON and not self.limits.allow_overcommit:  # the daemon's own: checked at start
+                        room.ensure(host_capacity_blocks * stored.block_bytes,
+                                    f"the host tier of pool {shown(pool_id)}")
+                    if name in self._closing:
+                        raise Unavailable(f"cache group {shown(name)} is being written down after its idle time; "
+                                          "register again in a moment")
+                    released = self._sweep(time.monotonic(), force_room=True)
+                    if len(self._groups) >= self.limits.max_cache_groups:
+                        raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
+                                                f"{self.limits.max_cache_groups}")
+                    entry = _Group(CacheGroup(name, stored, host_capacity_blocks, pin_device=pool.cuda_device,
+                                              disk=self.limits.disk, remote=self.limits.remote,
+                                              shared_fs=self.limits.shared_fs,
+                                              kv_events=self.kv_events.scoped(private=not sharing.events)
+                                              if self.kv_events is not None else None,
+                                              manifest=manifest, peering=self.peering), owner, sharing)
+                # PoolManager refuses a pool whose block format differs from the group's.
+                manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
+                                      observer=self.observer, copy_threads=self.limits.copy_threads,
+                                      deadline_s=self.limits.gpu_copy_deadline_s)
+                self._groups[name] = entry
+                entry.pools.add(pool_id)
+                entry.idle_since = None
+                jobs = JobRunner(manager, self._job_ids, self.limits.max_queued_jobs, self.limits.default_lease_s,
+                                 self.limits.max_lease_s, self.limits.max_jobs_per_client)
+                served = self._pools[pool_id] = ServedPool(manager, jobs, owner, token_digest(token) if token else b"",
+                                                           registrant_pid)
+        finally:
+            self._close_released(released)  # (outside the lock: it writes blocks down to disk)
+        return served
 
     def create(self, pool_id: str, spec: KVSpec, layout: Layout, device: str = "auto",
                host_capacity_mib: float = 512, cache_group: str = "", sharding: Sharding | None = None
@@ -149,8 +180,8 @@ class PoolRegistry:
             raise
 
     def register(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, token: bytes,
-                 host_capacity_mib: int = 0, cache_group: str = "", sharding: Sharding | None = None
-                 ) -> tuple[ServedPool, bytes]:
+                 host_capacity_mib: int = 0, cache_group: str = "", sharding: Sharding | None = None,
+                 sharing: Sharing = Sharing()) -> tuple[ServedPool, bytes]:
         """Serve memory an engine allocated and handed over; returns the pool (with a fresh
         epoch) and the registration token that unregisters it. The hand-off is used up
         whether the registration succeeds or not."""
@@ -169,7 +200,7 @@ class PoolRegistry:
         unregister_token = secrets.token_bytes(16)
         try:
             served = self.add(pool, capacity, cache_group, owner=f"uid:{handoff.uid}", token=unregister_token,
-                              registrant_pid=handoff.pid)
+                              registrant_pid=handoff.pid, sharing=sharing)
         except BaseException:
             pool.close()
             raise
@@ -316,6 +347,17 @@ class PoolRegistry:
         with self._lock:
             return [entry.group for entry in self._groups.values()]
 
+    def peer_groups(self) -> list[CacheGroup]:
+        """The cache groups other nodes' daemons may reach: the daemon's own and those shared with peers."""
+        with self._lock:
+            return [entry.group for entry in self._groups.values() if entry.sharing.peers]
+
+    def event_scopes(self, refs: Sequence[PoolRef] = ()) -> frozenset[int]:
+        """The event scopes a caller may see besides the public one (0: the daemon's groups and those shared
+        with events): those of the registered pools it names with their registration tokens
+        (PERMISSION_DENIED for a wrong token, FAILED_PRECONDITION for an unknown pool)."""
+        return frozenset({0} | {self.get(ref, registrant=True).manager.group.event_scope for ref in refs})
+
     def lookup(self, refs: Sequence[PoolRef], namespace: str, keys: Sequence[bytes]) -> LookupResult:
         """Hits present in every listed pool (the ranks of one model): the minimum over pools,
         since a block is reusable only when every rank holds its shard."""
@@ -328,9 +370,13 @@ class PoolRegistry:
         return LookupResult(min(r.hits for r in results), tiers)
 
     def sweep(self) -> list[str]:
-        """Release cache groups whose last pool left more than the retention ago; returns them."""
+        """Release cache groups whose last pool left more than the retention ago (their host tiers written
+        down to the tiers that keep blocks, then freed); returns their names. Blocks on disk I/O: call it
+        from a worker thread."""
         with self._lock:
-            return self._sweep(time.monotonic())
+            released = self._sweep(time.monotonic())
+        self._close_released(released)
+        return [group.name for group in released]
 
     def close(self, drain_timeout: float = 0.0) -> None:
         """Stop every pool's jobs, write the host tiers to their disk tiers (for up to
@@ -361,21 +407,32 @@ class PoolRegistry:
                 entry.pools.discard(served.descriptor.pool_id)
                 if not entry.pools:
                     entry.idle_since = time.monotonic()
-            self._sweep(time.monotonic())
+            released = self._sweep(time.monotonic())
+        self._close_released(released)
 
-    def _sweep(self, now: float, force_room: bool = False) -> list[str]:
-        """(lock held) Drop idle groups past retention; with ``force_room``, when no room is
-        left for a new group, also the longest idle one (its blocks are the stalest)."""
+    def _sweep(self, now: float, force_room: bool = False) -> list[CacheGroup]:
+        """(lock held) Take out idle groups past retention (an engine back within it finds its group warm);
+        with ``force_room``, when no room is left for a new group, also the least recently used idle one
+        (its blocks are the stalest). The caller closes them with ``_close_released``, outside the lock."""
         retention = self.limits.cache_group_retention_s
         idle = sorted((e.idle_since, name) for name, e in self._groups.items() if e.idle_since is not None)
         gone = [name for since, name in idle if now - since >= retention]
         if force_room and len(self._groups) - len(gone) >= self.limits.max_cache_groups:
             gone += [name for _, name in idle if name not in gone][:1]
-        for name in gone:
-            self._groups.pop(name).group.close()  # its host tier is freed with the last reference
-        if gone:
-            log.info("cache groups released", extra={"cache_groups": gone})
-        return gone
+        self._closing.update(gone)
+        return [self._groups.pop(name).group for name in gone]
+
+    def _close_released(self, groups: list[CacheGroup]) -> None:
+        """Write released groups' host tiers down to the tiers that keep blocks (disk), then free them: their
+        memory returns with the last reference, and an engine that comes back later finds its blocks there."""
+        for group in groups:
+            try:
+                written = group.demote_all(RELEASE_DEMOTE_S)
+                group.close(RELEASE_DEMOTE_S)
+                log.info("cache group released", extra={"cache_group": group.name, "written_down": written})
+            finally:
+                with self._lock:
+                    self._closing.discard(group.name)
 
     def _served_files(self, except_pid: int = 0) -> set[tuple[int, int]]:
         with self._lock:
@@ -384,4 +441,4 @@ class PoolRegistry:
         return {file_identity(p.fd) for p in pools if p.fd is not None}
 
 
-__all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool"]
+__all__ = ["DAEMON", "DAEMON_SHARING", "Limits", "PoolRegistry", "ServedPool", "Sharing"]

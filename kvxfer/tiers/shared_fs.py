@@ -7,7 +7,11 @@ Its contents are the disk tier's: a 4 KiB header (``kvxfer.tiers.record``: the b
 fingerprint bound to the cache group, the checksum, the namespace and the key) and the block.
 It is written under a temporary name unique to this process, flushed, renamed into place and
 its directory flushed, so a reader sees the old file, the new one or none, never half of one.
-Reads never follow a link or wait on a FIFO, and check the header and the checksum.
+Every path beneath the share is resolved a component at a time from the share's directory
+descriptor, never following a link (``O_NOFOLLOW | O_DIRECTORY`` per directory, ``O_NOFOLLOW``
+for the file), so a link planted for ``<share>/<group>`` or a block subdirectory makes that block
+a miss (or a dropped write), never a file written, read or deleted elsewhere. Reads never wait
+on a FIFO, and check the header and the checksum.
 
 A mount can stall (a server away, a lost lease): a call into it can block in the kernel for
 minutes. So every call runs on a bounded pool of threads and is waited for at most
@@ -23,7 +27,8 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -35,6 +40,7 @@ from kvxfer.tiers.breaker import Breaker
 HEADER_BYTES = 4096
 FILE_MODE = 0o600
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 T = TypeVar("T")
 
 
@@ -56,6 +62,7 @@ class SharedFs:
     """One cache group's files on the shared mount, every call under a deadline."""
 
     def __init__(self, settings: SharedFsSettings, group: str, fingerprint: bytes, slot_bytes: int) -> None:
+        self.share = settings.path
         self.directory = Path(settings.path) / group
         self.group, self.fingerprint, self.slot_bytes = group, fingerprint, slot_bytes
         self.timeout_s = settings.timeout_s
@@ -65,8 +72,30 @@ class SharedFs:
         self._tmp = f"{socket.gethostname()}.{os.getpid()}"
 
     def name(self, namespace: str, key: bytes) -> Path:
-        digest = hashlib.sha256(b"\0".join([self.group.encode(), namespace.encode(), key])).hexdigest()
+        """Where a block's file lies (for messages and tests; the calls reach it through ``_block``)."""
+        digest = self._digest(namespace, key)
         return self.directory / digest[:2] / f"{digest}.kvb"
+
+    def _digest(self, namespace: str, key: bytes) -> str:
+        return hashlib.sha256(b"\0".join([self.group.encode(), namespace.encode(), key])).hexdigest()
+
+    @contextmanager
+    def _block(self, namespace: str, key: bytes, create: bool = False) -> Iterator[tuple[int, str]]:
+        """(the descriptor of the block's directory, its file's name): ``<share>/<group>/<2 hex>`` opened a
+        component at a time without following a link (``create``: making the missing ones). The share itself
+        is the operator's path. ``FileNotFoundError`` if a directory is absent; another ``OSError`` (ELOOP,
+        ENOTDIR) if one is a link or not a directory."""
+        digest = self._digest(namespace, key)
+        if create:
+            os.makedirs(self.share, 0o700, exist_ok=True)
+        opened = [os.open(self.share, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        try:
+            for name in (self.group, digest[:2]):  # (a group name is never "." or "..": check_pool_id)
+                opened.append(_subdirectory(opened[-1], name, create))
+            yield opened[-1], f"{digest}.kvb"
+        finally:
+            for fd in opened:
+                os.close(fd)
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on a mount thread, waited for at most ``timeout_s``; ``Stalled`` past it.
@@ -86,36 +115,35 @@ class SharedFs:
     # -- the calls (run on mount threads) ---------------------------------------------
     def write(self, namespace: str, key: bytes, checksum: int, data) -> None:
         """Make one block's file durable under its name (replacing any)."""
-        path = self.name(namespace, key)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{self._tmp}.{threading.get_ident()}.tmp")
         header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes, pad_to=HEADER_BYTES)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-        try:
-            os.fchmod(fd, FILE_MODE)
-            for view in (memoryview(header), memoryview(data).cast("B")):
-                while view:
-                    view = view[os.write(fd, view):]
-            os.fdatasync(fd)
-        except OSError:
+        with self._block(namespace, key, create=True) as (directory, name):
+            tmp = f"{name}.{self._tmp}.{threading.get_ident()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
+                         dir_fd=directory)
+            try:
+                os.fchmod(fd, FILE_MODE)
+                for view in (memoryview(header), memoryview(data).cast("B")):
+                    while view:
+                        view = view[os.write(fd, view):]
+                os.fdatasync(fd)
+            except OSError:
+                os.close(fd)
+                _unlink_quietly(tmp, directory)
+                raise
             os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.rename(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
+            os.rename(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
             os.fsync(directory)
-        finally:
-            os.close(directory)
 
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
         """Which keys have a file (one call for a lookup's keys: one deadline, one thread hop)."""
         found = []
         for key in keys:
             try:
-                found.append(stat.S_ISREG(os.stat(self.name(namespace, key), follow_symlinks=False).st_mode))
+                with self._block(namespace, key) as (directory, name):
+                    found.append(stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode))
             except FileNotFoundError:
+                found.append(False)
+            except OSError:  # a link or a non-directory on the way: not a block of this tier
                 found.append(False)
         return found
 
@@ -123,11 +151,12 @@ class SharedFs:
         """The block's checksum and verified bytes (a private buffer: a late read never lands in a
         host slot), None if absent; ``DiskCorrupt`` if the file is not that block, whole."""
         try:
-            fd = os.open(self.name(namespace, key), _READ_FLAGS)
+            with self._block(namespace, key) as (directory, name):
+                fd = os.open(name, _READ_FLAGS, dir_fd=directory)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise DiskCorrupt("foreign_file") from exc  # a link or a FIFO where a block should be
+            raise DiskCorrupt("foreign_file") from exc  # a link or a FIFO where a block or a directory should be
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != HEADER_BYTES + self.slot_bytes:
@@ -149,11 +178,35 @@ class SharedFs:
         removed = 0
         for key in keys:
             try:
-                os.unlink(self.name(namespace, key))
+                with self._block(namespace, key) as (directory, name):
+                    os.unlink(name, dir_fd=directory)
                 removed += 1
             except FileNotFoundError:
+                pass
+            except OSError:  # a link on the way: nothing of this tier's is there, and nothing elsewhere is touched
                 pass
         return removed
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)  # threads stuck in the kernel return with the mount
+
+
+def _subdirectory(parent: int, name: str, create: bool) -> int:
+    """``name`` in directory ``parent``, opened without following a link (made first if ``create``)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent)
+    except FileExistsError:  # another node (or writer thread) made it meanwhile
+        pass
+    return os.open(name, _DIR_FLAGS, dir_fd=parent)
+
+
+def _unlink_quietly(name: str, directory: int) -> None:
+    try:
+        os.unlink(name, dir_fd=directory)
+    except FileNotFoundError:
+        pass

@@ -401,7 +401,7 @@ class StatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group", "registration_token", "sharding")
+    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group", "registration_token", "sharding", "share_with_peers", "share_events")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +410,8 @@ class RegisterPoolRequest(_message.Message):
     CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SHARDING_FIELD_NUMBER: _ClassVar[int]
+    SHARE_WITH_PEERS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     spec: KVSpec
     layout: str
@@ -418,7 +420,9 @@ class RegisterPoolRequest(_message.Message):
     cache_group: str
     registration_token: bytes
     sharding: Sharding
-    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ..., registration_token: _Optional[bytes] = ..., sharding: _Optional[_Union[Sharding, _Mapping]] = ...) -> None: ...
+    share_with_peers: bool
+    share_events: bool
+    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ..., registration_token: _Optional[bytes] = ..., sharding: _Optional[_Union[Sharding, _Mapping]] = ..., share_with_peers: _Optional[bool] = ..., share_events: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool", "registration_token")
@@ -493,14 +497,16 @@ class KVEvent(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., kind: _Optional[_Union[EventKind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., cache_group: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., reason: _Optional[_Union[RemovalReason, str]] = ..., engine: _Optional[_Union[EngineBlocks, _Mapping]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("from_sequence", "namespaces", "stream_id")
+    __slots__ = ("from_sequence", "namespaces", "stream_id", "pools")
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     from_sequence: int
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     stream_id: str
-    def __init__(self, from_sequence: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., stream_id: _Optional[str] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolRef]
+    def __init__(self, from_sequence: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., stream_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolRef, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
     __slots__ = ("stream_id", "events", "resync", "next_sequence")
@@ -515,10 +521,12 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, stream_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., resync: _Optional[bool] = ..., next_sequence: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("namespaces",)
+    __slots__ = ("namespaces", "pools")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, namespaces: _Optional[_Iterable[str]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolRef]
+    def __init__(self, namespaces: _Optional[_Iterable[str]] = ..., pools: _Optional[_Iterable[_Union[PoolRef, _Mapping]]] = ...) -> None: ...
 
 class SnapshotResponse(_message.Message):
     __slots__ = ("stream_id", "sequence", "tier", "cache_group", "namespace", "keys")
@@ -561,16 +569,18 @@ class PeerConnectResponse(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class PeerLookupRequest(_message.Message):
-    __slots__ = ("peer", "namespace", "block_format", "keys")
+    __slots__ = ("peer", "namespace", "block_format", "keys", "cache_group")
     PEER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
     peer: str
     namespace: str
     block_format: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    cache_group: str
+    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., cache_group: _Optional[str] = ...) -> None: ...
 
 class PeerLookupResponse(_message.Message):
     __slots__ = ("present",)
@@ -579,18 +589,20 @@ class PeerLookupResponse(_message.Message):
     def __init__(self, present: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PeerLeaseRequest(_message.Message):
-    __slots__ = ("peer", "namespace", "block_format", "keys", "lease_ms")
+    __slots__ = ("peer", "namespace", "block_format", "keys", "lease_ms", "cache_group")
     PEER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
     peer: str
     namespace: str
     block_format: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
-    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    cache_group: str
+    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., cache_group: _Optional[str] = ...) -> None: ...
 
 class LeasedBlock(_message.Message):
     __slots__ = ("position", "address", "checksum")
@@ -645,18 +657,20 @@ class PushRequest(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class PeerReserveRequest(_message.Message):
-    __slots__ = ("peer", "namespace", "block_format", "keys", "lease_ms")
+    __slots__ = ("peer", "namespace", "block_format", "keys", "lease_ms", "cache_group")
     PEER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
     peer: str
     namespace: str
     block_format: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
-    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    cache_group: str
+    def __init__(self, peer: _Optional[str] = ..., namespace: _Optional[str] = ..., block_format: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., cache_group: _Optional[str] = ...) -> None: ...
 
 class PeerReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "blocks", "present_positions", "block_bytes", "lease_ms", "memory_metadata")

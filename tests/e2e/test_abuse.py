@@ -258,3 +258,33 @@ def test_start_up_problems_are_one_line_errors(make_daemon, unix_users, tmp_path
     finally:
         daemon.cleanup()
         subprocess.run(["rm", "-rf", shared])
+
+
+def test_an_idle_groups_blocks_are_written_down_and_an_engine_back_later_finds_them(make_daemon, tmp_path):
+    """A group whose pools are gone is released after its idle time (cache_group_retention_s): its host tier is
+    written down to disk first, so an engine that comes back after it still finds its blocks (warm from disk)."""
+    daemon = make_daemon({"cache_group_retention_s": 0.5, "registered_host_capacity_mib": 8,
+                          "disk": {"path": str(tmp_path / "disk"), "capacity_gib": 0.05}})
+    with Client(daemon.target, "idle") as client:
+        fd = shm.create_sealed("engine", SPEC.nbytes)
+        pool = Pool.from_fd(client.register_pool("eng", SPEC, Layout.parse("BLHNC"), PoolHandle(Medium.SHM), fd=fd,
+                                                 cache_group="g"), fd)
+        pool.views()[0][0][1].fill_(7)
+        assert client.offload([(1, b"kept")], pool_id="eng").outcomes == [Outcome.DONE]
+        client.unregister_pool("eng")
+        pool.close()
+        deadline = time.monotonic() + 30
+        while '"msg": "cache group released"' not in daemon.log_text():  # past its idle time, written down
+            assert time.monotonic() < deadline, daemon.log_text()[-2000:]
+            time.sleep(0.1)
+        fd = shm.create_sealed("engine2", SPEC.nbytes)
+        pool = Pool.from_fd(client.register_pool("eng2", SPEC, Layout.parse("BLHNC"), PoolHandle(Medium.SHM), fd=fd,
+                                                 cache_group="g"), fd)
+        deadline = time.monotonic() + 30  # (the disk tier's index loads in the background: issue 46)
+        while client.lookup([b"kept"], pool_ids=["eng2"]).hits != 1:
+            assert time.monotonic() < deadline, daemon.log_text()[-2000:]
+            time.sleep(0.1)
+        assert client.restore([(b"kept", 2)], pool_id="eng2").outcomes == [Outcome.DONE]
+        assert bool((pool.views()[0][0][2] == 7).all())
+        client.unregister_pool("eng2")
+        pool.close()

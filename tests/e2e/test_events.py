@@ -14,7 +14,7 @@ import pytest
 from kvxfer import Client
 from kvxfer.errors import InvalidArgument, ResourceExhausted
 from kvxfer.events.records import EventKind, Reason
-from kvxfer.records import TierKind
+from kvxfer.records import Outcome, TierKind
 from service import launch
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.test_metrics import free_port
@@ -241,4 +241,113 @@ def test_the_cli_prints_events_and_the_metrics_count_them(tmp_path):
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "kvxfer_events_emitted_total 1.0" in metrics and "kvxfer_events_subscribers 0.0" in metrics
     finally:
+        daemon.cleanup()
+
+
+def test_a_registrants_private_group_is_seen_only_by_whoever_holds_one_of_its_pools(tmp_path):
+    """WatchEvents and Snapshot filtered by namespace only: any socket user saw which prefixes another
+    tenant had cached. Now a registered group's keys are shown to a caller that presents one of its pools
+    (the registering client does so itself), or to anyone once it was registered with share_events."""
+    import grpc
+    import torch
+
+    from kvxfer.geometry.layout import KVSpec, Layout
+    from kvxfer.memory import shm
+    from kvxfer.memory.pool import PoolHandle
+    from kvxfer.records import Medium
+    from kvxfer.v1 import kvxfer_pb2 as pb, kvxfer_pb2_grpc as pb_grpc
+
+    def groups_until_public(c) -> list[str]:
+        """The groups of the events a caller is shown, up to the public group's (stored after the private's)."""
+        seen = []
+        for batch in c.watch_events(["t"], from_sequence=1, timeout=30):
+            seen += [e.cache_group for e in batch.events]
+            if "public" in seen:
+                return seen
+        raise AssertionError(seen)
+
+    spec = KVSpec(2, 8, 16, 2, 32, torch.float16)
+    daemon = launch.spawn(config(tmp_path))
+    owners = {}
+    try:
+        for group, shared in (("private", False), ("public", True)):
+            c = owners[group] = Client(daemon.target, "t", pool_id=group)
+            c.register_pool(group, spec, Layout.parse("BLHNC"), PoolHandle(Medium.SHM),
+                            fd=shm.create_sealed(group, spec.nbytes), cache_group=group, share_events=shared)
+        for group in ("private", "public"):
+            assert owners[group].offload([(1, f"{group}-key".encode())]).outcomes == [Outcome.DONE]
+        with Client(daemon.target, "t") as stranger:
+            assert set(groups_until_public(stranger)) == {"public"}
+            snap = lambda c: {(s.cache_group, k) for s in c.snapshot(["t"]) for k in s.keys}  # noqa: E731
+            assert snap(stranger) == {("public", b"public-key")}
+        assert set(groups_until_public(owners["private"])) == {"private", "public"}
+        assert snap(owners["private"]) == {("public", b"public-key"), ("private", b"private-key")}
+        # A pool named with a wrong token is refused whole.
+        with grpc.insecure_channel(daemon.target) as channel:
+            ref = pb.PoolRef(pool_id="private", epoch=owners["private"].pool_info("private").epoch,
+                             registration_token=b"x" * 16)
+            for call in (lambda: list(pb_grpc.KVTransferStub(channel).Snapshot(
+                             pb.SnapshotRequest(namespaces=["t"], pools=[ref]), timeout=10)),
+                         lambda: next(iter(pb_grpc.KVTransferStub(channel).WatchEvents(
+                             pb.WatchEventsRequest(namespaces=["t"], pools=[ref]), timeout=10)))):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        for c in owners.values():
+            c.close()
+        daemon.cleanup()
+
+
+def test_replay_requests_nobody_reads_cost_bounded_memory(tmp_path):
+    """The ZeroMQ replay socket kept a full copy of the buffer for every request a client never read:
+    1,000 such requests took a daemon from 362 to 747 MiB. Now answers share the buffer's bytes and a
+    client that does not read gets no more than one answer queued; the rest are dropped and counted."""
+    import zmq
+
+    from tests.e2e.test_abuse import rss_mib
+
+    replay, metrics = f"tcp://127.0.0.1:{free_port()}", free_port()
+    daemon = launch.spawn(config(tmp_path, metrics_port=metrics, publish=f"tcp://127.0.0.1:{free_port()}",
+                                 replay=replay, replay_batches=64))
+    ctx = zmq.Context()
+    try:
+        with Client(daemon.target, "m", pool_id="rank0") as c:  # a buffer of published batches worth asking for
+            for n in range(60):  # long keys: each answer is ~0.5 MiB (it was copied for every request)
+                c.offload([(b, b"%03d-%02d-" % (n, b) + b"k" * 200) for b in BLOCKS[:15]])
+                time.sleep(0.06)  # (one batch or two each: the publisher lingers 50 ms)
+        hoarder = ctx.socket(zmq.DEALER)
+        hoarder.setsockopt(zmq.RCVHWM, 1)  # reads nothing: its answers wait in the daemon
+        hoarder.connect(replay)
+        time.sleep(0.3)
+        before = rss_mib(daemon.proc.pid)
+        for _ in range(1000):
+            hoarder.send_multipart((b"", (0).to_bytes(8, "big")))
+        reader = ctx.socket(zmq.DEALER)
+        reader.connect(replay)
+        reader.send_multipart((b"", (0).to_bytes(8, "big")))
+        answer = []
+        while True:  # the daemon answers a client that reads, in full, after the hoarder's thousand
+            assert reader.poll(30_000), "no replay answer"
+            frames = reader.recv_multipart()
+            if frames[2] == (-1).to_bytes(8, "big", signed=True):
+                break
+            answer.append(frames)
+        assert len(answer) >= 5
+
+        def publisher(event: str) -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+            return next(float(line.split()[-1]) for line in text.splitlines()
+                        if line.startswith(f'kvxfer_events_publisher_total{{event="{event}"}}'))
+
+        deadline = time.monotonic() + 60
+        while publisher("replays") + publisher("replay_dropped") < 1001:  # every request handled
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        grown = rss_mib(daemon.proc.pid) - before
+        dropped = publisher("replay_dropped")
+        print(f"RSS grew {grown:.1f} MiB after 1000 unread replay requests; {dropped:.0f} answers dropped")
+        assert dropped >= 100 and grown < 64, (grown, dropped)
+    finally:
+        ctx.destroy(linger=0)
         daemon.cleanup()

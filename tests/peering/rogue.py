@@ -9,18 +9,29 @@ import numpy as np
 
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from service.peering_local import Tls
 from tests.peering.cluster import TOKEN
 
 
 class Rogue:
-    def __init__(self, name: str, address: str, cert: bytes, token: str = TOKEN) -> None:
+    def __init__(self, name: str, address: str, tls: Tls, token: str = TOKEN, identity: str | None = None,
+                 certificate: bool = True) -> None:
+        """``identity``: the name its TLS client certificate carries (default: ``name``); ``certificate``: False
+        shows none."""
         self.name = name
-        self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=cert))
+        cert, key = tls.issue(identity or name) if certificate else (None, None)
+        creds = grpc.ssl_channel_credentials(root_certificates=tls.ca.read_bytes(),
+                                             private_key=key.read_bytes() if key else None,
+                                             certificate_chain=cert.read_bytes() if cert else None)
+        self.channel = grpc.secure_channel(address, creds)
         self.stub = pb_grpc.KVPeerStub(self.channel)
         self.auth = (("authorization", f"Bearer {token}"),)
         self._agent = None
 
     def call(self, method: str, **fields):
+        """A raw KVPeer call; lookups, leases and reservations name the daemon's own group ("rank0") unless told."""
+        if method in ("PeerLookup", "PeerLease", "PeerReserve"):
+            fields.setdefault("cache_group", "rank0")
         request = getattr(pb, f"{method}Request")(peer=self.name, **fields)
         return getattr(self.stub, method)(request, timeout=10, metadata=self.auth)
 

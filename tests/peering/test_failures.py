@@ -56,7 +56,7 @@ def _offload_on_a(a, n, prefix, slots=None):
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_peer_killed_or_stalled_mid_read_is_a_miss_within_the_deadline(cluster, how):
-    d = cluster(["a", "b"], "tcp", pools={"a": BIG_POOL, "b": BIG_POOL}, timeout_ms=1500, lease_ms=10_000)
+    d = cluster(["a", "b"], "tcp", pools={"a": BIG_POOL, "b": BIG_POOL}, host_share=0.9, timeout_ms=1500, lease_ms=10_000)
     with client(d["a"]) as a, client(d["b"], timeout=30) as b:
         ks, _ = _offload_on_a(a, N, f"kill-{how.name}")
         outcome = _restore_signalling_mid_read(d, b, ks, how)
@@ -73,7 +73,7 @@ def test_a_peer_killed_or_stalled_mid_read_is_a_miss_within_the_deadline(cluster
 
 def test_a_flipped_byte_on_the_peer_is_data_loss_and_nothing_is_published(cluster, tls):
     d = cluster(["a", "b"], also=("rogue",))
-    rogue = Rogue("rogue", d["a"].config["listen"], tls.cert.read_bytes())
+    rogue = Rogue("rogue", d["a"].config["listen"], tls)
     with client(d["a"]) as a, client(d["b"]) as b:
         ks, written = _offload_on_a(a, 4, "flip")
         rogue.connect()
@@ -97,12 +97,14 @@ def _format(d, c) -> bytes:
 
 def test_only_configured_authenticated_peers_over_tls_are_served(cluster, tls):
     d = cluster(["a"], also=("friend",))
-    address, cert = d["a"].config["listen"], tls.cert.read_bytes()
+    address = d["a"].config["listen"]
     with client(d["a"]) as a:
         ks, _ = _offload_on_a(a, 2, "auth")
         fmt = _format(d, a)
-    cases = [(Rogue("friend", address, cert, token="wrong-token"), grpc.StatusCode.UNAUTHENTICATED),
-             (Rogue("stranger", address, cert), grpc.StatusCode.PERMISSION_DENIED)]
+    cases = [(Rogue("friend", address, tls, token="wrong-token"), grpc.StatusCode.UNAUTHENTICATED),
+             (Rogue("stranger", address, tls), grpc.StatusCode.PERMISSION_DENIED),
+             # The token alone no longer names a peer: a certificate of another name poses as "friend" in vain.
+             (Rogue("friend", address, tls, identity="stranger"), grpc.StatusCode.PERMISSION_DENIED)]
     for rogue, code in cases:
         for method, fields in (("PeerConnect", {"agent_metadata": b"x"}),
                                ("PeerLease", {"namespace": "peers", "block_format": fmt, "keys": ks, "lease_ms": 100}),
@@ -111,6 +113,12 @@ def test_only_configured_authenticated_peers_over_tls_are_served(cluster, tls):
                 rogue.call(method, **fields)
             assert err.value.code() == code
         rogue.close()
+    # Without a client certificate the TLS handshake itself fails.
+    bare = Rogue("friend", address, tls, certificate=False)
+    with pytest.raises(grpc.RpcError) as err:
+        bare.call("PeerLookup", namespace="peers", block_format=fmt, keys=ks)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    bare.close()
     # The Unix socket (where the engine talks) does not serve peers, even with the token.
     with grpc.insecure_channel(d["a"].target) as channel:
         from kvxfer.v1 import kvxfer_pb2 as pb, kvxfer_pb2_grpc as pb_grpc
@@ -123,7 +131,7 @@ def test_only_configured_authenticated_peers_over_tls_are_served(cluster, tls):
 
 def test_a_peer_reads_only_what_its_lease_exposes_and_leases_end_on_time(cluster, tls):
     d = cluster(["a"], also=("friend",))
-    rogue = Rogue("friend", d["a"].config["listen"], tls.cert.read_bytes())
+    rogue = Rogue("friend", d["a"].config["listen"], tls)
     with client(d["a"]) as a:
         ks, written = _offload_on_a(a, 4, "lease")
         rogue.connect()
@@ -146,7 +154,7 @@ def test_a_peer_reads_only_what_its_lease_exposes_and_leases_end_on_time(cluster
 def test_a_lease_expiring_mid_read_is_a_miss_not_data_loss(cluster):
     """A stalls mid-read past the lease (its own timer stalls too): B stops at the lease's end, well
     before its 10 s timeout, and publishes nothing; A, resumed, ends the lease and loses nothing."""
-    d = cluster(["a", "b"], "tcp", pools={"a": BIG_POOL, "b": BIG_POOL}, timeout_ms=10_000, lease_ms=400)
+    d = cluster(["a", "b"], "tcp", pools={"a": BIG_POOL, "b": BIG_POOL}, host_share=0.9, timeout_ms=10_000, lease_ms=400)
     with client(d["a"]) as a, client(d["b"], timeout=30) as b:
         ks, _ = _offload_on_a(a, N, "expiry")
         outcome = _restore_signalling_mid_read(d, b, ks, signal.SIGSTOP)
@@ -176,7 +184,7 @@ def test_a_pushed_block_is_published_only_if_its_bytes_match(cluster, tls):
     """A hand-written peer reserves slots on A, writes bytes and commits checksums, right and wrong;
     a reservation never committed ends unpublished at its deadline."""
     d = cluster(["a"], also=("friend",))
-    rogue = Rogue("friend", d["a"].config["listen"], tls.cert.read_bytes())
+    rogue = Rogue("friend", d["a"].config["listen"], tls)
     with client(d["a"]) as a:
         fmt = _format(d, a)
         ks = keys("pushed", 3)

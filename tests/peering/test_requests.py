@@ -19,7 +19,7 @@ def served(cluster, tls):
         ks = keys("req", 3)
         a.offload(list(zip([1, 2, 3], ks)))
         fmt = BlockFormat.of(a.map_pool().layout).fingerprint
-        rogue = Rogue("friend", d["a"].config["listen"], tls.cert.read_bytes())
+        rogue = Rogue("friend", d["a"].config["listen"], tls)
         yield d["a"], a, rogue, ks, fmt
         rogue.close()
 
@@ -49,7 +49,7 @@ def test_malformed_requests_are_refused_and_change_nothing(served, tls):
         code, details = _status(call)
         assert code == INVALID and text in details, (text, details)
     code, details = _status(lambda: rogue.call("PeerConnect", agent_metadata=b"\x00garbage" * 10))
-    assert code == grpc.StatusCode.PERMISSION_DENIED and "refused" in details
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "not NIXL agent metadata" in details
     assert a.stats()[0].tiers[0].pinned_blocks == 0
     assert a.lookup(ks).hits == 3
     assert daemon.health() == 1  # SERVING
@@ -59,7 +59,7 @@ def test_a_peer_cannot_release_or_condemn_what_it_was_not_granted(served, tls):
     daemon, a, rogue, ks, fmt = served
     rogue.connect()
     lease = rogue.call("PeerLease", namespace="peers", block_format=fmt, keys=ks[:2], lease_ms=5000)
-    other = Rogue("other", daemon.config["listen"], tls.cert.read_bytes())
+    other = Rogue("other", daemon.config["listen"], tls)
     assert other.call("PeerRelease", lease_id=lease.lease_id).released is False  # not its lease
     assert a.stats()[0].tiers[0].pinned_blocks == 2
     code, details = _status(lambda: rogue.call("PeerRelease", lease_id=lease.lease_id, corrupt_positions=[2]))
@@ -87,7 +87,7 @@ def test_a_peer_cannot_pin_more_than_the_bounds(cluster, tls):
         ks = keys("bounds", 4)
         a.offload(list(zip([1, 2, 3, 4], ks)))
         fmt = BlockFormat.of(a.map_pool().layout).fingerprint
-        rogue = Rogue("friend", d["a"].config["listen"], tls.cert.read_bytes())
+        rogue = Rogue("friend", d["a"].config["listen"], tls)
         rogue.connect()
         lease = lambda k: rogue.call("PeerLease", namespace="peers", block_format=fmt, keys=k, lease_ms=5000)  # noqa: E731
         first = lease(ks[:2])

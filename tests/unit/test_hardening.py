@@ -125,6 +125,18 @@ def test_the_default_limits_leave_most_job_places_to_other_clients():
     assert config.max_jobs_per_client * 2 <= config.max_queued_jobs
 
 
+def test_setting_the_queue_bound_alone_derives_the_per_client_bound():
+    """max_queued_jobs: 64 alone stopped the daemon (the per-client default, 64, exceeded half of it)."""
+    from service.config import Config, ConfigError, validate
+
+    for queued, per_client in ((64, 16), (1, 1), (3, 1), (1000, 250)):
+        config = validate(Config(max_queued_jobs=queued))
+        assert config.max_jobs_per_client == per_client and config.limits.max_jobs_per_client == per_client
+    assert validate(Config(max_queued_jobs=64, max_jobs_per_client=32)).max_jobs_per_client == 32
+    with pytest.raises(ConfigError, match="at most half"):
+        validate(Config(max_queued_jobs=64, max_jobs_per_client=33))
+
+
 def test_a_token_must_be_one_printable_word(tmp_path):
     from service.config import Config, ConfigError, validate
 

@@ -100,16 +100,33 @@ def test_expired_queued_jobs_are_cancelled_and_results_dropped(manager):
     runner.close()
 
 
+def test_a_clients_bound_counts_its_running_job_too(manager):
+    """max_jobs_per_client 2 admits 2 jobs, whatever state they are in (it admitted 3: one running, 2 queued)."""
+    runner = JobRunner(manager, max_queued=8, max_per_client=2)
+    gate = threading.Event()
+    manager.run = lambda *a, **k: gate.wait(5) or TransferResult([])
+    runner.submit(offload([(1, b"a")]), "c")
+    deadline = time.monotonic() + 10
+    while runner.stats().running == 0 and time.monotonic() < deadline:  # (the first is running now)
+        time.sleep(0.01)
+    runner.submit(offload([(2, b"b")]), "c")
+    with pytest.raises(ResourceExhausted, match="at most 2 per client"):
+        runner.submit(offload([(3, b"c")]), "c")
+    runner.submit(offload([(3, b"c")]), "other")  # another client's place
+    gate.set()
+    assert runner.close(drain_timeout=5) == 0
+
+
 def test_queue_is_bounded_and_requests_are_validated_at_submit(manager):
     runner = JobRunner(manager, max_queued=2)
     gate = threading.Event()
     manager.run = lambda *a, **k: gate.wait(5) or TransferResult([])
     runner.submit(offload([(1, b"a")]), "c")
     time.sleep(0.1)  # the first is running now
-    runner.submit(offload([(2, b"b")]), "c")
-    runner.submit(offload([(3, b"c")]), "c")
+    runner.submit(offload([(2, b"b")]), "d")
+    runner.submit(offload([(3, b"c")]), "e")
     with pytest.raises(ResourceExhausted):
-        runner.submit(offload([(4, b"d")]), "c")
+        runner.submit(offload([(4, b"d")]), "f")
     for bad in ([(0, b"x")], [(1, b"")]):
         with pytest.raises(InvalidArgument):
             runner.submit(offload(bad), "c")

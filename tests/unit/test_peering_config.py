@@ -14,7 +14,9 @@ def files(tmp_path):
     return {"tls_cert": str(ca), "tls_key": str(ca), "token_file": str(token), "ca": str(ca), "token": str(token)}
 
 
-def _load(tmp_path, files, peering):
+def _load(tmp_path, files, peering, client_ca=True):
+    if client_ca and isinstance(peering, dict):  # (every valid section names its client CA)
+        peering = {"tls_client_ca": files["ca"], **peering}
     return cfg.load(overrides={"socket": str(tmp_path / "k.sock"), "listen": "127.0.0.1:7000",
                                "tls_cert": files["tls_cert"], "tls_key": files["tls_key"],
                                "token_file": files["token_file"], "peering": peering})
@@ -29,6 +31,24 @@ def test_a_valid_section(tmp_path, files):
     p = c.peering
     assert p.name == "a" and p.ucx_tls == "tcp" and p.lease_ms == 2000
     assert p.peers[0].name == "b" and p.peers[0].token == "t0ken" and "t0ken" not in repr(p)
+    assert (p.tls_client_ca, p.tls_cert, p.tls_key) == (files["ca"], files["tls_cert"], files["tls_key"])  # listener's
+    assert (p.host_share, p.max_leases_per_peer) == (0.25, 32)
+
+
+def test_mutual_tls_and_the_peers_share_are_checked(tmp_path, files):
+    with pytest.raises(ConfigError, match="peering.tls_client_ca: the CA file"):
+        _load(tmp_path, files, {"name": "a", "peers": [_peer(files)]}, client_ca=False)
+    with pytest.raises(ConfigError, match="peering.tls_client_ca: .* is not a readable file"):
+        _load(tmp_path, files, {"name": "a", "tls_client_ca": str(tmp_path / "absent.pem")})
+    with pytest.raises(ConfigError, match="both or neither"):
+        _load(tmp_path, files, {"name": "a", "tls_cert": files["ca"]})
+    for share in (0, 0.95, True, "half"):
+        with pytest.raises(ConfigError, match="peering.host_share"):
+            _load(tmp_path, files, {"name": "a", "host_share": share})
+    with pytest.raises(ConfigError, match="peering.max_leases_per_peer"):
+        _load(tmp_path, files, {"name": "a", "max_leases_per_peer": 0})
+    own = _load(tmp_path, files, {"name": "a", "tls_cert": files["token"], "tls_key": files["token"], "host_share": 0.5})
+    assert own.peering.tls_cert == files["token"] and own.peering.host_share == 0.5
 
 
 BAD = {
@@ -71,4 +91,4 @@ def test_a_peer_address_token_and_ca_are_checked(tmp_path, files):
 
 def test_peering_needs_the_tls_listener(tmp_path, files):
     with pytest.raises(ConfigError, match="peering: needs listen"):
-        cfg.load(overrides={"socket": str(tmp_path / "k.sock"), "peering": {"name": "a"}})
+        cfg.load(overrides={"socket": str(tmp_path / "k.sock"), "peering": {"name": "a", "tls_client_ca": files["ca"]}})

@@ -73,6 +73,45 @@ def test_a_changed_file_is_data_loss_and_removed_and_a_delete_is_final(tmp_path)
         manager.group.close(5)
 
 
+def _files(where) -> set:
+    return {p.relative_to(where) for p in where.rglob("*")}
+
+
+@pytest.mark.parametrize("planted", ["group", "subdirectory"])
+def test_a_link_planted_in_the_share_is_never_followed(tmp_path, planted):
+    """With <share>/<group> or a block subdirectory a link to another directory, a daemon wrote 71 files
+    and 63 directories there and a Delete removed 40 files there. Now nothing there is touched."""
+    share, elsewhere = tmp_path / "share", tmp_path / "elsewhere"
+    share.mkdir()
+    elsewhere.mkdir()
+    pool, manager = node(share)
+    tier = manager.group.lower_tiers[0]
+    try:
+        offload(manager, range(1, 13))  # k1..k4 evicted and written
+        assert tier.flush(10)
+        sub = tier.fs.name("ns", b"k1").parent
+        target = share / "g" if planted == "group" else sub
+        aside = target.with_name(target.name + ".real")
+        target.rename(aside)
+        target.symlink_to(elsewhere, target_is_directory=True)
+        # Files another party placed there, named as this tier would name them.
+        (elsewhere / sub.name).mkdir()
+        for key in (b"k1", b"k2"):
+            name = tier.fs.name("ns", key)
+            (elsewhere / name.name).write_bytes(b"theirs")
+            (elsewhere / sub.name / name.name).write_bytes(b"theirs")
+        before = {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
+        assert manager.lookup("ns", [b"k1"]).tiers == [None]  # not seen through the link
+        assert manager.restore("ns", [(b"k1", 40)]).outcomes == [Outcome.NOT_FOUND]
+        manager.delete("ns", [b"k1", b"k2", b"k3", b"k4"])
+        offload(manager, range(13, 40))  # more evictions: writes land only inside the share
+        assert tier.flush(10)
+        assert {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()} == before
+        assert len(_files(elsewhere)) == len(before) + 1  # the subdirectory they made, and nothing new
+    finally:
+        manager.group.close(5)
+
+
 def test_a_write_queued_before_a_delete_is_never_written(tmp_path):
     pool, manager = node(tmp_path)
     tier = manager.group.lower_tiers[0]

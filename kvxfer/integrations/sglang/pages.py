@@ -59,6 +59,8 @@ class Settings:
     model_id: str = ""  # the model's identity (default: the served weights, by content for a local directory)
     tenant: str = ""  # a deployment's own namespace: equal keys of another tenant never match
     staging_pages: int = 0  # pages of the staging area; 0: 1 beside a shared host pool (host page 0), else 128
+    share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the pages' keys
+    share_with_peers: bool = False  # other nodes' daemons may read and push this cache group's pages
 
     @property
     def target(self) -> str:
@@ -112,11 +114,13 @@ class PageMover:
         """Register this process's pools (on every (re)connection: a restarted daemon knows none)."""
         n = self.names
         if self.host_fd is not None:
+        shared = {"share_events": self.settings.share_events, "share_with_peers": self.settings.share_with_peers}
+        if self.host_fd is not None:
             client.register_pool(n.pool_id("host"), n.geometry.spec, n.geometry.layout, PoolHandle(Medium.SHM),
-                                 fd=self.host_fd, cache_group=n.cache_group)
+                                 fd=self.host_fd, cache_group=n.cache_group, **shared)
         s = self.staging.geometry
         client.register_pool(n.pool_id("staging"), s.spec, s.layout, PoolHandle(Medium.SHM), fd=self.staging.fd,
-                             cache_group=n.cache_group)
+                             cache_group=n.cache_group, **shared)
 
     def _guarded(self, what: str, miss: T, fn: Callable[[Client], T]) -> T:
         """``fn`` through the link; a daemon that is down or refuses answers ``miss``, never an exception."""

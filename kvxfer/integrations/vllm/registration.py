@@ -32,13 +32,15 @@ def check_memory(kv: torch.Tensor, expected: PoolLayout, allocation: SharedKVAll
 
 
 def register_rank(client: Client, names: EngineNames, rank: int, kv: torch.Tensor,
-                  allocation: SharedKVAllocation) -> None:
-    """Register this rank's pool (on every (re)connection: a restarted daemon knows no pools)."""
+                  allocation: SharedKVAllocation, share_events: bool = True, share_with_peers: bool = False) -> None:
+    """Register this rank's pool (on every (re)connection: a restarted daemon knows no pools); who else
+    sees its cache group: the backend's settings of the same names."""
     pool_id, group = names.pool_id(rank), names.cache_group(rank)
+    shared = {"share_events": share_events, "share_with_peers": share_with_peers}
     if kv.device.type == "cuda":
         memory = whole_cache(kv, PoolLayout(names.spec, names.layout).nbytes)
-        client.register_cuda_tensor(pool_id, names.spec, names.layout, memory, cache_group=group)
+        client.register_cuda_tensor(pool_id, names.spec, names.layout, memory, cache_group=group, **shared)
     else:
         handle = PoolHandle(Medium.SHM, offset=allocation.offset_of(kv) - kv.storage_offset())
         client.register_pool(pool_id, names.spec, names.layout, handle, fd=allocation.fd, cache_group=group,
-                             sharding=names.sharding(rank))
+                             sharding=names.sharding(rank), **shared)

@@ -42,6 +42,8 @@ class Settings:
     cache_group: str = ""  # prefix of the cache groups; engines that share it share a host tier
     model_id: str = ""  # the weights' identity (default: from their bytes, or the hub name and revision)
     forget_on_reset: bool = False  # reset_prefix_cache (a weight update in place) stops serving older blocks
+    share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the blocks' keys
+    share_with_peers: bool = False  # other nodes' daemons may read and push this engine's cache groups
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
@@ -80,7 +82,8 @@ class KvxferOffloadingSpec(OffloadingSpec):
         pool_id = self.names.pool_id(self.rank)
 
         def on_connect(client) -> None:
-            register_rank(client, self.names, self.rank, kv, self.allocation)
+            register_rank(client, self.names, self.rank, kv, self.allocation, self.settings.share_events,
+                          self.settings.share_with_peers)
 
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
                           role=f"worker rank {self.rank}", on_connect=on_connect)
