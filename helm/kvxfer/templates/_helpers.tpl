@@ -72,6 +72,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $e := deepCopy (default (dict) $c.peering) -}}
 {{- $_ := set $e "name" $p.name -}}
 {{- $_ := set $e "peers" $peers -}}
+{{- $_ := set $e "tls_client_ca" $ca -}}
 {{- if $p.ucxTls }}{{ $_ := set $e "ucx_tls" $p.ucxTls }}{{ end -}}
 {{- if $p.ucxNetDevices }}{{ $_ := set $e "ucx_net_devices" $p.ucxNetDevices }}{{ end -}}
 {{- $_ := set $c "peering" $e -}}

@@ -113,7 +113,6 @@ class PageMover:
     def _register(self, client: Client) -> None:
         """Register this process's pools (on every (re)connection: a restarted daemon knows none)."""
         n = self.names
-        if self.host_fd is not None:
         shared = {"share_events": self.settings.share_events, "share_with_peers": self.settings.share_with_peers}
         if self.host_fd is not None:
             client.register_pool(n.pool_id("host"), n.geometry.spec, n.geometry.layout, PoolHandle(Medium.SHM),
