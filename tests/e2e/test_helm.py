@@ -322,7 +322,7 @@ def test_kv_events_get_their_ports_a_service_and_the_daemons_config(tmp_path):
 def test_peering_renders_the_daemons_peers_with_the_fleets_ca_and_token(tmp_path):
     objects = render({"kvxfer": {**PEERING}})
     config = rendered_config(objects)
-    assert config["peering"] == {"name": "", "ucx_tls": "tcp",
+    assert config["peering"] == {"name": "", "ucx_tls": "tcp", "tls_client_ca": "/etc/kvxfer/tls/ca.crt",
                                  "peers": [{"name": "decode-0", "address": "10.0.0.7:7070",
                                             "tls_ca": "/etc/kvxfer/tls/ca.crt", "token_file": "/etc/kvxfer/token/token"}]}
     from service import config as service_config  # the daemon takes what the chart renders
@@ -330,6 +330,7 @@ def test_peering_renders_the_daemons_peers_with_the_fleets_ca_and_token(tmp_path
         config[name] = str(tmp_path / name)
         (tmp_path / name).write_text("t0ken\n")
     config["peering"]["peers"][0].update(tls_ca=config["tls_cert"], token_file=config["token_file"])
+    config["peering"]["tls_client_ca"] = config["tls_cert"]  # (mutual TLS: the fleet's CA checks callers too)
     path = tmp_path / "kvxfer.yaml"
     path.write_text(yaml.safe_dump({**config, "socket": str(tmp_path / "k.sock"), "socket_group": ""}))
     loaded = service_config.load(str(path))
