@@ -97,9 +97,15 @@ class Config:
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
-                      self.max_jobs_per_client or max(1, self.max_queued_jobs // 4), self.cache_group_retention_s, self.checksum_on_device, self.disk,
+                      self.jobs_per_client, self.cache_group_retention_s, self.checksum_on_device, self.disk,
                       self.remote, self.copy_threads, self.gpu_copy_deadline_s, self.shared_fs,
                       self.allow_overcommit)
+
+    @property
+    def jobs_per_client(self) -> int:
+        """``max_jobs_per_client``, or (0) a quarter of ``max_queued_jobs``: setting the queue's bound alone
+        is enough."""
+        return self.max_jobs_per_client or max(1, self.max_queued_jobs // 4)
 
     @property
     def token(self) -> str:
@@ -267,8 +273,8 @@ def validate(config: Config) -> Config:
         raise ConfigError("gpu_copy_deadline_s: must be in (0, 3600] seconds")
     if config.max_batch_blocks > MAX_BATCH_BLOCKS:
         raise ConfigError(f"max_batch_blocks: at most {MAX_BATCH_BLOCKS}")
-    if config.max_jobs_per_client == 0:  # derived from the queue's bound: setting that one alone is enough
-        config = replace(config, max_jobs_per_client=max(1, config.max_queued_jobs // 4))
+    if config.max_jobs_per_client == 0:
+        config = replace(config, max_jobs_per_client=config.jobs_per_client)
     if config.max_jobs_per_client < 1:
         raise ConfigError("max_jobs_per_client: must be at least 1 (or 0: a quarter of max_queued_jobs)")
     if config.max_jobs_per_client > max(1, config.max_queued_jobs // 2):

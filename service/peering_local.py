@@ -73,7 +73,8 @@ def peering_configs(names: list[str], tls: Tls, transport: str, pools: dict[str,
         cert, key = tls.issue(name)
         configs[name] = {"listen": f"127.0.0.1:{ports[name]}", "tls_cert": str(cert), "tls_key": str(key),
                          "token_file": str(tls.token), "pools": [pools[name]],
-                         "peering": {"name": name, "peers": peers, "ucx_net_devices": "lo", "tls_client_ca": str(tls.ca),
+                         "peering": {"name": name, "peers": peers, "ucx_net_devices": "lo",
+                                     "tls_client_ca": str(tls.ca),
                                      "ucx_tls": TRANSPORTS[transport], **peering,
                                      **(per_daemon or {}).get(name, {})}}
     return configs

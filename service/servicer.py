@@ -27,7 +27,8 @@ from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import Layout
 from kvxfer.geometry.sharding import MAX_FORMAT_CHARS, MAX_MODEL_CHARS
 from kvxfer.records import PoolRef, TransferResult
-from kvxfer.serving.registry import PoolRegistry, Sharing
+from kvxfer.serving.group_table import Sharing
+from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_count, check_name, check_namespace, checked_keys, shown
 from service import watch

@@ -82,6 +82,8 @@ class LeaseTable:
         self._peer_open: Counter[str] = Counter()  # leases and reservations of each peer, open or being opened
         self._peer_blocks: Counter[str] = Counter()  # blocks of each peer's
         self._group_blocks: Counter[int] = Counter()  # blocks exposed of each host tier (by id of its group)
+        # (id of the group, namespace, key) -> the open reservation holding that key's slot, and its position
+        self._reserved: dict[tuple[int, str, bytes], tuple[Exposed, int]] = {}
         self._lock = threading.Condition()
         self._closed = False
         self.expired = 0
@@ -138,17 +140,17 @@ class LeaseTable:
         """The local engine stores these keys: reservations of them in ``group`` give them up (the engine comes
         first; a peer's uncommitted copy must never stop the engine's). The reserved slots stay held until
         their reservation ends (a peer's write may still land there), then are freed unpublished."""
-        if not self._open:  # (the usual case: a read of a dict's size, no lock)
+        if not self._reserved:  # (the usual case: a read of a dict's size, no lock)
             return
-        wanted = set(keys)
+        gid = id(group)
         with self._lock:
             taken = []
-            for exposed in self._open.values():
-                if exposed.pushed and exposed.group is group and exposed.namespace == namespace:
-                    for j, key in enumerate(exposed.keys):
-                        if key in wanted and j not in exposed.yielded:
-                            exposed.yielded.add(j)
-                            taken.append(exposed.slots[j])
+            for key in keys:
+                hit = self._reserved.pop((gid, namespace, key), None)
+                if hit is not None:
+                    exposed, j = hit
+                    exposed.yielded.add(j)
+                    taken.append(exposed.slots[j])
             if taken:
                 group.index.drop_slots(taken)
 
@@ -206,6 +208,9 @@ class LeaseTable:
             self._opening -= 1
             exposed.expires = time.monotonic() + lease_ms / 1000
             self._open[exposed_id] = exposed
+            gid = id(group)
+            for j, key in enumerate(exposed.keys):  # (a reservation's: the engine may take them back)
+                self._reserved[gid, exposed.namespace, key] = (exposed, j)
             heapq.heappush(self._deadlines, (exposed.expires, exposed_id))
             self._lock.notify()
             if len(self._open) == 1:
@@ -279,6 +284,11 @@ class LeaseTable:
         """(lock held) Withdraw a lease's or reservation's slots; the caller unpins or publishes them."""
         exposed = self._open.pop(exposed_id)
         self._count(exposed, -1)
+        gid = id(exposed.group)
+        for key in exposed.keys:
+            entry = (gid, exposed.namespace, key)
+            if self._reserved.get(entry, (None,))[0] is exposed:  # (a key yielded may be reserved again since)
+                del self._reserved[entry]
         self.agent.withdraw(exposed.addresses, exposed.group.host.slot_bytes)
         if not self._open:
             self.agent.unhold()

@@ -38,7 +38,8 @@ _CAUSES = {grpc.StatusCode.DEADLINE_EXCEEDED: "timeout", grpc.StatusCode.UNAVAIL
 
 
 class PeerLink:
-    def __init__(self, me: str, peer: PeerAddress, agent: Agent, timeout_s: float, cert: str = "", key: str = "") -> None:
+    def __init__(self, me: str, peer: PeerAddress, agent: Agent, timeout_s: float, cert: str = "",
+                 key: str = "") -> None:
         """``cert``, ``key``: this daemon's certificate (its name in it) and key, shown to the peer (mutual TLS)."""
         self.me = me
         self.peer = peer

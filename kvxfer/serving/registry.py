@@ -7,7 +7,7 @@ Who may do what (docs/design.md, threat model): a registration maps only memory
 its client handed over as an open descriptor (``kvxfer.serving.handoff``); a cache group is
 joined only by the party that created it (the daemon for its own pools, else the
 registering uid); only the holder of a pool's registration token unregisters it.
-A group whose last pool is gone is released after ``cache_group_retention_s``.
+A group whose last pool is gone is released after ``cache_group_retention_s`` (``group_table``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvxfer.events.hub import EventHub
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
-    ResourceExhausted, Unavailable
+    ResourceExhausted
 from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.group_table import DAEMON_SHARING, GroupEntry, GroupTable, Sharing, close_released
 from kvxfer.serving.handoff import HandOff, HandOffs, check_path_names, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.serving.limits import Limits
@@ -41,7 +42,6 @@ from kvxfer.memory.shm import size_sealed
 from kvxfer.validate import check_pool_id, shown
 
 DAEMON = "daemon"  # the owner of the daemon's own pools and their cache groups
-RELEASE_DEMOTE_S = 30.0  # how long a released group's host tier may take to be written down to disk
 log = logging.getLogger(__name__)
 
 
@@ -67,27 +67,6 @@ class ServedPool:
                          store.offloaded, store.restored, store.outcomes, self.jobs.stats(), store.lookups)
 
 
-@dataclass(frozen=True)
-class Sharing:
-    """Who besides a cache group's creator sees it. The daemon's own groups are shared both ways;
-    a registrant's are private unless it asks when it makes the group."""
-
-    peers: bool = False  # other nodes' daemons may read its blocks and push into it (peering)
-    events: bool = False  # any WatchEvents / Snapshot caller and the ZeroMQ publisher see its keys
-
-
-DAEMON_SHARING = Sharing(peers=True, events=True)
-
-
-@dataclass
-class _Group:
-    group: CacheGroup
-    owner: str
-    sharing: Sharing = Sharing()
-    idle_since: float | None = None  # when its last pool went away
-    pools: set[str] = field(default_factory=set)
-
-
 class PoolRegistry:
     """Thread-safe map of pool id -> served pool."""
 
@@ -99,8 +78,7 @@ class PoolRegistry:
         self.peering = None  # kvxfer.peering.hub.Peering: set by the daemon before its pools are made
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
         self._pools: dict[str, ServedPool] = {}
-        self._groups: dict[str, _Group] = {}
-        self._closing: set[str] = set()  # groups released and being written down (not made again meanwhile)
+        self._groups = GroupTable(limits.cache_group_retention_s, limits.max_cache_groups)
         self._lock = threading.Lock()
         self._job_ids = itertools.count(1)  # job ids are unique across the daemon's pools
         self._watch = ProcessWatch(self._registrant_exited)
@@ -124,26 +102,14 @@ class PoolRegistry:
                 if len(self._pools) >= self.limits.max_pools:
                     raise ResourceExhausted(f"the daemon serves {len(self._pools)} pools; at most "
                                             f"{self.limits.max_pools}")
-                entry = self._groups.get(name)
-                if entry is not None and entry.owner != owner:
-                    raise PermissionDenied(f"cache group {shown(name)} belongs to another party; a pool joins only a "
-                                           "group its own party created (use another cache group)")
-                if entry is not None and entry.sharing != sharing:
-                    raise FailedPrecondition(f"cache group {shown(name)} was made with {entry.sharing}; a pool joining "
-                                             f"it asks for the same (got {sharing})")
+                entry = self._groups.admit(name, owner, sharing)
                 if entry is None:
                     stored, manifest = stored_format(pool.layout, pool.descriptor.sharding)
                     if owner != DAEMON and not self.limits.allow_overcommit:  # the daemon's own: checked at start
                         room.ensure(host_capacity_blocks * stored.block_bytes,
                                     f"the host tier of pool {shown(pool_id)}")
-                    if name in self._closing:
-                        raise Unavailable(f"cache group {shown(name)} is being written down after its idle time; "
-                                          "register again in a moment")
-                    released = self._sweep(time.monotonic(), force_room=True)
-                    if len(self._groups) >= self.limits.max_cache_groups:
-                        raise ResourceExhausted(f"{len(self._groups)} cache groups exist; at most "
-                                                f"{self.limits.max_cache_groups}")
-                    entry = _Group(CacheGroup(name, stored, host_capacity_blocks, pin_device=pool.cuda_device,
+                    released = self._groups.make_room(time.monotonic())
+                    entry = GroupEntry(CacheGroup(name, stored, host_capacity_blocks, pin_device=pool.cuda_device,
                                               disk=self.limits.disk, remote=self.limits.remote,
                                               shared_fs=self.limits.shared_fs,
                                               kv_events=self.kv_events.scoped(private=not sharing.events)
@@ -153,15 +119,13 @@ class PoolRegistry:
                 manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
                                       observer=self.observer, copy_threads=self.limits.copy_threads,
                                       deadline_s=self.limits.gpu_copy_deadline_s)
-                self._groups[name] = entry
-                entry.pools.add(pool_id)
-                entry.idle_since = None
+                self._groups.join(name, entry, pool_id)
                 jobs = JobRunner(manager, self._job_ids, self.limits.max_queued_jobs, self.limits.default_lease_s,
                                  self.limits.max_lease_s, self.limits.max_jobs_per_client)
                 served = self._pools[pool_id] = ServedPool(manager, jobs, owner, token_digest(token) if token else b"",
                                                            registrant_pid)
         finally:
-            self._close_released(released)  # (outside the lock: it writes blocks down to disk)
+            close_released(released, self._written_down)  # (outside the lock: it writes blocks down to disk)
         return served
 
     def create(self, pool_id: str, spec: KVSpec, layout: Layout, device: str = "auto",
@@ -345,12 +309,12 @@ class PoolRegistry:
     def groups(self) -> list[CacheGroup]:
         """The cache groups served now (a Snapshot reads their indexes)."""
         with self._lock:
-            return [entry.group for entry in self._groups.values()]
+            return self._groups.groups()
 
     def peer_groups(self) -> list[CacheGroup]:
         """The cache groups other nodes' daemons may reach: the daemon's own and those shared with peers."""
         with self._lock:
-            return [entry.group for entry in self._groups.values() if entry.sharing.peers]
+            return self._groups.groups(peers_only=True)
 
     def event_scopes(self, refs: Sequence[PoolRef] = ()) -> frozenset[int]:
         """The event scopes a caller may see besides the public one (0: the daemon's groups and those shared
@@ -374,8 +338,8 @@ class PoolRegistry:
         down to the tiers that keep blocks, then freed); returns their names. Blocks on disk I/O: call it
         from a worker thread."""
         with self._lock:
-            released = self._sweep(time.monotonic())
-        self._close_released(released)
+            released = self._groups.take_expired(time.monotonic())
+        close_released(released, self._written_down)
         return [group.name for group in released]
 
     def close(self, drain_timeout: float = 0.0) -> None:
@@ -383,8 +347,8 @@ class PoolRegistry:
         ``drain_timeout``), and release every pool (owned pool files are removed)."""
         with self._lock:
             served, self._pools = list(self._pools.values()), {}
-            groups = [e.group for e in self._groups.values()]
-            self._groups.clear()
+            groups = self._groups.groups()
+            self._groups.entries.clear()
         for s in served:
             s.jobs.close(drain_timeout)
         deadline = time.monotonic() + drain_timeout
@@ -402,37 +366,14 @@ class PoolRegistry:
     # -- internals ---------------------------------------------------------------
     def _release(self, served: ServedPool) -> None:
         with self._lock:
-            entry = self._groups.get(served.cache_group)
-            if entry is not None:
-                entry.pools.discard(served.descriptor.pool_id)
-                if not entry.pools:
-                    entry.idle_since = time.monotonic()
-            released = self._sweep(time.monotonic())
-        self._close_released(released)
+            now = time.monotonic()
+            self._groups.leave(served.cache_group, served.descriptor.pool_id, now)
+            released = self._groups.take_expired(now)
+        close_released(released, self._written_down)
 
-    def _sweep(self, now: float, force_room: bool = False) -> list[CacheGroup]:
-        """(lock held) Take out idle groups past retention (an engine back within it finds its group warm);
-        with ``force_room``, when no room is left for a new group, also the least recently used idle one
-        (its blocks are the stalest). The caller closes them with ``_close_released``, outside the lock."""
-        retention = self.limits.cache_group_retention_s
-        idle = sorted((e.idle_since, name) for name, e in self._groups.items() if e.idle_since is not None)
-        gone = [name for since, name in idle if now - since >= retention]
-        if force_room and len(self._groups) - len(gone) >= self.limits.max_cache_groups:
-            gone += [name for _, name in idle if name not in gone][:1]
-        self._closing.update(gone)
-        return [self._groups.pop(name).group for name in gone]
-
-    def _close_released(self, groups: list[CacheGroup]) -> None:
-        """Write released groups' host tiers down to the tiers that keep blocks (disk), then free them: their
-        memory returns with the last reference, and an engine that comes back later finds its blocks there."""
-        for group in groups:
-            try:
-                written = group.demote_all(RELEASE_DEMOTE_S)
-                group.close(RELEASE_DEMOTE_S)
-                log.info("cache group released", extra={"cache_group": group.name, "written_down": written})
-            finally:
-                with self._lock:
-                    self._closing.discard(group.name)
+    def _written_down(self, group: str) -> None:
+        with self._lock:
+            self._groups.closing.discard(group)
 
     def _served_files(self, except_pid: int = 0) -> set[tuple[int, int]]:
         with self._lock:
@@ -441,4 +382,4 @@ class PoolRegistry:
         return {file_identity(p.fd) for p in pools if p.fd is not None}
 
 
-__all__ = ["DAEMON", "DAEMON_SHARING", "Limits", "PoolRegistry", "ServedPool", "Sharing"]
+__all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool", "Sharing"]

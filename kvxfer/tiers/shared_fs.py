@@ -22,6 +22,7 @@ calls until one probe gets through: stuck threads never pile up and nothing else
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hashlib
 import os
 import socket
@@ -80,22 +81,32 @@ class SharedFs:
         return hashlib.sha256(b"\0".join([self.group.encode(), namespace.encode(), key])).hexdigest()
 
     @contextmanager
-    def _block(self, namespace: str, key: bytes, create: bool = False) -> Iterator[tuple[int, str]]:
-        """(the descriptor of the block's directory, its file's name): ``<share>/<group>/<2 hex>`` opened a
-        component at a time without following a link (``create``: making the missing ones). The share itself
-        is the operator's path. ``FileNotFoundError`` if a directory is absent; another ``OSError`` (ELOOP,
-        ENOTDIR) if one is a link or not a directory."""
-        digest = self._digest(namespace, key)
+    def _group_directory(self, create: bool = False) -> Iterator[int]:
+        """The descriptor of ``<share>/<group>``, opened without following a link (``create``: made if missing;
+        the share itself is the operator's path). ``FileNotFoundError`` if absent; another ``OSError`` (ELOOP,
+        ENOTDIR) if it is a link or not a directory."""
         if create:
             os.makedirs(self.share, 0o700, exist_ok=True)
-        opened = [os.open(self.share, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        share = os.open(self.share, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            for name in (self.group, digest[:2]):  # (a group name is never "." or "..": check_pool_id)
-                opened.append(_subdirectory(opened[-1], name, create))
-            yield opened[-1], f"{digest}.kvb"
+            group = _subdirectory(share, self.group, create)  # (a group name is never "." or "..": check_pool_id)
         finally:
-            for fd in opened:
-                os.close(fd)
+            os.close(share)
+        try:
+            yield group
+        finally:
+            os.close(group)
+
+    @contextmanager
+    def _block(self, group: int, namespace: str, key: bytes, create: bool = False) -> Iterator[tuple[int, str]]:
+        """(the descriptor of the block's directory, its file's name) in the group's directory ``group``: the
+        two-hex subdirectory opened without following a link (errors as ``_group_directory``'s)."""
+        digest = self._digest(namespace, key)
+        sub = _subdirectory(group, digest[:2], create)
+        try:
+            yield sub, f"{digest}.kvb"
+        finally:
+            os.close(sub)
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on a mount thread, waited for at most ``timeout_s``; ``Stalled`` past it.
@@ -116,7 +127,8 @@ class SharedFs:
     def write(self, namespace: str, key: bytes, checksum: int, data) -> None:
         """Make one block's file durable under its name (replacing any)."""
         header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes, pad_to=HEADER_BYTES)
-        with self._block(namespace, key, create=True) as (directory, name):
+        with self._group_directory(create=True) as group, \
+                self._block(group, namespace, key, create=True) as (directory, name):
             tmp = f"{name}.{self._tmp}.{threading.get_ident()}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
                          dir_fd=directory)
@@ -136,22 +148,24 @@ class SharedFs:
 
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
         """Which keys have a file (one call for a lookup's keys: one deadline, one thread hop)."""
-        found = []
-        for key in keys:
-            try:
-                with self._block(namespace, key) as (directory, name):
-                    found.append(stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode))
-            except FileNotFoundError:
-                found.append(False)
-            except OSError:  # a link or a non-directory on the way: not a block of this tier
-                found.append(False)
+        found = [False] * len(keys)
+        try:
+            with self._group_directory() as group:
+                for i, key in enumerate(keys):
+                    try:
+                        with self._block(group, namespace, key) as (directory, name):
+                            found[i] = stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+                    except OSError as exc:
+                        _absent(exc)
+        except OSError as exc:
+            _absent(exc)
         return found
 
     def read(self, namespace: str, key: bytes) -> tuple[int, bytearray] | None:
         """The block's checksum and verified bytes (a private buffer: a late read never lands in a
         host slot), None if absent; ``DiskCorrupt`` if the file is not that block, whole."""
         try:
-            with self._block(namespace, key) as (directory, name):
+            with self._group_directory() as group, self._block(group, namespace, key) as (directory, name):
                 fd = os.open(name, _READ_FLAGS, dir_fd=directory)
         except FileNotFoundError:
             return None
@@ -176,15 +190,17 @@ class SharedFs:
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove the keys' files; returns how many there were."""
         removed = 0
-        for key in keys:
-            try:
-                with self._block(namespace, key) as (directory, name):
-                    os.unlink(name, dir_fd=directory)
-                removed += 1
-            except FileNotFoundError:
-                pass
-            except OSError:  # a link on the way: nothing of this tier's is there, and nothing elsewhere is touched
-                pass
+        try:
+            with self._group_directory() as group:
+                for key in keys:
+                    try:
+                        with self._block(group, namespace, key) as (directory, name):
+                            os.unlink(name, dir_fd=directory)
+                        removed += 1
+                    except OSError as exc:
+                        _absent(exc)
+        except OSError as exc:
+            _absent(exc)
         return removed
 
     def close(self) -> None:
@@ -203,6 +219,13 @@ def _subdirectory(parent: int, name: str, create: bool) -> int:
     except FileExistsError:  # another node (or writer thread) made it meanwhile
         pass
     return os.open(name, _DIR_FLAGS, dir_fd=parent)
+
+
+def _absent(exc: OSError) -> None:
+    """Nothing of this tier's is there: absent, or a link or a non-directory on the way (never followed, nothing
+    elsewhere touched). Any other error is the mount's, and is raised."""
+    if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+        raise exc
 
 
 def _unlink_quietly(name: str, directory: int) -> None:

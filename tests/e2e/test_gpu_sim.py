@@ -62,7 +62,8 @@ def test_a_hung_engine_stream_fails_its_job_at_the_deadline_and_the_daemon_answe
         waiting.start()
         time.sleep(0.2)
         health_start = time.monotonic()
-        assert client.health() == "SERVING" and time.monotonic() - health_start < 0.5
+        # (behind the hung stream health would wait its 20 s; a loaded machine delays any answer a little)
+        assert client.health() == "SERVING" and time.monotonic() - health_start < 5.0
         assert client.offload([(3, b"other")], pool_id="gpu1").outcomes == [Outcome.DONE]
         waiting.join(timeout=20)
         assert outcome == [[Outcome.DEADLINE_EXCEEDED]] and time.monotonic() - started < 10
