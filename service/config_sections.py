@@ -25,7 +25,7 @@ class ConfigError(InvalidArgument):
 DISK_KEYS = {"path", "capacity_gib", "queue_blocks", "workers"}
 SHARED_FS_KEYS = {"path", "timeout_ms", "workers", "max_inflight"}
 EVENTS_KEYS = {"replay_keys", "linger_ms", "max_subscribers", "publish", "replay", "topic", "replay_bytes", "hwm",
-               "int_block_hashes", "replay_batches"}
+               "int_block_hashes", "replay_batches", "replay_mib"}
 REMOTE_KEYS = {"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
                "write_through", "max_inflight", "secret_file"}
 
@@ -117,7 +117,7 @@ def events(raw) -> EventSettings:
         raise ConfigError(f"events: must be a mapping of {sorted(EVENTS_KEYS)}")
     values = {}
     for key, low, top in (("replay_keys", 1, 1 << 26), ("replay_bytes", 1, 1 << 34), ("hwm", 1, 1 << 24),
-                          ("replay_batches", 1, 1 << 20),
+                          ("replay_batches", 1, 1 << 20), ("replay_mib", 1, 1 << 16),
                           ("linger_ms", 0, 1000), ("max_subscribers", 1, 1 << 16)):
         value = raw.get(key, getattr(EventSettings, key))
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:

@@ -23,7 +23,7 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -35,6 +35,7 @@ from kvxfer.peering.hub import Peering
 from kvxfer.records import PoolStats, TransferResult
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.registry import PoolRegistry
+from service import metrics_http
 
 log = logging.getLogger("kvxfer.metrics")
 
@@ -280,10 +281,9 @@ class Metrics:
         self.registry.register(DaemonCollector(pools))
 
     def serve(self, listen: str) -> WSGIServer:
-        """Serve ``/metrics`` on ``HOST:PORT`` in a thread; returns the server (``shutdown()`` it)."""
-        host, _, port = listen.rpartition(":")
-        server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
-        return server
+        """Serve ``/metrics`` on ``HOST:PORT`` in a thread, its connections bounded; returns the server
+        (``shutdown()`` it)."""
+        return metrics_http.serve(self.registry, listen)
 
 
 class _Static(Collector):

@@ -127,8 +127,9 @@ class Daemon:
             claim_socket(config.socket + SUFFIX)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
         self.metrics = Metrics()
-        self.kv_events = EventHub(config.events.replay_keys, config.events.linger_ms / 1000,
-                                  config.events.max_subscribers)
+        events = config.events
+        self.kv_events = EventHub(events.replay_keys, events.linger_ms / 1000, events.max_subscribers,
+                                  events.replay_mib << 20)
         self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events)  # empty until listening
         self.peering: Peering | None = None
         self.publisher: ZmqPublisher | None = None

@@ -14,6 +14,7 @@ class EventSettings:
     """The ``events`` config section."""
 
     replay_keys: int = 1 << 18  # keys the hub's replay buffer holds (WatchEvents resumes within it)
+    replay_mib: int = 64  # ... and the most memory they take (an event holds its namespace and its keys)
     linger_ms: int = 50  # a response (a published batch) waits this long for more events: fewer, larger ones
     max_subscribers: int = 256  # WatchEvents streams open at once; beyond: RESOURCE_EXHAUSTED
     publish: str = ""  # a ZeroMQ PUB endpoint to bind ("tcp://*:5557", "ipc:///run/kvxfer/events"); "": none

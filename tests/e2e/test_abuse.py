@@ -290,3 +290,68 @@ def test_an_idle_groups_blocks_are_written_down_and_an_engine_back_later_finds_t
         assert bool((pool.views()[0][0][2] == 7).all())
         client.unregister_pool("eng2")
         pool.close()
+
+
+def _threads(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads")
+
+
+def test_half_open_metrics_connections_hold_no_thread_each(make_daemon):
+    """200 connections that each sent half a request took a daemon from 16 to 215 threads. Now at most a few
+    are served at once, silent ones are closed, and a scrape gets through afterwards."""
+    import socket
+    import urllib.request
+
+    from service.metrics_http import MAX_CONNECTIONS, TIMEOUT_S
+    from tests.e2e.test_metrics import free_port
+
+    port = free_port()
+    daemon = make_daemon({"metrics_listen": f"127.0.0.1:{port}"})
+    url = f"http://127.0.0.1:{port}/metrics"
+    assert "kvxfer_" in urllib.request.urlopen(url, timeout=10).read().decode()
+    before = _threads(daemon.proc.pid)
+    held = []
+    try:
+        for _ in range(200):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            held.append(s)
+        time.sleep(1.0)
+        during = _threads(daemon.proc.pid)
+        assert during <= before + MAX_CONNECTIONS + 4, (before, during)  # (+4: the daemon's own come and go)
+        deadline = time.monotonic() + TIMEOUT_S + 30  # the silent ones are closed; a scrape gets a slot
+        while True:
+            try:
+                text = urllib.request.urlopen(url, timeout=5).read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert "kvxfer_" in text
+    finally:
+        for s in held:
+            s.close()
+    print(f"daemon threads: {before} before, {during} with 200 half-open metrics connections")
+
+
+def test_namespaces_a_client_invents_cost_memory_only_within_the_event_buffers_bound(make_daemon):
+    """Through a daemon RSS grew ~750 bytes per namespace a client invented. What held them is the KV events'
+    replay buffer (each event keeps its namespace's name until it leaves it): bounded by keys and, now, by bytes
+    (events.replay_mib). With a buffer of 1 MiB (and keys without practical bound), 10,000 more invented
+    namespaces (their blocks evicted) leave RSS where it was."""
+    daemon = make_daemon({"pools": [{**SMALL_POOL, "host_capacity_mib": 0.25}],
+                          "events": {"replay_keys": 1 << 22, "replay_mib": 1}})
+    with Client(daemon.target, pool_id="rank0") as client:
+        def invent(first: int, n: int) -> None:
+            for i in range(first, first + n):
+                client.offload([(1, b"k")], namespace=f"invented-{i}")
+
+        invent(0, 5000)  # warm: the buffer full, the allocator's arenas grown
+        before = rss_mib(daemon.proc.pid)
+        invent(5000, 10_000)
+        grown = rss_mib(daemon.proc.pid) - before
+    print(f"RSS grew {grown * 1024:.0f} KiB over 10,000 more invented namespaces")
+    assert grown < 3, grown  # (was ~7 MiB: 750 bytes each)

@@ -77,6 +77,19 @@ def test_the_buffer_is_bounded_by_keys_and_a_late_reader_is_told_to_resync():
     assert hub.read(50, 10) == ([], False)
 
 
+def test_the_buffer_is_bounded_by_bytes_whatever_the_namespaces_and_keys():
+    """Each event holds its namespace's name and its keys: long ones, or namespaces a client invents, are
+    bounded by replay_bytes even when the key count would allow far more."""
+    from kvxfer.events.hub import event_bytes
+
+    hub = EventHub(replay_keys=1 << 30, replay_bytes=64 << 10)
+    for i in range(2000):
+        hub.emit(EventKind.STORED, TierKind.HOST, "g", f"invented-{i}-" + "n" * 100, [b"k" * 200])
+    events, gap = hub.read(0, 10_000)
+    assert gap and sum(event_bytes(e) for e in events) <= 64 << 10 and hub.dropped == 2000 - len(events)
+    assert events[-1].namespace.startswith("invented-1999-")
+
+
 def test_async_and_thread_waiters_wake_on_an_event_from_another_thread():
     hub = EventHub()
 
