@@ -69,13 +69,10 @@ class GroupTable:
                                      f"it asks for the same (got {sharing})")
         return entry
 
-    def make_room(self, now: float) -> list[CacheGroup]:
-        """Take out what must go for one more group (returned: the caller closes them); RESOURCE_EXHAUSTED if
-        no idle group can make room."""
-        released = self.take_expired(now, force_room=True)
+    def check_room(self) -> None:
+        """RESOURCE_EXHAUSTED if one more group would be too many (after ``take_expired(force_room=True)``)."""
         if len(self.entries) >= self.max_groups:
             raise ResourceExhausted(f"{len(self.entries)} cache groups exist; at most {self.max_groups}")
-        return released
 
     def join(self, name: str, entry: GroupEntry, pool_id: str) -> None:
         self.entries[name] = entry

@@ -108,7 +108,8 @@ class PoolRegistry:
                     if owner != DAEMON and not self.limits.allow_overcommit:  # the daemon's own: checked at start
                         room.ensure(host_capacity_blocks * stored.block_bytes,
                                     f"the host tier of pool {shown(pool_id)}")
-                    released = self._groups.make_room(time.monotonic())
+                    released = self._groups.take_expired(time.monotonic(), force_room=True)  # closed below
+                    self._groups.check_room()
                     entry = GroupEntry(CacheGroup(name, stored, host_capacity_blocks, pin_device=pool.cuda_device,
                                               disk=self.limits.disk, remote=self.limits.remote,
                                               shared_fs=self.limits.shared_fs,
