@@ -18,8 +18,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer import fdpass, wire
-from kvxfer.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, KvxferError, ResourceExhausted, Unavailable,
-                           error_for_code)
+from kvxfer.client_results import DROPPABLE, SUCCESS, BlockFailures, FinishedJobs, failures, monotonic_ns
+from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError, error_for_code
 from kvxfer.events.client import EventBatch, SnapshotBatch, event_batches, snapshot_batches
 from kvxfer.events.records import EngineBlocks
 from kvxfer.events.wire import engine_to_pb
@@ -29,55 +29,17 @@ from kvxfer.geometry.sharding import Sharding
 from kvxfer.memory import cuda_mem
 from kvxfer.memory.ipc_event import CudaEvent, event_handle
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
-from kvxfer.records import LookupResult, Medium, Outcome, PoolStats, TransferResult
+from kvxfer.records import LookupResult, Medium, PoolStats, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
-SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT})
-#: Which status a failed batch reports, worst first.
-_FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL"),
-                  (Outcome.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
-                  (Outcome.CANCELLED, "CANCELLED"), (Outcome.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"),
-                  (Outcome.NOT_FOUND, "NOT_FOUND")]
-
-
-def _ns(deadline: float | None) -> int:
-    """A ``time.monotonic()`` deadline as the wire's CLOCK_MONOTONIC nanoseconds (0: none)."""
-    if deadline is None:
-        return 0
-    if not 0 < deadline < 2 ** 63 / 1e9:
-        raise InvalidArgument(f"deadline must be a time.monotonic() value, got {deadline!r}")
-    return max(1, int(deadline * 1e9))
-
-
-class BlockFailures(KvxferError):
-    """Some blocks of a well-formed request failed; ``outcomes`` has every block's outcome."""
-
-    def __init__(self, message: str, outcomes: list[Outcome], code: str) -> None:
-        super().__init__(message)
-        self.outcomes = outcomes
-        self.code = code
-
-
-class FinishedJobs(dict):
-    """``wait_jobs``'s answer: job id -> result, and in ``unknown`` the ids the daemon does not
-    know (never submitted there, reported already, or dropped when their lease ran out)."""
-
-    def __init__(self, results: dict[int, TransferResult], unknown: Sequence[int] = ()) -> None:
-        super().__init__(results)
-        self.unknown: list[int] = list(unknown)
-
-
-#: Errors after which a best-effort offload is dropped instead of raised: the daemon is
-#: down, slow or full. A dropped offload costs a cache hit later, never correctness.
-_DROPPABLE = (Unavailable, DeadlineExceeded, ResourceExhausted)
-
-
 class Client:
-    """A connection to one daemon. ``target`` is ``unix:/path/to.sock`` or ``host:port`` (TLS)."""
+    """A connection to one daemon. ``target`` is ``unix:/path/to.sock`` or ``host:port`` (TLS; with
+    ``certificate_chain`` and ``private_key`` this client's certificate, which a daemon with peering asks for)."""
 
     def __init__(self, target: str, namespace: str = "default", *, pool_id: str | None = None,
-                 timeout: float = 5.0, token: str | None = None, root_certificates: bytes | None = None) -> None:
+                 timeout: float = 5.0, token: str | None = None, root_certificates: bytes | None = None,
+                 certificate_chain: bytes | None = None, private_key: bytes | None = None) -> None:
         self.client_id = uuid.uuid4().hex  # names this client's asynchronous jobs
         self.namespace = namespace
         self.timeout = timeout
@@ -92,7 +54,7 @@ class Client:
             if root_certificates is None:
                 raise InvalidArgument(f"target {target!r}: a TCP target needs root_certificates (the daemon serves "
                                       "TCP with TLS only); a Unix socket is written unix:/path/to.sock")
-            creds = grpc.ssl_channel_credentials(root_certificates)
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
             if token:
                 creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
             self._channel = grpc.secure_channel(target, creds, options=options)
@@ -165,11 +127,11 @@ class Client:
         """
         request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     slots=[p[0] for p in pairs], keys=[p[1] for p in pairs],
-                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=_ns(deadline),
+                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=monotonic_ns(deadline),
                                     engine=engine_to_pb(engine) if engine else None)
         try:
             return self._transfer(self._stub.Offload, request, partial or best_effort, timeout)
-        except _DROPPABLE:
+        except DROPPABLE:
             if best_effort:
                 return None
             raise
@@ -185,7 +147,7 @@ class Client:
         peer known to hold the keys (docs/peering.md); those the daemon lacks are read from it first."""
         request = pb.RestoreRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     keys=[p[0] for p in pairs], slots=[p[1] for p in pairs],
-                                    pool_deadline_ns=_ns(deadline), peer=peer)
+                                    pool_deadline_ns=monotonic_ns(deadline), peer=peer)
         return self._transfer(self._stub.Restore, request, partial, timeout)
 
     def push(self, keys: Sequence[bytes], peer: str, *, pool_id: str | None = None, namespace: str | None = None,
@@ -210,7 +172,7 @@ class Client:
         request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     slots=[p[0] for p in pairs], keys=[p[1] for p in pairs], wait=False,
                                     lease_ms=int(lease_s * 1000), client_id=self.client_id,
-                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=_ns(deadline),
+                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=monotonic_ns(deadline),
                                     engine=engine_to_pb(engine) if engine else None)
         return self._call(self._stub.Offload, request, timeout).job_id
 
@@ -222,7 +184,7 @@ class Client:
         request = pb.RestoreRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     keys=[p[0] for p in pairs], slots=[p[1] for p in pairs], wait=False,
                                     lease_ms=int(lease_s * 1000), client_id=self.client_id,
-                                    pool_deadline_ns=_ns(deadline))
+                                    pool_deadline_ns=monotonic_ns(deadline))
         return self._call(self._stub.Restore, request, timeout).job_id
 
     def wait_jobs(self, job_ids: Sequence[int] = (), *, wait_s: float = 0.0, wait_all: bool = False,
@@ -350,18 +312,15 @@ class Client:
         desc = self._descriptors.get(pool_id) or self.pool_info(pool_id)
         return pb.PoolRef(pool_id=pool_id, epoch=desc.epoch, registration_token=token)
 
-    def _registered_refs(self) -> list[pb.PoolRef]:
-        """The pools this client registered, with their tokens: a watch sees their (private) groups too."""
+    def _registered_refs(self) -> list[pb.PoolRef]:  # a watch sees the (private) groups of these pools too
         return [self._ref(pool_id) for pool_id in self._registrations]
 
     def _transfer(self, method, request, partial: bool, timeout: float | None) -> TransferResult:
         response = self._call(method, request, timeout)
         result = TransferResult([wire.STATUS_TO_OUTCOME[s] for s in response.statuses], response.bytes,
                                 response.seconds)
-        if not partial and any(o not in SUCCESS for o in result.outcomes):
-            code = next(c for o, c in _FAILURE_CODES if o in result.outcomes)
-            failed = sum(o not in SUCCESS for o in result.outcomes)
-            raise BlockFailures(f"{failed} of {len(result.outcomes)} blocks failed", result.outcomes, code)
+        if not partial:
+            failures(result)
         return result
 
     def _call(self, method, request, timeout: float | None = None):
@@ -409,3 +368,6 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+__all__ = ["SUCCESS", "BlockFailures", "Client", "CudaEvent", "FinishedJobs", "event_handle"]

@@ -138,3 +138,18 @@ def test_each_peer_holds_a_bounded_share_and_the_engine_comes_first(cluster, tls
         assert torch.equal(read_block(pool.storage, pool.layout, 40), written[1])
     rogue.close()
     other.close()
+
+
+def test_an_engine_over_tcp_shows_a_certificate_of_the_peers_ca(cluster, tls):
+    """With peering on, the TLS listener asks every caller for a certificate: the client can show one."""
+    from kvxfer.errors import Unavailable
+
+    d = cluster(["a"])
+    listen, ca = d["a"].config["listen"], tls.ca.read_bytes()
+    cert, key = tls.issue("engine")
+    with Client(listen, token=TOKEN, root_certificates=ca, certificate_chain=cert.read_bytes(),
+                private_key=key.read_bytes()) as c:
+        assert c.health() == "SERVING" and c.pool_info("rank0").pool_id == "rank0"
+    with Client(listen, token=TOKEN, root_certificates=ca) as bare:
+        with pytest.raises(Unavailable):
+            bare.health()

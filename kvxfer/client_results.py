@@ -1,0 +1,59 @@
+"""What the client's calls return besides their results: the outcomes that count as success, the
+exception a partly failed batch raises, ``wait_jobs``' answer, and the wire's deadline clock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvxfer.errors import DeadlineExceeded, InvalidArgument, KvxferError, ResourceExhausted, Unavailable
+from kvxfer.records import Outcome, TransferResult
+
+SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT})
+#: Which status a failed batch reports, worst first.
+FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL"),
+                  (Outcome.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
+                  (Outcome.CANCELLED, "CANCELLED"), (Outcome.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"),
+                  (Outcome.NOT_FOUND, "NOT_FOUND")]
+
+
+def monotonic_ns(deadline: float | None) -> int:
+    """A ``time.monotonic()`` deadline as the wire's CLOCK_MONOTONIC nanoseconds (0: none)."""
+    if deadline is None:
+        return 0
+    if not 0 < deadline < 2 ** 63 / 1e9:
+        raise InvalidArgument(f"deadline must be a time.monotonic() value, got {deadline!r}")
+    return max(1, int(deadline * 1e9))
+
+
+class BlockFailures(KvxferError):
+    """Some blocks of a well-formed request failed; ``outcomes`` has every block's outcome."""
+
+    def __init__(self, message: str, outcomes: list[Outcome], code: str) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+        self.code = code
+
+
+class FinishedJobs(dict):
+    """``wait_jobs``'s answer: job id -> result, and in ``unknown`` the ids the daemon does not
+    know (never submitted there, reported already, or dropped when their lease ran out)."""
+
+    def __init__(self, results: dict[int, TransferResult], unknown: Sequence[int] = ()) -> None:
+        super().__init__(results)
+        self.unknown: list[int] = list(unknown)
+
+
+#: Errors after which a best-effort offload is dropped instead of raised: the daemon is
+#: down, slow or full. A dropped offload costs a cache hit later, never correctness.
+DROPPABLE = (Unavailable, DeadlineExceeded, ResourceExhausted)
+
+
+def failures(result: TransferResult) -> None:
+    """Raise ``BlockFailures`` (with the worst failure's code) unless every block of ``result`` succeeded."""
+    if any(o not in SUCCESS for o in result.outcomes):
+        code = next(c for o, c in FAILURE_CODES if o in result.outcomes)
+        failed = sum(o not in SUCCESS for o in result.outcomes)
+        raise BlockFailures(f"{failed} of {len(result.outcomes)} blocks failed", result.outcomes, code)
+
+
+__all__ = ["DROPPABLE", "SUCCESS", "BlockFailures", "FinishedJobs", "failures", "monotonic_ns"]
