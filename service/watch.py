@@ -87,32 +87,35 @@ def watched(names) -> frozenset[str]:
 
 
 async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest, scopes: frozenset[int],
-                linger: float = 0.05) -> AsyncIterator[bytes]:
+                linger: float = 0.05, idle_s: float = IDLE_S, clock=None) -> AsyncIterator[bytes]:
     """``scopes``: the event scopes the caller may see (``PoolRegistry.event_scopes``). ``linger``: seconds a
     response waits for more events (fewer, larger responses: a hundred subscribers of a busy daemon cost
-    it a hundred sends every ``linger``, not a hundred an event)."""
+    it a hundred sends every ``linger``, not a hundred an event). ``idle_s``: a watch with nothing for it
+    says where the stream stands at least this often (``clock``: the loop's, unless given)."""
     namespaces = watched(request.namespaces)
-    last = hub.last_sequence
-    if request.from_sequence > last + 1:
+    last, stream = hub.last_sequence, hub.stream_id
+    foreign = bool(request.stream_id) and request.stream_id != stream  # a position in another daemon's stream
+    if request.from_sequence > last + 1 and not foreign:  # (another stream's positions say nothing of this one)
         raise InvalidArgument(f"from_sequence {request.from_sequence} is past the next event ({last + 1})")
-    stream = hub.stream_id
     if hub.subscribers >= hub.max_subscribers:
         raise ResourceExhausted(f"{hub.subscribers} WatchEvents streams are open; at most {hub.max_subscribers}")
     hub.subscribers += 1
     try:
         after = last if request.from_sequence == 0 else request.from_sequence - 1
-        if request.stream_id and request.stream_id != stream:  # a position in another daemon's stream
+        if foreign:
             yield pb.WatchEventsResponse(stream_id=stream, resync=True, next_sequence=last + 1).SerializeToString()
             after = last
-        clock = asyncio.get_running_loop().time
+        clock = clock or asyncio.get_running_loop().time
         said = clock()  # when the client last heard where the stream stands
         while not hub.closed:
             events, gap = hub.read(after, BATCH_EVENTS)
             if not events:
-                await hub.wait(after, IDLE_S)
-                if hub.last_sequence <= after:
-                    said = clock()
-                    yield pb.WatchEventsResponse(stream_id=stream, next_sequence=after + 1).SerializeToString()
+                left = said + idle_s - clock()  # the time left, not a new period: other events do not reset it
+                if left > 0:
+                    await hub.wait(after, left)
+                    continue
+                said = clock()
+                yield pb.WatchEventsResponse(stream_id=stream, next_sequence=after + 1).SerializeToString()
                 continue
             if len(events) < BATCH_EVENTS and linger:  # a few more arrive meanwhile: one response, not many
                 await asyncio.sleep(linger)
@@ -122,7 +125,7 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
             after = events[-1].sequence
             mine = [encoded.of(e) for e in events
                     if e.scope in scopes and (e.namespace in namespaces or e.kind is EventKind.CLEARED)]
-            if mine or gap or clock() - said > IDLE_S:  # (other namespaces' events: the position, now and then)
+            if mine or gap or clock() - said >= idle_s:  # (other namespaces' events: the position, now and then)
                 said = clock()
                 head = pb.WatchEventsResponse(stream_id=stream, resync=gap, next_sequence=after + 1).SerializeToString()
                 yield head + b"".join(mine)  # (a message's fields may come in any order: the events follow)
