@@ -238,6 +238,10 @@ class DiskStore:
             self.journal.removed([slot])
             self.tier.discard(slot)  # before the fetch's end frees the slot for another block
             return Outcome.DATA_LOSS
+        except FileNotFoundError:  # removed behind the daemon's back (or a journal older than the files):
+            self.events.add("missing", 1)  # the entry goes (the fetch's end drops it), the restore
+            self.journal.removed([slot])  # tries the next tier; nothing is wrong with the device
+            return Outcome.NOT_FOUND
         except OSError as exc:
             self.events.add("read_errors", 1)
             self._degrade("read", exc)
@@ -344,6 +348,7 @@ class _DiskFetch:
         self._store, self._namespace = store, namespace
         self._plan = store.index.prepare_load(namespace, keys)
         self.keys = [keys[i] for i in self._plan.positions]  # on disk, in the plan's order
+        self._missing: set[int] = set()  # plan positions whose files were gone when read
 
     def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
         store, plan, reads = self._store, self._plan, []
@@ -353,8 +358,18 @@ class _DiskFetch:
                 continue
             reads.append(store._readers.submit(store._read, plan.slots[j], self._namespace, self.keys[j],
                                                plan.checksums[j], memoryview(out.numpy())))
-        return [(Outcome.NOT_FOUND, 0) if r is None else (r.result(), plan.checksums[j])
-                for (j, _), r in zip(targets, reads)]
+        out = [(Outcome.NOT_FOUND, 0) if r is None else (r.result(), plan.checksums[j])
+               for (j, _), r in zip(targets, reads)]
+        self._missing = {j for (j, _), r, (verdict, _) in zip(targets, reads, out)
+                         if r is not None and verdict is Outcome.NOT_FOUND}  # read, and its file was gone
+        return out
 
     def end(self, corrupt: set[int]) -> None:
-        self._store.index.complete_load(self._plan.slots, corrupt)
+        slots, missing = self._plan.slots, self._missing
+        if not missing:
+            self._store.index.complete_load(slots, corrupt)
+            return
+        kept = [j for j in range(len(slots)) if j not in missing]
+        self._store.index.complete_load([slots[j] for j in kept], {i for i, j in enumerate(kept) if j in corrupt})
+        self._store.index.complete_load([slots[j] for j in sorted(missing)], set(range(len(missing))),
+                                        Reason.EXPIRED)  # announced REMOVED: the medium dropped them
