@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -181,7 +182,9 @@ class KVTransferServicer:
         check_count(len(request.pools), self.limits.max_pools, "pools")
         check_count(len(request.keys), self.limits.max_batch_blocks, "keys")
         refs = [_ref(p) for p in request.pools]
-        result = await self._blocking(self.registry.lookup, refs, request.namespace, list(request.keys))
+        remaining = context.time_remaining()  # a disk index loading at start is waited for, within the deadline
+        deadline = time.monotonic() + max(0.0, remaining - 0.05) if remaining is not None else None
+        result = await self._blocking(self.registry.lookup, refs, request.namespace, list(request.keys), deadline)
         return pb.LookupResponse(hits=result.hits,
                                  tiers=[wire.TIER_TO_PB[t] if t else pb.TIER_UNSPECIFIED for t in result.tiers])
 

@@ -87,6 +87,9 @@ class PeerStore:
     def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
         return 0
 
+    def wait_ready(self, until: float) -> bool:
+        return True  # (nothing to load: it asks the medium)
+
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
         """Every peer is asked at once: a lookup waits for the slowest answer, not for their sum."""
         present = [False] * len(keys)

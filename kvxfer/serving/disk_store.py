@@ -5,8 +5,10 @@ base and journal a crash left (``kvxfer.tiers.disk_journal``), else from the blo
 headers (a scan: minutes for millions of blocks). Then a new base is written and every change
 is journaled until the next clean shutdown. With ``load_in_background``
 (the daemon) it is loaded on a thread while the daemon serves: until it is done the tier
-holds nothing for lookups (restores miss it), demotions are dropped and counted, and Stats
-says ``loading``; a Delete meanwhile is applied to what the load finds.
+holds nothing for lookups, demotions are dropped and counted, and Stats
+says ``loading``; a Delete meanwhile is applied to what the load finds. A Lookup or Restore meanwhile
+waits for the load (``wait_ready``, within its deadline), so that the first requests after a restart hit
+what the disk holds.
 
 Demotion. A block the host tier evicts is copied out of its host slot into a staging
 buffer at once (the slot is reused by the very batch that evicted it) and queued; a
@@ -89,6 +91,7 @@ class DiskStore:
         self.degraded = False
         self.index_seconds = 0.0
         self.loading = True
+        self._loaded = threading.Event()  # set once the load ended (or the store closed): requests waited for it
         self._load_lock = threading.Lock()  # the end of the load against Deletes and shutdown
         self._deleted_while_loading: list[tuple[str, list[bytes]]] = []
         self._closing = False
@@ -138,6 +141,7 @@ class DiskStore:
             for namespace, keys in self._deleted_while_loading:
                 self._delete_loaded(namespace, keys)
             self._deleted_while_loading.clear()
+        self._loaded.set()
         self.index_seconds = time.perf_counter() - start
         log.info("disk index loaded", extra={"path": str(self.tier.directory), "source": source,
                                              "blocks": len(found), "seconds": round(self.index_seconds, 3)})
@@ -268,6 +272,10 @@ class DiskStore:
             self.index.complete_load(plan.slots, set(range(len(plan.slots))), Reason.DELETED)
         return len(plan.slots)
 
+    def wait_ready(self, until: float) -> bool:
+        """Wait for the index's load at start (a restarted daemon's first requests find what the disk holds)."""
+        return not self.loading or self._loaded.wait(max(0.0, until - time.monotonic())) and not self.loading
+
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
         return self.index.contains(namespace, keys)
 
@@ -288,6 +296,7 @@ class DiskStore:
     def close(self, timeout: float = 0.0) -> None:
         with self._load_lock:
             self._closing = True  # a load still running stops, and adopts nothing
+        self._loaded.set()  # nobody waits for a load that will not end
         self._readers.shutdown(wait=False, cancel_futures=True)
         self.queue.close(timeout)
 

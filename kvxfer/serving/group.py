@@ -26,7 +26,7 @@ from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.assembly import Assembly, Verified
 from kvxfer.serving.disk_store import DiskSettings, DiskStore
-from kvxfer.serving.promotion import promote
+from kvxfer.serving.promotion import InFlight, promote
 from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
 from kvxfer.serving.shared_fs_store import SharedFsSettings, SharedFsStore
 from kvxfer.tiers.host import HostTier
@@ -69,6 +69,7 @@ class BlockFormat:
         return hashlib.sha256(b"kvxfer-group\0" + self.fingerprint + group.encode()).digest()
 
 
+PROMOTION_WAIT_S = 10.0  # how long a request without a deadline waits for another's promotion or an index's load
 #: The lower tiers a group may have, top down (a restore asks them in this order): config
 #: section -> the class that serves it. A new tier is a row here and a class under ``serving``.
 LOWER_TIERS: list[tuple[str, type]] = [("disk", DiskStore), ("shared_fs", SharedFsStore), ("remote", RemoteStore)]
@@ -97,6 +98,7 @@ class CacheGroup:
         # Held from a batch's slot reservation until the blocks it evicted are copied out of
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
+        self._promoting = InFlight()  # keys being promoted: restores of one key at once share one promotion
         fingerprint, nbytes = self.format.bound_to(name), layout.block_bytes
         settings = {"disk": disk, "remote": remote, "shared_fs": shared_fs}
         self.lower_tiers: list[LowerTier] = [make(settings[section], name, fingerprint, nbytes, kv_events)
@@ -148,24 +150,42 @@ class CacheGroup:
                 tier.stage(namespace, [(k, c, self.host.buffer[s]) for k, s, c in zip(keys, slots, checksums)
                                        if c is not None])
 
-    def promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None = None
-                ) -> dict[bytes, Outcome]:
+    def promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None = None,
+                deadline: float | None = None) -> dict[bytes, Outcome]:
         """Bring the named keys up from the lower tiers (or ``tiers``), top down; returns those that failed
-        (DATA_LOSS, FAILED)."""
+        (DATA_LOSS, FAILED). Keys another restore is promoting now are waited for (until ``deadline``,
+        ``time.monotonic()``; else ``PROMOTION_WAIT_S``), not promoted twice."""
+        until = deadline if deadline is not None else time.monotonic() + PROMOTION_WAIT_S
+        mine, waits = self._promoting.claim(namespace, keys)
+        try:
+            failed = self._promote(namespace, mine, tiers, until) if mine else {}
+        finally:
+            self._promoting.release(namespace, mine)
+        for event in waits:
+            event.wait(max(0.0, until - time.monotonic()))
+        return failed
+
+    def _promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None, until: float
+                 ) -> dict[bytes, Outcome]:
         failed: dict[bytes, Outcome] = {}
         for tier in self.lower_tiers if tiers is None else tiers:
+            tier.wait_ready(until)
             missing = [k for k, t in zip(keys, self.index.tiers_of(namespace, keys)) if t is None and k not in failed]
             if missing:
                 failed.update(promote(tier, namespace, missing, self.host, self.index, self.store_lock,
                                       self._demote))
         return failed
 
-    def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
+    def tiers_of(self, namespace: str, keys: list[bytes], deadline: float | None = None) -> list[TierKind | None]:
+        """Where each key is, top down. A lower tier still loading its index is waited for (until ``deadline``,
+        else ``PROMOTION_WAIT_S``): a restarted daemon answers for what its disk holds from the first request."""
         tiers = self.index.tiers_of(namespace, keys)
+        until = deadline if deadline is not None else time.monotonic() + PROMOTION_WAIT_S
         for tier in self.lower_tiers:
             missing = [i for i, t in enumerate(tiers) if t is None]
             if not missing:
                 break
+            tier.wait_ready(until)
             for i, there in zip(missing, tier.contains(namespace, [keys[i] for i in missing])):
                 tiers[i] = tier.kind if there else None
         return tiers

@@ -217,13 +217,13 @@ class PoolManager:
         release([s for s in slots if s not in held])
         self.engine.quarantine(late.handles, lambda: release(late.slots), restore)
 
-    def _prepare_load(self, namespace: str, keys: list[bytes]) -> Plan:
+    def _prepare_load(self, namespace: str, keys: list[bytes], deadline: float | None = None) -> Plan:
         """Pin the host tier's blocks of the batch, then bring the others up from disk and pin them too."""
         plan = self.index.prepare_load(namespace, keys)
         if len(plan.slots) == len(keys) or not self.group.lower:
             return plan
         missing = [i for i, o in enumerate(plan.outcomes) if o is Outcome.NOT_FOUND]
-        lost = self.group.promote(namespace, [keys[i] for i in missing])  # may evict: ours are pinned
+        lost = self.group.promote(namespace, [keys[i] for i in missing], deadline=deadline)  # may evict: ours pinned
         more = self.index.prepare_load(namespace, [keys[i] for i in missing])
         for j, i in enumerate(missing):
             plan.outcomes[i] = lost.get(keys[i], more.outcomes[j])
@@ -234,7 +234,7 @@ class PoolManager:
         return plan
 
     def _restore(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
-        plan = self._prepare_load(batch.namespace, batch.keys)
+        plan = self._prepare_load(batch.namespace, batch.keys, batch.deadline)
         slots, positions = plan.slots, plan.positions
         corrupt: set[int] = set()
         moved, seconds = 0, 0.0
@@ -288,11 +288,12 @@ class PoolManager:
             event.wait(max(0.0, until - time.monotonic()))
         return verified.trusted(at, runs)
 
-    def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
-        """Keys in prefix order: how many leading ones are present, and each one's tier."""
+    def lookup(self, namespace: str, keys: Sequence[bytes], deadline: float | None = None) -> LookupResult:
+        """Keys in prefix order: how many leading ones are present, and each one's tier (``deadline``:
+        ``time.monotonic()``, how long a lower tier's index loading at start may be waited for)."""
         check_namespace(namespace)
         keys = checked_keys(keys, unique=False)
-        tiers = self.group.tiers_of(namespace, keys)
+        tiers = self.group.tiers_of(namespace, keys, deadline)
         hits = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         with self._lock:
             self._lookups = LookupStats(self._lookups.keys + len(keys), self._lookups.hits + hits)

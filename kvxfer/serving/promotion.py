@@ -21,6 +21,37 @@ from kvxfer.tiers.lower import LowerTier
 FAILURES = (Outcome.DATA_LOSS, Outcome.FAILED)
 
 
+class InFlight:
+    """The keys being promoted now, so that restores asking for one key at once (the ranks of a TP engine
+    after a restart) share one promotion: the first promotes it, the others wait for it to end. (Without
+    this the others found the key's host entry pending, stored nothing and loaded nothing: NOT_FOUND.)"""
+
+    def __init__(self) -> None:
+        self._busy: dict[tuple[str, bytes], threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[threading.Event]]:
+        """The keys this caller promotes (``release`` must follow), and the promotions of the others to wait for."""
+        mine: list[bytes] = []
+        waits: dict[int, threading.Event] = {}
+        ours = threading.Event()  # one for all of this caller's keys
+        with self._lock:
+            for key in keys:
+                event = self._busy.setdefault((namespace, key), ours)
+                if event is ours:
+                    mine.append(key)
+                else:
+                    waits[id(event)] = event
+        return mine, list(waits.values())
+
+    def release(self, namespace: str, keys: list[bytes]) -> None:
+        """The caller's promotion of ``keys`` ended (whatever came of it): whoever waits for it goes on."""
+        with self._lock:
+            events = {id(e): e for e in (self._busy.pop((namespace, key)) for key in keys)}
+        for event in events.values():
+            event.set()
+
+
 def promote(tier: LowerTier, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
             store_lock: threading.Lock, on_evicted: Callable[[Evicted], None]) -> dict[bytes, Outcome]:
     """Move the named blocks ``tier`` holds into the host tier; returns the keys that failed."""

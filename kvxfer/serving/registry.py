@@ -323,14 +323,15 @@ class PoolRegistry:
         (PERMISSION_DENIED for a wrong token, FAILED_PRECONDITION for an unknown pool)."""
         return frozenset({0} | {self.get(ref, registrant=True).manager.group.event_scope for ref in refs})
 
-    def lookup(self, refs: Sequence[PoolRef], namespace: str, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, refs: Sequence[PoolRef], namespace: str, keys: Sequence[bytes],
+               deadline: float | None = None) -> LookupResult:
         """Hits present in every listed pool (the ranks of one model): the minimum over pools,
-        since a block is reusable only when every rank holds its shard."""
+        since a block is reusable only when every rank holds its shard (``deadline``: ``PoolManager.lookup``)."""
         if not refs:
             raise InvalidArgument("a lookup names at least one pool")
         if len({r.pool_id for r in refs}) != len(refs):
             raise InvalidArgument("a lookup names each pool once")
-        results = [self.get(ref).manager.lookup(namespace, keys) for ref in refs]
+        results = [self.get(ref).manager.lookup(namespace, keys, deadline) for ref in refs]
         tiers = [t if all(r.tiers[i] is not None for r in results) else None for i, t in enumerate(results[0].tiers)]
         return LookupResult(min(r.hits for r in results), tiers)
 

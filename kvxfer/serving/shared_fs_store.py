@@ -79,6 +79,9 @@ class SharedFsStore:
             announce_stored(self.kv_events, [item])
 
     # -- lookups and restores ---------------------------------------------------------
+    def wait_ready(self, until: float) -> bool:
+        return True  # (nothing to load: it asks the medium)
+
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
         if not keys:
             return []

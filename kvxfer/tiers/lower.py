@@ -55,6 +55,11 @@ class LowerTier(Protocol):
         """Write blocks on this thread, durably; returns how many were."""
         ...
 
+    def wait_ready(self, until: float) -> bool:
+        """Wait (on a worker thread) until the tier answers for all it holds (an index still loading at
+        start holds nothing yet), or until ``until`` (``time.monotonic()``); True if it does."""
+        ...
+
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
         ...
 

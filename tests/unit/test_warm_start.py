@@ -1,0 +1,90 @@
+"""Warm from the first request (issue 46): a Lookup or Restore while the disk index still loads waits for
+it and hits; the ranks of a TP engine restoring one disk key at once share one promotion and all get it."""
+
+import threading
+import time
+
+import torch
+
+from kvxfer.geometry.layout import Layout
+from kvxfer.memory.pool import Pool
+from kvxfer.records import Outcome, TierKind
+from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.manager import PoolManager
+from kvxfer.tiers.disk import DiskTier
+from tests.unit.test_disk_tier import HOST_BLOCKS, SPEC, block, store, stored_and_shut_down
+
+KEYS = [b"k%d" % b for b in range(1, 9)]  # on disk after stored_and_shut_down(..., 16): the oldest eight
+
+
+def in_thread(fn, *args):
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args)))
+    thread.start()
+    return thread, out
+
+
+def test_a_lookup_and_a_restore_during_the_index_load_wait_for_it_and_hit(tmp_path, monkeypatch):
+    stored_and_shut_down(tmp_path, 5, 16)
+    (tmp_path / "g" / ".checkpoint").unlink()  # a scan: the slow start
+    release = threading.Event()
+    scan = DiskTier.scan
+    monkeypatch.setattr(DiskTier, "scan", lambda self, stop=lambda: False: (release.wait(60), scan(self, stop))[1])
+    pool, group, manager = store(tmp_path, load_in_background=True)
+    assert group.disk.stats().loading
+    lookup, looked = in_thread(manager.lookup, "ns", KEYS)
+    restore, restored = in_thread(manager.restore, "ns", [(k, 20 + i) for i, k in enumerate(KEYS[:4])])
+    time.sleep(0.3)  # (both asked before the load ended: the old code answered them with misses at once)
+    release.set()
+    lookup.join(60)
+    restore.join(60)
+    assert looked[0].tiers == [TierKind.DISK] * len(KEYS) and looked[0].hits == len(KEYS)
+    assert restored[0].outcomes == [Outcome.DONE] * 4
+    group.close(5)
+
+
+def test_a_load_that_outlasts_the_deadline_is_a_miss_in_time(tmp_path, monkeypatch):
+    stored_and_shut_down(tmp_path, 5, 16)
+    (tmp_path / "g" / ".checkpoint").unlink()
+    release = threading.Event()
+    scan = DiskTier.scan
+    monkeypatch.setattr(DiskTier, "scan", lambda self, stop=lambda: False: (release.wait(60), scan(self, stop))[1])
+    _, group, manager = store(tmp_path, load_in_background=True)
+    try:
+        assert manager.lookup("ns", KEYS, deadline=time.monotonic()).tiers == [None] * len(KEYS)  # no wait left
+    finally:
+        release.set()
+        group.close(5)
+
+
+def test_ranks_restoring_one_disk_key_at_once_share_one_promotion(tmp_path, monkeypatch):
+    """Two pools of one cache group (what TP ranks of canonical blocks are to it) restore the same disk keys
+    at the same moment: the second waits for the first's promotion and both get every block."""
+    stored_and_shut_down(tmp_path, 6, 16)
+    pools = [Pool.create(f"p{r}", SPEC, Layout.parse("BLHNC")) for r in range(2)]
+    group = CacheGroup("g", pools[0].layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20))
+    managers = [PoolManager(p, group) for p in pools]
+    reading, release = threading.Event(), threading.Event()
+    read_into = group.disk.tier.read_into
+
+    def slow_read(*args):
+        reading.set()
+        release.wait(60)
+        return read_into(*args)
+
+    monkeypatch.setattr(group.disk.tier, "read_into", slow_read)
+    pairs = [(k, 10 + i) for i, k in enumerate(KEYS[:4])]
+    first, first_out = in_thread(managers[0].restore, "ns", pairs)
+    assert reading.wait(60)  # rank 0 is reading the files
+    second, second_out = in_thread(managers[1].restore, "ns", pairs)
+    time.sleep(0.3)  # rank 1 asks meanwhile (the old code answered it NOT_FOUND at once)
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert first_out[0].outcomes == [Outcome.DONE] * 4 and second_out[0].outcomes == [Outcome.DONE] * 4
+    for i in range(4):
+        assert torch.equal(block(pools[0], 10 + i), block(pools[1], 10 + i))
+    assert group.disk.stats().events["promoted"] == 4  # one promotion, not one a rank
+    group.close(5)
+
