@@ -6,7 +6,8 @@ order of what happened. Each subscriber reads from its own position; one that fa
 buffer (or asks for a position it no longer holds) is told to resync, never shown a gap. The
 buffer is bounded by the keys it holds (``replay_keys``) and by the bytes they take
 (``replay_bytes``, counted as below), so memory does not grow with subscribers, with time, or with
-the namespaces clients invent (each event holds its namespace's name until it leaves the buffer). Each event carries its cache group's scope: 0 for a group whose keys
+the namespaces clients invent (each event holds its namespace's name until it leaves the buffer).
+Each event carries its cache group's scope: 0 for a group whose keys
 anyone may watch, else that group's own number, shown only to callers that prove they hold one
 of its pools (``service.watch``). Emitting costs a lock, an append and at most one wake-up call per
 event loop turn, whatever the number of subscribers.
@@ -180,9 +181,11 @@ class TierEvents:
             self.hub.emit(EventKind.STORED, self.tier, self.cache_group, namespace, keys, engine=engine,
                           scope=self.scope)
 
-    def removed(self, namespace: str, keys: Sequence[bytes], reason: Reason) -> None:
+    def removed(self, namespace: str, keys: Sequence[bytes], reason: Reason, engine: EngineBlocks | None = None
+                ) -> None:
         if keys:
-            self.hub.emit(EventKind.REMOVED, self.tier, self.cache_group, namespace, keys, reason, scope=self.scope)
+            self.hub.emit(EventKind.REMOVED, self.tier, self.cache_group, namespace, keys, reason, engine,
+                          scope=self.scope)
 
     def cleared(self) -> None:
         self.hub.emit(EventKind.CLEARED, self.tier, self.cache_group, "", (), scope=self.scope)

@@ -74,8 +74,21 @@ class TierEvent:
     namespace: str
     keys: tuple[bytes, ...]
     reason: Reason | None = None  # REMOVED only
-    engine: EngineBlocks | None = None  # STORED by an offload that described its blocks
+    engine: EngineBlocks | None = None  # the blocks' key format (and, STORED by an offload, what it said of them)
     scope: int = 0  # who may see it: 0 anyone; else only holders of a pool of that cache group (EventHub.scoped)
+
+
+KEY_FORMATS: tuple[KeyFormat, ...] = tuple(KeyFormat)  # a stored block's key format as one byte: its place here
+
+
+def format_code(key_format: KeyFormat) -> int:
+    """The byte a tier keeps with a block for its key format (0: opaque)."""
+    return KEY_FORMATS.index(key_format)
+
+
+def described(code: int) -> EngineBlocks | None:
+    """What an event says of blocks kept in key format ``code`` (None: opaque keys, or a code not known here)."""
+    return EngineBlocks(KEY_FORMATS[code]) if 0 < code < len(KEY_FORMATS) else None
 
 
 def engine_hash(key: bytes, key_format: KeyFormat) -> tuple[bytes, int | None]:
@@ -85,4 +98,5 @@ def engine_hash(key: bytes, key_format: KeyFormat) -> tuple[bytes, int | None]:
     return key, None
 
 
-__all__ = ["EngineBlocks", "EventKind", "KeyFormat", "Reason", "TierEvent", "engine_hash"]
+__all__ = ["EngineBlocks", "EventKind", "KEY_FORMATS", "KeyFormat", "Reason", "TierEvent", "described", "engine_hash",
+           "format_code"]

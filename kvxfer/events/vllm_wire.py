@@ -5,8 +5,9 @@ tagged with its class name) consumes these with no code of its own. The structs 
 vLLM's field for field (names, order, which have defaults); ``tests/vllm/test_kv_events.py``
 decodes what they encode with vLLM's own decoder. ``medium`` names the tier, ``ownership`` is
 "kvxfer" (vLLM: "secondary offloading tier identifier"), ``locality`` says whether the tier is
-this node's own. Block hashes are the engine's where the namespace's keys are vLLM offload keys
-(the backend says so with each offload), else the keys themselves.
+this node's own. Block hashes are the engine's where the blocks' keys are vLLM offload keys (the
+backend says so with each offload, and every tier keeps that key format with the block, also across
+restarts, so that every later event of it names it alike), else the keys themselves.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MEDIUM = {TierKind.HOST: "CPU", TierKind.DISK: "DISK", TierKind.REMOTE: "REMOTE"
 LOCALITY = {TierKind.HOST: "LOCAL", TierKind.DISK: "LOCAL", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "REMOTE",
             TierKind.PEER: "REMOTE"}
 OWNERSHIP = "kvxfer"
-MAX_NAMESPACES = 4096  # key formats remembered (namespaces that described their blocks lately)
+MAX_NAMESPACES = 4096  # block sizes remembered (namespaces whose offloads described their blocks lately)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -77,7 +78,7 @@ class VllmEncoder:
     def __init__(self, int_hashes: bool = False, data_parallel_rank: int | None = None) -> None:
         self._int_hashes = int_hashes  # as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1
         self._rank = data_parallel_rank
-        self._formats: OrderedDict[str, tuple[KeyFormat, int]] = OrderedDict()  # namespace -> format, block size
+        self._block_sizes: OrderedDict[str, int] = OrderedDict()  # namespace -> tokens a block (offloads said)
         self._encoder = msgspec.msgpack.Encoder()
 
     def encode(self, events: list[TierEvent], ts: float) -> bytes:
@@ -91,12 +92,14 @@ class VllmEncoder:
         """vLLM's events for one of kvxfer's (a CLEARED tier was announced block by block already)."""
         if event.kind is EventKind.CLEARED:
             return []
-        if event.engine is not None:
-            self._formats[event.namespace] = (event.engine.key_format, event.engine.block_size)
-            self._formats.move_to_end(event.namespace)
-            while len(self._formats) > MAX_NAMESPACES:
-                self._formats.popitem(last=False)
-        key_format, block_size = self._formats.get(event.namespace, (KeyFormat.OPAQUE, 0))
+        engine = event.engine
+        if engine is not None and engine.block_size:
+            self._block_sizes[event.namespace] = engine.block_size
+            self._block_sizes.move_to_end(event.namespace)
+            while len(self._block_sizes) > MAX_NAMESPACES:
+                self._block_sizes.popitem(last=False)
+        key_format = engine.key_format if engine is not None else KeyFormat.OPAQUE  # (kept with the blocks)
+        block_size = self._block_sizes.get(event.namespace, 0)
         runs: dict[int | None, list[bytes | int]] = {}  # by KV cache group (vLLM keys carry theirs)
         for key in event.keys:
             block_hash, group = engine_hash(key, key_format)
@@ -104,7 +107,6 @@ class VllmEncoder:
         medium, locality = MEDIUM[event.tier], LOCALITY[event.tier]
         if event.kind is EventKind.REMOVED:
             return [BlockRemoved(hashes, medium, group, locality, OWNERSHIP) for group, hashes in runs.items()]
-        engine = event.engine
         out: list[KVCacheEvent] = []
         for group, hashes in runs.items():
             keys = [k for k in event.keys if engine_hash(k, key_format)[1] == group] if len(runs) > 1 else event.keys

@@ -24,8 +24,8 @@ import numpy as np
 
 from kvxfer.errors import Internal
 from kvxfer.events.hub import TierEvents
-from kvxfer.events.records import EngineBlocks, Reason
-from kvxfer.index.entries import Evicted, IndexStats, Plan, Victim
+from kvxfer.events.records import EngineBlocks, Reason, described, format_code
+from kvxfer.index.entries import Entry, Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import EvictionPolicy, lru
 from kvxfer.index.keytable import KeyTable
 from kvxfer.tiers.slots import SlotAllocator, int_array, slot_array
@@ -52,6 +52,7 @@ class BlockIndex:
         self._state = np.zeros(capacity, dtype=np.int8)
         self._pins = np.zeros(capacity, dtype=np.int32)
         self._checksum = np.zeros(capacity, dtype=np.uint64)
+        self._format = np.zeros(capacity, dtype=np.uint8)  # each entry's key format code, for its events
         self._keys = KeyTable(capacity)
         self._events = events
         self._lock = threading.Lock()
@@ -95,9 +96,10 @@ class BlockIndex:
             return Plan(outcomes, slots, positions, evicted=evicted)
 
     def complete_store(self, slots: Sequence[int], checksums: list[int | None],
-                       engine: EngineBlocks | None = None) -> None:
+                       engine: EngineBlocks | None = None, formats: Sequence[int] | None = None) -> None:
         """Publish entries whose bytes are complete (checksum given); forget the others. ``engine``: what
-        the engine said of these blocks, for the STORED event."""
+        the engine said of these blocks, for the STORED event; else ``formats``: each one's key format code
+        (what the tier they came from kept with them), kept with the entry for every later event."""
         if len(slots) != len(checksums):
             raise ValueError("complete_store pairs each slot with one checksum")
         with self._lock:
@@ -113,6 +115,10 @@ class BlockIndex:
             published = pending & complete
             publish = at[published]
             self._checksum[publish] = values[published]
+            if engine is not None:
+                self._format[publish] = format_code(engine.key_format)
+            else:
+                self._format[publish] = np.asarray(formats, dtype=np.uint8)[published] if formats is not None else 0
             self._set_state(publish, READY)
             self._policy.used(publish)
             if self._events is not None:
@@ -130,7 +136,8 @@ class BlockIndex:
             at = found[positions]
             self._pin(at, 1)  # distinct keys, so distinct slots
             codes = np.where(hit, _DONE, _NOT_FOUND).astype(np.int8)
-            return Plan(_outcomes(codes), at.tolist(), positions.tolist(), self._checksum[at].tolist())
+            return Plan(_outcomes(codes), at.tolist(), positions.tolist(), self._checksum[at].tolist(),
+                        formats=self._format[at].tolist())
 
     def complete_load(self, slots: Sequence[int], corrupt: set[int] = frozenset(),
                       reason: Reason = Reason.CORRUPTED) -> None:
@@ -145,7 +152,7 @@ class BlockIndex:
             self._free_unpinned_dropped(at)
 
     # -- rebuilding and trimming -------------------------------------------------
-    def adopt(self, namespace: str, key: bytes, slot: int, checksum: int) -> bool:
+    def adopt(self, namespace: str, key: bytes, slot: int, checksum: int, key_format: int = 0) -> bool:
         """A complete entry for a block the tier holds already (an index rebuilt at start;
         the slot is claimed already), most recent last. False if the key is there already."""
         with self._lock:
@@ -154,6 +161,7 @@ class BlockIndex:
                 return False
             self._set_state(at, READY)
             self._checksum[slot] = checksum
+            self._format[slot] = key_format
             self._policy.used(at)
             return True
 
@@ -162,11 +170,11 @@ class BlockIndex:
         with self._lock:
             return self._take_victims(n)
 
-    def entries(self) -> list[tuple[str, bytes, int, int]]:
-        """(namespace, key, slot, checksum) of every complete unpinned entry, least recently used first."""
+    def entries(self) -> list[Entry]:
+        """Every complete unpinned entry, least recently used first."""
         return [entry for batch in self.entry_batches() for entry in batch]
 
-    def entry_batches(self, size: int = 1 << 16) -> Iterator[list[tuple[str, bytes, int, int]]]:
+    def entry_batches(self, size: int = 1 << 16) -> Iterator[list[Entry]]:
         """``entries()`` ``size`` at a time (a tier of millions of entries is never one list of
         tuples); an entry that changed since the order was taken is left out."""
         with self._lock:
@@ -177,8 +185,9 @@ class BlockIndex:
                 at = at[self._evictable(at)]
                 owners = self._keys.owner_ids(at).tolist()
                 names = {ns: self._keys.name(ns) for ns in set(owners)}
-                yield [(names[n], k, s, c) for n, k, s, c in zip(owners, self._keys.keys_of(at), at.tolist(),
-                                                                 self._checksum[at].tolist())]
+                yield [Entry(names[n], k, s, c, f) for n, k, s, c, f in zip(
+                    owners, self._keys.keys_of(at), at.tolist(), self._checksum[at].tolist(),
+                    self._format[at].tolist())]
 
     def announce_all(self, reason: Reason | None = None) -> None:
         """Announce every complete entry stored (an index loaded at start), or removed for ``reason``
@@ -303,11 +312,9 @@ class BlockIndex:
         owners = self._keys.owner_ids(at)
         ids = [int(owners[0])] if owners.size and (owners == owners[0]).all() else np.unique(owners).tolist()
         names = {ns: self._keys.name(ns) for ns in ids}  # now: removing the keys may release these ids
-        evicted = Evicted(self.tier, at, names, owners, self._keys.keys_of(at), self._checksum[at])
+        evicted = Evicted(self.tier, at, names, owners, self._keys.keys_of(at), self._checksum[at], self._format[at])
         if self._events is not None:
-            for ns, name in names.items():
-                mine = np.flatnonzero(owners == ns).tolist()
-                self._events.removed(name, [evicted.keys[i] for i in mine], Reason.EVICTED)
+            self._announce(at, Reason.EVICTED)
         self._keys.remove(at)
         self._set_state(at, FREE)
         self._slots.release_many(at)
@@ -330,13 +337,17 @@ class BlockIndex:
         """Entries ``at`` published (reason None) or removed, one event a namespace."""
         if not at.size:
             return
-        owners, keys = self._keys.owner_ids(at), self._keys.keys_of(at)
-        for ns in [int(owners[0])] if (owners == owners[0]).all() else np.unique(owners).tolist():
-            mine = keys if (owners == ns).all() else [keys[i] for i in np.flatnonzero(owners == ns).tolist()]
+        owners, keys, codes = self._keys.owner_ids(at), self._keys.keys_of(at), self._format[at]
+        alike = (codes == codes[0]).all()
+        runs = [(int(owners[0]), int(codes[0]))] if alike and (owners == owners[0]).all() else \
+            sorted(set(zip(owners.tolist(), codes.tolist())))  # (one namespace in one key format, as usual)
+        for ns, code in runs:
+            mine = keys if len(runs) == 1 else [keys[i] for i in np.flatnonzero((owners == ns) & (codes == code))]
+            said = engine if engine is not None else described(code)
             if reason is None:
-                self._events.stored(self._keys.name(ns), mine, engine)
+                self._events.stored(self._keys.name(ns), mine, said)
             else:
-                self._events.removed(self._keys.name(ns), mine, reason)
+                self._events.removed(self._keys.name(ns), mine, reason, said)
 
     def _free_unpinned_dropped(self, at: np.ndarray) -> None:
         """(``at`` distinct)"""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,6 +20,7 @@ class Victim:
     tier: TierKind
     checksum: int
     slot: int  # the tier slot it held (reused by the batch that evicted it: copy its bytes first)
+    key_format: int = 0  # its key format's code (``kvxfer.events.records.format_code``), kept with it below
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Evicted:
     namespace_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     keys: Sequence[bytes] = field(default_factory=list)
     checksums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    formats: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))  # key format codes
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -39,8 +42,10 @@ class Evicted:
     def __iter__(self) -> Iterator[Victim]:
         names = self.namespace_names
         slots = self.slots.tolist() if isinstance(self.slots, np.ndarray) else self.slots
-        for ns, key, checksum, slot in zip(self.namespace_ids.tolist(), self.keys, self.checksums.tolist(), slots):
-            yield Victim(names[ns], key, self.tier, checksum, slot)
+        formats = self.formats.tolist() if len(self.formats) else [0] * len(slots)
+        for ns, key, checksum, slot, code in zip(self.namespace_ids.tolist(), self.keys, self.checksums.tolist(),
+                                                 slots, formats):
+            yield Victim(names[ns], key, self.tier, checksum, slot, code)
 
 
 @dataclass
@@ -57,6 +62,17 @@ class Plan:
     positions: Sequence[int]
     checksums: list[int] = field(default_factory=list)
     evicted: Evicted | None = None
+    formats: list[int] = field(default_factory=list)  # for a load, each slot's key format code
+
+
+class Entry(NamedTuple):
+    """A complete entry, as listed for a checkpoint or a write-down."""
+
+    namespace: str
+    key: bytes
+    slot: int
+    checksum: int
+    key_format: int = 0
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class PeerFetch:
     def __init__(self, store: PeerStore, keys: list[bytes], leases: list[_Leased]) -> None:
         self.store = store
         self.keys = keys
+        self.formats = [0] * len(keys)  # (a peer's lease does not say: opaque)
         self._leases = leases
 
     def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
@@ -81,10 +82,10 @@ class PeerStore:
         self.lease_ms = lease_ms
         self._registration = agent.register(host.buffer.data_ptr(), host.buffer.numel())  # where reads land
 
-    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
+    def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
         return None
 
-    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
+    def write_now(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> int:
         return 0
 
     def wait_ready(self, until: float) -> bool:

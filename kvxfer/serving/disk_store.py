@@ -127,7 +127,7 @@ class DiskStore:
                 return
             self.tier.slots.claim([s.slot for s in found])
             for stored in found:
-                if not self.index.adopt(stored.namespace, stored.key, stored.slot, stored.checksum):
+                if not self.index.adopt(stored.namespace, stored.key, stored.slot, stored.checksum, stored.key_format):
                     self.tier.discard(stored.slot)  # a second file of one key: keep the older
                     self.tier.slots.release_many([stored.slot])
                     self.events.add("dropped_at_start_duplicate", 1)
@@ -147,7 +147,7 @@ class DiskStore:
                                              "blocks": len(found), "seconds": round(self.index_seconds, 3)})
 
     # -- demotion ----------------------------------------------------------------
-    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
+    def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
         """Copy blocks the host tier evicted out of their slots and queue them for the disk.
         Call before the slots are written again (the group's store lock held)."""
         if self.loading:  # nothing is written before the index knows what the files hold
@@ -157,16 +157,16 @@ class DiskStore:
         for (key, checksum, data), there in zip(blocks, present):
             if there:
                 continue
-            if not self.queue.stage(namespace, key, checksum, data.numpy()):  # the disk is behind
+            if not self.queue.stage(namespace, key, checksum, data.numpy(), key_format):  # the disk is behind
                 self.events.add("demotions_dropped", 1)
 
-    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
+    def write_now(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> int:
         """Write (key, checksum, bytes) blocks not on disk yet, on this thread; returns how many were."""
         if self.loading:
             self.events.add("demotions_dropped_loading", len(blocks))
             return 0
         present = self.index.contains(namespace, [k for k, _, _ in blocks])
-        staged = [Staged(namespace, k, c, data.numpy(), seq=self.tombstones.staged(namespace, k))
+        staged = [Staged(namespace, k, c, data.numpy(), seq=self.tombstones.staged(namespace, k), key_format=key_format)
                   for (k, c, data), there in zip(blocks, present) if not there]
         try:
             return self.write(staged)
@@ -192,8 +192,8 @@ class DiskStore:
         checksums: list[int | None] = [None] * len(plan.slots)
         keys = list(items)
         errors: list[OSError | None] = [OSError(errno.EIO, "not written")] * len(plan.slots)  # until they are
-        blocks = [Block(slot, namespace, keys[i], items[keys[i]].checksum, memoryview(items[keys[i]].data))
-                  for i, slot in zip(plan.positions, plan.slots)]
+        blocks = [Block(slot, namespace, keys[i], items[keys[i]].checksum, memoryview(items[keys[i]].data),
+                        items[keys[i]].key_format) for i, slot in zip(plan.positions, plan.slots)]
         try:  # whatever happens, the prepared entries are completed (else they stay pinned, unseen)
             errors = self._write_durably(blocks)
         finally:
@@ -210,8 +210,9 @@ class DiskStore:
                 self.events.add("deleted_while_queued", deleted)
                 self.events.add("demoted", sum(c is not None for c in checksums))
                 self.events.add("write_errors", sum(e is not None for e in errors))
-                self.journal.stored(namespace, [(b.slot, b.key, c) for b, c in zip(blocks, checksums) if c is not None])
-                self.index.complete_store(plan.slots, checksums)
+                self.journal.stored(namespace, [(b.slot, b.key, c, b.key_format) for b, c in zip(blocks, checksums)
+                                                if c is not None])
+                self.index.complete_store(plan.slots, checksums, formats=[b.key_format for b in blocks])
         return sum(c is not None for c in checksums)
 
     def _write_durably(self, blocks: list[Block]) -> list[OSError | None]:
@@ -357,6 +358,7 @@ class _DiskFetch:
         self._store, self._namespace = store, namespace
         self._plan = store.index.prepare_load(namespace, keys)
         self.keys = [keys[i] for i in self._plan.positions]  # on disk, in the plan's order
+        self.formats = self._plan.formats
         self._missing: set[int] = set()  # plan positions whose files were gone when read
 
     def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:

@@ -139,16 +139,17 @@ class CacheGroup:
         """(store lock held) Copy evicted blocks out of their host slots before those are reused."""
         for tier in self.lower_tiers:
             if tier.takes_evictions:
-                for namespace in dict.fromkeys(v.namespace for v in victims):
-                    tier.stage(namespace, [(v.key, v.checksum, self.host.buffer[v.slot])
-                                           for v in victims if v.namespace == namespace])
+                for namespace, code in dict.fromkeys((v.namespace, v.key_format) for v in victims):
+                    tier.stage(namespace, [(v.key, v.checksum, self.host.buffer[v.slot]) for v in victims
+                                           if (v.namespace, v.key_format) == (namespace, code)], code)
 
-    def write_through(self, namespace: str, keys: list[bytes], slots: Sequence[int], checksums: list[int | None]) -> None:
+    def write_through(self, namespace: str, keys: list[bytes], slots: Sequence[int], checksums: list[int | None],
+                      key_format: int = 0) -> None:
         """Send blocks just stored (still pinned) to the write-through tiers as well."""
         for tier in self.lower_tiers:
             if tier.takes_stores:
                 tier.stage(namespace, [(k, c, self.host.buffer[s]) for k, s, c in zip(keys, slots, checksums)
-                                       if c is not None])
+                                       if c is not None], key_format)
 
     def promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None = None,
                 deadline: float | None = None) -> dict[bytes, Outcome]:
@@ -210,16 +211,16 @@ class CacheGroup:
         for first in range(0, len(pending), 64):
             if time.monotonic() >= deadline:
                 break
-            by_ns: dict[str, list] = {}
-            for namespace, key, slot, checksum in pending[first:first + 64]:
-                by_ns.setdefault(namespace, []).append((key, slot, checksum))
-            for namespace, items in by_ns.items():
+            by_ns: dict[tuple[str, int], list] = {}
+            for namespace, key, slot, checksum, code in pending[first:first + 64]:
+                by_ns.setdefault((namespace, code), []).append((key, slot, checksum))
+            for (namespace, code), items in by_ns.items():
                 keys = [k for k, _, _ in items]
                 plan = self.index.prepare_load(namespace, keys)  # pinned: not reused meanwhile
                 try:
                     blocks = [(keys[i], checksum, self.host.buffer[slot])
                               for i, slot, checksum in zip(plan.positions, plan.slots, plan.checksums)]
-                    written += sum(tier.write_now(namespace, blocks) for tier in warm)
+                    written += sum(tier.write_now(namespace, blocks, code) for tier in warm)
                 finally:
                     self.index.complete_load(plan.slots)
         return written

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvxfer.errors import InvalidArgument, KvxferError
+from kvxfer.events.records import format_code
 from kvxfer.memory.pool import Pool
 from kvxfer.records import LookupResult, LookupStats, Outcome, TierStats, TransferResult, TransferStats
 from kvxfer.geometry.sharding import stored_format
@@ -139,7 +140,7 @@ class PoolManager:
                     checksums = done.checksums + [None] * (len(slots) - n)
                     moved = self._count(TransferKind.OFFLOAD, n, seconds)
                     self.group.write_through(batch.namespace, _at(batch.keys, plan.positions[:n]), slots[:n],
-                                             checksums[:n])
+                                             checksums[:n], _format_code(batch))
         except LateCopies as exc:
             late = exc
             _set(plan.outcomes, plan.positions, Outcome.DEADLINE_EXCEEDED)
@@ -199,7 +200,7 @@ class PoolManager:
                 self._forget(slots)
                 raise
             self.index.complete_store(slots, checksums, batch.engine)
-            self.group.write_through(batch.namespace, keys, slots, checksums)
+            self.group.write_through(batch.namespace, keys, slots, checksums, _format_code(batch))
 
     def _forget(self, slots: list[int]) -> None:
         """Canonical entries that will never be complete: never visible, their slots free."""
@@ -337,6 +338,11 @@ class PoolManager:
             t = self._totals[kind]
             self._totals[kind] = TransferStats(t.blocks + blocks, t.bytes + moved, t.seconds + seconds)
         return moved
+
+
+def _format_code(batch: TransferBatch) -> int:
+    """The key format an offload's blocks are kept with below host memory."""
+    return format_code(batch.engine.key_format) if batch.engine is not None else 0
 
 
 def _at(values: list, positions: Sequence[int]) -> list:

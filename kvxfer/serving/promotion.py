@@ -75,7 +75,8 @@ def promote(tier: LowerTier, namespace: str, keys: list[bytes], host: HostTier, 
                     if verdict is Outcome.DATA_LOSS:
                         corrupt.add(j)
         finally:  # whatever happens, the reserved slots are completed (else they stay pinned, unseen)
-            host_index.complete_store(plan.slots, [checksums.get(s) for s in plan.slots])
+            host_index.complete_store(plan.slots, [checksums.get(s) for s in plan.slots],
+                                      formats=[fetch.formats[j] for j in plan.positions])
         return failed
     finally:
         fetch.end(corrupt)

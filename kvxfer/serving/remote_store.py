@@ -84,16 +84,16 @@ class RemoteStore:
         return b"\0".join([(self.settings.key_prefix + self.group).encode(), namespace.encode(), key])
 
     # -- stores ------------------------------------------------------------------
-    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
+    def write_now(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> int:
         """Queued like any store (Redis keeps what it holds across the daemon's restarts)."""
-        self.stage(namespace, blocks)
+        self.stage(namespace, blocks, key_format)
         return 0
 
-    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
+    def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
         """Queue (key, checksum, bytes) blocks for Redis; the bytes are copied now (into staging
         buffers: when none is free, the block is dropped and counted)."""
         for key, checksum, data in blocks:
-            if not (self.breaker.allows() and self.queue.stage(namespace, key, checksum, data.numpy())):
+            if not (self.breaker.allows() and self.queue.stage(namespace, key, checksum, data.numpy(), key_format)):
                 self.events.add("stores_dropped")
 
     def _write(self, batch: list[Staged]) -> None:
@@ -120,7 +120,7 @@ class RemoteStore:
     def _send(self, batch: list[Staged]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for s in batch:
-            head = header(self.fingerprint, s.namespace, s.key, s.checksum, self.slot_bytes)
+            head = header(self.fingerprint, s.namespace, s.key, s.checksum, self.slot_bytes, s.key_format)
             name = self.key(s.namespace, s.key)
             pipe.set(name, sealed(self.settings.secret, name, self.queue.staging.with_header(s.buffer, head)))
         pipe.execute()
@@ -162,14 +162,15 @@ class RemoteStore:
         present = [(k, v) for k, v in zip(keys, values) if v is not None]  # None: evicted by Redis, a miss
         return _RemoteFetch(self, namespace, present)
 
-    def _unpack(self, namespace: str, key: bytes, value: bytes, out: torch.Tensor) -> tuple[Outcome, int]:
+    def _unpack(self, namespace: str, key: bytes, value: bytes, out: torch.Tensor) -> tuple[Outcome, int, int]:
+        """(verdict, checksum, key format code)"""
         name = self.key(namespace, key)
         try:
-            checksum, data = unpack(value, name, namespace, key, self.fingerprint, self.slot_bytes,
+            checksum, data, key_format = unpack(value, name, namespace, key, self.fingerprint, self.slot_bytes,
                                     self.settings.secret)
         except DiskCorrupt as bad:
             if str(bad) == "foreign_format":
-                return Outcome.NOT_FOUND, 0  # another format's block under this name: not ours to judge
+                return Outcome.NOT_FOUND, 0, 0  # another format's block under this name: not ours to judge
             self.events.add("corrupt")
             if self.kv_events is not None:
                 self.kv_events.removed(namespace, [key], Reason.CORRUPTED)
@@ -177,10 +178,10 @@ class RemoteStore:
                 self.client.delete(name)
             except FAILURES as exc:
                 self.breaker.failed(exc)
-            return Outcome.DATA_LOSS, 0
+            return Outcome.DATA_LOSS, 0, 0
         out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         self.events.add("promoted")
-        return Outcome.DONE, checksum
+        return Outcome.DONE, checksum, key_format
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove the keys' values, and drop the writes of them still queued."""
@@ -221,9 +222,15 @@ class _RemoteFetch:
         self._store, self._namespace = store, namespace
         self.keys = [k for k, _ in present]
         self._values = [v for _, v in present]
+        self.formats = [0] * len(self.keys)  # each one's, from its header once read
 
     def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
-        return [self._store._unpack(self._namespace, self.keys[j], self._values[j], out) for j, out in targets]
+        out = []
+        for j, target in targets:
+            verdict, checksum, self.formats[j] = self._store._unpack(self._namespace, self.keys[j], self._values[j],
+                                                                     target)
+            out.append((verdict, checksum))
+        return out
 
     def end(self, corrupt: set[int]) -> None:
         self._values = []  # the values: gone with the restore

@@ -48,14 +48,14 @@ class SharedFsStore:
         self.events.add(f"stalled_{what}")
 
     # -- stores ----------------------------------------------------------------------
-    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
+    def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
         for key, checksum, data in blocks:
-            if not (self.fs.breaker.allows() and self.queue.stage(namespace, key, checksum, data.numpy())):
+            if not (self.fs.breaker.allows() and self.queue.stage(namespace, key, checksum, data.numpy(), key_format)):
                 self.events.add("stores_dropped")
 
-    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
+    def write_now(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> int:
         """Queued like any store (the files outlive the daemon on their own)."""
-        self.stage(namespace, blocks)
+        self.stage(namespace, blocks, key_format)
         return 0
 
     def _write(self, batch: list[Staged]) -> None:
@@ -67,7 +67,7 @@ class SharedFsStore:
                     self.events.add("deleted_while_queued")
                     continue
                 try:
-                    self.fs.call(self.fs.write, item.namespace, item.key, item.checksum, item.data)
+                    self.fs.call(self.fs.write, item.namespace, item.key, item.checksum, item.data, item.key_format)
                 except Stalled:
                     self._count_stall("write")
                     self.events.add("stores_dropped")
@@ -125,6 +125,7 @@ class _SharedFsFetch:
     def __init__(self, store: SharedFsStore, namespace: str, keys: list[bytes]) -> None:
         self._store, self._namespace = store, namespace
         self.keys = [k for k, there in zip(keys, store.contains(namespace, keys)) if there]
+        self.formats = [0] * len(self.keys)  # each one's, from its header once read
 
     def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
         store, fs, verdicts = self._store, self._store.fs, []
@@ -156,7 +157,7 @@ class _SharedFsFetch:
             if got is None:  # removed by another node meanwhile: a miss
                 verdicts.append((Outcome.NOT_FOUND, 0))
                 continue
-            checksum, data = got
+            checksum, data, self.formats[j] = got
             out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
             store.events.add("promoted")
             verdicts.append((Outcome.DONE, checksum))

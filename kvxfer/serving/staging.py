@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.events.hub import TierEvents
+from kvxfer.events.records import described
 
 log = logging.getLogger(__name__)
 
@@ -160,13 +161,15 @@ class Staged:
     data: np.ndarray
     buffer: int | None = None
     seq: int = 0
+    key_format: int = 0  # ``kvxfer.events.records.format_code``
 
 
 def announce_stored(events: TierEvents | None, written: list[Staged]) -> None:
     """Announce blocks a shared tier now holds, one event a namespace."""
     if events is not None:
-        for namespace in dict.fromkeys(s.namespace for s in written):
-            events.stored(namespace, [s.key for s in written if s.namespace == namespace])
+        for namespace, code in dict.fromkeys((s.namespace, s.key_format) for s in written):
+            events.stored(namespace, [s.key for s in written if (s.namespace, s.key_format) == (namespace, code)],
+                          described(code))
 
 
 class WriteQueue:
@@ -182,14 +185,14 @@ class WriteQueue:
         self._writer = threading.Thread(target=self._loop, name=name, daemon=True)
         self._writer.start()
 
-    def stage(self, namespace: str, key: bytes, checksum: int, data: np.ndarray) -> bool:
+    def stage(self, namespace: str, key: bytes, checksum: int, data: np.ndarray, key_format: int = 0) -> bool:
         """Copy a block into a staging buffer and queue it; False (nothing queued) when every
         buffer is in use: the medium is behind, the caller drops the block and counts it."""
         index = self.staging.take(data)
         if index is None:
             return False
         seq = self.tombstones.staged(namespace, key)
-        self._queue.put_nowait(Staged(namespace, key, checksum, self.staging.block(index), index, seq))  # one place a buffer
+        self._queue.put_nowait(Staged(namespace, key, checksum, self.staging.block(index), index, seq, key_format))
         return True
 
     def _loop(self) -> None:

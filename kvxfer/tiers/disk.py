@@ -64,6 +64,7 @@ class Stored:
     key: bytes
     checksum: int
     mtime: float
+    key_format: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Block:
     key: bytes
     checksum: int
     data: memoryview
+    key_format: int = 0
 
 
 class DiskTier(Tier):
@@ -218,7 +220,7 @@ class DiskTier(Tier):
             dirs[sub_name] = self._subdir(sub_name, create=True)
         sub = dirs[sub_name]
         header = encode_header(self.fingerprint, block.namespace, block.key, block.checksum, self.slot_bytes,
-                               pad_to=HEADER_BYTES)
+                               pad_to=HEADER_BYTES, key_format=block.key_format)
         self.set_aside(tmp, sub, sub_name)  # whatever is there (a planted link): never followed
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=sub)
         try:
@@ -266,7 +268,7 @@ class DiskTier(Tier):
                 raise DiskCorrupt("foreign_file")
             header = os.pread(fd, HEADER_BYTES, 0)
             got = decode_header(header, self.fingerprint, self.slot_bytes, HEADER_BYTES)
-            if got != (namespace, key, checksum):
+            if got[:3] != (namespace, key, checksum):
                 raise DiskCorrupt("bad_header")
             if os.preadv(fd, [out], HEADER_BYTES) != self.slot_bytes:
                 raise DiskCorrupt("truncated")
@@ -330,15 +332,14 @@ class DiskTier(Tier):
             if not self._adoptable(st):
                 return "truncated" if stat.S_ISREG(st.st_mode) and st.st_uid == self._uid and \
                     stat.S_IMODE(st.st_mode) == FILE_MODE else "foreign_file"
-            namespace, key, checksum = decode_header(os.pread(fd, HEADER_BYTES, 0), self.fingerprint,
-                                                     self.slot_bytes, HEADER_BYTES)
+            got = decode_header(os.pread(fd, HEADER_BYTES, 0), self.fingerprint, self.slot_bytes, HEADER_BYTES)
         except DiskCorrupt as bad:
             return str(bad)
         except OSError:
             return "unreadable"
         finally:
             os.close(fd)
-        found.append(Stored(slot, namespace, key, checksum, st.st_mtime))
+        found.append(Stored(slot, got.namespace, got.key, got.checksum, st.st_mtime, got.key_format))
         return None
 
 

@@ -3,7 +3,7 @@ file instead of one header per block file (45-110 us a file: minutes for million
 
 Written at a clean shutdown (after the write queue is drained) as ``.checkpoint`` in the tier's
 directory: a magic, the block format's fingerprint, the block subdirectories' identities, the
-entries least recently used first (slot, checksum, namespace, key), their count and an XXH3 of
+entries least recently used first (slot, checksum, namespace, key, key format), their count and an XXH3 of
 everything before it; streamed a batch at a time through a temporary file,
 fsynced and renamed. Read once at start and removed at once (before anything is written), so
 that a checkpoint never describes a directory that changed after it: a start after a crash
@@ -31,10 +31,13 @@ import xxhash
 
 from kvxfer.tiers.disk import CHECKPOINT as NAME, NOT_BLOCKS, Stored, write_all
 
-_MAGIC = b"KVXFER-DISK-INDEX-1\n"
-_ENTRY = struct.Struct("<IQHH")  # slot, checksum, namespace length, key length
+_MAGIC = b"KVXFER-DISK-INDEX-2\n"
+# slot, checksum, namespace length, key length (, the key's format: version 2); by the file's magic
+_ENTRIES = {b"KVXFER-DISK-INDEX-1\n": struct.Struct("<IQHH"), _MAGIC: struct.Struct("<IQHHB")}
+_ENTRY = _ENTRIES[_MAGIC]
 _MAX_ENTRY = _ENTRY.size + 128 * 4 + 256  # a namespace of 128 characters (UTF-8), a key of 256 bytes
 _DIR = struct.Struct("<H64sQqq")  # name length, name, inode, mtime and ctime in ns
+EntryRow = tuple[str, bytes, int, int, int]  # namespace, key, slot, checksum, key format (the index's Entry)
 
 
 def _directories(directory: int) -> bytes | None:
@@ -51,9 +54,9 @@ def _directories(directory: int) -> bytes | None:
     return struct.pack("<Q", len(parts)) + b"".join(parts)
 
 
-def write(directory: int, fingerprint: bytes, batches: Iterable[list[tuple[str, bytes, int, int]]],
+def write(directory: int, fingerprint: bytes, batches: Iterable[list[EntryRow]],
           name: str = NAME, head: bytes | None = None) -> None:
-    """Write (namespace, key, slot, checksum) entries, least recently used first, a batch at a time
+    """Write (namespace, key, slot, checksum, key format) entries, least recently used first, a batch at a time
     (never one buffer of them all), durably as ``name``; OSError if not. ``head``: what the file is
     about, checked when it is read (default: the block subdirectories' identities, as they are now)."""
     directories = _directories(directory) if head is None else head
@@ -77,9 +80,9 @@ def write(directory: int, fingerprint: bytes, batches: Iterable[list[tuple[str, 
         count = 0
         for batch in batches:
             parts = []
-            for namespace, key, slot, checksum in batch:
+            for namespace, key, slot, checksum, key_format in batch:
                 encoded = namespace.encode()
-                parts += [_ENTRY.pack(slot, checksum, len(encoded), len(key)), encoded, key]
+                parts += [_ENTRY.pack(slot, checksum, len(encoded), len(key), key_format), encoded, key]
             put(b"".join(parts))
             count += len(batch)
         put(struct.pack("<Q", count))
@@ -137,7 +140,8 @@ def parse(data: bytes, fingerprint: bytes, directories: bytes, capacity: int) ->
     written with)."""
     body, digest = data[:-8], data[-8:]
     head = len(_MAGIC) + 2 + len(fingerprint) + len(directories)
-    if len(data) < head + 16 or xxhash.xxh3_64_digest(body) != digest or not body.startswith(_MAGIC):
+    entry = _ENTRIES.get(bytes(body[:len(_MAGIC)]))  # (a checkpoint of the version before: no key formats)
+    if len(data) < head + 16 or xxhash.xxh3_64_digest(body) != digest or entry is None:
         return None
     (size,) = struct.unpack_from("<H", body, len(_MAGIC))
     if size != len(fingerprint) or body[len(_MAGIC) + 2:len(_MAGIC) + 2 + size] != fingerprint:
@@ -149,14 +153,14 @@ def parse(data: bytes, fingerprint: bytes, directories: bytes, capacity: int) ->
     entries, at, slots = [], head, set()
     try:
         while at < end:
-            slot, checksum, name_len, key_len = _ENTRY.unpack_from(body, at)
-            at += _ENTRY.size
+            slot, checksum, name_len, key_len, *rest = entry.unpack_from(body, at)
+            at += entry.size
             namespace, key = body[at:at + name_len].decode(), body[at + name_len:at + name_len + key_len]
             at += name_len + key_len
             if not (slot < capacity and 0 < key_len == len(key) <= 256 and slot not in slots):
                 return None
             slots.add(slot)
-            entries.append(Stored(slot, namespace, key, checksum, float(len(entries))))
+            entries.append(Stored(slot, namespace, key, checksum, float(len(entries)), rest[0] if rest else 0))
     except (struct.error, UnicodeDecodeError):
         return None
     return entries if at == end and len(entries) == count else None

@@ -32,16 +32,17 @@ from collections.abc import Callable, Iterable
 import xxhash
 
 from kvxfer.tiers import disk_checkpoint
+from kvxfer.tiers.disk_checkpoint import EntryRow
 from kvxfer.tiers.disk import BASE, JOURNAL, Stored, write_all
 
 log = logging.getLogger(__name__)
 MIN_RECORDS = 1 << 16  # records before the base is written anew, at least
 _MAGIC = b"KVXFER-DISK-JOURNAL-1\n"
 _RECORD = struct.Struct("<BIQHH")  # kind, slot, checksum, namespace length, key length; then them and an XXH3
-_STORED, _REMOVED = 1, 2
+_STORED, _REMOVED = 1, 2  # the kind's low 4 bits; a STORED record's high 4: the key's format (0 before there were)
 _MAX_RECORD = _RECORD.size + 128 * 4 + 256 + 8
 
-Entries = Callable[[], Iterable[list[tuple[str, bytes, int, int]]]]
+Entries = Callable[[], Iterable[list[EntryRow]]]
 
 
 class Journal:
@@ -86,10 +87,11 @@ class Journal:
         """Whether the base should be written anew (the journal outgrew it)."""
         return self._fd >= 0 and self._records > max(MIN_RECORDS, self._live // 2)
 
-    def stored(self, namespace: str, blocks: list[tuple[int, bytes, int]]) -> None:
-        """(slot, key, checksum) of blocks whose files are durable, before they are published."""
+    def stored(self, namespace: str, blocks: list[tuple[int, bytes, int, int]]) -> None:
+        """(slot, key, checksum, key format) of blocks whose files are durable, before they are published."""
         name = namespace.encode()
-        self._append([_record(_STORED, slot, checksum, name, key) for slot, key, checksum in blocks], len(blocks))
+        self._append([_record(_STORED | code << 4, slot, checksum, name, key) for slot, key, checksum, code in blocks],
+                     len(blocks))
 
     def removed(self, slots: list[int]) -> None:
         """Slots emptied, before their files go."""
@@ -156,6 +158,7 @@ def _replay(entries: list[Stored], journal: bytes, at: int, capacity: int) -> li
     by_key = {(e.namespace, e.key): e.slot for e in entries}
     while at + _RECORD.size <= len(journal):
         kind, slot, checksum, name_len, key_len = _RECORD.unpack_from(journal, at)
+        kind, key_format = kind & 0x0F, kind >> 4
         end = at + _RECORD.size + name_len + key_len
         if end + 8 > len(journal) or xxhash.xxh3_64_digest(journal[at:end]) != journal[end:end + 8]:
             break  # torn by a crash mid-append: what follows was never acknowledged
@@ -175,9 +178,10 @@ def _replay(entries: list[Stored], journal: bytes, at: int, capacity: int) -> li
             other = by_key.pop((namespace, key), None)  # (a key lives in one slot: the later wins)
             if other is not None:
                 del by_slot[other]
-            by_slot[slot] = Stored(slot, namespace, key, checksum, 0.0)  # (dicts keep insertion order: LRU last)
+            by_slot[slot] = Stored(slot, namespace, key, checksum, 0.0, key_format)  # (dicts keep order: LRU last)
             by_key[(namespace, key)] = slot
-    return [Stored(e.slot, e.namespace, e.key, e.checksum, float(i)) for i, e in enumerate(by_slot.values())]
+    return [Stored(e.slot, e.namespace, e.key, e.checksum, float(i), e.key_format)
+            for i, e in enumerate(by_slot.values())]
 
 
 def _record(kind: int, slot: int, checksum: int, name: bytes, key: bytes) -> bytes:

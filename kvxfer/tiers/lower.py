@@ -26,6 +26,7 @@ class Fetch(Protocol):
     """The blocks of one restore a lower tier holds, held (not evicted) until ``end``."""
 
     keys: list[bytes]  # the requested keys this tier holds, in request order
+    formats: list[int]  # each one's key format code, as the tier kept it (known once ``read``)
 
     def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
         """Copy ``keys[j]``'s verified bytes into each (j, host slot) target; per target DONE and the
@@ -46,12 +47,13 @@ class LowerTier(Protocol):
     takes_stores: bool  # blocks just stored are staged here too (write-through)
     restart_warm: bool  # the daemon writes the host tier down here at SIGTERM (``write_now``)
 
-    def stage(self, namespace: str, blocks: list[StagedBlock]) -> None:
+    def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
         """Copy the blocks out now (their host slots are reused next) and write them later; never
-        waits on the medium (a full queue drops and counts)."""
+        waits on the medium (a full queue drops and counts). ``key_format``: the keys' format code, kept
+        with the blocks (their events name them by it, also after a restart)."""
         ...
 
-    def write_now(self, namespace: str, blocks: list[StagedBlock]) -> int:
+    def write_now(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> int:
         """Write blocks on this thread, durably; returns how many were."""
         ...
 
@@ -84,6 +86,7 @@ class Nothing:
     """A fetch that found nothing."""
 
     keys: list[bytes] = []
+    formats: list[int] = []
 
     def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
         return []

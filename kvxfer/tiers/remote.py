@@ -73,9 +73,10 @@ def mac(secret: bytes, name: bytes, value) -> bytes:
     return digest.digest()
 
 
-def header(fingerprint: bytes, namespace: str, key: bytes, checksum: int, slot_bytes: int) -> bytes:
+def header(fingerprint: bytes, namespace: str, key: bytes, checksum: int, slot_bytes: int, key_format: int = 0
+           ) -> bytes:
     """The header written just before a block's bytes in its value."""
-    return encode_header(fingerprint, namespace, key, checksum, slot_bytes)
+    return encode_header(fingerprint, namespace, key, checksum, slot_bytes, key_format=key_format)
 
 
 def sealed(secret: bytes, name: bytes, value) -> bytes | memoryview:
@@ -84,8 +85,8 @@ def sealed(secret: bytes, name: bytes, value) -> bytes | memoryview:
 
 
 def unpack(value: bytes, name: bytes, namespace: str, key: bytes, fingerprint: bytes, slot_bytes: int,
-           secret: bytes) -> tuple[int, memoryview]:
-    """The block's checksum and bytes from a value, checked: its MAC (with a secret), its length, its
+           secret: bytes) -> tuple[int, memoryview, int]:
+    """The block's checksum, bytes and key format code from a value, checked: its MAC (with a secret), its length, its
     header (format, namespace, key) and its checksum. ``DiskCorrupt`` names what failed
     ("foreign_format": a block of another format under this name, not ours to judge)."""
     if secret:
@@ -101,4 +102,4 @@ def unpack(value: bytes, name: bytes, namespace: str, key: bytes, fingerprint: b
     data = memoryview(value)[split:]
     if block_checksum(data) != got[2]:
         raise DiskCorrupt("checksum")
-    return got[2], data
+    return got.checksum, data, got.key_format

@@ -124,9 +124,10 @@ class SharedFs:
         return result
 
     # -- the calls (run on mount threads) ---------------------------------------------
-    def write(self, namespace: str, key: bytes, checksum: int, data) -> None:
+    def write(self, namespace: str, key: bytes, checksum: int, data, key_format: int = 0) -> None:
         """Make one block's file durable under its name (replacing any)."""
-        header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes, pad_to=HEADER_BYTES)
+        header = encode_header(self.fingerprint, namespace, key, checksum, self.slot_bytes, pad_to=HEADER_BYTES,
+                               key_format=key_format)
         with self._group_directory(create=True) as group, \
                 self._block(group, namespace, key, create=True) as (directory, name):
             tmp = f"{name}.{self._tmp}.{threading.get_ident()}.tmp"
@@ -161,8 +162,8 @@ class SharedFs:
             _absent(exc)
         return found
 
-    def read(self, namespace: str, key: bytes) -> tuple[int, bytearray] | None:
-        """The block's checksum and verified bytes (a private buffer: a late read never lands in a
+    def read(self, namespace: str, key: bytes) -> tuple[int, bytearray, int] | None:
+        """The block's checksum, verified bytes and key format code (a private buffer: a late read never lands in a
         host slot), None if absent; ``DiskCorrupt`` if the file is not that block, whole."""
         try:
             with self._group_directory() as group, self._block(group, namespace, key) as (directory, name):
@@ -183,9 +184,9 @@ class SharedFs:
                 raise DiskCorrupt("truncated")
         finally:
             os.close(fd)
-        if block_checksum(data) != got[2]:
+        if block_checksum(data) != got.checksum:
             raise DiskCorrupt("checksum")
-        return got[2], data
+        return got.checksum, data, got.key_format
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove the keys' files; returns how many there were."""

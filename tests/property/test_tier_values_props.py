@@ -58,7 +58,7 @@ def test_a_changed_redis_value_is_served_whole_or_not_at_all(edits, cut, secret)
         changed = _apply(value, edits, cut)
         out = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
         store.client.delete = lambda *names: 0  # a DATA_LOSS deletes the value: no Redis here
-        verdict, _ = store._unpack("ns", b"key", changed, out)
+        verdict, _, _ = store._unpack("ns", b"key", changed, out)
         if verdict is Outcome.DONE:
             assert bytes(out.numpy()) == data
         else:

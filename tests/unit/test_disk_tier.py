@@ -246,16 +246,22 @@ def test_a_full_demotion_queue_drops_and_counts_instead_of_waiting(tmp_path):
 
 
 def test_the_header_names_its_block_and_format():
-    header = encode_header(b"f" * 32, "ns:x", b"key\x00\xff", 1234, 8192, pad_to=HEADER_BYTES)
-    expected = ("ns:x", b"key\x00\xff", 1234)
+    header = encode_header(b"f" * 32, "ns:x", b"key\x00\xff", 1234, 8192, pad_to=HEADER_BYTES, key_format=1)
+    expected = ("ns:x", b"key\x00\xff", 1234, 1)  # (the key's format: its events name it alike after a restart)
     assert len(header) == HEADER_BYTES and decode_header(header, b"f" * 32, 8192, HEADER_BYTES) == expected
     for fingerprint, nbytes in ((b"g" * 32, 8192), (b"f" * 32, 4096)):
         with pytest.raises(DiskCorrupt, match="foreign_format"):
             decode_header(header, fingerprint, nbytes, HEADER_BYTES)
     with pytest.raises(DiskCorrupt, match="truncated"):
         decode_header(header[:100], b"f" * 32, 8192, HEADER_BYTES)
-    compact = encode_header(b"f" * 32, "ns:x", b"key\x00\xff", 1234, 8192)  # the remote tier's
+    compact = encode_header(b"f" * 32, "ns:x", b"key\x00\xff", 1234, 8192, key_format=1)  # the remote tier's
     assert decode_header(compact, b"f" * 32, 8192) == expected and len(compact) < 100
+    # A version 1 header (written before key formats were kept) still reads: an opaque key.
+    import struct
+    import zlib
+    body = struct.pack("<8sII32sQQHH", b"KVXFDSK1", 1, 0, b"f" * 32, 1234, 8192, 4, 5) + b"ns:x" + b"key\x00\xff"
+    old = body[:12] + struct.pack("<I", zlib.crc32(body)) + body[16:]
+    assert decode_header(old, b"f" * 32, 8192) == ("ns:x", b"key\x00\xff", 1234, 0)
     flipped = bytearray(compact)
     flipped[-1] ^= 1
     with pytest.raises(DiskCorrupt, match="bad_header"):
@@ -381,7 +387,7 @@ def test_an_entry_whose_file_is_gone_is_removed_when_read_and_the_restore_goes_o
     fill(pool, 9)
     offload_all(manager, range(1, 17))
     assert group.disk.flush(10)
-    namespace, key, slot, _ = group.disk.index.entries()[0]
+    namespace, key, slot = group.disk.index.entries()[0][:3]
     group.disk.tier.path(slot).unlink()  # removed behind the daemon's back
     assert manager.lookup("ns", [key]).tiers == [TierKind.DISK]  # (nothing has read it yet)
     assert manager.restore("ns", [(key, 40)]).outcomes == [Outcome.NOT_FOUND]
@@ -392,7 +398,7 @@ def test_an_entry_whose_file_is_gone_is_removed_when_read_and_the_restore_goes_o
     assert group.disk.flush(10)  # (the promotion's evictions on their way down)
     stats = group.disk.stats()
     assert stats.events["missing"] == 1 and not stats.degraded and stats.pinned_blocks == 0
-    other = next(k for ns, k, _, _ in group.disk.index.entries())
+    other = next(e.key for e in group.disk.index.entries())
     assert manager.restore("ns", [(other, 41)]).outcomes == [Outcome.DONE]  # the others are served
     group.close(5)
     _, group2, manager2 = store(tmp_path)  # the journal said so: the next start does not bring it back

@@ -88,3 +88,60 @@ def test_ranks_restoring_one_disk_key_at_once_share_one_promotion(tmp_path, monk
     assert group.disk.stats().events["promoted"] == 4  # one promotion, not one a rank
     group.close(5)
 
+
+
+def test_blocks_loaded_from_disk_are_announced_by_the_engines_hashes_after_a_restart(tmp_path, monkeypatch):
+    """Issue 46 item 2: the key format is kept with every block below host memory (file header, journal,
+    checkpoint), so that after a restart the vLLM-format stream names blocks by vLLM's block hash and group
+    index: when loaded, promoted, evicted and deleted, as before the restart."""
+    from kvxfer.events.hub import EventHub
+    from kvxfer.events.records import EngineBlocks, KeyFormat
+    from kvxfer.events.vllm_wire import BlockRemoved, BlockStored, VllmEncoder
+    from kvxfer.serving.batch import TransferBatch, TransferKind
+    from kvxfer.tiers import disk_checkpoint
+
+    keys = [bytes([i]) * 32 + (2).to_bytes(4, "big") for i in range(1, 17)]  # vLLM offload keys, group 2
+
+    def start():
+        hub = EventHub()
+        pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
+        group = CacheGroup("g", pool.layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20), kv_events=hub)
+        return hub, pool, group, PoolManager(pool, group)
+
+    def vllm_events(hub):
+        return [e for event in hub.read(0, 100_000)[0] for e in VllmEncoder().convert(event)]
+
+    for source in ("checkpoint", "journal", "scan"):
+        hub, pool, group, manager = start()
+        for first in range(0, 16, 4):
+            manager.run(TransferBatch.build(TransferKind.OFFLOAD, "ns", range(first + 1, first + 5),
+                                            keys[first:first + 4], manager.num_blocks,
+                                            engine=EngineBlocks(KeyFormat.VLLM)))
+        group.demote_all(10)
+        if source == "journal":  # as after a crash: no checkpoint, the base and journal replayed
+            with monkeypatch.context() as patch:
+                patch.setattr(disk_checkpoint, "write", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+                group.close(5)
+            assert (tmp_path / "g" / ".journal").exists() and not (tmp_path / "g" / ".checkpoint").exists()
+        else:
+            group.close(5)
+        if source == "scan":  # the headers read
+            (tmp_path / "g" / ".checkpoint").unlink()
+        del group, manager
+        hub, pool, group, manager = start()
+        loaded = [e for e in vllm_events(hub) if isinstance(e, BlockStored) and e.medium == "DISK"]
+        assert sorted(h for e in loaded for h in e.block_hashes) == sorted(k[:-4] for k in keys), source
+        assert {e.group_idx for e in loaded} == {2}
+        manager.restore("ns", [(keys[0], 30)])  # promoted into the host tier: announced alike
+        manager.delete("ns", [keys[1]])
+        events = vllm_events(hub)
+        assert any(isinstance(e, BlockStored) and e.medium == "CPU" and e.block_hashes == [keys[0][:-4]]
+                   and e.group_idx == 2 for e in events), source
+        assert any(isinstance(e, BlockRemoved) and e.medium == "DISK" and e.block_hashes == [keys[1][:-4]]
+                   and e.group_idx == 2 for e in events), source
+        assert all(len(h) == 32 for e in events for h in getattr(e, "block_hashes", [])), source
+        group.close(5)
+        for leftover in (".checkpoint", ".base", ".journal"):
+            (tmp_path / "g" / leftover).unlink(missing_ok=True)
+        for f in (tmp_path / "g").rglob("*.kvb"):
+            f.unlink()
