@@ -117,10 +117,8 @@ def test_client_raises_typed_errors_with_outcomes(daemon):
 
 
 def test_client_fails_fast_when_no_daemon(tmp_path):
-    start = time.monotonic()
-    with pytest.raises(Unavailable):
-        Client(f"unix:{tmp_path}/absent.sock", timeout=2).pools()
-    assert time.monotonic() - start < 5
+    with pytest.raises(Unavailable):  # Unavailable, not DeadlineExceeded: it did not wait for a daemon
+        Client(f"unix:{tmp_path}/absent.sock", timeout=30).pools()
 
 
 def test_sigterm_mid_batch_exits_cleanly_and_never_showed_incomplete_keys(make_daemon):

