@@ -181,3 +181,30 @@ def test_the_shared_fs_section_is_validated(tmp_path, section, message):
     path.write_text(yaml.safe_dump({"shared_fs": section}))
     with pytest.raises(config.ConfigError, match=message):
         config.load(str(path))
+
+
+def test_the_key_format_travels_with_the_block_to_the_node_that_restores_it(tmp_path):
+    """Issue 46 item 2: a block stored with vLLM's key format is announced by another node, when it restores
+    it from the shared directory, in that format (its STORED event names it by vLLM's block hash)."""
+    from kvxfer.events.hub import EventHub
+    from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat
+    from kvxfer.serving.batch import TransferBatch, TransferKind
+
+    keys = [bytes([i]) * 32 + (0).to_bytes(4, "big") for i in range(1, 13)]
+    a_pool, a = node(tmp_path)
+    hub = EventHub()
+    b_pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
+    b = PoolManager(b_pool, CacheGroup("g", b_pool.layout, HOST_BLOCKS, kv_events=hub,
+                                       shared_fs=SharedFsSettings(str(tmp_path), 2.0)))
+    try:
+        for first in range(0, 12, 4):
+            a.run(TransferBatch.build(TransferKind.OFFLOAD, "ns", range(first + 1, first + 5), keys[first:first + 4],
+                                      a.num_blocks, engine=EngineBlocks(KeyFormat.VLLM)))
+        assert a.group.lower_tiers[0].flush(10)
+        assert b.restore("ns", [(keys[0], 40)]).outcomes == [Outcome.DONE]
+        (stored,) = [e for e in hub.read(0, 100)[0] if e.kind is EventKind.STORED]
+        assert stored.tier is TierKind.HOST and stored.keys == (keys[0],)
+        assert stored.engine is not None and stored.engine.key_format is KeyFormat.VLLM
+    finally:
+        a.group.close(5)
+        b.group.close(5)
