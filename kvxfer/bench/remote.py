@@ -73,7 +73,7 @@ def _tier(url: str, pool: Pool, n: int, rep: int) -> tuple[float, float]:
                                range(first, min(first + 256, n))])
     entries = group.index.entries()
     start = time.perf_counter()  # the tier's store path: staging copy, header, pipelined SETs
-    group.remote.stage("ns", [(key, checksum, group.host.buffer[slot]) for _, key, slot, checksum in entries])
+    group.remote.stage("ns", [(key, checksum, group.host.buffer[slot]) for _, key, slot, checksum, _ in entries])
     while group.remote.events["stored"] < n:
         assert not group.remote.breaker.open, group.remote.events
         time.sleep(0.0005)
