@@ -150,6 +150,7 @@ class CudaCopyEngine(CopyEngine):
         self._streams = {Direction.TO_HOST: _Stream(driver.stream()), Direction.TO_POOL: _Stream(driver.stream())}
         self._late: list[_Quarantined] = []
         self._lock = threading.Lock()  # the late list: the job thread and the reaper both look
+        self._reaping = threading.Lock()  # one reaper at a time: ``landed`` destroys the events it finds done
         whole = shard is None  # the device XXH3 hashes whole blocks
         self._pieces = shard_pieces(layout, *shard) if shard is not None else None
         device_hashed = whole and pool is not None and device_checksums and layout.runs_per_block == 1
@@ -339,21 +340,24 @@ class CudaCopyEngine(CopyEngine):
         self.reap()
 
     def reap(self) -> int:
-        """Release what late copies held once they have landed; returns how many are still late."""
-        with self._lock:
-            pending = list(self._late)
-        for entry in pending:
-            try:
-                landed = all([h.landed() for h in entry.handles])
-            except CudaError:
-                continue  # the device is lost: the slots stay held, nothing can land any more
-            if landed:
-                with self._lock:
-                    self._late.remove(entry)
-                entry.release()
-                log.info("late GPU copies landed; their slots are released", extra={"restore": entry.restore})
-        with self._lock:
-            return len(self._late)
+        """Release what late copies held once they have landed; returns how many are still late. The job
+        thread's idle sweep and a transfer's submit or quarantine may call it at once: they take turns (two
+        reapers would query and destroy one event twice, and release one entry's slots twice)."""
+        with self._reaping:
+            with self._lock:
+                pending = list(self._late)
+            for entry in pending:
+                try:
+                    landed = all([h.landed() for h in entry.handles])
+                except CudaError:
+                    continue  # the device is lost: the slots stay held, nothing can land any more
+                if landed:
+                    with self._lock:
+                        self._late.remove(entry)
+                    entry.release()
+                    log.info("late GPU copies landed; their slots are released", extra={"restore": entry.restore})
+            with self._lock:
+                return len(self._late)
 
     def _check_usable(self) -> None:
         if self.driver.lost is not None:

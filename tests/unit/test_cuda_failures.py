@@ -145,3 +145,50 @@ def test_an_engines_streams_go_with_it_and_pools_are_zeroed_on_a_stream(cuda_sim
     assert cuda_sim.live_streams() == before + 2
     manager.close()
     assert cuda_sim.live_streams() == before
+
+
+def test_two_reapers_at_once_release_a_late_copy_once_and_neither_fails():
+    """Issue 47 item 2: the job thread's idle sweep and an inline submit both reaped: both found one event
+    done, both destroyed it, and the loser raised ValueError at the late list (the job thread's loser
+    stopped the pool's queue for good). They take turns now."""
+    import threading
+
+    from kvxfer.transfer.cuda import CudaCopyEngine, CudaHandle, _Quarantined
+
+    both_inside = threading.Barrier(2)
+
+    class Driver:
+        lost = None
+        destroyed: list = []
+
+        def done(self, event):
+            try:
+                both_inside.wait(timeout=1.0)  # two reapers meet here (unless they take turns)
+            except threading.BrokenBarrierError:
+                pass
+            return True
+
+        def destroy(self, event):
+            self.destroyed.append(event)
+
+    engine = object.__new__(CudaCopyEngine)  # its late-copy bookkeeping alone: no device
+    engine.driver, engine._lock, engine._reaping, engine._late = Driver(), threading.Lock(), threading.Lock(), []
+    handle = object.__new__(CudaHandle)
+    handle._engine, handle._event = engine, "event-1"
+    released = []
+    engine._late.append(_Quarantined([handle], lambda: released.append(1), False))
+    errors, results = [], []
+
+    def reap():
+        try:
+            results.append(engine.reap())
+        except Exception as exc:  # what the job thread met
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reap) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == [] and results == [0, 0]
+    assert released == [1] and Driver.destroyed == ["event-1"]  # released once, the event destroyed once
