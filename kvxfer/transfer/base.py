@@ -29,10 +29,14 @@ class CopyBatch:
     blocks: list[int]
     slots: Sequence[int]
     ready_event: bytes = b""  # a CUDA IPC event handle the copy waits for (CUDA engines only)
+    deadline: float | None = None  # time.monotonic(): the job's; a copy still running LANDING_S after it is late
 
     def __post_init__(self) -> None:
         if len(self.blocks) != len(self.slots):
             raise ValueError("a copy batch pairs each block with one slot")
+
+
+LANDING_S = 0.5  # how long past its job's deadline a copy may still land before it is late (and its stream retired)
 
 
 class LateCopies(DeadlineExceeded):

@@ -42,7 +42,7 @@ from kvxfer.geometry.layout import PoolLayout
 from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, \
     CudaError, Driver
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
+from kvxfer.transfer.base import LANDING_S, CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 from kvxfer.transfer.plan import CopyPlan, plan_copies, plan_shard_copies, shard_pieces
 from kvxfer.transfer.planner import CostTable, Method, Planner
 from kvxfer.transfer.staging import Pieces, Stager, pieces_want_staging
@@ -81,9 +81,13 @@ class CudaHandle(CopyHandle):
     """One submitted chunk: its event, polled until done."""
 
     def __init__(self, engine: CudaCopyEngine, stream: _Stream, event, deadline_s: float,
-                 sums: PendingSums | None = None) -> None:
+                 sums: PendingSums | None = None, job_deadline: float | None = None) -> None:
+        """``deadline_s``: the longest a copy may take (``gpu_copy_deadline_s``); ``job_deadline``
+        (time.monotonic()): its job's, after which (and ``LANDING_S``) it is late whatever is left of the other."""
         self._engine, self._stream, self._event = engine, stream, event
         self._deadline = time.monotonic() + deadline_s
+        if job_deadline is not None:  # a stalled store must not hold the pool's queue past the job's deadline
+            self._deadline = min(self._deadline, job_deadline + LANDING_S)
         self._sums = sums  # the device XXH3 of the chunk's blocks, enqueued behind its copies
         self.calls = 0  # driver calls the submission made (tools and the device check read it)
         self.method: Method | None = None  # how the planner had it move
@@ -209,9 +213,10 @@ class CudaCopyEngine(CopyEngine):
             calls = self._planned_copies(stream, batch, looped=method is Method.LOOPED)
         if self._hasher is not None:
             sums, done = self._enqueue_checksums(stream, batch)
-            handle = CudaHandle(self, stream, done, self.deadline_s, sums)
+            handle = CudaHandle(self, stream, done, self.deadline_s, sums, batch.deadline)
         else:
-            handle = CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s)
+            handle = CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s,
+                                job_deadline=batch.deadline)
         handle.calls, handle.method = calls, method
         return handle
 

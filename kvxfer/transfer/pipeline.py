@@ -107,7 +107,7 @@ class CheckedCopier:
 
         def start(a: int, c: int) -> _Chunk:
             handle = self.engine.submit(CopyBatch(Direction.TO_HOST, blocks[a:a + c], slots[a:a + c],
-                                                  ready_event if a == 0 else b""))
+                                                  ready_event if a == 0 else b"", deadline))
             return _Chunk(a, blocks[a:a + c], slots[a:a + c], [], handle)
 
         self._run(len(slots), start, finish, cancelled, deadline, result)
@@ -141,7 +141,8 @@ class CheckedCopier:
                 chunk.blocks = [b for j, b in enumerate(chunk.blocks) if j not in bad]
                 chunk.slots = [s for j, s in enumerate(chunk.slots) if j not in bad]
             if chunk.slots:
-                chunk.handle = self.engine.submit(CopyBatch(Direction.TO_POOL, chunk.blocks, chunk.slots))
+                chunk.handle = self.engine.submit(CopyBatch(Direction.TO_POOL, chunk.blocks, chunk.slots,
+                                                            deadline=deadline))
             return chunk
 
         def finish(chunk: _Chunk) -> None:

@@ -192,3 +192,26 @@ def test_two_reapers_at_once_release_a_late_copy_once_and_neither_fails():
         thread.join(30)
     assert errors == [] and results == [0, 0]
     assert released == [1] and Driver.destroyed == ["event-1"]  # released once, the event destroyed once
+
+
+def test_a_copy_goes_late_at_its_jobs_deadline_not_after_the_gpu_copy_deadline(cuda_sim):
+    """Issue 47 item 5: a chunk waited ``gpu_copy_deadline_s`` (30 s) whatever its job's deadline (vLLM's is
+    5 s): one stalled store held the pool's queue for 30 s. It is late at the job's deadline + LANDING_S."""
+    from kvxfer.serving.batch import TransferBatch, TransferKind
+    from kvxfer.transfer.base import LANDING_S, CopyBatch, Direction
+
+    manager = gpu_pool("d", capacity=4, deadline_s=30.0)
+    fill(manager)
+    cuda_sim.dma.clear()  # the copy engine stalls
+    deadline = time.monotonic() + 0.2
+    handle = manager.engine.submit(CopyBatch(Direction.TO_HOST, [1], [0], deadline=deadline))
+    assert handle._deadline <= deadline + LANDING_S  # (it was now + 30 s)
+    cuda_sim.dma.set()
+    handle.wait()
+    cuda_sim.dma.clear()
+    batch = TransferBatch.build(TransferKind.OFFLOAD, "ns", [2], [b"late"], SPEC.num_blocks,
+                                deadline=time.monotonic() + 0.2)
+    assert manager.run(batch).outcomes == [Outcome.DEADLINE_EXCEEDED]
+    cuda_sim.dma.set()
+    assert _until(lambda: manager.engine.reap() == 0)
+    assert offload(manager, [3], [b"after"]) == [Outcome.DONE]  # the pool serves on
