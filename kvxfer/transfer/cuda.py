@@ -39,8 +39,7 @@ import torch
 from kvxfer.errors import FailedPrecondition, Internal
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import PoolLayout
-from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, \
-    CudaError, Driver
+from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CudaError, Driver
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import LANDING_S, CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 from kvxfer.transfer.plan import CopyPlan, plan_copies, plan_shard_copies, shard_pieces
@@ -155,6 +154,7 @@ class CudaCopyEngine(CopyEngine):
         self._late: list[_Quarantined] = []
         self._lock = threading.Lock()  # the late list: the job thread and the reaper both look
         self._reaping = threading.Lock()  # one reaper at a time: ``landed`` destroys the events it finds done
+        self._scratch: HostTier | None = None  # pinned rows ``pool_checksums`` copies blocks back into
         whole = shard is None  # the device XXH3 hashes whole blocks
         self._pieces = shard_pieces(layout, *shard) if shard is not None else None
         device_hashed = whole and pool is not None and device_checksums and layout.runs_per_block == 1
@@ -227,9 +227,8 @@ class CudaCopyEngine(CopyEngine):
         pool, tier = self._pool_ptr + plan.pool_offsets, self._host_ptr + plan.tier_offsets
         to_host = batch.direction is Direction.TO_HOST
         dst, src = (tier, pool) if to_host else (pool, tier)
-        order = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM if to_host else CU_MEMCPY_SRC_ACCESS_ORDER_ANY
-        if len(plan) <= SUB_BATCH:
-            return self.driver.copy(dst, src, plan.nbytes, stream.handle, order, looped)
+        order = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM  # (ANY would let the driver read out of stream order)
+        # Through the guard also when looped: a cuMemcpyAsync failing mid-loop leaves the earlier ones in flight.
         return self._enqueue_or_land(stream, batch, lambda: sum(
             self.driver.copy(dst[a:a + SUB_BATCH], src[a:a + SUB_BATCH], plan.nbytes[a:a + SUB_BATCH], stream.handle,
                              order, looped) for a in range(0, len(plan), SUB_BATCH)))
@@ -310,17 +309,22 @@ class CudaCopyEngine(CopyEngine):
         """The blocks' checksums, copied back into a scratch host buffer and hashed there, the copy waited
         for with the engine's deadline. (With the device XXH3 the pipeline never asks: the copies hash
         what they move, ``hashes_copies``.)"""
-        scratch = np.zeros((len(blocks), self.layout.block_bytes), dtype=np.uint8)
+        # Pinned rows, kept for the next call: a copy into pageable memory waits on the host inside the driver.
+        if self._scratch is None or self._scratch.capacity < len(blocks):
+            self._scratch = HostTier(len(blocks), self.layout.block_bytes, pin_device=self.driver.device)
+        scratch = self._scratch
+        rows = scratch.buffer.numpy()[:len(blocks)]
         plan = plan_copies(self.layout, blocks, list(range(len(blocks))))
         stream = self._streams[Direction.TO_HOST]
-        self.driver.copy(scratch.ctypes.data + plan.tier_offsets, self._pool_ptr + plan.pool_offsets, plan.nbytes,
+        self.driver.copy(rows.ctypes.data + plan.tier_offsets, self._pool_ptr + plan.pool_offsets, plan.nbytes,
                          stream.handle, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
         try:
             CudaHandle(self, stream, self.driver.record(stream.handle), self.deadline_s).wait()
-        except LateCopies as late:  # the scratch buffer lives until the copy into it has landed
-            self.quarantine(late.handles, lambda: scratch.size, restore=False)
+        except LateCopies as late:  # the scratch buffer lives (not reused) until the copy into it has landed
+            self._scratch = None
+            self.quarantine(late.handles, lambda: scratch.capacity, restore=False)
             raise
-        return rows_checksums(scratch)
+        return rows_checksums(rows)
 
     # -- late copies ---------------------------------------------------------------------
     def retire(self, stream: _Stream) -> None:

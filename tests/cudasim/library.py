@@ -60,6 +60,7 @@ class CudaSim(MemoryCalls):
         self.mappings: dict[int, tuple[int, int]] = {}  # pointer -> (allocation, generation) opened by IPC
         self.allocations: dict[int, tuple[int, int]] = {}  # pointer -> (allocation, generation) made here
         self.pageable_copies = 0
+        self.access_orders: list[int] = []  # each batched copy call's source access order
         self.dma = threading.Event()  # cleared: copies stall (a hung copy engine), until set again
         self.dma.set()
         self._ids, self._tls, self._lock = iter(range(0x1000, 1 << 40, 0x10)), threading.local(), threading.Lock()
@@ -67,9 +68,10 @@ class CudaSim(MemoryCalls):
         self._keep: list = []
 
     # -- test controls -------------------------------------------------------------------
-    def inject(self, name: str, code: int, sticky: bool = False, times: int = 1) -> None:
-        """Fail the next ``times`` calls of ``name`` with ``code`` (sticky: the context breaks too)."""
-        self.injected[name] = (code, sticky, times)
+    def inject(self, name: str, code: int, sticky: bool = False, times: int = 1, after: int = 0) -> None:
+        """Fail ``times`` calls of ``name`` with ``code`` (sticky: the context breaks too), after ``after``
+        calls that succeed (a loop of calls failing midway)."""
+        self.injected[name] = (code, sticky, times, after)
 
     def inject_async(self, code: int = ILLEGAL_ADDRESS) -> None:
         """The next stream operation to run fails with sticky ``code`` (a kernel's illegal address)."""

@@ -81,6 +81,7 @@ class MemoryCalls:
             return injected[0]
         if num_attrs < 1 or attr_idxs[0] != 0:
             return INVALID_VALUE
+        self.access_orders.append(attrs[0].srcAccessOrder)
         return self._enqueue_copies(stream, [(dsts[i], srcs[i], sizes[i]) for i in range(count)])
 
     @api

@@ -92,9 +92,11 @@ def api(fn):
         if os.getpid() != self.pid:
             return NOT_INITIALIZED
         injected = self.injected.get(name)
-        if injected:
-            code, sticky, left = injected
-            self.injected[name] = (code, sticky, left - 1) if left > 1 else None
+        if injected and injected[3]:  # calls that succeed first
+            self.injected[name] = (*injected[:3], injected[3] - 1)
+        elif injected:
+            code, sticky, left, _ = injected
+            self.injected[name] = (code, sticky, left - 1, 0) if left > 1 else None
             if sticky:
                 self.break_device(self._current(), code, f"{name} failed (injected)")
             return code

@@ -215,3 +215,43 @@ def test_a_copy_goes_late_at_its_jobs_deadline_not_after_the_gpu_copy_deadline(c
     cuda_sim.dma.set()
     assert _until(lambda: manager.engine.reap() == 0)
     assert offload(manager, [3], [b"after"]) == [Outcome.DONE]  # the pool serves on
+
+
+def test_a_looped_copy_failing_midway_holds_its_slots_until_the_copies_before_it_land(cuda_sim):
+    """Issue 47 item 8: without the batched call each descriptor is its own cuMemcpyAsync; one failing
+    midway left the copies before it in flight with no handle while their slots were freed. It goes
+    through the enqueue-or-land guard now: the slots stay held until those copies land."""
+    from kvxfer.memory.cuda_driver import Driver
+    from kvxfer.serving.group import CacheGroup
+    from kvxfer.serving.manager import PoolManager
+    from kvxfer.memory.pool import Pool
+    from kvxfer.transfer.cuda import CudaCopyEngine
+    from tests.cudasim.rules import INVALID_VALUE
+
+    pool = Pool.create("loop", SPEC, PRESETS["BLHNC"], device="cuda:0")
+    group = CacheGroup("loop", pool.layout, 4, pin_device=0)
+    engine = CudaCopyEngine(pool.storage.data_ptr(), pool.layout, group.host, Driver(cuda_sim, use_batch=False),
+                            deadline_s=0.3)
+    manager = PoolManager(pool, group, engine=engine)
+    cuda_sim.dma.clear()  # the first copy is enqueued and waits ...
+    cuda_sim.inject("cuMemcpyAsync", INVALID_VALUE, after=1)  # ... the second cannot be enqueued
+    assert offload(manager, [1, 5], [b"a", b"b"]) == [Outcome.DEADLINE_EXCEEDED] * 2
+    assert manager.index.stats().pinned == 2  # held: the first copy may still land in one of them
+    cuda_sim.dma.set()
+    assert _until(lambda: manager.engine.reap() == 0)
+    assert manager.index.stats().pinned == 0 and offload(manager, [2, 6], [b"c", b"d"]) == [Outcome.DONE] * 2
+
+
+def test_restores_read_in_stream_order_and_checksums_come_back_through_pinned_memory(cuda_sim):
+    """Issue 47 item 8: restores asked the driver for access order ANY (it may then read out of stream
+    order) and ``pool_checksums`` copied into pageable memory (a hidden host wait with no deadline)."""
+    from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+
+    manager = gpu_pool("o", capacity=4)
+    fill(manager)
+    assert offload(manager, [1, 5], [b"a", b"b"]) == [Outcome.DONE] * 2
+    assert manager.restore("ns", [(b"a", 9), (b"b", 3)]).outcomes == [Outcome.DONE] * 2
+    assert cuda_sim.access_orders and set(cuda_sim.access_orders) == {CU_MEMCPY_SRC_ACCESS_ORDER_STREAM}
+    before = cuda_sim.pageable_copies
+    sums = manager.engine.pool_checksums([1, 5])
+    assert sums == manager.engine.pool_checksums([1, 5]) and cuda_sim.pageable_copies == before == 0
