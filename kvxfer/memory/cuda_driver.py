@@ -82,9 +82,8 @@ class Driver:
         dev = c_int()
         self._check(lib.cuDeviceGet(ctypes.pointer(dev), device), f"cuDeviceGet({device})")
         self._dev = dev.value
-        ctx = c_void_p()
-        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.pointer(ctx), self._dev), "cuDevicePrimaryCtxRetain")
-        self._ctx = ctx
+        self._ctx_retained: c_void_p | None = None  # retained at first use (``scope``), not to read a UUID
+        self._ctx_lock = threading.Lock()
         self._batch = self._resolve_batch() if use_batch else None
         self._host_fns: dict[int, object] = {}  # host functions enqueued and not yet called
 
@@ -119,6 +118,20 @@ class Driver:
             self.lost = exc
             for listener in list(_LOST_LISTENERS):
                 listener(self.device, exc)
+
+    @property
+    def _ctx(self) -> c_void_p:
+        """The device's primary context, retained when first needed: a daemon that only reads a GPU's UUID
+        (to find the one a pool lives on) holds no context there (a few hundred MiB, and a failure on a
+        GPU an engine has filled)."""
+        if self._ctx_retained is None:
+            with self._ctx_lock:
+                if self._ctx_retained is None:
+                    ctx = c_void_p()
+                    self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.pointer(ctx), self._dev),
+                                "cuDevicePrimaryCtxRetain")
+                    self._ctx_retained = ctx
+        return self._ctx_retained
 
     @contextmanager
     def scope(self) -> Iterator[None]:

@@ -61,6 +61,7 @@ class CudaSim(MemoryCalls):
         self.allocations: dict[int, tuple[int, int]] = {}  # pointer -> (allocation, generation) made here
         self.pageable_copies = 0
         self.access_orders: list[int] = []  # each batched copy call's source access order
+        self.retained: set[int] = set()  # devices whose primary context was retained
         self.dma = threading.Event()  # cleared: copies stall (a hung copy engine), until set again
         self.dma.set()
         self._ids, self._tls, self._lock = iter(range(0x1000, 1 << 40, 0x10)), threading.local(), threading.Lock()
@@ -166,6 +167,7 @@ class CudaSim(MemoryCalls):
 
     @api
     def cuDevicePrimaryCtxRetain(self, pctx, dev):
+        self.retained.add(value_of(dev))  # (a real retain costs the device a few hundred MiB)
         pctx.contents.value = CTX_BASE + value_of(dev)
         return SUCCESS
 

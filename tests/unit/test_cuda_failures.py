@@ -255,3 +255,14 @@ def test_restores_read_in_stream_order_and_checksums_come_back_through_pinned_me
     before = cuda_sim.pageable_copies
     sums = manager.engine.pool_checksums([1, 5])
     assert sums == manager.engine.pool_checksums([1, 5]) and cuda_sim.pageable_copies == before == 0
+
+
+def test_finding_a_gpu_by_uuid_retains_no_context_and_serving_one_retains_only_its_own(cuda_sim):
+    """Issue 47 item 7: the driver retained a primary context on every visible GPU just to read UUIDs (a few
+    hundred MiB each, and a failure on a GPU an engine has filled)."""
+    uuid = cuda_mem.device_uuid(1)
+    assert cuda_mem.device_by_uuid(uuid) == 1 and cuda_sim.retained == set()
+    manager = gpu_pool("one", device=1, capacity=4)  # a pool served on GPU 1
+    fill(manager)
+    assert offload(manager, [1], [b"a"]) == [Outcome.DONE]
+    assert cuda_sim.retained == {1}
