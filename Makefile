@@ -81,7 +81,8 @@ devcheck:
 	PYTHONPATH=. $(PYTHON) -m kvxfer.devcheck --out devcheck-out $(DEVCHECK_ARGS)
 
 # Where there is a network: the cp312 wheels of what the daemon imports and a lent GPU machine
-# lacks (about 9 MB, git-ignored). Carry devcheck-wheels/ with the tree; the check installs them.
+# lacks (about 9 MB, git-ignored). Carry devcheck-wheels/ with the tree; the check unpacks them first on
+# the path (no pip), whatever versions the machine has.
 DEVCHECK_WHEELS := grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
 	pyyaml==6.0.4 redis==8.1.0 prometheus-client==0.26.0 xxhash==4.1.0
 devcheck-wheels:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvxfer.devcheck.bootstrap import REEXEC, loaded, prepare
+
+    prepared = prepare(ROOT)  # before the daemon's modules are imported: they come from the carried wheels
+    if prepared["packages"]["reexec"]:  # one was imported before: this process keeps it; a new one will not
+        os.environ[REEXEC] = prepared["packages"]["target"]
+        os.execv(sys.executable, [sys.executable, "-m", "kvxfer.devcheck", "--out", args.out,
+                                  *(["--quick"] if args.quick else [])])
+    print("[devcheck] loaded: " + "; ".join(loaded()), flush=True)  # the first line: what, from where
+    print(f"[devcheck] prepared: {prepared}", flush=True)
     try:
         import torch
     except ImportError:  # a Python without torch (make devcheck runs the system python3): one line
@@ -29,10 +39,6 @@ def run(args: argparse.Namespace) -> int:
         print("kvxfer devcheck: no GPU here (torch sees no CUDA device); nothing to check; README.md (Status) says what "
               "has not run on a GPU")
         return NO_GPU_EXIT
-    from kvxfer.devcheck.bootstrap import prepare
-
-    prepared = prepare(ROOT)  # before the daemon's modules are imported: they need what it installs
-    print(f"[devcheck] prepared: {prepared}", flush=True)
     from kvxfer.devcheck import stages
     from kvxfer.devcheck.plot import plot
 

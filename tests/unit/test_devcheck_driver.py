@@ -24,17 +24,47 @@ def _wheel(directory, name: str, version: str = "1.0") -> None:
         whl.writestr(f"{info}/RECORD", "")
 
 
-def test_missing_packages_come_from_the_carried_wheels(tmp_path, monkeypatch):
+def test_the_carried_wheels_come_first_whatever_is_installed(tmp_path, monkeypatch):
+    """Issue 47 item 1: the lent machine may have no pip and older protobuf and grpcio: the carried wheels
+    are unpacked (no pip) first on the path, also where a version of them is installed."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    _wheel(tmp_path, "kvxfer_probe_pkg")
-    done = bootstrap.install_missing(tmp_path, {"kvxfer_probe_pkg": "kvxfer-probe-pkg", "json": "stdlib"})
-    assert done["missing"] == ["kvxfer-probe-pkg"] and done["installed_from"] == ["kvxfer_probe_pkg-1.0-py3-none-any.whl"]
+    monkeypatch.delenv(bootstrap.REEXEC, raising=False)
+    monkeypatch.setattr(bootstrap.tempfile, "tempdir", str(tmp_path))  # (the unpacked wheels go there)
+    installed = tmp_path / "site"  # an older version installed on the machine
+    (installed / "kvxfer_probe_old").mkdir(parents=True)
+    (installed / "kvxfer_probe_old" / "__init__.py").write_text("VALUE = 1\n")
+    sys.path.insert(0, str(installed))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "kvxfer_probe_pkg")
+    _wheel(wheels, "kvxfer_probe_old")
+    packages = {"kvxfer_probe_pkg": "kvxfer-probe-pkg", "kvxfer_probe_old": "kvxfer-probe-old", "json": "stdlib"}
+    done = bootstrap.unpack(wheels, packages)
+    assert done["unpacked"] == ["kvxfer_probe_old-1.0-py3-none-any.whl", "kvxfer_probe_pkg-1.0-py3-none-any.whl"]
+    assert sys.path[0] == done["target"] and not done["reexec"]
     assert importlib.import_module("kvxfer_probe_pkg").VALUE == 42
+    assert importlib.import_module("kvxfer_probe_old").VALUE == 42  # the carried one, not the installed one
     assert os.environ["PYTHONPATH"] == f"{done['target']}{os.pathsep}/somewhere"  # for the daemon it starts too
-    assert bootstrap.install_missing(tmp_path, {"json": "stdlib"}) == {"missing": []}
+    assert any(line.startswith(f"kvxfer_probe_old 1.0 from {done['target']}") for line in bootstrap.loaded(packages))
+    again = bootstrap.unpack(wheels, packages)  # imported before the bootstrap: the check must start again
+    assert again["reexec"] and again["imported_before"] == ["kvxfer_probe_old", "kvxfer_probe_pkg"]
     with pytest.raises(RuntimeError, match="make devcheck-wheels"):
-        bootstrap.install_missing(tmp_path, {"kvxfer_not_carried": "kvxfer-not-carried"})
+        bootstrap.unpack(wheels, {"kvxfer_not_carried": "kvxfer-not-carried"})
+
+
+def test_only_wheels_this_interpreter_loads_are_unpacked():
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    import platform
+
+    arch = platform.machine()
+    assert bootstrap.loadable("x-1.0-py3-none-any.whl")
+    assert bootstrap.loadable(f"x-1.0-{here}-{here}-manylinux_2_17_{arch}.manylinux2014_{arch}.whl")
+    assert bootstrap.loadable(f"x-1.0-cp39-abi3-manylinux2014_{arch}.whl")  # the stable ABI of 3.9 and later
+    assert not bootstrap.loadable(f"x-1.0-cp399-abi3-manylinux2014_{arch}.whl")
+    assert not bootstrap.loadable("x-1.0-cp27-cp27mu-manylinux1_x86_64.whl")
+    assert not bootstrap.loadable(f"x-1.0-{here}-{here}-win_amd64.whl")
+    assert not bootstrap.loadable("not-a-wheel.whl")
 
 
 def test_every_package_the_daemon_needs_has_a_wheel_in_the_makefile():
