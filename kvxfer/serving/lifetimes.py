@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -100,3 +101,55 @@ class ProcessWatch:
                     self._on_exit(key)
                 except Exception:  # a bug in the callback must not stop the watch of the others
                     log.exception("ending a dead process's pool failed", extra={"pool": key})
+
+
+class UntilLanded:
+    """Teardown that outlives late GPU copies: a pool unregistered, or whose engine died, while a copy that
+    missed its deadline may still run keeps what that copy touches (the IPC mapping, the pinned host tier,
+    the staging buffers: the references ``free`` holds) until the copy lands. Freed earlier, the copy would
+    touch unmapped memory (a sticky fault: the daemon exits) or ``cuMemFree`` would wait behind it. One
+    thread polls what is held, and ends when nothing is."""
+
+    def __init__(self, poll_s: float = 0.1) -> None:
+        self.poll_s = poll_s
+        self._held: list[tuple[Callable[[], int], Callable[[], None], str]] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def release(self, late: Callable[[], int], free: Callable[[], None], what: str) -> bool:
+        """``free()`` now if ``late()`` (the copies still running) is 0, else once it is; True if now."""
+        if late() == 0:
+            free()
+            return True
+        log.warning("a pool's late GPU copies may still land: its memory is freed once they have",
+                    extra={"pool": what})
+        with self._lock:
+            self._held.append((late, free, what))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvxfer-until-landed", daemon=True)
+                self._thread.start()
+        return False
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            with self._lock:
+                held = list(self._held)
+            for entry in held:
+                late, free, what = entry
+                if late() == 0:
+                    with self._lock:
+                        self._held.remove(entry)
+                    try:
+                        free()
+                    except Exception:  # a bug in one release must not keep the others' memory for ever
+                        log.exception("freeing a pool after its late copies landed failed", extra={"pool": what})
+            with self._lock:
+                if not self._held:
+                    self._thread = None
+                    return

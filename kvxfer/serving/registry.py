@@ -30,7 +30,7 @@ from kvxfer.serving.group_table import DAEMON_SHARING, GroupEntry, GroupTable, S
 from kvxfer.serving.handoff import HandOff, HandOffs, check_path_names, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.serving.limits import Limits
-from kvxfer.serving.lifetimes import ProcessWatch
+from kvxfer.serving.lifetimes import ProcessWatch, UntilLanded
 from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
 from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.serving.manager import PoolManager, TransferObserver
@@ -82,6 +82,7 @@ class PoolRegistry:
         self._lock = threading.Lock()
         self._job_ids = itertools.count(1)  # job ids are unique across the daemon's pools
         self._watch = ProcessWatch(self._registrant_exited)
+        self.until_landed = UntilLanded()  # pools whose late GPU copies may still land: freed once they have
 
     def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
             token: bytes = b"", registrant_pid: int = 0, sharing: Sharing | None = None) -> ServedPool:
@@ -230,8 +231,12 @@ class PoolRegistry:
             del self._pools[pool_id]
         cancelled = served.jobs.close(drain_timeout)
         served.manager.close()
-        served.manager.pool.close()
-        self._release(served)
+
+        def free() -> None:
+            served.manager.pool.close()
+            self._release(served)
+
+        self.until_landed.release(served.manager.engine.reap, free, pool_id)  # never under a copy still running
         return cancelled
 
     def _end_lost_registration(self, pool_id: str, handoff: HandOff) -> None:

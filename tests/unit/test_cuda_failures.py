@@ -266,3 +266,32 @@ def test_finding_a_gpu_by_uuid_retains_no_context_and_serving_one_retains_only_i
     fill(manager)
     assert offload(manager, [1], [b"a"]) == [Outcome.DONE]
     assert cuda_sim.retained == {1}
+
+
+def test_an_unregistered_pool_keeps_its_mapping_until_its_late_copy_lands(cuda_sim):
+    """Issue 47 item 3: unregistering a pool (or its engine dying) freed the IPC mapping while a copy that
+    missed its deadline could still run: a use after unmap (a sticky fault, the daemon exits). What the copy
+    touches is freed once it has landed."""
+    from kvxfer.records import PoolRef
+    from kvxfer.serving.batch import TransferBatch, TransferKind
+
+    registry = PoolRegistry(Limits(checksum_on_device=False, gpu_copy_deadline_s=0.3))
+    engine = SimEngine(cuda_sim.region.path)
+    try:
+        handle = bytes.fromhex(engine("alloc", nbytes=SPEC.nbytes)["handle"])
+        pool_handle = PoolHandle(Medium.CUDA, ipc_handle=handle, device_uuid=cuda_mem.device_uuid(0))
+        token = registry.handoffs.accept_identity(os.getuid(), engine.proc.pid)
+        served, registration = registry.register("eng", SPEC, PRESETS["BLHNC"], pool_handle, token, host_capacity_mib=1)
+        cuda_sim.dma.clear()  # the copy engine stalls: the offload goes late
+        batch = TransferBatch.build(TransferKind.OFFLOAD, "ns", [1, 2], [b"a", b"b"], SPEC.num_blocks)
+        assert served.manager.run(batch).outcomes == [Outcome.DEADLINE_EXCEEDED] * 2
+        registry.unregister(PoolRef("eng", served.descriptor.epoch), registration, drain_timeout=0)
+        assert not registry.served() and len(cuda_sim.mappings) == 1  # not served; still mapped
+        assert registry.until_landed.held == 1
+        cuda_sim.dma.set()  # the late copy lands in mapped memory ...
+        assert _until(lambda: not cuda_sim.mappings)  # ... and then the mapping goes
+        assert registry.until_landed.held == 0 and not cuda_sim.violations
+    finally:
+        cuda_sim.dma.set()
+        engine.close()
+        registry.close()
