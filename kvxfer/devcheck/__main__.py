@@ -28,7 +28,6 @@ def run(args: argparse.Namespace) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "kvxfer.devcheck", "--out", args.out,
                                   *(["--quick"] if args.quick else [])])
     print("[devcheck] loaded: " + "; ".join(loaded()), flush=True)  # the first line: what, from where
-    print(f"[devcheck] prepared: {prepared}", flush=True)
     try:
         import torch
     except ImportError:  # a Python without torch (make devcheck runs the system python3): one line
@@ -39,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvxfer devcheck: no GPU here (torch sees no CUDA device); nothing to check; README.md (Status) says what "
               "has not run on a GPU")
         return NO_GPU_EXIT
+    print(f"[devcheck] prepared: {prepared}", flush=True)
     from kvxfer.devcheck import stages
     from kvxfer.devcheck.plot import plot
 

@@ -105,6 +105,8 @@ def test_a_registered_gpu_pool_is_unregistered_when_its_engine_dies(gpu_daemon, 
             while "engine0" in [p.pool_id for p in client.pools()] and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert "engine0" not in [p.pool_id for p in client.pools()]
+            while mapped[0].mapped and time.monotonic() < deadline + 20:  # (closed just after: jobs end first)
+                time.sleep(0.05)
             assert mapped[0].mapped == 0  # the daemon's IPC mapping is closed
         assert "registered a pool exited" in daemon.log_text()
     finally:

@@ -45,10 +45,13 @@ def _written_down(disk: Path, prefix: bytes) -> dict:
 
 
 def _key_of(path: Path) -> bytes:
-    """The key in a block file's header (kvxfer.tiers.record: 68 fixed bytes, namespace, key)."""
+    """The key in a block file's header (kvxfer.tiers.record: the fixed part, 68 bytes in version 1 and 72 in
+    version 2 (the key's format), then the namespace and the key)."""
     header = path.read_bytes()[:4096]
+    (version,) = struct.unpack_from("<I", header, 8)
+    fixed = {1: 68, 2: 72}[version]
     ns_len, key_len = struct.unpack_from("<HH", header, 64)
-    return header[68 + ns_len:68 + ns_len + key_len]
+    return header[fixed + ns_len:fixed + ns_len + key_len]
 
 
 def _files(group_dir: Path) -> dict[bytes, Path]:

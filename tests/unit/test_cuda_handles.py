@@ -36,7 +36,8 @@ def test_devcheck_without_a_gpu_says_so_and_exits_3(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "kvxfer.devcheck", "--out", str(tmp_path)], env=python_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
-    assert len(proc.stdout.strip().splitlines()) == 1 and "no GPU" in proc.stdout
+    first, last = proc.stdout.strip().splitlines()  # what it loaded from where, then why it stops
+    assert first.startswith("[devcheck] loaded: grpc ") and "no GPU" in last
 
 
 def test_a_cuda_handle_and_its_gpu_uuid_survive_the_wire():
