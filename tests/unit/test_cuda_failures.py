@@ -86,15 +86,20 @@ def test_a_sticky_error_loses_the_device_and_every_pool_on_it_but_not_another_gp
         unsubscribe()
 
 
+def _register_engines_pool(registry: PoolRegistry, engine: SimEngine):
+    """The simulated engine's GPU memory registered as pool "eng", as its process hands it over."""
+    handle = bytes.fromhex(engine("alloc", nbytes=SPEC.nbytes)["handle"])
+    pool_handle = PoolHandle(Medium.CUDA, ipc_handle=handle, device_uuid=cuda_mem.device_uuid(0))
+    token = registry.handoffs.accept_identity(os.getuid(), engine.proc.pid)
+    return registry.register("eng", SPEC, PRESETS["BLHNC"], pool_handle, token, host_capacity_mib=1)
+
+
 def test_a_registered_gpu_pool_ends_with_the_process_that_registered_it(cuda_sim):
     """The daemon closes its IPC mapping when the engine dies, so the engine's memory can be freed."""
     registry = PoolRegistry(Limits(checksum_on_device=False))
     engine = SimEngine(cuda_sim.region.path)
     try:
-        handle = bytes.fromhex(engine("alloc", nbytes=SPEC.nbytes)["handle"])
-        pool_handle = PoolHandle(Medium.CUDA, ipc_handle=handle, device_uuid=cuda_mem.device_uuid(0))
-        token = registry.handoffs.accept_identity(os.getuid(), engine.proc.pid)
-        served, _ = registry.register("eng", SPEC, PRESETS["BLHNC"], pool_handle, token, host_capacity_mib=1)
+        served, _ = _register_engines_pool(registry, engine)
         assert len(cuda_sim.mappings) == 1 and served.manager.run is not None
         engine.kill()
         assert _until(lambda: not registry.served())
@@ -278,10 +283,7 @@ def test_an_unregistered_pool_keeps_its_mapping_until_its_late_copy_lands(cuda_s
     registry = PoolRegistry(Limits(checksum_on_device=False, gpu_copy_deadline_s=0.3))
     engine = SimEngine(cuda_sim.region.path)
     try:
-        handle = bytes.fromhex(engine("alloc", nbytes=SPEC.nbytes)["handle"])
-        pool_handle = PoolHandle(Medium.CUDA, ipc_handle=handle, device_uuid=cuda_mem.device_uuid(0))
-        token = registry.handoffs.accept_identity(os.getuid(), engine.proc.pid)
-        served, registration = registry.register("eng", SPEC, PRESETS["BLHNC"], pool_handle, token, host_capacity_mib=1)
+        served, registration = _register_engines_pool(registry, engine)
         cuda_sim.dma.clear()  # the copy engine stalls: the offload goes late
         batch = TransferBatch.build(TransferKind.OFFLOAD, "ns", [1, 2], [b"a", b"b"], SPEC.num_blocks)
         assert served.manager.run(batch).outcomes == [Outcome.DEADLINE_EXCEEDED] * 2
