@@ -373,34 +373,3 @@ def test_a_fifo_or_link_planted_as_the_checkpoints_temporary_never_stalls_a_shut
     group2.close(5)
     assert group2.disk.index.entries() == [e for batch in group2.disk.index.entry_batches(5) for e in batch]
 
-
-def test_an_entry_whose_file_is_gone_is_removed_when_read_and_the_restore_goes_on(tmp_path):
-    """Issue 46 item 6: a journal (or checkpoint) entry whose block file is gone is a miss, removed and
-    announced once it is read (not TIER_DISK forever, not a failure that marks the tier degraded)."""
-    from kvxfer.events.hub import EventHub
-    from kvxfer.events.records import EventKind, Reason
-
-    pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
-    hub = EventHub()
-    group = CacheGroup("g", pool.layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20), kv_events=hub)
-    manager = PoolManager(pool, group)
-    fill(pool, 9)
-    offload_all(manager, range(1, 17))
-    assert group.disk.flush(10)
-    namespace, key, slot = group.disk.index.entries()[0][:3]
-    group.disk.tier.path(slot).unlink()  # removed behind the daemon's back
-    assert manager.lookup("ns", [key]).tiers == [TierKind.DISK]  # (nothing has read it yet)
-    assert manager.restore("ns", [(key, 40)]).outcomes == [Outcome.NOT_FOUND]
-    assert manager.lookup("ns", [key]).tiers == [None]  # gone for good
-    removed = [e for e in hub.read(0, 10_000)[0] if e.kind is EventKind.REMOVED and key in e.keys
-               and e.tier is TierKind.DISK]
-    assert [(e.tier, e.reason) for e in removed] == [(TierKind.DISK, Reason.EXPIRED)]
-    assert group.disk.flush(10)  # (the promotion's evictions on their way down)
-    stats = group.disk.stats()
-    assert stats.events["missing"] == 1 and not stats.degraded and stats.pinned_blocks == 0
-    other = next(e.key for e in group.disk.index.entries())
-    assert manager.restore("ns", [(other, 41)]).outcomes == [Outcome.DONE]  # the others are served
-    group.close(5)
-    _, group2, manager2 = store(tmp_path)  # the journal said so: the next start does not bring it back
-    assert manager2.lookup("ns", [key]).tiers == [None]
-    group2.close(5)

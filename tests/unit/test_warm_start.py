@@ -1,5 +1,6 @@
 """Warm from the first request (issue 46): a Lookup or Restore while the disk index still loads waits for
-it and hits; the ranks of a TP engine restoring one disk key at once share one promotion and all get it."""
+it and hits; the ranks of a TP engine restoring one disk key at once share one promotion and all get it;
+blocks loaded from disk keep their key format; an entry whose file is gone is a miss, removed."""
 
 import threading
 import time
@@ -13,7 +14,9 @@ from kvxfer.serving.disk_store import DiskSettings
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
 from kvxfer.tiers.disk import DiskTier
-from tests.unit.test_disk_tier import HOST_BLOCKS, SPEC, block, store, stored_and_shut_down
+from kvxfer.events.hub import EventHub
+from kvxfer.events.records import EventKind, Reason
+from tests.unit.test_disk_tier import HOST_BLOCKS, SPEC, block, fill, offload_all, store, stored_and_shut_down
 
 KEYS = [b"k%d" % b for b in range(1, 9)]  # on disk after stored_and_shut_down(..., 16): the oldest eight
 
@@ -145,3 +148,32 @@ def test_blocks_loaded_from_disk_are_announced_by_the_engines_hashes_after_a_res
             (tmp_path / "g" / leftover).unlink(missing_ok=True)
         for f in (tmp_path / "g").rglob("*.kvb"):
             f.unlink()
+
+
+def test_an_entry_whose_file_is_gone_is_removed_when_read_and_the_restore_goes_on(tmp_path):
+    """Issue 46 item 6: a journal (or checkpoint) entry whose block file is gone is a miss, removed and
+    announced once it is read (not TIER_DISK forever, not a failure that marks the tier degraded)."""
+    pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
+    hub = EventHub()
+    group = CacheGroup("g", pool.layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20), kv_events=hub)
+    manager = PoolManager(pool, group)
+    fill(pool, 9)
+    offload_all(manager, range(1, 17))
+    assert group.disk.flush(10)
+    namespace, key, slot = group.disk.index.entries()[0][:3]
+    group.disk.tier.path(slot).unlink()  # removed behind the daemon's back
+    assert manager.lookup("ns", [key]).tiers == [TierKind.DISK]  # (nothing has read it yet)
+    assert manager.restore("ns", [(key, 40)]).outcomes == [Outcome.NOT_FOUND]
+    assert manager.lookup("ns", [key]).tiers == [None]  # gone for good
+    removed = [e for e in hub.read(0, 10_000)[0] if e.kind is EventKind.REMOVED and key in e.keys
+               and e.tier is TierKind.DISK]
+    assert [(e.tier, e.reason) for e in removed] == [(TierKind.DISK, Reason.EXPIRED)]
+    assert group.disk.flush(10)  # (the promotion's evictions on their way down)
+    stats = group.disk.stats()
+    assert stats.events["missing"] == 1 and not stats.degraded and stats.pinned_blocks == 0
+    other = next(e.key for e in group.disk.index.entries())
+    assert manager.restore("ns", [(other, 41)]).outcomes == [Outcome.DONE]  # the others are served
+    group.close(5)
+    _, group2, manager2 = store(tmp_path)  # the journal said so: the next start does not bring it back
+    assert manager2.lookup("ns", [key]).tiers == [None]
+    group2.close(5)
