@@ -120,7 +120,7 @@ class Client:
         ``best_effort=True``: if the daemon is down, slow or full, return None instead of
         raising (the engine goes on; it loses a future cache hit, nothing else).
         ``cuda_event`` (GPU pools): recorded after the kernels that wrote these blocks (see
-        ``event_handle``); the daemon's copy waits for it on the GPU. Without it the copy
+        ``event_handle``); the daemon copies once it has completed. Without it the copy
         waits for nothing and may read the blocks before they are written.
         ``deadline`` (a ``time.monotonic()`` value of this host): no block copied after it is
         stored (DEADLINE_EXCEEDED), so the engine may overwrite the blocks once it passed.

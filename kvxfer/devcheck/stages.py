@@ -12,7 +12,7 @@ import sys
 import torch
 
 from kvxfer.devcheck.checksum_formats import checksum_formats
-from kvxfer.devcheck import daemon_stage, engine_stages, gpu_stages, interference, shard_stage
+from kvxfer.devcheck import daemon_stage, engine_stages, failure_stage, gpu_stages, interference, shard_stage
 from kvxfer.devcheck.bandwidth import bandwidth
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.geometry.layout import PRESETS, KVSpec
@@ -124,6 +124,7 @@ def gpu_tests(ctx: dict) -> dict:
 STAGES = [("environment", environment, 30), ("pool_allocation", pool_allocation, 30), ("round_trip", round_trip, 60),
           ("corruption", corruption, 30), ("daemon_over_grpc", daemon_stage.daemon_over_grpc, 90),
           ("engine_tensor_over_grpc", engine_stages.engine_tensor_over_grpc, 90),
+          ("engine_failure_path", failure_stage.engine_failure_path, 90),
           ("dead_engine_returns_memory", engine_stages.dead_engine_returns_memory, 60), *gpu_stages.STAGES, ("staging_on_the_gpu", interference.staging_on_the_gpu, 60),
           ("canonical_blocks", shard_stage.canonical_blocks, 90),
           ("checksum_formats", checksum_formats, 45),

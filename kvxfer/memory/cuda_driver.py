@@ -29,25 +29,12 @@ from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_
 import numpy as np
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument
-from kvxfer.memory.cuda_abi import (HOST_FN, IPC_HANDLE_BYTES, BatchFn, IpcEventHandle, IpcMemHandle,
-                                    MemcpyAttributes, Uuid)
-
-CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
-#: Errors that leave the context unusable until the process exits: ECC uncorrectable, illegal
-#: address, launch timeout, context destroyed, device assert, hardware stack, illegal
-#: instruction, misaligned address, invalid address space, invalid PC, launch failed.
-STICKY = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719})
-CU_STREAM_NON_BLOCKING = 0x1
-CU_EVENT_DISABLE_TIMING = 0x2
-CU_MEMHOSTREGISTER_PORTABLE, CU_MEMHOSTREGISTER_DEVICEMAP = 0x1, 0x2
-CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
-CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_HOST = 2, 1
-CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED = 99
-CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 0x1, 0x3
-BATCH_ABI_VERSION = 12080  # cuMemcpyBatchAsync with failIdx
-LIBRARY = "libcuda.so.1"
-
-
+from kvxfer.memory.cuda_abi import (  # (the codes and flags other modules read are here too)
+    BATCH_ABI_VERSION, CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED, CU_EVENT_DISABLE_TIMING,
+    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_MEMHOSTREGISTER_DEVICEMAP,
+    CU_MEMHOSTREGISTER_PORTABLE, CU_MEMORYTYPE_HOST, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_STREAM_NON_BLOCKING,
+    CUDA_ERROR_NOT_READY, CUDA_SUCCESS, HOST_FN, IPC_HANDLE_BYTES, LIBRARY, STICKY, BatchFn, IpcEventHandle,
+    IpcMemHandle, MemcpyAttributes, Uuid)
 
 
 class CudaError(FailedPrecondition):
@@ -201,8 +188,11 @@ class Driver:
         with self.scope():
             self._check(self.lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
 
-    def wait_ipc_event(self, stream: c_void_p, handle: bytes) -> None:
-        """Make ``stream`` wait for an event another process recorded (the engine's KV writes).
+    def open_ipc_event(self, handle: bytes) -> c_void_p:
+        """Open an event another process recorded (the engine's KV writes), to poll with
+        ``engine_event_done`` and release with ``destroy``. Never waited for on a stream: a stream
+        waiting on another process's event waits for ever if that process dies, and every implicitly
+        synchronising call in this context (``cuMemFree``) would wait behind it.
 
         The handle is the client's: one the driver refuses (malformed, stale, its event
         destroyed) is InvalidArgument for that request and leaves the device usable."""
@@ -214,11 +204,20 @@ class Driver:
         with self.scope():
             self._check(self.lib.cuIpcOpenEventHandle(ctypes.pointer(event), raw),
                         "opening the engine's CUDA event (cuIpcOpenEventHandle)", ClientHandleError)
-            try:
-                self._check(self.lib.cuStreamWaitEvent(stream, event, 0),
-                            "waiting for the engine's CUDA event (cuStreamWaitEvent)", ClientHandleError)
-            finally:
-                self.lib.cuEventDestroy_v2(event)  # the wait is enqueued: it holds what it needs
+        return event
+
+    def engine_event_done(self, event: c_void_p) -> bool:
+        """Poll an event ``open_ipc_event`` opened: True when complete, False while not ready. An error
+        is the engine's (its process died, its context broke), never this device's: the request fails
+        and the device stays in service (a fault of this context shows on its own next call)."""
+        with self.scope():
+            code = self.lib.cuEventQuery(event)
+        if code == CUDA_ERROR_NOT_READY:
+            return False
+        if code != CUDA_SUCCESS:
+            raise ClientHandleError(f"the engine's CUDA event reported {self.error_name(code)} (cuEventQuery): "
+                                    "its process may have died", code)
+        return True
 
     def launch_host(self, stream: c_void_p, fn: Callable[[], None]) -> None:
         """Run ``fn`` in ``stream``'s order on a driver thread (cuLaunchHostFunc): work on "device"

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvxfer.errors import DeadlineExceeded, KvxferError
+from kvxfer.errors import DeadlineExceeded, Internal, KvxferError
 
 
 class Direction(enum.Enum):
@@ -28,7 +28,6 @@ class CopyBatch:
     direction: Direction
     blocks: list[int]
     slots: Sequence[int]
-    ready_event: bytes = b""  # a CUDA IPC event handle the copy waits for (CUDA engines only)
     deadline: float | None = None  # time.monotonic(): the job's; a copy still running LANDING_S after it is late
 
     def __post_init__(self) -> None:
@@ -121,6 +120,12 @@ class CopyEngine(ABC):
     def hashes_pool(self) -> bool:
         """Whether ``pool_checksums`` reads the pool cheaply (from this process's mapping)."""
         return True
+
+    def await_ready(self, event: bytes, deadline: float | None, cancelled: Callable[[], bool] | None = None) -> bool:
+        """Wait on this thread until the engine's ready event (a CUDA IPC event handle) has completed:
+        True, or False once ``deadline`` (time.monotonic()) passed or ``cancelled`` said so first. No copy
+        of the batch is submitted before it returns True. CUDA engines only."""
+        raise Internal(f"a CUDA event handle reached the {type(self).__name__}")
 
     def describe(self) -> str:
         """What moves the bytes, for the start-up log."""

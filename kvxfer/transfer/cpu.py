@@ -84,8 +84,6 @@ class CpuCopyEngine(CopyEngine):
         return True
 
     def submit(self, batch: CopyBatch) -> CopyHandle:
-        if batch.ready_event:
-            return CompletedHandle(Internal("a CUDA event handle reached the CPU copy engine"))
         blocks = np.asarray(batch.blocks, dtype=np.int64)
         slots = slot_array(batch.slots)
         # The copies below do not check bounds (the C loop trusts its indices; numpy's mode "clip"

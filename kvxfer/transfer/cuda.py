@@ -1,9 +1,10 @@
 """The CUDA copy engine: a copy plan executed with one batched driver call per chunk.
 
 Offload (pool -> pinned host tier) enqueues on the device-to-host stream with the
-source access order STREAM (the pool is live KV: read it in stream order, after the
-engine's ready event the stream waits for); restore (host tier -> pool) on the
-host-to-device stream with ANY (the tier bytes are stable). Each direction has its
+source access order STREAM (the pool is live KV: read it in stream order, once the
+engine's ready event has completed: ``await_ready`` polls it from the job's thread, so no
+stream ever waits on another process's event); restore (host tier -> pool) on the
+host-to-device stream, STREAM too. Each direction has its
 own non-blocking stream, each submitted chunk one event; ``wait`` polls the event
 (there is no timed wait in CUDA) until it completes or ``deadline_s`` passes.
 Given the pool's tensor, block-major pools have their checksums computed by the
@@ -39,11 +40,13 @@ import torch
 from kvxfer.errors import FailedPrecondition, Internal
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import PoolLayout
-from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CudaError, Driver
+from kvxfer.memory.cuda_abi import CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+from kvxfer.memory.cuda_driver import CudaError, Driver
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import LANDING_S, CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 from kvxfer.transfer.plan import CopyPlan, plan_copies, plan_shard_copies, shard_pieces
 from kvxfer.transfer.planner import CostTable, Method, Planner
+from kvxfer.transfer.quarantine import Quarantine
 from kvxfer.transfer.staging import Pieces, Stager, pieces_want_staging
 from kvxfer.transfer.stream_hash import PendingSums, StreamHasher
 
@@ -67,13 +70,6 @@ class _Stream:
     staging: list[torch.Tensor] = field(default_factory=list)
     turn: int = 0
     side: object = None  # the CUstream its chunks' device XXH3 runs on (made on first use), retired with it
-
-
-@dataclass(eq=False)
-class _Quarantined:
-    handles: list[CudaHandle]
-    release: Callable[[], None]
-    restore: bool
 
 
 class CudaHandle(CopyHandle):
@@ -151,9 +147,8 @@ class CudaCopyEngine(CopyEngine):
         self._pool_ptr = pool_ptr
         self._host_ptr = host.buffer.data_ptr()
         self._streams = {Direction.TO_HOST: _Stream(driver.stream()), Direction.TO_POOL: _Stream(driver.stream())}
-        self._late: list[_Quarantined] = []
-        self._lock = threading.Lock()  # the late list: the job thread and the reaper both look
-        self._reaping = threading.Lock()  # one reaper at a time: ``landed`` destroys the events it finds done
+        self._late = Quarantine()
+        self._lock = threading.Lock()  # the streams: a retiring submit and the next one both look
         self._scratch: HostTier | None = None  # pinned rows ``pool_checksums`` copies blocks back into
         whole = shard is None  # the device XXH3 hashes whole blocks
         self._pieces = shard_pieces(layout, *shard) if shard is not None else None
@@ -197,13 +192,35 @@ class CudaCopyEngine(CopyEngine):
         moving = "staged in device memory" if self._stager is not None else "DMA descriptors"
         return f"{type(self).__name__} (runs: {moving}; checksums: {hashing})"
 
+    def await_ready(self, event: bytes, deadline: float | None, cancelled: Callable[[], bool] | None = None) -> bool:
+        """Poll the engine's event from this thread (the job's, never the event loop) until it completes,
+        for at most ``deadline_s`` and never past the job's ``deadline``. A stream never waits on it: were
+        the engine to die first, that stream would wait for ever, and every implicitly synchronising call
+        in this context (``cuMemFree``, torch's allocator retrying after running out of memory) behind it.
+        Returning False, nothing was enqueued, so nothing is late and no slot stays held."""
+        self._check_usable()
+        handle = self.driver.open_ipc_event(event)  # one that does not open fails this request alone
+        limit = time.monotonic() + self.deadline_s if deadline is None else min(deadline, time.monotonic()
+                                                                                 + self.deadline_s)
+        sleep = POLL_S[0]
+        try:
+            while not self.driver.engine_event_done(handle):
+                if cancelled is not None and cancelled():
+                    return False
+                if time.monotonic() >= limit:
+                    log.warning("the engine's ready event did not complete in time; nothing of its offload was copied",
+                                extra={"deadline_s": self.deadline_s})
+                    return False
+                time.sleep(sleep)
+                sleep = min(sleep * 2, POLL_S[1])
+        finally:
+            self.driver.destroy(handle)
+        return True
+
     def submit(self, batch: CopyBatch) -> CudaHandle:
-        """Enqueue the batch's descriptors; the batch's ``ready_event`` (an IPC event handle of the
-        engine's) makes the copy wait for the engine's writes without blocking any host thread."""
+        """Enqueue the batch's descriptors (the engine's writes were awaited first: ``await_ready``)."""
         self._check_usable()
         stream = self._streams[batch.direction]
-        if batch.ready_event:  # a handle that does not open fails this request alone, before any copy
-            self.driver.wait_ipc_event(stream.handle, batch.ready_event)
         method = self.planner.choose(batch.direction, len(batch.blocks))
         if method is Method.STAGED and not (self._stager is not None and self._staging_ready(stream)):
             method = Method.BATCHED if self.driver.batched else Method.LOOPED
@@ -344,39 +361,20 @@ class CudaCopyEngine(CopyEngine):
                     extra={"deadline_s": self.deadline_s})
 
     def quarantine(self, handles: list[CopyHandle], release: Callable[[], None], restore: bool) -> None:
-        with self._lock:
-            self._late.append(_Quarantined(list(handles), release, restore))  # type: ignore[arg-type]
+        self._late.add(handles, release, restore)  # type: ignore[arg-type]
         self.reap()
 
     def reap(self) -> int:
-        """Release what late copies held once they have landed; returns how many are still late. The job
-        thread's idle sweep and a transfer's submit or quarantine may call it at once: they take turns (two
-        reapers would query and destroy one event twice, and release one entry's slots twice)."""
-        with self._reaping:
-            with self._lock:
-                pending = list(self._late)
-            for entry in pending:
-                try:
-                    landed = all([h.landed() for h in entry.handles])
-                except CudaError:
-                    continue  # the device is lost: the slots stay held, nothing can land any more
-                if landed:
-                    with self._lock:
-                        self._late.remove(entry)
-                    entry.release()
-                    log.info("late GPU copies landed; their slots are released", extra={"restore": entry.restore})
-            with self._lock:
-                return len(self._late)
+        return self._late.reap()
 
     def _check_usable(self) -> None:
         if self.driver.lost is not None:
             raise FailedPrecondition(f"the GPU reported a sticky error ({self.driver.lost}); every pool on it is out "
                                      "of service and the daemon exits to be restarted")
         self.reap()
-        with self._lock:
-            if any(entry.restore for entry in self._late):
-                raise FailedPrecondition("a restore copy into this pool missed its deadline and has not landed yet; "
-                                         "the pool is out of service until it does")
+        if self._late.restoring:
+            raise FailedPrecondition("a restore copy into this pool missed its deadline and has not landed yet; "
+                                     "the pool is out of service until it does")
 
     def close(self) -> None:
         """Destroy the engine's streams (late copies keep their slots: they may still land)."""

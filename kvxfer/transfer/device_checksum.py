@@ -200,8 +200,8 @@ def lanes(data: torch.Tensor, spans: np.ndarray, num_warps: int = NUM_WARPS) -> 
 
 def upload(spans: np.ndarray, device: torch.device) -> torch.Tensor:
     """The spans on ``device``, in stream order and without a host synchronisation: a copy from
-    pageable memory would wait for the stream (for the engine's ready event: an engine that hangs
-    would hang the submit with it). torch keeps the pinned buffer until the copy has run."""
+    pageable memory would wait for the stream (for every copy before it: a stalled copy would stall
+    the submit with it). torch keeps the pinned buffer until the copy has run."""
     host = torch.from_numpy(spans)
     if device.type != "cuda":
         return host

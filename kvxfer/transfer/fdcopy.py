@@ -39,8 +39,6 @@ class FdCopyEngine(CopyEngine):
         return False  # reading the pool back would cost another pass through the file
 
     def submit(self, batch: CopyBatch) -> CopyHandle:
-        if batch.ready_event:
-            return CompletedHandle(Internal("a CUDA event handle reached the descriptor copy engine"))
         try:
             self._check_size()
             if batch.direction is Direction.TO_POOL:

@@ -35,8 +35,6 @@ class HostPlanEngine(CopyEngine):
         return self._layout.runs_per_block
 
     def submit(self, batch: CopyBatch) -> CopyHandle:
-        if batch.ready_event:
-            return CompletedHandle(Internal("a CUDA event handle reached the host plan executor"))
         plan = plan_copies(self._layout, batch.blocks, batch.slots)
         pool, tier = self._pool, self._tier
         to_host = batch.direction is Direction.TO_HOST

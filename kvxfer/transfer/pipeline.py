@@ -91,10 +91,16 @@ class CheckedCopier:
         """Copy pool ``blocks`` into tier ``slots``; the checksum of each slot's new bytes (not with
         ``hashed`` False: a rank's slices, whose slots are hashed once every rank's are in).
 
-        ``ready_event``: the engine's event the first chunk waits for (later chunks follow it
-        on the same stream). ``deadline`` (time.monotonic()): only blocks whose copy ended by
-        then count; the others may hold bytes the engine wrote after it gave up."""
+        ``ready_event``: the engine's event the copies wait for, on this thread before the first is
+        submitted (``CopyEngine.await_ready``). ``deadline`` (time.monotonic()): only blocks whose copy
+        ended by then count; the others may hold bytes the engine wrote after it gave up."""
         result = PipelineResult()
+        if ready_event and not self.engine.await_ready(ready_event, deadline, cancelled):
+            if cancelled is not None and cancelled():
+                result.cancelled = True
+            else:  # nothing was enqueued: no copy outlives the job
+                result.expired = True
+            return result
 
         def finish(chunk: _Chunk) -> None:
             sums = chunk.handle.wait()
@@ -107,7 +113,7 @@ class CheckedCopier:
 
         def start(a: int, c: int) -> _Chunk:
             handle = self.engine.submit(CopyBatch(Direction.TO_HOST, blocks[a:a + c], slots[a:a + c],
-                                                  ready_event if a == 0 else b"", deadline))
+                                                  deadline=deadline))
             return _Chunk(a, blocks[a:a + c], slots[a:a + c], [], handle)
 
         self._run(len(slots), start, finish, cancelled, deadline, result)

@@ -85,8 +85,6 @@ class ShardCopyEngine(CopyEngine):
         return False  # the pool holds a slice of each block: verify the canonical copy
 
     def submit(self, batch: CopyBatch) -> CopyHandle:
-        if batch.ready_event:
-            return CompletedHandle(Internal("a CUDA event handle reached the CPU shard engine"))
         blocks = torch.as_tensor(batch.blocks, dtype=torch.long)
         slots = torch.as_tensor(list(batch.slots), dtype=torch.long)
         if blocks.numel() == 0:

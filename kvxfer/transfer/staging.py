@@ -5,7 +5,7 @@ as the layout orders them), each too short for a DMA descriptor to reach the lin
 speed (measured on an H200, docs/benchmarks.md: LBHNC 0.06-0.42 of a contiguous
 pinned copy where BLHNC moves 0.83-0.92). So a GPU offload first *gathers* each
 block's runs into one contiguous row of a staging buffer (a Triton kernel on the
-copy stream, after the engine's ready event) and then moves whole rows with one
+copy stream, once the engine's ready event completed) and then moves whole rows with one
 descriptor each; a restore moves whole rows into staging and *scatters* them into
 the pool. A staging row holds a block's runs in pool-offset order, which is the
 tier slot's layout (``plan_copies``), so the tier bytes are the same either way.

@@ -2,7 +2,7 @@
 side stream, which waits (an event) for the chunk's copies.
 
 Offload hashes each pool block after its copy (the same bytes the copy reads: after the
-engine's ready event, which the copy stream waited for); restore hashes each block where
+engine's ready event, which the job's thread awaited); restore hashes each block where
 it landed, after the host-to-device copy. The eight lanes per block come back to pinned
 memory on the same stream, so the event recorded after them covers copy, hash and lanes,
 and the host only merges them (``device_checksum.merge``, vectorised). A block

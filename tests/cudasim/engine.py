@@ -74,6 +74,10 @@ class _EngineProcess:
         code = self.sim.cuIpcGetEventHandle(ctypes.pointer(raw), event)
         return {"event": bytes(raw).hex() if code == 0 else "", "code": code}
 
+    def free(self) -> dict:
+        _ok(self.sim.cuMemFree_v2(c_uint64(self.base)), "free")
+        return {}
+
     def release(self) -> dict:
         self.gate.set()
         return {}

@@ -16,6 +16,8 @@ cuGetProcAddress) and obeys CUDA's rules rather than finishing work at once:
   The legacy and per-thread default streams are refused (kvxfer must never use them).
 - Memory: allocations carry generations, so a copy into freed or reused memory is a
   sticky ILLEGAL_ADDRESS; host registration is page-granular (overlap: already registered).
+  cuMemFree synchronises implicitly: it returns once every stream of the context (destroyed
+  ones too) has run its work, so a stream waiting for ever makes it wait for ever.
 - Errors: ``inject`` fails the next call of a function (non-sticky, or sticky: every
   later call in that context fails); ``inject_async`` fails the next stream operation.
 - After fork, every call in the child fails (CUDA cannot be used there).
@@ -55,6 +57,7 @@ class CudaSim(MemoryCalls):
         self.async_error = 0
         self.broken: dict[int, int | None] = {}
         self.streams: dict[int, Stream] = {}
+        self.destroyed: list[Stream] = []  # destroyed with work still enqueued
         self.events: dict[int, Event] = {}
         self.registered: dict[int, tuple[int, int, int]] = {}  # pointer -> (first page, pages, flags)
         self.mappings: dict[int, tuple[int, int]] = {}  # pointer -> (allocation, generation) opened by IPC
@@ -64,6 +67,8 @@ class CudaSim(MemoryCalls):
         self.retained: set[int] = set()  # devices whose primary context was retained
         self.dma = threading.Event()  # cleared: copies stall (a hung copy engine), until set again
         self.dma.set()
+        self.stall, self.stall_left = threading.Event(), 0  # ``stall_copies``
+        self.stall.set()
         self._ids, self._tls, self._lock = iter(range(0x1000, 1 << 40, 0x10)), threading.local(), threading.Lock()
         self._batch_fn = BatchFn(self._batch)
         self._keep: list = []
@@ -73,6 +78,12 @@ class CudaSim(MemoryCalls):
         """Fail ``times`` calls of ``name`` with ``code`` (sticky: the context breaks too), after ``after``
         calls that succeed (a loop of calls failing midway)."""
         self.injected[name] = (code, sticky, times, after)
+
+    def stall_copies(self, times: int = 1) -> None:
+        """The next ``times`` copy calls stall on their streams (a copy that misses its deadline while the
+        other streams run on) until ``stall.set()``."""
+        self.stall.clear()
+        self.stall_left = times
 
     def inject_async(self, code: int = ILLEGAL_ADDRESS) -> None:
         """The next stream operation to run fails with sticky ``code`` (a kernel's illegal address)."""
@@ -237,6 +248,7 @@ class CudaSim(MemoryCalls):
         if isinstance(s, int):
             return s
         del self.streams[s.id]
+        self.destroyed = [d for d in self.destroyed if not d.idle()] + [s]  # its work runs on, and is waited for
         s.ops.put(None)  # the worker ends after the work already enqueued, as CUDA lets it
         return SUCCESS
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 from tests.cudasim.rules import (ALREADY_REGISTERED, ILLEGAL_ADDRESS, INVALID_CONTEXT, INVALID_HANDLE, INVALID_VALUE,
                                  MEM_MAGIC, NOT_INITIALIZED, NOT_REGISTERED, PAGE, SUCCESS, Sticky, api, read_handle,
@@ -47,9 +48,13 @@ class MemoryCalls:
             if None in spans and not any(self._registered(a, size) for a, sp in zip((dst, src), spans) if sp is None):
                 self.pageable_copies += 1
             checked.append((dst, src, size, spans))
+        gate = self.stall if self.stall_left > 0 else None
+        self.stall_left -= gate is not None
 
         def run() -> None:
             self.dma.wait()
+            if gate is not None:
+                gate.wait()
             for dst, src, size, spans in checked:
                 for span in spans:
                     self._check_live(span)
@@ -119,8 +124,20 @@ class MemoryCalls:
         entry = self.allocations.pop(value_of(ptr), None)
         if entry is None:
             return INVALID_VALUE
+        self.drain(self._current())  # cuMemFree synchronises implicitly, then frees
         self.region.free(entry[0])
         return SUCCESS
+
+    def drain(self, device: int | None) -> None:
+        """Return once every stream of this process on ``device`` (destroyed ones too: their work still
+        runs) has run what was enqueued, as CUDA's implicitly synchronising calls do: one stream
+        waiting for ever makes them wait for ever."""
+        if threading.current_thread().name.startswith("sim-stream-"):
+            return  # a finaliser run by a stream's own thread (no CUDA call is made from one on a GPU)
+        for stream in [*self.streams.values(), *self.destroyed]:
+            if stream.device == device:
+                with stream.cond:
+                    stream.cond.wait_for(lambda s=stream: s.done == s.enqueued or self.broken.get(s.device) is not None)
 
     @api
     def cuIpcGetMemHandle(self, phandle, ptr):

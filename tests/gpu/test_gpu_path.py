@@ -53,9 +53,10 @@ sys.stdin.read()  # the event and the mapping live until the daemon side is done
 """
 
 
-def test_offload_waits_on_the_gpu_for_the_engines_writes():
+def test_offload_waits_for_the_engines_writes():
     """The engine (another process: CUDA IPC events open only there) records an event after its
-    KV writes and hands it over; the offload's copy waits for it on the GPU, no host sync."""
+    KV writes and hands it over; the offload copies once it has completed (polled, never waited
+    on by a stream)."""
     with Pool.create("ev", SPEC, PRESETS["BLHNC"], device="cuda:0") as pool:
         manager = PoolManager(pool, 8)
         d = pool.descriptor

@@ -32,23 +32,46 @@ def test_slots_of_an_offload_past_its_deadline_stay_reserved_until_its_copy_land
     """A late copy cannot be recalled: were its tier slots reused, it would overwrite a later job's bytes."""
     manager = gpu_pool("q", capacity=4, deadline_s=0.3)
     data = fill(manager)
+    cuda_sim.stall_copies()  # the offload's copy stalls on its stream
+    assert offload(manager, [1, 2], [b"a", b"b"]) == [Outcome.DEADLINE_EXCEEDED] * 2
+    assert manager.index.stats().pinned == 2  # held, invisible
+    assert offload(manager, [5, 6], [b"c", b"d"]) == [Outcome.DONE] * 2  # the two other slots, on a fresh stream
+    free = {manager.index.locate("ns", k) for k in (b"c", b"d")}
+    assert offload(manager, [7], [b"e"]) == [Outcome.DONE]  # evicts c: never a held slot
+    assert manager.index.locate("ns", b"e") in free
+    cuda_sim.stall.set()  # the late copy lands in the held slots
+    assert _until(lambda: manager.engine.reap() == 0)
+    assert manager.index.stats().pinned == 0 and manager.lookup("ns", [b"a"]).hits == 0
+    assert manager.restore("ns", [(b"d", 20), (b"e", 21)]).outcomes == [Outcome.DONE] * 2
+    assert torch.equal(manager.pool.storage[20 * SPAN:22 * SPAN], data[6 * SPAN:8 * SPAN])
+    assert offload(manager, [8, 9], [b"f", b"g"]) == [Outcome.DONE] * 2  # the held slots are free again
+    assert manager.index.stats().ready == 4 and manager.lookup("ns", [b"d", b"e"]).hits == 2
+
+
+def test_no_stream_waits_on_an_engines_event_so_its_death_hangs_nothing(cuda_sim):
+    """Issue 47 item 4: a stream waited on the engine's event. Had the engine died first, that stream
+    waited for ever, its offload's slots stayed held, and every implicitly synchronising call in the
+    context (cuMemFree: the simulator's waits behind every stream, as CUDA's does) hung behind it. The
+    event is polled from the job's thread now: at the deadline nothing was enqueued, nothing is held."""
+    import threading
+
+    manager = gpu_pool("dead", capacity=4, deadline_s=0.5)
+    data = fill(manager)
     engine = SimEngine(cuda_sim.region.path)
     try:
         engine("open", handle=manager.pool.descriptor.handle.ipc_handle.hex())
-        event = engine.forward(1 * SPAN, SPAN, 0x77, hang=True)  # the engine's stream hangs
+        event = engine.forward(1 * SPAN, SPAN, 0x77, hang=True)  # the engine's stream hangs, then it dies
         assert offload(manager, [1, 2], [b"a", b"b"], event) == [Outcome.DEADLINE_EXCEEDED] * 2
-        assert manager.index.stats().pinned == 2  # held, invisible
-        assert offload(manager, [5, 6], [b"c", b"d"]) == [Outcome.DONE] * 2  # the two other slots
-        free = {manager.index.locate("ns", k) for k in (b"c", b"d")}
-        assert offload(manager, [7], [b"e"]) == [Outcome.DONE]  # evicts c: never a held slot
-        assert manager.index.locate("ns", b"e") in free
-        engine("release")  # the engine recovers: the late copy lands in the held slots
-        assert _until(lambda: manager.engine.reap() == 0)
-        assert manager.index.stats().pinned == 0 and manager.lookup("ns", [b"a"]).hits == 0
-        assert manager.restore("ns", [(b"d", 20), (b"e", 21)]).outcomes == [Outcome.DONE] * 2
-        assert torch.equal(manager.pool.storage[20 * SPAN:22 * SPAN], data[6 * SPAN:8 * SPAN])
-        assert offload(manager, [8, 9], [b"f", b"g"]) == [Outcome.DONE] * 2  # the held slots are free again
-        assert manager.index.stats().ready == 4 and manager.lookup("ns", [b"d", b"e"]).hits == 2
+        assert manager.index.stats().pinned == 0 and manager.engine.reap() == 0  # nothing held, nothing late
+        engine.kill()
+        gpu = cuda_driver.driver(0)
+        freed = threading.Thread(target=lambda: gpu.free(gpu.alloc(4096, zeroed=False)), daemon=True)
+        freed.start()
+        freed.join(60)  # a hang guard: behind a stream waiting on the dead engine's event it never returns
+        assert not freed.is_alive()
+        assert offload(manager, [3], [b"c"]) == [Outcome.DONE]
+        assert manager.restore("ns", [(b"c", 9)]).outcomes == [Outcome.DONE]
+        assert torch.equal(manager.pool.storage[9 * SPAN:10 * SPAN], data[3 * SPAN:4 * SPAN])
     finally:
         engine.close()
 
@@ -158,7 +181,8 @@ def test_two_reapers_at_once_release_a_late_copy_once_and_neither_fails():
     stopped the pool's queue for good). They take turns now."""
     import threading
 
-    from kvxfer.transfer.cuda import CudaCopyEngine, CudaHandle, _Quarantined
+    from kvxfer.transfer.cuda import CudaCopyEngine, CudaHandle
+    from kvxfer.transfer.quarantine import Quarantine
 
     both_inside = threading.Barrier(2)
 
@@ -177,11 +201,11 @@ def test_two_reapers_at_once_release_a_late_copy_once_and_neither_fails():
             self.destroyed.append(event)
 
     engine = object.__new__(CudaCopyEngine)  # its late-copy bookkeeping alone: no device
-    engine.driver, engine._lock, engine._reaping, engine._late = Driver(), threading.Lock(), threading.Lock(), []
+    engine.driver, engine._late = Driver(), Quarantine()
     handle = object.__new__(CudaHandle)
     handle._engine, handle._event = engine, "event-1"
     released = []
-    engine._late.append(_Quarantined([handle], lambda: released.append(1), False))
+    engine._late.add([handle], lambda: released.append(1), False)
     errors, results = [], []
 
     def reap():
@@ -250,7 +274,7 @@ def test_a_looped_copy_failing_midway_holds_its_slots_until_the_copies_before_it
 def test_restores_read_in_stream_order_and_checksums_come_back_through_pinned_memory(cuda_sim):
     """Issue 47 item 8: restores asked the driver for access order ANY (it may then read out of stream
     order) and ``pool_checksums`` copied into pageable memory (a hidden host wait with no deadline)."""
-    from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    from kvxfer.memory.cuda_abi import CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 
     manager = gpu_pool("o", capacity=4)
     fill(manager)

@@ -9,7 +9,8 @@ from ctypes import c_size_t, c_void_p
 
 import pytest
 
-from kvxfer.memory.cuda_driver import CU_MEMCPY_SRC_ACCESS_ORDER_ANY, ClientHandleError, CudaError, Driver, \
+from kvxfer.memory.cuda_abi import CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+from kvxfer.memory.cuda_driver import ClientHandleError, CudaError, Driver, \
     IpcEventHandle
 from kvxfer.memory import cuda_driver
 from kvxfer.errors import FailedPrecondition
@@ -73,7 +74,10 @@ def test_ipc_handles_open_in_another_process_only_and_follow_their_rules(cuda_si
         event = engine.forward(4096, 4096, 0x33, delay_s=0.2)  # the engine writes our memory, later
         out = _buffer(8192)
         stream = gpu.stream()
-        gpu.wait_ipc_event(stream, event)
+        opened = gpu.open_ipc_event(event)
+        while not gpu.engine_event_done(opened):  # (bounded by the engine's 0.2 s)
+            time.sleep(0.005)
+        gpu.destroy(opened)
         gpu.copy([ctypes.addressof(out)], [dev], [8192], stream, CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
         gpu.synchronize(stream)
         assert bytes(out) == bytes(4096) + bytes([0x33]) * 4096
@@ -82,7 +86,7 @@ def test_ipc_handles_open_in_another_process_only_and_follow_their_rules(cuda_si
         engine("sync")
         engine("destroy", index=0)  # the creator destroys the event: its handle is dead
         with pytest.raises(ClientHandleError, match="INVALID_HANDLE"):
-            gpu.wait_ipc_event(stream, event)
+            gpu.open_ipc_event(event)
         assert not gpu.lost  # a client's bad handle never breaks the device
     finally:
         engine.close()
@@ -110,26 +114,34 @@ def test_contexts_are_per_thread_and_checked(cuda_sim):
     assert any("legacy" in v for v in cuda_sim.violations)
 
 
-def test_a_copy_into_freed_or_reused_memory_is_a_sticky_illegal_address(cuda_sim):
+def test_a_copy_into_memory_its_owner_freed_is_a_sticky_illegal_address(cuda_sim):
+    """(A free in this process waits for this process's copies: cuMemFree synchronises. The engine's does not.)"""
     gpu = Driver(cuda_sim)
-    stream = gpu.stream()
-    dev = gpu.alloc(4096)
-    src = _buffer(4096, 1)
-    gate = threading.Event()
-    cuda_sim.launch(stream.value, gate.wait)
-    gpu.copy([dev], [ctypes.addressof(src)], [4096], stream, CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
-    event = gpu.record(stream)
-    gpu.free(dev)
-    again = gpu.alloc(4096)  # the same bytes, a new generation
-    assert again == dev
-    gate.set()
-    time.sleep(0.1)
-    with pytest.raises(CudaError, match="ILLEGAL_ADDRESS") as info:
-        gpu.done(event)
-    assert info.value.sticky and gpu.lost is info.value
-    with pytest.raises(CudaError):  # every later call in that context fails
-        gpu.stream()
-    assert any("freed or reused" in v for v in cuda_sim.violations)
+    engine = SimEngine(cuda_sim.region.path)
+    try:
+        dev = gpu.open_ipc(bytes.fromhex(engine("alloc", nbytes=4096)["handle"]))
+        stream = gpu.stream()
+        src = _buffer(4096, 1)
+        gate = threading.Event()
+        cuda_sim.launch(stream.value, gate.wait)
+        gpu.copy([dev], [ctypes.addressof(src)], [4096], stream, CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
+        event = gpu.record(stream)
+        engine("free")  # the memory's owner frees it while this process's copy into it is pending
+        gate.set()
+        while True:
+            try:
+                if gpu.done(event):
+                    break
+            except CudaError as exc:
+                assert "ILLEGAL_ADDRESS" in str(exc) and exc.sticky and gpu.lost is exc
+                break
+            time.sleep(0.01)
+        assert gpu.lost is not None
+        with pytest.raises(CudaError):  # every later call in that context fails
+            gpu.stream()
+        assert any("freed or reused" in v for v in cuda_sim.violations)
+    finally:
+        engine.close()
 
 
 def test_host_registration_is_page_granular(cuda_sim):
@@ -190,3 +202,28 @@ def test_memory_is_checked_and_device_memory_is_zeroed_on_a_stream(cuda_sim):
     with pytest.raises(CudaError, match="INVALID_VALUE"):  # past the allocation's end
         gpu.copy([ctypes.addressof(out)], [dev + 4000], [4096], stream, CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
     assert gpu.allocation_size(dev + 100) == 4096 - 100
+
+
+def test_mem_free_synchronises_behind_a_stream_waiting_on_an_engines_event(cuda_sim):
+    """What made issue 47 item 4 a hang: cuMemFree returns only once every stream of the context has run
+    its work, so one stream waiting on an event that never completes (a dead engine's) holds it."""
+    gpu = Driver(cuda_sim)
+    engine = SimEngine(cuda_sim.region.path)
+    try:
+        engine("open", handle=gpu.export(gpu.alloc(8192)).hex())
+        event = engine.forward(0, 4096, 0x33, hang=True)
+        stream = gpu.stream()
+        opened = gpu.open_ipc_event(event)
+        gpu.wait_event(stream, opened)
+        gpu.destroy(opened)
+        gpu.destroy_stream(stream)  # a destroyed stream's work still runs, and is still waited for
+        scratch = gpu.alloc(4096, zeroed=False)
+        freed = threading.Thread(target=gpu.free, args=(scratch,), daemon=True)
+        freed.start()
+        freed.join(0.5)
+        assert freed.is_alive() and not gpu.engine_event_done(gpu.open_ipc_event(event))
+        engine("release")
+        freed.join(60)  # a hang guard
+        assert not freed.is_alive()
+    finally:
+        engine.close()

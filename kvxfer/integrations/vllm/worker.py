@@ -2,7 +2,7 @@
 
 A store is an Offload job and a load a Restore job (``wait=False``). On a GPU each store
 carries an interprocess event recorded on vLLM's current stream behind the forward pass
-that writes its blocks: the daemon's copy waits for it on the GPU (with asynchronous
+that writes its blocks: the daemon copies once it has completed (with asynchronous
 scheduling the pass may still be running when the store is submitted). ``get_finished``
 collects them with one non-blocking WaitJobs. vLLM's connector treats every job as a
 success, so failures are reported the way vLLM recomputes them: a load's blocks that
