@@ -93,6 +93,7 @@ def _layout_parser(sub: argparse._SubParsersAction) -> None:
 BENCHES: list[tuple[str, str, str]] = [
     ("store", "kvxfer.bench.store", "offload/restore throughput of the store core"),
     ("kernels", "kvxfer.bench.kernels", "slot mapping and cache write (torch path)"),
+    ("checksum", "kvxfer.bench.checksum", "the block checksum on the host against a plain copy"),
     ("bookkeeping", "kvxfer.bench.bookkeeping", "per-block cost of validation, index and outcomes, alone"),
     ("disk", "kvxfer.bench.disk", "the disk tier's demotion and promotion beside plain file I/O"),
     ("remote", "kvxfer.bench.remote", "the remote tier's stores and fetches beside raw redis-py SET/GET"),

@@ -1,13 +1,12 @@
-"""The device check's stage that chooses the block checksum's format (issue 28).
+"""The device check's stage on the block checksum's format (issue 47 item 6).
 
-Today a block's checksum is XXH3-64 of its one span: one Triton program per block, whose
-1 KiB steps are sequential (XXH3 scrambles its lanes between them), so a single 2 MiB
-block hashes in about 0.8 ms against about 40 us of copy (H200, before the loads were
-pipelined). The candidate format: XXH3-64 over the little-endian XXH3-64s of fixed
-64 KiB pieces, one program per piece, verifiable on any host. This stage measures both
-on the same bytes beside the copy alone (a pinned device-to-host copy of them), for a
-single 2 MiB block (a decode-time store) and for 16 MiB chunks, and checks each against
-its host reference; the format changes only if the figures say so (docs/design.md).
+The checksum was XXH3-64 of a block's one span: one Triton program per block, whose 1 KiB
+steps are sequential (XXH3 scrambles its lanes between them), so a single 2 MiB block
+hashed in about 0.8 ms against about 40 us of copy (H200). It is now XXH3-64 over the
+little-endian XXH3-64s of fixed 64 KiB pieces (``kvxfer.geometry.checksum``), one program
+per piece, and the host computes the same value. This stage measures both on the same bytes
+beside the copy alone (a pinned device-to-host copy of them), for a single 2 MiB block (a
+decode-time store) and for 16 MiB chunks, and checks the device's values against the host's.
 """
 
 from __future__ import annotations
@@ -17,17 +16,10 @@ import torch
 import xxhash
 
 from kvxfer.devcheck.bandwidth import timed
+from kvxfer.geometry.checksum import PIECE_BYTES as PIECE, block_checksum
 from kvxfer.transfer import device_checksum
 
-PIECE = 64 << 10
 REPS = 20
-
-
-def piece_checksum(block: bytes, piece: int = PIECE) -> int:
-    """The candidate format, on the host: XXH3-64 of the pieces' XXH3-64s (8 bytes little-endian each)."""
-    sums = np.array([xxhash.xxh3_64_intdigest(block[a:a + piece]) for a in range(0, len(block), piece)],
-                    dtype="<u8")
-    return xxhash.xxh3_64_intdigest(sums.tobytes())
 
 
 def _ms(fn) -> float:
@@ -52,11 +44,11 @@ def checksum_formats(ctx: dict) -> dict:
     data.view(torch.int64).random_()
     pinned = torch.empty(data.numel(), dtype=torch.uint8).pin_memory()
     host = data.cpu().numpy().tobytes()
-    # Both formats equal their host references, on the same bytes.
+    # Both equal their host references, on the same bytes.
     whole = device_checksum.checksums(data, [0], [block])[0]
-    piece_sums = device_checksum.checksums(data, list(range(0, block, PIECE)), [PIECE] * (block // PIECE))
-    pieces = xxhash.xxh3_64_intdigest(np.array(piece_sums, dtype="<u8").tobytes())
+    starts = list(range(0, data.numel(), block))
     assert whole == xxhash.xxh3_64_intdigest(host[:block]), "whole-span XXH3 differs from xxhash"
-    assert pieces == piece_checksum(host[:block]), "piece format differs from its host reference"
+    assert device_checksum.block_checksums(data, starts, block) == \
+        [block_checksum(host[a:a + block]) for a in starts], "the device's block checksums differ from the host's"
     rows = [_case(data, pinned, block, 1), _case(data, pinned, block, 8), _case(data, pinned, 1 << 20, 16)]
     return {"piece_bytes": PIECE, "equal_to_host": True, "rows": rows}

@@ -85,9 +85,10 @@ def _survivor(client: Client) -> dict:
 
 def engine_failure_path(ctx: dict) -> dict:
     daemon = Daemon({"log_level": "info", "gpu_copy_deadline_s": DEADLINE_S, "registered_host_capacity_mib": 64})
+    path = os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(VICTIM), daemon.target], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                             env={**os.environ, "PYTHONPATH": path})
     out: dict = {"deadline_s": DEADLINE_S}
     try:
         line = child.stdout.readline()

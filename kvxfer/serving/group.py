@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from kvxfer.events.hub import EventHub, ScopedEvents
 from kvxfer.events.records import Reason
 from kvxfer.errors import FailedPrecondition
+from kvxfer.geometry.checksum import FORMAT as CHECKSUM_FORMAT
 from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.geometry.sharding import Manifest
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
@@ -57,11 +58,13 @@ class BlockFormat:
 
     @property
     def fingerprint(self) -> bytes:
-        """Stored with every block below host memory: a block of another format is never served. (Pools
-        keep the fingerprint they had before ``kv_parts`` and manifests existed: their blocks stay valid.)"""
+        """Stored with every block below host memory, and what peers match groups by: a block of another
+        format is never served or exchanged. It covers the block checksum's format
+        (``kvxfer.geometry.checksum.FORMAT``): blocks stored with another (the whole-span XXH3 before
+        2026-12) are dropped once, as foreign."""
         text = repr(self).replace(", manifest='')", ")")
         text = text if self.kv_parts != 2 else text.replace(", kv_parts=2)", ")")
-        return hashlib.sha256(text.encode()).digest()
+        return hashlib.sha256(f"{text}\0{CHECKSUM_FORMAT}".encode()).digest()
 
     def bound_to(self, group: str) -> bytes:
         """The fingerprint of this format in cache group ``group``: a block another group wrote (a file

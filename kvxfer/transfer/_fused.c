@@ -9,10 +9,11 @@
  * for a short while (the next request usually follows at once), then sleep. A batch
  * of one step, or for one thread, runs in the caller alone (no lock, no wake-up).
  *
- * A block larger than PIECE_BYTES is copied a piece at a time, each piece fed to
- * XXH3's streaming API right after (so a 2 MiB block is hashed from L2, not L3).
- * The hash functions are passed in (python-xxhash's XXH3 entry points, found by
- * ctypes), so this file implements no hash of its own. It is loaded through
+ * Each block's checksum is kvxfer's (kvxfer/geometry/checksum.py): the hash of the
+ * little-endian hashes of its pieces of `piece_bytes`. A block larger than a piece is
+ * copied a piece at a time, each piece hashed right after its copy (so a 2 MiB block is
+ * hashed from L2, not L3). The hash function is passed in (python-xxhash's XXH3 entry
+ * point, found by ctypes), so this file implements no hash of its own. It is loaded through
  * ctypes (kvxfer/transfer/native.py), which releases the GIL for the call; it
  * includes no Python header. Indices are trusted: the engine checks bounds first.
  * A batch of zero rows per block only hashes (a GPU's DMA engine copied the bytes); a batch
@@ -25,10 +26,15 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "_fused.h"
+
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the checksum hashes its pieces' hashes as little-endian words: build on a little-endian host"
+#endif
 
 typedef struct {
     uint8_t *dst;
@@ -42,7 +48,8 @@ typedef struct {
     uint64_t *sums;               /* one per block */
     int64_t blocks, step_blocks;
     hash_fn hash;
-    const stream_fns *stream; /* NULL: every block hashed whole after its step */
+    int64_t piece_bytes;          /* the checksum's pieces */
+    atomic_int *failed;           /* set by a step that found no memory for its pieces' hashes */
 } job_t;
 
 /* The ticket: generation (24 bits) | steps (20 bits) | next step (20 bits). A thread
@@ -54,10 +61,6 @@ typedef struct {
 #define GEN_MASK ((UINT64_C(1) << 24) - 1)
 #define MAX_HELPERS 63
 #define SPIN_NS 200000 /* a helper spins this long for the next batch before it sleeps */
-#ifndef PIECE_BYTES /* (the sanitizer test builds with tiny pieces) */
-#define PIECE_BYTES (128 << 10) /* blocks larger than this are copied and hashed piece by piece */
-#endif
-
 static job_t job;
 static _Atomic uint64_t ticket;
 static atomic_long steps_done;
@@ -81,30 +84,37 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* One block of more than a piece: its rows copied a piece at a time, and the block's hashed
- * span (its rows, in order, on the tier side; or, for one row, the row itself: contiguous
- * either way) fed to the hash a piece at a time right after, while in cache; short rows are
- * fed several at once. 0, or -1 where no hash state could be made. */
-static int copy_hash_pieces(const job_t *j, int64_t b, void *state) {
-    const int64_t k = j->rows_per_block, n = j->row_bytes;
+/* The checksum of the `n` bytes at `span`: the hash of its pieces' hashes (`pieces` holds them). */
+static uint64_t pieced(const job_t *j, const uint8_t *span, int64_t n, uint64_t *pieces) {
+    int64_t count = 0;
+    for (int64_t at = 0; at < n; at += j->piece_bytes)
+        pieces[count++] = j->hash(span + at, (size_t)(n - at < j->piece_bytes ? n - at : j->piece_bytes));
+    if (count == 0)
+        pieces[count++] = j->hash(span, 0);
+    return j->hash(pieces, (size_t)count * sizeof(uint64_t));
+}
+
+/* One block of more than a piece: its rows copied a piece at a time, and each whole piece of the
+ * block's hashed span (its rows, in order, on the tier side; or, for one row, the row itself:
+ * contiguous either way) hashed right after, while in cache. */
+static void copy_hash_pieces(const job_t *j, int64_t b, uint64_t *pieces) {
+    const int64_t k = j->rows_per_block, n = j->row_bytes, piece = j->piece_bytes;
     const uint8_t *hashed = j->hashed + j->hashed_spans[b] * j->span_bytes;
-    if (state == NULL || j->stream->reset(state) != 0)
-        return -1;
-    int64_t fed = 0; /* bytes of the hashed span fed so far */
+    int64_t fed = 0, count = 0; /* bytes of the hashed span hashed so far, in `count` pieces */
     for (int64_t o = 0; o < k; o++) {
         uint8_t *to = j->dst + j->dst_rows[b * k + o] * n;
         const uint8_t *from = j->src + j->src_rows[b * k + o] * n;
-        for (int64_t at = 0; at < n; at += PIECE_BYTES) {
-            const int64_t len = n - at < PIECE_BYTES ? n - at : PIECE_BYTES, copied = o * n + at + len;
+        for (int64_t at = 0; at < n; at += piece) {
+            const int64_t len = n - at < piece ? n - at : piece, copied = o * n + at + len;
             memcpy(to + at, from + at, (size_t)len);
-            if (copied - fed >= PIECE_BYTES || copied == k * n) {
-                j->stream->update(state, hashed + fed, (size_t)(copied - fed));
-                fed = copied;
+            for (; copied - fed >= piece || (copied == k * n && fed < copied); count++) {
+                const int64_t m = copied - fed < piece ? copied - fed : piece;
+                pieces[count] = j->hash(hashed + fed, (size_t)m);
+                fed += m;
             }
         }
     }
-    j->sums[b] = j->stream->digest(state);
-    return 0;
+    j->sums[b] = j->hash(pieces, (size_t)count * sizeof(uint64_t));
 }
 
 static void do_step(const job_t *j, int64_t step) {
@@ -117,22 +127,21 @@ static void do_step(const job_t *j, int64_t step) {
             memcpy(j->dst + j->dst_rows[r] * n, j->src + j->src_rows[r] * n, (size_t)n);
         return;
     }
-    if (k > 0 && j->stream != NULL && j->span_bytes > PIECE_BYTES) {
-        void *state = j->stream->create();
-        for (int64_t b = b0; b < b1; b++)
-            if (copy_hash_pieces(j, b, state) != 0) { /* no state (out of memory): copy, then hash whole */
-                for (int64_t r = b * k; r < (b + 1) * k; r++)
-                    memcpy(j->dst + j->dst_rows[r] * n, j->src + j->src_rows[r] * n, (size_t)n);
-                j->sums[b] = j->hash(j->hashed + j->hashed_spans[b] * j->span_bytes, (size_t)j->span_bytes);
-            }
-        if (state != NULL)
-            j->stream->release(state);
+    uint64_t *pieces = malloc((size_t)(j->span_bytes / j->piece_bytes + 1) * sizeof(uint64_t));
+    if (pieces == NULL) {
+        atomic_store(j->failed, 1);
         return;
     }
-    for (int64_t r = b0 * k; r < b1 * k; r++)
-        memcpy(j->dst + j->dst_rows[r] * n, j->src + j->src_rows[r] * n, (size_t)n);
-    for (int64_t b = b0; b < b1; b++)
-        j->sums[b] = j->hash(j->hashed + j->hashed_spans[b] * j->span_bytes, (size_t)j->span_bytes);
+    if (k > 0 && j->span_bytes > j->piece_bytes) {
+        for (int64_t b = b0; b < b1; b++)
+            copy_hash_pieces(j, b, pieces);
+    } else {
+        for (int64_t r = b0 * k; r < b1 * k; r++)
+            memcpy(j->dst + j->dst_rows[r] * n, j->src + j->src_rows[r] * n, (size_t)n);
+        for (int64_t b = b0; b < b1; b++)
+            j->sums[b] = pieced(j, j->hashed + j->hashed_spans[b] * j->span_bytes, j->span_bytes, pieces);
+    }
+    free(pieces);
 }
 
 static void run_steps(uint64_t gen) {
@@ -186,18 +195,19 @@ static void register_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after
 int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
                   const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
                   const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
-                  int64_t step_blocks, hash_fn hash, const stream_fns *stream, int threads) {
+                  int64_t step_blocks, hash_fn hash, int64_t piece_bytes, int threads) {
     if (blocks <= 0)
         return 0;
-    if (step_blocks < 1 || (blocks + step_blocks - 1) / step_blocks > (int64_t)FIELD)
+    if (step_blocks < 1 || (blocks + step_blocks - 1) / step_blocks > (int64_t)FIELD || piece_bytes < 1)
         return -1;
     const uint64_t steps = (uint64_t)((blocks + step_blocks - 1) / step_blocks);
+    atomic_int failed = 0;
     const job_t mine = {dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
-                        span_bytes, sums, blocks, step_blocks, hash, stream};
+                        span_bytes, sums, blocks, step_blocks, hash, piece_bytes, &failed};
     if (threads <= 1 || steps == 1) { /* nothing to share: no helper is woken, no lock taken */
         for (uint64_t s = 0; s < steps; s++)
             do_step(&mine, (int64_t)s);
-        return 0;
+        return atomic_load(&failed) ? -2 : 0;
     }
     pthread_once(&once, register_fork_handler);
     pthread_mutex_lock(&call_mu);
@@ -234,5 +244,5 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
             sched_yield();
     }
     pthread_mutex_unlock(&call_mu);
-    return 0;
+    return atomic_load(&failed) ? -2 : 0;
 }

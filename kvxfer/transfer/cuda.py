@@ -44,6 +44,7 @@ from kvxfer.memory.cuda_abi import CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 from kvxfer.memory.cuda_driver import CudaError, Driver
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import LANDING_S, CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
+from kvxfer.transfer.device_checksum import pieces_on_device
 from kvxfer.transfer.plan import CopyPlan, plan_copies, plan_shard_copies, shard_pieces
 from kvxfer.transfer.planner import CostTable, Method, Planner
 from kvxfer.transfer.quarantine import Quarantine
@@ -152,7 +153,8 @@ class CudaCopyEngine(CopyEngine):
         self._scratch: HostTier | None = None  # pinned rows ``pool_checksums`` copies blocks back into
         whole = shard is None  # the device XXH3 hashes whole blocks
         self._pieces = shard_pieces(layout, *shard) if shard is not None else None
-        device_hashed = whole and pool is not None and device_checksums and layout.runs_per_block == 1
+        device_hashed = whole and pool is not None and device_checksums and layout.runs_per_block == 1 \
+            and pieces_on_device(layout.block_bytes)
         self._hasher = StreamHasher(pool, layout.block_bytes) if device_hashed else None
         pieces = Pieces.shard(layout, *shard) if shard is not None else Pieces.runs(layout)
         self._stager = Stager(pool, pieces, driver) if pool is not None and pieces_want_staging(pieces) else None

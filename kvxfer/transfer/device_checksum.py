@@ -1,4 +1,6 @@
-"""The block checksum (XXH3-64, xxHash 0.8, seed 0) computed where the bytes are: on the GPU.
+"""XXH3-64 (xxHash 0.8, seed 0) computed where the bytes are: on the GPU; and from it the block
+checksum (``kvxfer.geometry.checksum``: XXH3-64 of the XXH3-64s of a block's 64 KiB pieces), one
+program per piece, so that the pieces of one block are hashed at once.
 
 XXH3 splits inputs over 240 bytes into 64-byte stripes folded into eight 64-bit
 lanes, with a scramble every 1,024 bytes; only the final merge of the eight lanes
@@ -18,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 import xxhash
+
+from kvxfer.geometry.checksum import PIECE_BYTES
 
 #: XXH3's default secret (192 bytes) and constants, from the xxHash 0.8 specification.
 SECRET = bytes([
@@ -183,6 +187,36 @@ def checksums(data: torch.Tensor, starts: list[int], lengths: list[int]) -> list
         for j, value in zip(long, sums.tolist()):
             out[j] = value
     return out
+
+
+def pieces_on_device(block_bytes: int) -> bool:
+    """Whether every piece of a block of ``block_bytes`` is long enough for the device kernel (over
+    240 bytes): a block whose last piece is shorter is hashed on the host."""
+    last = block_bytes % PIECE_BYTES
+    return block_bytes > MIDSIZE_MAX and (last == 0 or last > MIDSIZE_MAX)
+
+
+def piece_spans(starts: np.ndarray, block_bytes: int) -> np.ndarray:
+    """(start, length) of every piece of the blocks starting at ``starts``, block after block."""
+    offsets = np.arange(0, block_bytes, PIECE_BYTES, dtype=np.int64)
+    spans = np.empty((len(starts), len(offsets), 2), dtype=np.int64)
+    spans[:, :, 0] = np.asarray(starts, dtype=np.int64)[:, None] + offsets[None, :]
+    spans[:, :, 1] = np.minimum(PIECE_BYTES, block_bytes - offsets)[None, :]
+    return spans.reshape(-1, 2)
+
+
+def combine_rows(piece_sums: np.ndarray, blocks: int) -> list[int]:
+    """The block checksums from their pieces' XXH3-64s (block after block, as ``piece_spans`` orders them)."""
+    rows = np.ascontiguousarray(piece_sums, dtype="<u8").reshape(blocks, -1)
+    return [xxhash.xxh3_64_intdigest(row) for row in rows]
+
+
+def block_checksums(data: torch.Tensor, starts: list[int], block_bytes: int) -> list[int]:
+    """The block checksum of each block ``data[start:start + block_bytes]`` of a flat uint8 tensor,
+    its pieces hashed on ``data``'s device (the host's where shorter than 241 bytes)."""
+    spans = piece_spans(np.asarray(starts, dtype=np.int64), block_bytes)
+    sums = checksums(data, spans[:, 0].tolist(), spans[:, 1].tolist())
+    return combine_rows(np.array(sums, dtype=np.uint64), len(starts))
 
 
 def lanes(data: torch.Tensor, spans: np.ndarray, num_warps: int = NUM_WARPS) -> torch.Tensor:

@@ -8,8 +8,9 @@ between requests, and copies at the speed of a plain memcpy.
 
 The library is built with the package (``setup.py``: an optional extension, as
 it needs a C compiler); the hash is python-xxhash's own XXH3-64 entry point,
-checked against ``xxhash.xxh3_64_intdigest`` when loaded, so the checksum is the
-same function everywhere. Where the library or the entry point is missing,
+checked against ``xxhash.xxh3_64_intdigest`` when loaded, and the loop computes the block
+checksum from it as ``kvxfer.geometry.checksum`` defines it (pieces of ``PIECE_BYTES``), so
+the checksum is the same function everywhere. Where the library or the entry point is missing,
 ``load()`` says why and the copy engine uses its numpy path.
 """
 
@@ -26,32 +27,24 @@ import xxhash
 
 from kvxfer.errors import Internal
 from kvxfer.fastpath import ENV_DISABLE
-from kvxfer.geometry.checksum import SEED
+from kvxfer.geometry.checksum import PIECE_BYTES, SEED
 
 log = logging.getLogger(__name__)
 
 _HASH_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")  # fastest first (dispatch picks AVX2/AVX-512)
-_UPDATE_SYMBOLS = ("XXH3_64bits_update_dispatch", "XXH3_64bits_update")
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-
-class _StreamFns(ctypes.Structure):
-    """``stream_fns`` in _fused.c: XXH3's streaming entry points, for blocks hashed piece by piece."""
-
-    _fields_ = [("create", _PTR), ("release", _PTR), ("reset", _PTR), ("update", _PTR), ("digest", _PTR)]
 
 
 class NativeCopier:
     """``copy_hash``: one batch of row copies plus one XXH3-64 per block, without the GIL."""
 
-    def __init__(self, library: ctypes.CDLL, hash_address: int, stream: _StreamFns | None) -> None:
+    def __init__(self, library: ctypes.CDLL, hash_address: int, piece_bytes: int = PIECE_BYTES) -> None:
+        """``piece_bytes``: the checksum's pieces (another size only in tests of the loop itself)."""
         self._call = library.kvx_copy_hash
-        self._call.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR,
+        self._call.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64,
                                ctypes.c_int]
         self._call.restype = ctypes.c_int
-        self._hash = hash_address
-        self._stream = stream  # kept alive: the C side reads it during every call
-        self._stream_address = ctypes.addressof(stream) if stream is not None else None
+        self._hash, self._piece = hash_address, piece_bytes
 
     def copy_hash(self, dst: np.ndarray, src: np.ndarray, dst_rows: np.ndarray, src_rows: np.ndarray,
                   hashed: np.ndarray, hashed_spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
@@ -71,10 +64,9 @@ class NativeCopier:
                 or {dst_rows.dtype, src_rows.dtype, hashed_spans.dtype} != {np.dtype(np.int64)}):
             raise Internal("native copy: arrays of mismatched shapes, types or strides")
         sums = np.empty(blocks, dtype=np.uint64)
-        if self._call(_address(dst), _address(src), dst.shape[1], _address(dst_rows), _address(src_rows),
-                      rows_per_block, _address(hashed), _address(hashed_spans), hashed.shape[1], _address(sums),
-                      blocks, step_blocks, self._hash, self._stream_address, threads) != 0:
-            raise Internal(f"native copy refused a batch of {blocks} blocks in steps of {step_blocks}")
+        _check(self._call(_address(dst), _address(src), dst.shape[1], _address(dst_rows), _address(src_rows),
+                          rows_per_block, _address(hashed), _address(hashed_spans), hashed.shape[1], _address(sums),
+                          blocks, step_blocks, self._hash, self._piece, threads), f"a batch of {blocks} blocks")
         return sums.tolist()
 
     def copy_rows(self, dst: np.ndarray, src: np.ndarray, dst_rows: np.ndarray, src_rows: np.ndarray,
@@ -87,9 +79,9 @@ class NativeCopier:
                 or not all(a.flags.c_contiguous for a in (dst, src, dst_rows, src_rows))
                 or {dst_rows.dtype, src_rows.dtype} != {np.dtype(np.int64)}):
             raise Internal("native copy: arrays of mismatched shapes, types or strides")
-        if self._call(_address(dst), _address(src), dst.shape[1], _address(dst_rows), _address(src_rows), 1, None,
-                      None, 0, None, len(src_rows), step_rows, self._hash, self._stream_address, threads) != 0:
-            raise Internal(f"native copy refused {len(src_rows)} rows in steps of {step_rows}")
+        _check(self._call(_address(dst), _address(src), dst.shape[1], _address(dst_rows), _address(src_rows), 1, None,
+                          None, 0, None, len(src_rows), step_rows, self._hash, self._piece, threads),
+               f"{len(src_rows)} rows")
 
     def hash_spans(self, hashed: np.ndarray, spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
         """The checksum of each row ``hashed[spans[b]]``, on up to ``threads`` threads, nothing copied
@@ -99,10 +91,17 @@ class NativeCopier:
         if not (hashed.flags.c_contiguous and spans.flags.c_contiguous and spans.dtype == np.int64):
             raise Internal("native hash: arrays of mismatched types or strides")
         sums = np.empty(len(spans), dtype=np.uint64)
-        if self._call(None, None, 0, None, None, 0, _address(hashed), _address(spans), hashed.shape[1],
-                      _address(sums), len(spans), step_blocks, self._hash, self._stream_address, threads) != 0:
-            raise Internal(f"native hash refused {len(spans)} spans in steps of {step_blocks}")
+        _check(self._call(None, None, 0, None, None, 0, _address(hashed), _address(spans), hashed.shape[1],
+                          _address(sums), len(spans), step_blocks, self._hash, self._piece, threads),
+               f"{len(spans)} spans")
         return sums.tolist()
+
+
+def _check(code: int, what: str) -> None:
+    if code == -2:
+        raise Internal(f"native copy: no memory for the checksums of {what}")
+    if code != 0:
+        raise Internal(f"native copy refused {what}")
 
 
 def _address(a: np.ndarray) -> int:
@@ -129,41 +128,10 @@ def load() -> NativeCopier | None:
     for name in _HASH_SYMBOLS:
         function = getattr(xxh, name, None)
         if function is not None and _same_hash(function):
-            return NativeCopier(library, ctypes.cast(function, ctypes.c_void_p).value, _stream_fns(xxh))
+            return NativeCopier(library, ctypes.cast(function, ctypes.c_void_p).value)
     log.warning("python-xxhash %s exports no usable XXH3-64 entry point: the CPU copy engine uses numpy",
                 xxhash.VERSION)
     return None
-
-
-def _stream_fns(xxh: ctypes.CDLL) -> _StreamFns | None:
-    """XXH3's streaming entry points if they compute the same checksum on probes cut into pieces;
-    None (blocks are then hashed whole after their step, from L3 rather than L2) otherwise."""
-    update = next((getattr(xxh, n) for n in _UPDATE_SYMBOLS if hasattr(xxh, n)), None)
-    names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_digest")
-    if update is None or not all(hasattr(xxh, n) for n in names):
-        log.warning("python-xxhash exports no XXH3 streaming entry points: large blocks are hashed whole")
-        return None
-    create, release, reset, digest = (getattr(xxh, n) for n in names)
-    create.restype, create.argtypes = _PTR, []
-    release.argtypes = reset.argtypes = digest.argtypes = [_PTR]
-    release.restype = reset.restype = ctypes.c_int
-    digest.restype = ctypes.c_uint64
-    update.argtypes, update.restype = [_PTR, _PTR, ctypes.c_size_t], ctypes.c_int
-    rng = np.random.default_rng(2027)
-    state = create()
-    try:
-        for size, piece in ((0, 7), (1000, 7), (300_000, 131_072), (1 << 20, 65_536)):
-            probe = rng.integers(0, 256, size, dtype=np.uint8)
-            reset(state)
-            for at in range(0, size, piece):
-                update(state, _address(probe) + at, min(piece, size - at))
-            if digest(state) != xxhash.xxh3_64_intdigest(probe, SEED):
-                log.warning("python-xxhash's XXH3 streaming differs from its one-shot XXH3: large blocks are "
-                            "hashed whole")
-                return None
-    finally:
-        release(state)
-    return _StreamFns(*(ctypes.cast(f, _PTR).value for f in (create, release, reset, update, digest)))
 
 
 def _same_hash(function: ctypes._CFuncPtr) -> bool:

@@ -1,7 +1,7 @@
 /* Stress test of kvxfer/transfer/_fused.c under ThreadSanitizer and AddressSanitizer
  * (built and run by tests/unit/test_native_copy.py): four threads call the loop at once,
  * each with random batches (1-97 blocks of 3 rows, steps of 1-7 blocks, 1-4 threads,
- * blocks hashed whole or streamed in pieces of 16 bytes), and check every byte and
+ * checksums of pieces of 7 or 16 bytes or of one piece a block), and check every byte and
  * checksum; a forked child calls it too (its parent's helper threads do not exist
  * there). Prints "ok" and exits 0, or names what went wrong. */
 #include <pthread.h>
@@ -24,21 +24,15 @@ static uint64_t fnv1a(const void *data, size_t n) { /* any hash will do: the loo
     return h;
 }
 
-/* The same hash, streamed: the loop feeds a block larger than a piece (built with tiny pieces
- * here) piece by piece; the result must equal the one-shot hash of the block. */
-static void *fnv_create(void) { return malloc(sizeof(uint64_t)); }
-static int fnv_release(void *state) { free(state); return 0; }
-static int fnv_reset(void *state) { *(uint64_t *)state = 1469598103934665603ull; return 0; }
-static int fnv_update(void *state, const void *data, size_t n) {
-    const uint8_t *b = data;
-    uint64_t h = *(uint64_t *)state;
-    for (size_t i = 0; i < n; i++)
-        h = (h ^ b[i]) * 1099511628211ull;
-    *(uint64_t *)state = h;
-    return 0;
+/* The checksum the loop computes from a hash: the hash of the pieces' hashes (pieces of `piece`
+ * bytes, the last one shorter), as little-endian words. */
+static uint64_t pieced(const uint8_t *data, int64_t n, int64_t piece) {
+    uint64_t sums[BLOCK + 1];
+    int64_t count = 0;
+    for (int64_t at = 0; at < n; at += piece)
+        sums[count++] = fnv1a(data + at, (size_t)(n - at < piece ? n - at : piece));
+    return fnv1a(sums, (size_t)count * sizeof(uint64_t));
 }
-static uint64_t fnv_digest(const void *state) { return *(const uint64_t *)state; }
-static const stream_fns fnv_stream = {fnv_create, fnv_release, fnv_reset, fnv_update, fnv_digest};
 
 static void *caller(void *arg) {
     unsigned seed = (unsigned)(uintptr_t)arg;
@@ -66,21 +60,22 @@ static void *caller(void *arg) {
                 dst_rows[b * ROWS_PER_BLOCK + k] = b * ROWS_PER_BLOCK + k;
             }
         }
-        const stream_fns *stream = rand_r(&seed) % 2 ? &fnv_stream : NULL; /* pieces of 16 B, or whole blocks */
+        /* pieces of 16 B or 7 B (copied and hashed piece by piece, across rows), or one piece a block */
+        const int64_t pieces[] = {16, 7, BLOCK, 4 * BLOCK}, piece = pieces[rand_r(&seed) % 4];
         if (kvx_copy_hash(dst, src, ROW, dst_rows, src_rows, ROWS_PER_BLOCK, dst, spans, BLOCK, sums, n, step,
-                          fnv1a, stream, threads) != 0) {
+                          fnv1a, piece, threads) != 0) {
             printf("batch refused\n");
             exit(1);
         }
         for (int b = 0; b < n; b++)
-            if (memcmp(dst + b * BLOCK, src + perm[b] * BLOCK, BLOCK) != 0 || sums[b] != fnv1a(dst + b * BLOCK, BLOCK)) {
+            if (memcmp(dst + b * BLOCK, src + perm[b] * BLOCK, BLOCK) != 0 || sums[b] != pieced(dst + b * BLOCK, BLOCK, piece)) {
                 printf("block %d of batch %d wrong\n", b, batch);
                 exit(1);
             }
         /* Copy only (no hashed array: nothing hashed, no sum written), into a cleared destination. */
         memset(dst, 0, (size_t)n * BLOCK);
         if (kvx_copy_hash(dst, src, ROW, dst_rows, src_rows, ROWS_PER_BLOCK, NULL, NULL, 0, NULL, n, step,
-                          fnv1a, stream, threads) != 0) {
+                          fnv1a, piece, threads) != 0) {
             printf("copy-only batch refused\n");
             exit(1);
         }
@@ -90,12 +85,12 @@ static void *caller(void *arg) {
                 exit(1);
             }
         /* Hash only (zero rows per block: nothing copied), the source's scattered blocks. */
-        if (kvx_copy_hash(NULL, NULL, 0, NULL, NULL, 0, src, perm, BLOCK, sums, n, step, fnv1a, stream, threads) != 0) {
+        if (kvx_copy_hash(NULL, NULL, 0, NULL, NULL, 0, src, perm, BLOCK, sums, n, step, fnv1a, piece, threads) != 0) {
             printf("hash-only batch refused\n");
             exit(1);
         }
         for (int b = 0; b < n; b++)
-            if (sums[b] != fnv1a(src + perm[b] * BLOCK, BLOCK)) {
+            if (sums[b] != pieced(src + perm[b] * BLOCK, BLOCK, piece)) {
                 printf("hash-only block %d of batch %d wrong\n", b, batch);
                 exit(1);
             }

@@ -17,6 +17,7 @@ import torch
 
 from kvxfer import cli
 from kvxfer.errors import InvalidArgument
+from kvxfer.geometry.checksum import FORMAT
 from kvxfer.geometry.layout import PRESETS, Axis, KVSpec, PoolLayout, Run
 from kvxfer.serving.group import BlockFormat
 from kvxfer.wire import spec_from_pb, spec_to_pb
@@ -65,10 +66,10 @@ def test_kv_parts_travel_the_wire_and_separate_block_formats():
     assert spec_from_pb(spec_to_pb(two)).kv_parts == 2
     latent, pair = BlockFormat.of(BLHNC), BlockFormat.of(PoolLayout(two, PRESETS["BLHNC"]))
     assert latent.fingerprint != pair.fingerprint
-    # A K/V pool's fingerprint is what it was before kv_parts: blocks on disk and in Redis stay valid.
+    # A K/V pool's fingerprint text is what it was before kv_parts (with the checksum's format since issue 47).
     old = ("BlockFormat(num_layers=3, block_size=2, num_kv_heads=1, head_size=6, dtype='bfloat16', "
            "layout='B,L,H,N,KV,D')")
-    assert pair.fingerprint == hashlib.sha256(old.encode()).digest()
+    assert pair.fingerprint == hashlib.sha256(f"{old}\0{FORMAT}".encode()).digest()
 
 
 @pytest.mark.parametrize("parts", [0, 3, True, 1.0])

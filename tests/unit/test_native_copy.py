@@ -155,7 +155,7 @@ def test_the_c_loop_under_sanitizers(sanitizer, tmp_path):
     here = Path(__file__).parent
     binary = tmp_path / "stress"
     loop = here.parents[1] / "kvxfer" / "transfer"
-    subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", "-DPIECE_BYTES=16", f"-I{loop}",
+    subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", f"-I{loop}",
                     str(here / "native_stress.c"),
                     str(loop / "_fused.c"), "-o", str(binary)], check=True)
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120,
