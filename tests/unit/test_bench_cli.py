@@ -26,6 +26,15 @@ def test_bench_kernels_smoke(tmp_path, capsys):
     assert [r["tokens"] for r in json.loads(out.read_text())] == [256, 16384]
 
 
+def test_bench_checksum_smoke(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert cli.main(["bench", "checksum", "--mib", "4", "--reps", "1", "--json", str(out)]) == 0
+    assert "pieced_python / copy" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert [r["block"] for r in results] == [64 << 10, 512 << 10, 2 << 20]
+    assert all(r["copy_gbps"] > 0 and r["pieced_python_gbps"] > 0 for r in results)
+
+
 def test_bench_daemon_smoke(tmp_path, capsys):
     out = tmp_path / "d.json"
     assert cli.main(["bench", "daemon", "--pool-mib", "32", "--batch-mib", "4", "--reps", "1", "--calls", "20",
