@@ -16,7 +16,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-vllm test-sglang serve bench bench-peer proto devcheck devcheck-wheels wheel clean
+.PHONY: install test test-vllm test-sglang serve bench bench-lmcache proto devcheck devcheck-wheels wheel clean
 
 # (Re)install when the project's metadata or its C copy loop changes; torch is pinned to the local
 # CPU build.
@@ -71,8 +71,8 @@ $(LMCACHE_STAMP): constraints.txt
 	$(LMCACHE_VENV)/bin/python -m pip install -q -c constraints.txt lmcache==0.5.6
 	touch $(LMCACHE_STAMP)
 
-bench-peer: $(STAMP) $(LMCACHE_STAMP)
-	$(VENV)/bin/kvxfer bench peer --lmcache-python $(LMCACHE_VENV)/bin/python $(BENCH_ARGS)
+bench-lmcache: $(STAMP) $(LMCACHE_STAMP)
+	$(VENV)/bin/kvxfer bench lmcache --lmcache-python $(LMCACHE_VENV)/bin/python $(BENCH_ARGS)
 
 # On a GPU machine: everything only a GPU can show, results in devcheck-out/devcheck.json.
 # Needs no install: it runs from the checkout, and what the machine lacks comes from the wheels

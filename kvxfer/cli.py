@@ -99,6 +99,15 @@ BENCHES: list[tuple[str, str, str]] = [
     ("remote", "kvxfer.bench.remote", "the remote tier's stores and fetches beside raw redis-py SET/GET"),
     ("scale", "kvxfer.bench.scale", "the index of a tier of millions of blocks, fragmented and shuffled"),
     ("shards", "kvxfer.bench.shards", "cross-rank canonical blocks beside the same bytes per rank"),
+    # through real daemons (``kvxfer serve`` processes: kvxfer.bench.launch)
+    ("daemon", "kvxfer.bench.daemon", "throughput and latency through a real daemon"),
+    ("vllm", "kvxfer.bench.vllm", "vLLM's scheduler loading 1,024 blocks through the kvxfer backend"),
+    ("lmcache", "kvxfer.bench.lmcache", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy"),
+    ("demotion", "kvxfer.bench.demotion", "host-tier evictions reaching the disk under several clients"),
+    ("events", "kvxfer.bench.events", "offloads with 100 KV event subscribers against none"),
+    ("sglang", "kvxfer.bench.sglang", "SGLang HiCache's write-through and prefetch, beside its files"),
+    ("peer-transfer", "kvxfer.bench.peer_transfer",
+     "one daemon restoring blocks another holds, over NIXL, against a plain memcpy"),
 ]
 
 

@@ -5,17 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-#: ``kvxfer bench daemon`` starts a real daemon, so it lives beside it.
-DAEMON_BENCHES = [("daemon", "service.bench_daemon", "throughput and latency through a real daemon"),
-                  ("vllm", "service.bench_vllm", "vLLM's scheduler loading 1,024 blocks through the kvxfer backend"),
-                  ("peer", "service.bench_peer", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy"),
-                  ("demotion", "service.bench_demotion", "host-tier evictions reaching the disk under several clients"),
-                  ("events", "service.bench_events", "offloads with 100 KV event subscribers against none"),
-                  ("sglang", "service.bench_sglang", "SGLang HiCache's write-through and prefetch, beside its files"),
-                  ("peer-transfer", "service.bench_peer_transfer",
-                   "one daemon restoring blocks another holds, over NIXL, against a plain memcpy")]
-
-
 def _serve_command(args: argparse.Namespace) -> int:
     from service import config, preflight, server  # the daemon's dependencies load only for `serve`
 
@@ -66,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         return health.main(args[1:])
     from kvxfer import cli
 
-    return cli.main(args, commands=[_serve_parser], benches=DAEMON_BENCHES)
+    return cli.main(args, commands=[_serve_parser])
 
 
 def parser() -> argparse.ArgumentParser:
     """The whole ``kvxfer`` command line (the docs check parses every documented command with it)."""
     from kvxfer import cli
 
-    return cli.build_parser([_serve_parser], DAEMON_BENCHES)
+    return cli.build_parser([_serve_parser])
 
 
 if __name__ == "__main__":

@@ -28,21 +28,8 @@ from service.config_sections import ConfigError
 from kvxfer.serving.registry import Limits
 from kvxfer.tiers.host import capacity_blocks
 from kvxfer.memory.shm import resolve_group
+from kvxfer.defaults import DEFAULT_POOL
 from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
-
-
-
-#: The embedded default pool: the KV geometry of Qwen2.5-0.5B (24 layers, 2 KV heads,
-#: head_size 64, bf16) with 16-token blocks: 192 KiB per block, 192 MiB for 1024 blocks.
-DEFAULT_POOL = {
-    "id": "rank0",
-    "device": "auto",
-    "layout": "BLHNC",
-    "spec": {"num_layers": 24, "num_blocks": 1024, "block_size": 16, "num_kv_heads": 2, "head_size": 64,
-             "dtype": "bfloat16", "kv_parts": 2},
-    "host_capacity_mib": 512,
-    "cache_group": "",  # pools of one group share a host tier and keys; "" = the pool id
-}
 
 
 @dataclass(frozen=True)

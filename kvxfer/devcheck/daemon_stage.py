@@ -22,7 +22,7 @@ import torch
 
 from kvxfer.client import Client
 from kvxfer.records import Outcome
-from kvxfer.devcheck.daemon_process import Daemon
+from kvxfer.bench import launch
 
 #: 512 KiB blocks (16 layers, 16 tokens, 4 KV heads of 128, bf16), as the round trip stage.
 SPEC = {"num_layers": 16, "block_size": 16, "num_kv_heads": 4, "head_size": 128, "dtype": "bfloat16"}
@@ -58,7 +58,7 @@ def daemon_over_grpc(ctx: dict) -> dict:
     pool = {"id": "gpu", "device": "cuda:0", "layout": "BLHNC", "spec": spec,
             "host_capacity_mib": ctx.get("daemon_host_mib", (2 * n + ctx.get("latency_calls", 200) + 2) * block_kib
                                          // 1024 + 16)}
-    daemon = Daemon({"pools": [pool], "log_level": "warning", "metrics_listen": f"127.0.0.1:{port}"},
+    daemon = launch.spawn({"pools": [pool], "log_level": "warning", "metrics_listen": f"127.0.0.1:{port}"},
                           command=ctx.get("daemon_command"))
     out: dict = {"blocks": n}
     try:
@@ -131,6 +131,6 @@ def daemon_over_grpc(ctx: dict) -> dict:
             if moved != {k: float(v) for k, v in told.items()}:
                 raise AssertionError(f"/metrics counts {moved}, the client was told {told}")
     finally:
-        daemon.close()
+        daemon.cleanup()
     out["bit_identical"] = True
     return out

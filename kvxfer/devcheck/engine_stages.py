@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 
-from kvxfer.devcheck.daemon_process import Daemon
+from kvxfer.bench import launch
 
 #: A small model's KV as one torch allocation: 8 layers, 256 blocks of 16 tokens, 4 KV heads of 128, bf16.
 SPEC = "KVSpec(8, 256, 16, 4, 128, torch.bfloat16)"
@@ -79,7 +79,7 @@ def _engine(target: str, env: dict | None = None, code: str = ENGINE) -> subproc
 def engine_tensor_over_grpc(ctx: dict) -> dict:
     """An engine's own tensor registered over gRPC; its event orders the daemon's copy after its
     writes (and without one the copy reads what was there); a tensor of expandable segments refused."""
-    daemon = Daemon({"log_level": "warning", "registered_host_capacity_mib": 256})
+    daemon = launch.spawn({"log_level": "warning", "registered_host_capacity_mib": 256})
     try:
         result = {}
         for case, env in (("default_allocator", {}),
@@ -90,7 +90,7 @@ def engine_tensor_over_grpc(ctx: dict) -> dict:
                 raise AssertionError(f"{case}: the engine process failed: {err[-1500:]}")
             result[case] = json.loads(out.strip().splitlines()[-1])
     finally:
-        daemon.close()
+        daemon.cleanup()
     ok = result["default_allocator"]
     if not (ok["registered"] and ok["with_event"]["tier_holds_the_new_bytes"] and ok["write_kv_block_bit_exact"]):
         raise AssertionError(f"an engine's own tensor over gRPC: {result}")
@@ -118,7 +118,7 @@ def _free_bytes() -> int:
 def dead_engine_returns_memory(ctx: dict) -> dict:
     """SIGKILL an engine whose tensor the daemon maps: the daemon notices (pidfd), unmaps, and the
     GPU memory is free again (read by a fresh process)."""
-    daemon = Daemon({"log_level": "warning", "registered_host_capacity_mib": 64})
+    daemon = launch.spawn({"log_level": "warning", "registered_host_capacity_mib": 64})
     try:
         free_before = _free_bytes()
         holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), daemon.target], stdin=subprocess.PIPE,
@@ -138,7 +138,7 @@ def dead_engine_returns_memory(ctx: dict) -> dict:
             time.sleep(0.5)
         seconds = time.monotonic() - killed
     finally:
-        daemon.close()
+        daemon.cleanup()
     returned = free >= free_before - (256 << 20)
     if not returned:
         raise AssertionError(f"{(free_before - free) >> 20} MiB still held 30 s after the engine died")

@@ -24,7 +24,7 @@ import time
 import torch
 
 from kvxfer.client import Client
-from kvxfer.devcheck.daemon_process import Daemon
+from kvxfer.bench import launch
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.records import Outcome
 from kvxfer.transfer.plan import plan_copies
@@ -84,7 +84,7 @@ def _survivor(client: Client) -> dict:
 
 
 def engine_failure_path(ctx: dict) -> dict:
-    daemon = Daemon({"log_level": "info", "gpu_copy_deadline_s": DEADLINE_S, "registered_host_capacity_mib": 64})
+    daemon = launch.spawn({"log_level": "info", "gpu_copy_deadline_s": DEADLINE_S, "registered_host_capacity_mib": 64})
     path = os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(VICTIM), daemon.target], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -113,7 +113,7 @@ def engine_failure_path(ctx: dict) -> dict:
     finally:
         if child.poll() is None:
             child.kill()
-        daemon.close()
+        daemon.cleanup()
     survivor = out["survivor"]
     if not (out["stalled"] == Outcome.DEADLINE_EXCEEDED.value and out["health"] == out["health_after"] == "SERVING"
             and out["daemon_alive"] and out["victim_dropped_after_s"] < 60 and survivor["bit_exact"]):

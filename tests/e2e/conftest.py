@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from service import launch
-from service.launch import DaemonProcess
+from kvxfer.bench import launch
+from kvxfer.bench.launch import DaemonProcess
 from tests.conftest import PYTHON, ROOT, python_env
 
 SMALL_POOL = {"id": "rank0", "device": "cpu", "layout": "BLHNC",

@@ -250,7 +250,7 @@ def test_start_up_problems_are_one_line_errors(make_daemon, unix_users, tmp_path
     os.chmod(shared, 0o1777)
     stale = os.path.join(shared, "k.sock")
     assert run_as(victim, "stale_socket", stale) == {"left": stale}
-    from service import launch
+    from kvxfer.bench import launch
 
     daemon = launch.spawn({"socket": stale, "pools": [SMALL_POOL]}, wait=False,
                           command=[PYTHON, "-m", "tests.e2e.serve_as", attacker])

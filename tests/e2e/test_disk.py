@@ -14,7 +14,7 @@ import torch
 from kvxfer import Client
 from kvxfer.events.records import EventKind
 from kvxfer.records import Outcome, TierKind
-from service import launch
+from kvxfer.bench import launch
 from tests.e2e.conftest import SMALL_POOL
 from tests.helpers import read_block, write_block
 

@@ -21,7 +21,8 @@ import yaml
 
 from service import cli as service_cli
 from service import config as service_config
-from service import config_peering, config_sections, launch
+from kvxfer.bench import launch
+from service import config_peering, config_sections
 from tests.conftest import PYTHON, ROOT, python_env
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ from kvxfer import Client
 from kvxfer.errors import InvalidArgument, ResourceExhausted
 from kvxfer.events.records import EventKind, Reason
 from kvxfer.records import Outcome, TierKind
-from service import launch
+from kvxfer.bench import launch
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.test_metrics import free_port
 

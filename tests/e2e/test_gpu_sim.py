@@ -11,7 +11,7 @@ import pytest
 
 from kvxfer.client import Client
 from kvxfer.records import Medium, Outcome
-from service import launch
+from kvxfer.bench import launch
 from tests.conftest import PYTHON, python_env
 from tests.cudasim.engine import SimEngine
 

@@ -15,7 +15,7 @@ import yaml
 from kvxfer import Client
 from kvxfer.geometry.layout import KVSpec, parse_dtype
 from service import config as service_config
-from service import launch
+from kvxfer.bench import launch
 from tests.conftest import ROOT
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a test dependency")

@@ -7,7 +7,7 @@ import torch
 
 from kvxfer import Client
 from kvxfer.records import TierKind
-from service import launch
+from kvxfer.bench import launch
 from tests.helpers import read_block, write_block
 
 # DeepSeek V3's latent (512 + 64 bf16 elements a token and layer) over 4 layers and 32 blocks of 16 tokens.

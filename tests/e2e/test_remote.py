@@ -10,7 +10,7 @@ from kvxfer import Client
 from kvxfer.events.records import EventKind, Reason
 from kvxfer.records import Outcome, TierKind
 from service import config as service_config
-from service import launch
+from kvxfer.bench import launch
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import REDIS, RedisServer
 from tests.helpers import read_block, write_block

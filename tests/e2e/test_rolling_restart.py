@@ -19,7 +19,7 @@ from kvxfer import Client
 from kvxfer.errors import KvxferError
 from kvxfer.events.records import EventKind
 from kvxfer.records import TierKind
-from service import launch
+from kvxfer.bench import launch
 from tests.conftest import PYTHON, ROOT, python_env
 from tests.e2e.conftest import SMALL_POOL
 

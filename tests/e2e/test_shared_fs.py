@@ -6,7 +6,7 @@ import pytest
 
 from kvxfer import Client
 from kvxfer.records import Outcome, TierKind
-from service import launch
+from kvxfer.bench import launch
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.test_remote import offload, restore
 

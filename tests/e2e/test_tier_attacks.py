@@ -14,7 +14,7 @@ import torch
 
 from kvxfer import Client
 from kvxfer.records import Outcome, TierKind
-from service import launch
+from kvxfer.bench import launch
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import REDIS, RedisServer
 from tests.e2e.test_disk import Writer, check_served, wait_demoted

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from kvxfer.client import Client
-from service.launch import DaemonProcess
-from service.peering_local import Tls, peering_configs, self_signed
+from kvxfer.bench.launch import DaemonProcess
+from kvxfer.bench.peering_local import Tls, peering_configs, self_signed
 from tests.e2e.conftest import SMALL_POOL, start_daemon
 from tests.helpers import read_block, write_block
 

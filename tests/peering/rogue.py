@@ -9,7 +9,7 @@ import numpy as np
 
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
-from service.peering_local import Tls
+from kvxfer.bench.peering_local import Tls
 from tests.peering.cluster import TOKEN
 
 

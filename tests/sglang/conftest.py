@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvxfer.integrations.sglang import drive
-from service import launch
+from kvxfer.bench import launch
 from tests.helpers import made_and_closed
 
 RETRY_S = 0.2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvxfer.integrations.sglang import drive
-from service import launch
+from kvxfer.bench import launch
 from tests.helpers import made_and_closed
 from tests.sglang.conftest import DAEMON, RETRY_S, fill
 

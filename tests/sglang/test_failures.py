@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvxfer import Client
-from service import launch
+from kvxfer.bench import launch
 from tests.sglang.conftest import DAEMON, RETRY_S, backend, extra_config, fill, host_pool, page_bytes
 from tests.tiermem import flip_byte
 

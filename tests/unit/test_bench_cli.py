@@ -53,9 +53,9 @@ def test_bench_bookkeeping_smoke(tmp_path, capsys):
     assert all(r["us_per_block"] > 0 for r in results)
 
 
-def test_bench_peer_without_an_lmcache_environment_says_how_to_get_one(tmp_path, capsys):
-    assert cli.main(["bench", "peer", "--lmcache-python", str(tmp_path / "none" / "python")]) == 2
-    assert "make bench-peer" in capsys.readouterr().err
+def test_bench_lmcache_without_an_lmcache_environment_says_how_to_get_one(tmp_path, capsys):
+    assert cli.main(["bench", "lmcache", "--lmcache-python", str(tmp_path / "none" / "python")]) == 2
+    assert "make bench-lmcache" in capsys.readouterr().err
 
 
 def test_bench_demotion_smoke(tmp_path, capsys):

@@ -57,3 +57,13 @@ def test_copy_engines_and_tiers_never_import_the_index():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("kvxfer.index")]
     assert offenders == []
+
+
+def test_benchmarks_and_harnesses_live_in_kvxfer_bench_and_the_daemon_package_holds_the_daemon():
+    """Issue 48: ``service/`` is the daemon alone; every benchmark (and the launcher of real daemons that
+    benchmarks and tests use) is a ``kvxfer.bench`` module, which starts the daemon as a program."""
+    from kvxfer.cli import BENCHES
+
+    harnesses = [p.name for p in (ROOT / "service").glob("*.py") if p.name.startswith(("bench", "peer_", "launch"))]
+    assert harnesses == [] and all(module.startswith("kvxfer.bench.") for _, module, _ in BENCHES)
+    assert "torch" not in _loaded_after("import kvxfer.defaults")

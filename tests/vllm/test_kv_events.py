@@ -10,7 +10,7 @@ import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from kvxfer import Client
-from service import launch
+from kvxfer.bench import launch
 from tests.e2e.redis_server import free_port
 from tests.vllm.conftest import DAEMON
 from tests.vllm.test_backend import PROMPT, TAIL, run_alone

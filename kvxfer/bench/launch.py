@@ -1,4 +1,7 @@
-"""Start a real daemon subprocess and wait until it serves (benchmarks and tests use this)."""
+"""Start a real daemon subprocess and wait until it serves (benchmarks and tests use this).
+
+The daemon is the ``kvxfer serve`` program, started by its module name: the library never
+imports the daemon's code (``service``)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the program's package beside kvxfer's
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""``kvxfer bench peer``: kvxfer beside LMCache 0.5.6 on CPU, both measured against a plain copy.
+"""``kvxfer bench lmcache``: kvxfer beside LMCache 0.5.6 on CPU, both measured against a plain copy.
 
 The same model geometry (the default pool: 24 layers, 16 tokens, 2 KV heads of 64,
 bfloat16: 192 KiB blocks) and the same bytes per request (``--batch-mib``, random
 non-adjacent blocks of a ``--pool-mib`` pool) for both. kvxfer: ``bench daemon``'s
 throughput measurement, through a real daemon, checksums on, once per layout.
 LMCache: its cache server and its CPU shared-memory transfer, driven by
-``service/peer_lmcache.py`` in LMCache's own environment (``make bench-peer``
+``kvxfer/bench/lmcache_server.py`` in LMCache's own environment (``make bench-lmcache``
 builds ``.venv-lmcache`` with the CPU torch first). Each is compared with a plain
 contiguous copy of the same bytes measured in its own process, interleaved with
 it; the table puts the two ratios side by side.
@@ -22,11 +22,11 @@ from pathlib import Path
 
 from kvxfer.bench.common import FASTER, Progress, format_table, save
 from kvxfer.client import Client
-from service import launch
-from service.bench_daemon import MIB, NS, block_bytes, daemon_config, throughput
-from service.config import DEFAULT_POOL
+from kvxfer.bench import launch
+from kvxfer.bench.daemon import MIB, NS, block_bytes, daemon_config, throughput
+from kvxfer.defaults import DEFAULT_POOL
 
-PEER_SCRIPT = Path(__file__).with_name("peer_lmcache.py")
+PEER_SCRIPT = Path(__file__).with_name("lmcache_server.py")
 LMCACHE_CHUNK_TOKENS = 256  # LMCache's default chunk: requests are whole chunks
 
 
@@ -85,7 +85,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not os.access(args.lmcache_python, os.X_OK):
-        print(f"kvxfer bench peer: no LMCache environment at {args.lmcache_python} (make bench-peer builds "
+        print(f"kvxfer bench lmcache: no LMCache environment at {args.lmcache_python} (make bench-lmcache builds "
               ".venv-lmcache; or pass --lmcache-python)", file=sys.stderr)
         return 2
     layouts = args.layouts.split(",")
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lmcache-python", default=os.environ.get("KVXFER_LMCACHE_PYTHON", ".venv-lmcache/bin/python"),
-                   help="the Python of an environment with lmcache==0.5.6 (make bench-peer builds one)")
+                   help="the Python of an environment with lmcache==0.5.6 (make bench-lmcache builds one)")
     p.add_argument("--layouts", default="BLHNC,LBHNC", help="kvxfer pool layouts to measure")
     p.add_argument("--pool-mib", type=int, default=1024, help="pool size (larger than the LLC)")
     p.add_argument("--batch-mib", type=int, default=256, help="bytes per request")

@@ -31,8 +31,8 @@ import time
 import torch
 
 from kvxfer.bench.common import GB, Progress, format_table, human_bytes, save
-from service import launch
-from service.config import DEFAULT_POOL
+from kvxfer.bench import launch
+from kvxfer.defaults import DEFAULT_POOL
 
 BATCH = 128
 

@@ -27,8 +27,8 @@ import torch
 
 from kvxfer.bench.common import GB, Progress, format_table, human_bytes
 from kvxfer.geometry.checksum import rows_checksums
-from service import launch
-from service.config import DEFAULT_POOL
+from kvxfer.bench import launch
+from kvxfer.defaults import DEFAULT_POOL
 
 
 class _Timed:

@@ -21,9 +21,9 @@ import time
 from kvxfer.bench.common import Progress, format_table
 from kvxfer.client import Client
 from kvxfer.records import Outcome, TierKind
-from service import launch
-from service.bench_daemon import block_bytes
-from service.config import DEFAULT_POOL
+from kvxfer.bench import launch
+from kvxfer.bench.daemon import block_bytes
+from kvxfer.defaults import DEFAULT_POOL
 
 MIB = 1 << 20
 

@@ -28,9 +28,9 @@ import torch
 from kvxfer.bench.common import GB, Progress, format_table, human_bytes, save
 from kvxfer.client import Client
 from kvxfer.records import Outcome
-from service import launch
-from service.config import DEFAULT_POOL
-from service.peering_local import TRANSPORTS, free_port, peering_configs, self_signed
+from kvxfer.bench import launch
+from kvxfer.defaults import DEFAULT_POOL
+from kvxfer.bench.peering_local import TRANSPORTS, free_port, peering_configs, self_signed
 
 TOKEN = "bench-peer-token"
 NS = "bench"

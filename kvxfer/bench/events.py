@@ -22,7 +22,7 @@ import time
 
 from kvxfer.bench.common import FASTER, Progress, format_table
 from kvxfer.client import Client
-from service import launch
+from kvxfer.bench import launch
 
 NAMESPACE = "bench"
 SPEC = {"num_layers": 2, "num_blocks": 256, "block_size": 16, "num_kv_heads": 1, "head_size": 16, "dtype": "float16"}

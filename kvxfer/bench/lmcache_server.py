@@ -1,6 +1,6 @@
-"""The peer measurement of ``kvxfer bench peer``: LMCache 0.5.6's cache server on CPU.
+"""The peer measurement of ``kvxfer bench lmcache``: LMCache 0.5.6's cache server on CPU.
 
-Runs under LMCache's own environment (``make bench-peer`` builds ``.venv-lmcache``),
+Runs under LMCache's own environment (``make bench-lmcache`` builds ``.venv-lmcache``),
 so it imports nothing of kvxfer. It starts ``lmcache server`` (an L1 CPU store),
 registers a paged KV cache of the given geometry the way vLLM's workers do on a
 CPU (24 per-layer tensors [2, blocks, block_size, heads, head_size], shared with

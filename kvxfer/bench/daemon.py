@@ -27,8 +27,8 @@ import torch
 from kvxfer.bench.common import FASTER, GB, Progress, format_table, interleaved
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.client import Client
-from service import launch
-from service.config import DEFAULT_POOL
+from kvxfer.bench import launch
+from kvxfer.defaults import DEFAULT_POOL
 
 MIB = 1 << 20
 NS = "bench"
