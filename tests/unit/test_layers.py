@@ -64,6 +64,7 @@ def test_benchmarks_and_harnesses_live_in_kvxfer_bench_and_the_daemon_package_ho
     benchmarks and tests use) is a ``kvxfer.bench`` module, which starts the daemon as a program."""
     from kvxfer.cli import BENCHES
 
-    harnesses = [p.name for p in (ROOT / "service").glob("*.py") if p.name.startswith(("bench", "peer_", "launch"))]
+    harnesses = [p.name for p in (ROOT / "service").glob("*.py")
+                 if p.name.startswith(("bench", "launch", "peer_lmcache", "peering_local"))]
     assert harnesses == [] and all(module.startswith("kvxfer.bench.") for _, module, _ in BENCHES)
     assert "torch" not in _loaded_after("import kvxfer.defaults")
