@@ -15,6 +15,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+#: Physical block 0 is never allocated and never written by a restore (vLLM's null block).
+NULL_BLOCK = 0
+
 
 class Outcome(enum.Enum):
     """What happened to one block of a well-formed request."""

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvxfer.bench.common import format_table
+from kvxfer.tables import format_table
 from kvxfer.client import Client
 from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.records import PoolStats, TransferStats

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.fastpath import FAST
-from kvxfer.geometry.layout import NULL_BLOCK
+from kvxfer.records import NULL_BLOCK
 
 MAX_KEY_BYTES = 256
 MAX_BATCH_BLOCKS = 65536

@@ -21,12 +21,13 @@ import time
 
 import torch
 
-from kvxfer.bench.common import Progress, format_table, save
+from kvxfer.bench.common import Progress, save
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.manager import PoolManager
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle
+from kvxfer.tables import format_table
 
 NS = "bench"
 TARGET_US = 0.2

@@ -17,9 +17,10 @@ import statistics
 import numpy as np
 import xxhash
 
-from kvxfer.bench.common import GB, Progress, format_table, human_bytes, interleaved, save
+from kvxfer.bench.common import GB, Progress, human_bytes, interleaved, save
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.transfer import native
+from kvxfer.tables import format_table
 
 SIZES = (64 << 10, 512 << 10, 2 << 20)
 

@@ -24,11 +24,12 @@ import time
 
 import torch
 
-from kvxfer.bench.common import FASTER, GB, Progress, format_table, interleaved
+from kvxfer.bench.common import FASTER, GB, Progress, interleaved
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.client import Client
 from kvxfer.bench import launch
 from kvxfer.defaults import DEFAULT_POOL
+from kvxfer.tables import format_table
 
 MIB = 1 << 20
 NS = "bench"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvxfer.bench.common import FASTER, GB, Progress, add_block_arguments, format_table, human_bytes
+from kvxfer.bench.common import FASTER, GB, Progress, add_block_arguments, human_bytes
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.disk_store import DiskSettings
@@ -33,6 +33,7 @@ from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
 from kvxfer.tiers.disk import BASE, HEADER_BYTES, JOURNAL
 from kvxfer.tiers.record import encode_header
+from kvxfer.tables import format_table
 
 BATCH = 64
 

@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from kvxfer.bench.common import GB, Progress, format_table, human_bytes, save
+from kvxfer.bench.common import GB, Progress, human_bytes, save
 from kvxfer.client import Client
 from kvxfer.records import Outcome
 from kvxfer.bench import launch
 from kvxfer.defaults import DEFAULT_POOL
 from kvxfer.bench.peering_local import TRANSPORTS, free_port, peering_configs, self_signed
+from kvxfer.tables import format_table
 
 TOKEN = "bench-peer-token"
 NS = "bench"

@@ -22,12 +22,13 @@ import time
 import redis
 import torch
 
-from kvxfer.bench.common import FASTER, GB, Progress, add_block_arguments, format_table, human_bytes
+from kvxfer.bench.common import FASTER, GB, Progress, add_block_arguments, human_bytes
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
 from kvxfer.serving.remote_store import BATCH, RemoteSettings
+from kvxfer.tables import format_table
 
 
 def _local_server() -> tuple[subprocess.Popen, str, str]:

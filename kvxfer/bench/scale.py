@@ -24,9 +24,10 @@ import time
 
 import numpy as np
 
-from kvxfer.bench.common import SLOWER, Progress, format_table, save
+from kvxfer.bench.common import SLOWER, Progress, save
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import TierKind
+from kvxfer.tables import format_table
 
 NS = "bench"
 FILL_BATCH = 65536

@@ -2,7 +2,7 @@
 
 SGLang 0.5.23's own ``HiCacheController`` (its backup, prefetch, I/O and sync threads) over a
 CPU device pool and its own host pool (``--layout``, bf16 pages of ``--page-size`` tokens), in
-this process, against a real daemon (``kvxfer.integrations.sglang.drive.Controller``). Each
+this process, against a real daemon (``kvxfer.bench.sglang_engine.Controller``). Each
 repetition writes ``--pages`` fresh pages through to storage (``write_storage``: batch sets of
 128 pages, SGLang's STORAGE_BATCH_SIZE) and then prefetches them into other host pages (the hit
 query, then batch gets), as its radix cache drives the controller:
@@ -30,9 +30,10 @@ import time
 
 import torch
 
-from kvxfer.bench.common import GB, Progress, format_table, human_bytes, save
+from kvxfer.bench.common import GB, Progress, human_bytes, save
 from kvxfer.bench import launch
 from kvxfer.defaults import DEFAULT_POOL
+from kvxfer.tables import format_table
 
 BATCH = 128
 
@@ -54,10 +55,10 @@ def _timed(fn) -> float:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from kvxfer.integrations.sglang import drive
+        from kvxfer.bench import sglang_engine
     except ImportError as exc:
         raise SystemExit(f"kvxfer bench sglang needs SGLang (make test-sglang installs it into .venv-sglang): {exc}")
-    model = drive.Model(layers=args.layers, heads=args.heads, head_dim=args.head_size, page_size=args.page_size,
+    model = sglang_engine.Model(layers=args.layers, heads=args.heads, head_dim=args.head_size, page_size=args.page_size,
                         device_tokens=args.pages * args.page_size)
     small = {**DEFAULT_POOL, "spec": {**DEFAULT_POOL["spec"], "num_blocks": 16}, "host_capacity_mib": 4}
     daemon = launch.spawn({"pools": [small], "log_level": "warning", "registered_host_capacity_mib": args.host_mib})
@@ -66,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
     subjects: dict = {}
     try:
         for name, allocator in (("kvxfer zero copy", "shm"), ("kvxfer staged", "default")):
-            extra = drive.extra_config(daemon.config["socket"], allocator, deadline_s=60.0, timeout_s=10.0)
-            subjects[name] = drive.Controller(extra, layout=args.layout, model=model, model_name=name)
-        subjects["file"] = drive.Controller({"file_storage_path": workdir}, backend="file", layout=args.layout,
+            extra = sglang_engine.extra_config(daemon.config["socket"], allocator, deadline_s=60.0, timeout_s=10.0)
+            subjects[name] = sglang_engine.Controller(extra, layout=args.layout, model=model, model_name=name)
+        subjects["file"] = sglang_engine.Controller({"file_storage_path": workdir}, backend="file", layout=args.layout,
                                             model=model)
         progress.step(f"daemon up; {len(subjects)} HiCache controllers attached")
         results = _measure(args, subjects, progress)

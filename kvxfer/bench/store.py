@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvxfer.bench.common import FASTER, GB, Progress, format_table, human_bytes, interleaved, save
+from kvxfer.bench.common import FASTER, GB, Progress, human_bytes, interleaved, save
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.serving.manager import PoolManager
@@ -37,6 +37,7 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyEngine
 from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.host_plan import HostPlanEngine
+from kvxfer.tables import format_table
 
 KIB = 1 << 10
 LAYERS, HEAD_SIZE = 16, 128  # bf16: one head, one token, one layer = 512 B of K and V

@@ -1,6 +1,6 @@
 """``kvxfer bench vllm``: vLLM's scheduler loading a long prefix through the kvxfer backend.
 
-vLLM 0.33's real Scheduler and connector (kvxfer.integrations.vllm.drive, a stand-in
+vLLM 0.33's real Scheduler and connector (kvxfer.bench.vllm_engine, a stand-in
 forward pass) run in this process against a real daemon. Each repetition stores a
 fresh prompt of ``--blocks`` blocks, empties vLLM's prefix cache (not its KV memory: zeroing
 200 MiB right before the timed steps, as the tests do to catch a load that writes nothing,
@@ -25,10 +25,11 @@ import time
 
 import torch
 
-from kvxfer.bench.common import GB, Progress, format_table, human_bytes
+from kvxfer.bench.common import GB, Progress, human_bytes
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.bench import launch
 from kvxfer.defaults import DEFAULT_POOL
+from kvxfer.tables import format_table
 
 
 class _Timed:
@@ -86,7 +87,7 @@ def _load_once(engine, prompt: list[int], tag: str, backend: _Timed) -> tuple[fl
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from kvxfer.integrations.vllm.drive import Engine, Model
+        from kvxfer.bench.vllm_engine import Engine, Model
         from vllm.config import KVTransferConfig
     except ImportError as exc:
         raise SystemExit(f"kvxfer bench vllm needs vLLM (make test-vllm installs it into .venv-vllm): {exc}")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.geometry.layout import NULL_BLOCK
+from kvxfer.records import NULL_BLOCK
 
 
 class BlockTable:

@@ -20,8 +20,6 @@ import torch
 
 from kvxfer.errors import InvalidArgument
 
-#: Physical block 0 is never allocated and never written by a restore.
-NULL_BLOCK = 0
 
 #: dtypes a pool may hold, by their canonical name.
 DTYPES: dict[str, torch.dtype] = {

@@ -21,7 +21,8 @@ import torch
 
 from kvxfer.memory import cuda_mem, shm
 from kvxfer.errors import InvalidArgument
-from kvxfer.geometry.layout import NULL_BLOCK, KVSpec, Layout, PoolLayout
+from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
+from kvxfer.records import NULL_BLOCK
 from kvxfer.geometry.sharding import Sharding
 from kvxfer.records import Medium
 

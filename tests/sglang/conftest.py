@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvxfer.integrations.sglang import drive
+from kvxfer.bench import sglang_engine
 from kvxfer.bench import launch
 from tests.helpers import made_and_closed
 
@@ -20,15 +20,15 @@ DAEMON = {"grace_period_s": 5, "log_level": "debug", "registered_host_capacity_m
 
 
 def host_pool(layout: str, allocator: str = "shm", mla: bool = False):
-    return drive.host_pool(layout, allocator, mla)
+    return sglang_engine.host_pool(layout, allocator, mla)
 
 
 def extra_config(socket: str, allocator: str = "shm", **settings) -> dict:
-    return drive.extra_config(socket, allocator, retry_s=RETRY_S, **settings)
+    return sglang_engine.extra_config(socket, allocator, retry_s=RETRY_S, **settings)
 
 
 def backend(pool, extra: dict, **kwargs):
-    return drive.attach("dynamic", pool, extra, **kwargs)
+    return sglang_engine.attach("dynamic", pool, extra, **kwargs)
 
 
 def fill(pool, seed: int) -> None:

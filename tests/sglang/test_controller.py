@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from kvxfer.integrations.sglang import drive
+from kvxfer.bench import sglang_engine
 from kvxfer.bench import launch
 from tests.helpers import made_and_closed
 from tests.sglang.conftest import DAEMON, RETRY_S, fill
@@ -21,12 +21,12 @@ def _pages(host, indices: torch.Tensor) -> list[bytes]:
 
 @pytest.fixture
 def controllers():
-    yield from made_and_closed(drive.Controller)
+    yield from made_and_closed(sglang_engine.Controller)
 
 
 @pytest.mark.parametrize("allocator", ["shm", "default"])
 def test_a_write_through_is_prefetched_by_another_engine_byte_exact(daemon, controllers, allocator):
-    extra = drive.extra_config(daemon.config["socket"], allocator, retry_s=RETRY_S)
+    extra = sglang_engine.extra_config(daemon.config["socket"], allocator, retry_s=RETRY_S)
     writer = controllers(extra)
     source = writer.host.alloc(len(TOKENS))
     fill(writer.host, 11)
@@ -41,7 +41,7 @@ def test_a_write_through_is_prefetched_by_another_engine_byte_exact(daemon, cont
 def test_a_daemon_killed_under_the_controller_is_misses_and_its_threads_live_on(controllers):
     daemon = launch.spawn(DAEMON)
     socket = daemon.config["socket"]
-    extra = drive.extra_config(socket, "shm", retry_s=RETRY_S, deadline_s=1.0, timeout_s=0.5)
+    extra = sglang_engine.extra_config(socket, "shm", retry_s=RETRY_S, deadline_s=1.0, timeout_s=0.5)
     try:
         engine = controllers(extra)
         source = engine.host.alloc(len(TOKENS))

@@ -28,6 +28,8 @@ def test_from_kvxfer_import_client_works_and_records_stay_light():
     assert "kvxfer.client" in loaded
     light = _loaded_after("import kvxfer.records")
     assert "torch" not in light and "grpc" not in light
+    vocabulary = _loaded_after("import kvxfer.validate, kvxfer.errors, kvxfer.tables")  # issue 48: no torch
+    assert "torch" not in vocabulary and "kvxfer.geometry.layout" not in vocabulary
 
 
 def test_the_library_never_imports_the_daemon():

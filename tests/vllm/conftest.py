@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is a local config
 
 from vllm.config import KVTransferConfig  # noqa: E402
 
-from kvxfer.integrations.vllm.drive import Engine  # noqa: E402
+from kvxfer.bench.vllm_engine import Engine  # noqa: E402
 from kvxfer.bench import launch  # noqa: E402
 from tests.e2e.conftest import SMALL_POOL  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 from kvxfer import Client
 from kvxfer.errors import PermissionDenied
 from kvxfer.bench import launch
-from kvxfer.integrations.vllm.drive import Engine, Model
+from kvxfer.bench.vllm_engine import Engine, Model
 from kvxfer.integrations.link import LinkDown
 from tests.vllm.conftest import DAEMON, RETRY_S, kv_transfer
 from tests.tiermem import flip_byte

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvxfer import Client
-from kvxfer.integrations.vllm.drive import Model
+from kvxfer.bench.vllm_engine import Model
 from tests.vllm.test_backend import MODES, PROMPT, TAIL, computed, external_hits, run_alone
 
 OTHER = list(range(300, 364))  # 4 more blocks of 16

@@ -31,7 +31,8 @@ import torch
 from kvxfer.client import Client
 from kvxfer.errors import KvxferError
 from kvxfer.events.records import EngineBlocks, KeyFormat
-from kvxfer.geometry.layout import NULL_BLOCK, PoolLayout
+from kvxfer.geometry.layout import PoolLayout
+from kvxfer.records import NULL_BLOCK
 from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames
 from kvxfer.memory import shm
