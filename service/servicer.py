@@ -161,7 +161,7 @@ class KVTransferServicer:
             raise FailedPrecondition("peering is not configured on this daemon (docs/peering.md)")
         pushed = await self._blocking(peering.push, served.manager.group, request.namespace, keys, request.peer)
         return pb.TransferResponse(statuses=[wire.OUTCOME_TO_STATUS[o] for o in pushed.outcomes],
-                                   bytes=pushed.blocks * served.manager.group.host.slot_bytes, seconds=pushed.seconds)
+                                   bytes=pushed.blocks * served.manager.group.slot_bytes, seconds=pushed.seconds)
 
     @rpc
     async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:

@@ -142,8 +142,7 @@ async def snapshot(hub: EventHub, registry: PoolRegistry, executor: ThreadPoolEx
     for group in registry.groups():
         if group.event_scope not in scopes:
             continue
-        indexes = [group.index] + ([group.disk.index] if group.disk is not None else [])
-        for index in indexes:
+        for index in group.key_indexes():
             for namespace in namespaces:
                 batches: Iterator[list[bytes]] = index.namespace_keys(namespace, SNAPSHOT_KEYS)
                 while (keys := await loop.run_in_executor(executor, next, batches, None)) is not None:

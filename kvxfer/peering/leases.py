@@ -54,9 +54,9 @@ class Exposed:
     def drop(self) -> None:
         """End unreleased (its deadline, the daemon stopping): unpin a lease, drop a reservation."""
         if self.pushed:
-            self.group.index.complete_store(self.slots, [None] * len(self.slots))
+            self.group.publish(self.slots, [None] * len(self.slots))
         else:
-            self.group.index.complete_load(self.slots)
+            self.group.unpin(self.slots)
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,7 @@ class LeaseTable:
         """Which keys the host tier of that cache group holds (if it is shared with peers and of this format)."""
         present = [False] * len(keys)
         for group in self._matching(cache_group, block_format):
-            for i, tier in enumerate(group.index.tiers_of(namespace, keys)):
-                present[i] = present[i] or tier is not None
+            present = [p or held for p, held in zip(present, group.holds(namespace, keys))]
         return present
 
     def grant(self, peer: str, cache_group: str, block_format: bytes, namespace: str, keys: list[bytes],
@@ -104,16 +103,16 @@ class LeaseTable:
         self._check(peer, lease_ms, len(keys))
         best = None
         for group in self._matching(cache_group, block_format):
-            plan = group.index.prepare_load(namespace, keys)  # pinned
+            plan = group.pin(namespace, keys)
             if best is None or len(plan.slots) > len(best[1].slots):
                 if best is not None:
-                    best[0].index.complete_load(best[1].slots)
+                    best[0].unpin(best[1].slots)
                 best = (group, plan)
             else:
-                group.index.complete_load(plan.slots)
+                group.unpin(plan.slots)
         if best is None or not best[1].slots:
             if best is not None:
-                best[0].index.complete_load(best[1].slots)
+                best[0].unpin(best[1].slots)
             return None
         group, plan = best
         return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], list(plan.checksums),
@@ -152,7 +151,7 @@ class LeaseTable:
                     exposed.yielded.add(j)
                     taken.append(exposed.slots[j])
             if taken:
-                group.index.drop_slots(taken)
+                group.give_up(taken)
 
     def _check(self, peer: str, lease_ms: int, n: int) -> None:
         """Refuse before pinning anything (``_open_new`` checks again: requests run side by side)."""
@@ -176,11 +175,11 @@ class LeaseTable:
             raise ResourceExhausted(f"peer {shown(peer)} holds {self._peer_blocks[peer]} blocks; at most "
                                     f"{s.max_leased_blocks_per_peer} a peer")
         if group is not None:
-            share = int(group.host.capacity * s.host_share)
+            share = int(group.capacity * s.host_share)
             if self._group_blocks[id(group)] + n > share:
                 raise ResourceExhausted(f"peers hold {self._group_blocks[id(group)]} blocks of cache group "
                                         f"{shown(group.name)}'s host tier; at most {share} "
-                                        f"(peering.host_share {s.host_share:g} of {group.host.capacity})")
+                                        f"(peering.host_share {s.host_share:g} of {group.capacity})")
 
     def _open_new(self, exposed: Exposed, lease_ms: int, present: list[int]) -> Granted:
         n = len(exposed.slots)
@@ -193,10 +192,9 @@ class LeaseTable:
             self._count(exposed, 1)
             self._opening += 1
         group = exposed.group
-        buffer = group.host.buffer
-        exposed.addresses = [buffer[s].data_ptr() for s in exposed.slots]
+        exposed.addresses = [group.slot_address(s) for s in exposed.slots]
         try:
-            metadata = self.agent.expose(exposed.addresses, group.host.slot_bytes)
+            metadata = self.agent.expose(exposed.addresses, group.slot_bytes)
         except self.agent.errors as exc:
             with self._lock:
                 self._count(exposed, -1)
@@ -238,14 +236,14 @@ class LeaseTable:
             return False
         suspects = set(corrupt_positions)
         js = [j for j, p in enumerate(lease.positions) if p in suspects]
-        sums = lease.group.host.checksums([lease.slots[j] for j in js]) if js else []
+        sums = lease.group.slot_checksums([lease.slots[j] for j in js]) if js else []
         bad = {j for j, got in zip(js, sums) if got != lease.checksums[j]}
         if bad:
             log.error("blocks a peer read were corrupt here too: dropped",
                       extra={"peer": peer, "blocks": len(bad), "cache_group": lease.group.name})
-        lease.group.index.complete_load(lease.slots, bad)
+        lease.group.unpin(lease.slots, bad)
         good = len(lease.slots) - len(bad)
-        self.counters.moved(peer, "out", good, good * lease.group.host.slot_bytes)
+        self.counters.moved(peer, "out", good, good * lease.group.slot_bytes)
         return True
 
     def commit(self, peer: str, reservation_id: bytes, checksums: list[int]) -> list[bool]:
@@ -258,12 +256,12 @@ class LeaseTable:
         reservation = self._take(peer, reservation_id, pushed=True)
         if reservation is None:
             return []
-        got = reservation.group.host.checksums(reservation.slots)
+        got = reservation.group.slot_checksums(reservation.slots)
         # (a slot the engine took the key of is freed unpublished: not PENDING any more; the key is held here)
         stored = [a == b or j in reservation.yielded for j, (a, b) in enumerate(zip(got, checksums))]
-        reservation.group.index.complete_store(reservation.slots, [c if ok else None for c, ok in zip(got, stored)])
+        reservation.group.publish(reservation.slots, [c if ok else None for c, ok in zip(got, stored)])
         good = sum(stored)
-        self.counters.moved(peer, "in", good, good * reservation.group.host.slot_bytes)
+        self.counters.moved(peer, "in", good, good * reservation.group.slot_bytes)
         if good < len(stored):
             self.counters.failed(peer, "corrupt", len(stored) - good)
         return stored
@@ -289,7 +287,7 @@ class LeaseTable:
             entry = (gid, exposed.namespace, key)
             if self._reserved.get(entry, (None,))[0] is exposed:  # (a key yielded may be reserved again since)
                 del self._reserved[entry]
-        self.agent.withdraw(exposed.addresses, exposed.group.host.slot_bytes)
+        self.agent.withdraw(exposed.addresses, exposed.group.slot_bytes)
         if not self._open:
             self.agent.unhold()
 

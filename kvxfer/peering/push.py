@@ -37,7 +37,7 @@ def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: CacheGroup
          keys: list[bytes], lease_ms: int) -> Pushed:
     outcomes = [Outcome.NOT_FOUND] * len(keys)
     done = Pushed(outcomes)
-    plan = group.index.prepare_load(namespace, keys)  # ours stay put while they are written
+    plan = group.pin(namespace, keys)  # ours stay put while they are written
     corrupt: set[int] = set()
     try:
         if not plan.slots:
@@ -53,7 +53,7 @@ def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: CacheGroup
             return done
         positions = [b.position for b in answer.blocks]
         every = positions + list(answer.present_positions)
-        if (answer.blocks and answer.block_bytes != group.host.slot_bytes) or len(set(every)) != len(every) \
+        if (answer.blocks and answer.block_bytes != group.slot_bytes) or len(set(every)) != len(every) \
                 or any(p >= len(held) for p in every) or (answer.blocks and not 0 < answer.lease_ms <= lease_ms):
             counters.failed(link.name, "malformed")
             log.error("a peer answered a reservation it could not have made", extra={"peer": link.name})
@@ -68,12 +68,11 @@ def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: CacheGroup
             counters.failed(link.name, "refused")
             log.error("a peer's reservation was refused", extra={"peer": link.name, "error": str(exc)})
             return done
-        buffer = group.host.buffer
-        pairs = [(buffer[plan.slots[p]].data_ptr(), b.address) for p, b in zip(positions, answer.blocks)]
+        pairs = [(group.slot_address(plan.slots[p]), b.address) for p, b in zip(positions, answer.blocks)]
         timeout_at = time.monotonic() + link.timeout_s
         deadline = min(timeout_at, asked + answer.lease_ms / 1000 - MARGIN_S)
         start = time.perf_counter()
-        result = agent.write(link.name, pairs, group.host.slot_bytes, deadline)
+        result = agent.write(link.name, pairs, group.slot_bytes, deadline)
         seconds = time.perf_counter() - start
         if result is not XferResult.DONE:  # the reservation ends there unpublished at its deadline
             counters.failed(link.name, "transfer" if result is XferResult.FAILED else "timeout")
@@ -87,13 +86,13 @@ def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: CacheGroup
         for p, ok in zip(positions, stored):
             outcomes[held[p]] = Outcome.DONE if ok else Outcome.DATA_LOSS
         good = sum(stored)
-        counters.moved(link.name, "out", good, good * group.host.slot_bytes, seconds)
+        counters.moved(link.name, "out", good, good * group.slot_bytes, seconds)
         done.blocks, done.seconds = good, seconds
         suspects = [p for p, ok in zip(positions, stored) if not ok]
         if suspects:
-            sums = group.host.checksums([plan.slots[p] for p in suspects])
+            sums = group.slot_checksums([plan.slots[p] for p in suspects])
             corrupt = {p for p, got in zip(suspects, sums) if got != plan.checksums[p]}
             counters.failed(link.name, "corrupt", len(suspects))
         return done
     finally:
-        group.index.complete_load(plan.slots, corrupt)  # a block wrong here too is dropped
+        group.unpin(plan.slots, corrupt)  # a block wrong here too is dropped

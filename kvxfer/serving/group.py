@@ -127,6 +127,47 @@ class CacheGroup:
     def lower(self) -> bool:
         return bool(self.lower_tiers)
 
+    # -- the host tier's blocks, for those who serve them directly (peers' leases, pushes) ---------------
+    @property
+    def slot_bytes(self) -> int:
+        return self.host.slot_bytes
+
+    @property
+    def capacity(self) -> int:
+        """Host tier slots."""
+        return self.host.capacity
+
+    def slot_address(self, slot: int) -> int:
+        return self.host.buffer[slot].data_ptr()
+
+    def slot_checksums(self, slots: list[int]) -> list[int]:
+        """The checksum of each host slot's bytes as they are now."""
+        return self.host.checksums(slots)
+
+    def holds(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        """Which keys the host tier holds (the lower tiers are not asked)."""
+        return [tier is not None for tier in self.index.tiers_of(namespace, keys)]
+
+    def pin(self, namespace: str, keys: list[bytes]) -> Plan:
+        """The host slots of the keys it holds, pinned (neither evicted nor overwritten) until ``unpin``."""
+        return self.index.prepare_load(namespace, keys)
+
+    def unpin(self, slots: Sequence[int], corrupt: set[int] = frozenset()) -> None:
+        """End a ``pin``; ``slots[j]`` for j in ``corrupt`` is dropped, never served again."""
+        self.index.complete_load(slots, corrupt)
+
+    def publish(self, slots: Sequence[int], checksums: list[int | None]) -> None:
+        """End a ``prepare_store``: the slots whose checksum is given become visible; the others are freed."""
+        self.index.complete_store(slots, checksums)
+
+    def give_up(self, slots: Sequence[int]) -> None:
+        """Reserved or stored slots' keys become free now (their slots are freed once unpinned)."""
+        self.index.drop_slots(slots)
+
+    def key_indexes(self) -> list[BlockIndex]:
+        """The indexes that name the group's keys: the host tier's, and a disk tier's (a Snapshot lists both)."""
+        return [self.index] + ([self.disk.index] if self.disk is not None else [])
+
     def prepare_store(self, namespace: str, keys: list[bytes], engine: bool = True) -> Plan:
         """Host slots for new keys; the blocks evicted to make room go to the lower tiers. ``engine``: the local
         engine stores them, which comes first: a peer's reservation of the same keys gives them up."""
@@ -235,7 +276,7 @@ class CacheGroup:
         for tier in self.lower_tiers:
             tier.close(timeout)
         if announce:
-            for index in [self.index] + ([self.disk.index] if self.disk is not None else []):
+            for index in self.key_indexes():
                 index.announce_all(Reason.CLEARED)
 
     def check_joins(self, layout: PoolLayout, manifest: Manifest | None = None) -> None:

@@ -70,3 +70,14 @@ def test_benchmarks_and_harnesses_live_in_kvxfer_bench_and_the_daemon_package_ho
                  if p.name.startswith(("bench", "launch", "peer_lmcache", "peering_local"))]
     assert harnesses == [] and all(module.startswith("kvxfer.bench.") for _, module, _ in BENCHES)
     assert "torch" not in _loaded_after("import kvxfer.defaults")
+
+
+def test_peering_and_the_daemon_reach_a_cache_group_through_its_methods_alone():
+    """Issue 48: the lease and push code reached into ``group.index`` and ``group.host``."""
+    import re
+
+    reach = re.compile(r"group\.(index|host)\b")
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for package in ("kvxfer/peering", "service")
+                 for p in (ROOT / package).rglob("*.py")
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if reach.search(line)]
+    assert offenders == []
