@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kvxfer.transfer.planner docs/devcheck/RUN.json", file=sys.stderr)
+        print("usage: python -m kvxfer.transfer.planner docs/benchmarks/devcheck/RUN.json", file=sys.stderr)
         return 2
     run = json.loads(Path(args[0]).read_text())
     rows = next(s for s in run["stages"] if s["stage"] == "bandwidth")["result"]["rows"]
