@@ -21,12 +21,13 @@ from kvxfer import fdpass, wire
 from kvxfer.client_results import DROPPABLE, SUCCESS, BlockFailures, FinishedJobs, failures, monotonic_ns
 from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError, error_for_code
 from kvxfer.events.client import EventBatch, SnapshotBatch, event_batches, snapshot_batches
-from kvxfer.events.records import EngineBlocks
+from kvxfer.events.records import EngineBlocks, KeyFormat
 from kvxfer.events.wire import engine_to_pb
 from kvxfer.geometry.keys import block_keys
-from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.geometry.layout import Axis, KVSpec, Layout, PoolLayout, dtype_name
 from kvxfer.geometry.sharding import Sharding
 from kvxfer.memory import cuda_mem
+from kvxfer.memory.shm import create_sealed, map_fd
 from kvxfer.memory.ipc_event import CudaEvent, event_handle
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.records import LookupResult, Medium, PoolStats, TransferResult
@@ -370,4 +371,8 @@ class Client:
         self.close()
 
 
-__all__ = ["SUCCESS", "BlockFailures", "Client", "CudaEvent", "FinishedJobs", "event_handle"]
+#: The engine side's vocabulary: what an engine integration needs besides the client (``kvxfer.integrations``
+#: imports nothing else of the library but records, errors and validation).
+__all__ = ["SUCCESS", "Axis", "BlockFailures", "Client", "CudaEvent", "EngineBlocks", "FinishedJobs", "KVSpec",
+           "KeyFormat", "Layout", "PoolHandle", "PoolLayout", "Sharding", "create_sealed", "dtype_name",
+           "event_handle", "map_fd"]

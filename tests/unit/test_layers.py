@@ -81,3 +81,17 @@ def test_peering_and_the_daemon_reach_a_cache_group_through_its_methods_alone():
                  for p in (ROOT / package).rglob("*.py")
                  for n, line in enumerate(p.read_text().splitlines(), 1) if reach.search(line)]
     assert offenders == []
+
+
+def test_the_engine_integrations_use_the_client_and_the_vocabulary_alone():
+    """Issue 48: the backends reached into memory/, geometry/ and events/; they take what they need from
+    ``kvxfer.client`` (which re-exports it) and the vocabulary."""
+    allowed = ("kvxfer.client", "kvxfer.records", "kvxfer.errors", "kvxfer.validate", "kvxfer.integrations")
+    offenders = []
+    for path in (ROOT / "kvxfer" / "integrations").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                          if n.startswith("kvxfer") and not n.startswith(allowed)]
+    assert offenders == []

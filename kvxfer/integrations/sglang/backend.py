@@ -22,7 +22,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
                                                   PoolName, PoolTransfer, PoolTransferResult)
 
-from kvxfer.geometry.layout import PoolLayout
+from kvxfer.client import PoolLayout
 from kvxfer.integrations.identity import weights_identity
 from kvxfer.integrations.settings import parse_settings
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames, RankShare

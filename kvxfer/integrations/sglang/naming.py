@@ -22,7 +22,7 @@ import torch
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.integrations.identity import digest, safe_group_prefix
-from kvxfer.geometry.layout import KVSpec, Layout, dtype_name
+from kvxfer.client import KVSpec, Layout, dtype_name
 
 #: SGLang's host layouts (``--hicache-mem-layout``) in kvxfer's axes: MHA pools hold K and V
 #: outermost ([2, ...]); MLA pools one latent a token (KV and H of size 1).

@@ -28,16 +28,11 @@ from typing import TypeVar
 
 import torch
 
-from kvxfer.client import Client
+from kvxfer.client import Client, EngineBlocks, KeyFormat, PoolHandle, PoolLayout, create_sealed
 from kvxfer.errors import KvxferError
-from kvxfer.events.records import EngineBlocks, KeyFormat
-from kvxfer.geometry.layout import PoolLayout
-from kvxfer.records import NULL_BLOCK
 from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames
-from kvxfer.memory import shm
-from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium, Outcome
+from kvxfer.records import NULL_BLOCK, Medium, Outcome
 
 log = logging.getLogger("kvxfer.sglang")
 T = TypeVar("T")
@@ -74,7 +69,7 @@ class Staging:
     def __init__(self, geometry: HostGeometry, name: str) -> None:
         self.geometry = geometry
         nbytes = PoolLayout(geometry.spec, geometry.layout).nbytes
-        self.fd = shm.create_sealed(name, nbytes)
+        self.fd = create_sealed(name, nbytes)
         self._map = mmap.mmap(self.fd, nbytes)
         self.pages = torch.frombuffer(self._map, dtype=torch.uint8).view(geometry.spec.dtype).view(geometry.shape)
         self.slots = list(range(NULL_BLOCK + 1, geometry.spec.num_blocks))  # every slot but the null block

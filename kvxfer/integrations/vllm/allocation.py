@@ -15,7 +15,7 @@ import os
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvxfer.memory import shm
+from kvxfer.client import create_sealed, map_fd
 
 
 def _is_cpu(device: object) -> bool:
@@ -39,8 +39,8 @@ class SharedKVAllocation(TorchFunctionMode):
         if (func is torch.zeros and self.tensor is None and kwargs.get("dtype") is torch.int8
                 and _is_cpu(kwargs.get("device")) and len(args) == 1 and isinstance(args[0], int)):
             nbytes = args[0]
-            fd = shm.create_sealed(self.name, nbytes)  # zeroed, reserved: fails here, not on first touch
-            self.fd, self.tensor = fd, shm.map_fd(fd, nbytes).view(torch.int8)
+            fd = create_sealed(self.name, nbytes)  # zeroed, reserved: fails here, not on first touch
+            self.fd, self.tensor = fd, map_fd(fd, nbytes).view(torch.int8)
             return self.tensor
         return func(*args, **kwargs)
 

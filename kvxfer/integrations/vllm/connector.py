@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVQuant
 from vllm.v1.request import Request
 
 from kvxfer.errors import KvxferError
-from kvxfer.geometry.layout import KVSpec
+from kvxfer.client import KVSpec
 from kvxfer.integrations import identity
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames, kvxfer_layout

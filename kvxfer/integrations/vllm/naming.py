@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.integrations.identity import digest, safe_group_prefix
-from kvxfer.geometry.layout import KVSpec, Layout, dtype_name
-from kvxfer.geometry.sharding import Sharding
+from kvxfer.client import KVSpec, Layout, Sharding, dtype_name
 
 #: vLLM's KV-cache layouts (vllm.v1.kv_cache_layout) in kvxfer's axes. vLLM's content axis C
 #: holds a token's K then its V vector, which is kvxfer's KV,D.

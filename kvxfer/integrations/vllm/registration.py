@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvxfer.client import Client
-from kvxfer.geometry.layout import Axis, PoolLayout
+from kvxfer.client import Axis, Client, PoolHandle, PoolLayout
 from kvxfer.integrations.vllm.allocation import SharedKVAllocation
 from kvxfer.integrations.vllm.naming import EngineNames
-from kvxfer.memory.pool import PoolHandle
 from kvxfer.records import Medium
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvxfer.geometry.layout import PoolLayout
+from kvxfer.client import PoolLayout
 from kvxfer.integrations.vllm.allocation import SharedKVAllocation
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.link import DaemonLink, LinkDown

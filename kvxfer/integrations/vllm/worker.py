@@ -38,8 +38,7 @@ import torch
 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
-from kvxfer.client import SUCCESS, Client, CudaEvent
-from kvxfer.events.records import EngineBlocks, KeyFormat
+from kvxfer.client import SUCCESS, Client, CudaEvent, EngineBlocks, KeyFormat
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.manager import KvxferBlocks
