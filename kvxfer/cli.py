@@ -158,7 +158,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _client_tool("status", "the daemon at a glance: pools, tiers, hit ratio, bandwidth, jobs"),
     _client_tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)"),
     _client_tool("events", "the tiers' KV events, a line a batch (--follow: like kubectl get --watch)",
-                 "kvxfer.events.follow")]
+                 "kvxfer.events_cli")]
 
 
 def build_parser(commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kvxfer.errors import InvalidArgument
 from kvxfer.peering.agent import Agent
@@ -11,19 +10,18 @@ from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.leases import LeaseTable
 from kvxfer.peering.link import PeerLink
 from kvxfer.peering.push import Pushed, push
+from kvxfer.peering.served import PeeredGroup
 from kvxfer.peering.settings import PeeringSettings
 from kvxfer.peering.store import PeerStore
 from kvxfer.tiers.host import HostTier
 from kvxfer.validate import shown
 
-if TYPE_CHECKING:
-    from kvxfer.serving.group import CacheGroup
 
 
 class Peering:
     """Made once by the daemon; each cache group gets a ``PeerStore`` of it (``tier``)."""
 
-    def __init__(self, settings: PeeringSettings, groups: Callable[[], list[CacheGroup]]) -> None:
+    def __init__(self, settings: PeeringSettings, groups: Callable[[], list[PeeredGroup]]) -> None:
         self.settings = settings
         self.agent = Agent(settings)
         self.counters = PeerCounters()
@@ -40,11 +38,11 @@ class Peering:
     def admits(self, peer: str) -> bool:
         return self.settings.peer(peer) is not None
 
-    def push(self, group: CacheGroup, namespace: str, keys: list[bytes], peer: str) -> Pushed:
+    def push(self, group: PeeredGroup, namespace: str, keys: list[bytes], peer: str) -> Pushed:
         """Write the blocks of ``keys`` this daemon holds into peer ``peer``'s host tier."""
         return push(self.agent, self._link(peer), self.counters, group, namespace, keys, self.settings.lease_ms)
 
-    def pull(self, group: CacheGroup, namespace: str, keys: list[bytes], peer: str) -> None:
+    def pull(self, group: PeeredGroup, namespace: str, keys: list[bytes], peer: str) -> None:
         """Read the keys the group lacks from peer ``peer`` into its host tier (a caller said it holds them)."""
         link = self._link(peer)
         store = next(t for t in group.lower_tiers if isinstance(t, PeerStore))

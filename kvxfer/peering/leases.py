@@ -22,17 +22,15 @@ import time
 from collections.abc import Callable
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvxfer.errors import InvalidArgument, ResourceExhausted
 from kvxfer.peering.agent import Agent
 from kvxfer.peering.counters import PeerCounters
+from kvxfer.peering.served import PeeredGroup
 from kvxfer.peering.settings import PeeringSettings
 from kvxfer.records import Outcome
 from kvxfer.validate import shown
 
-if TYPE_CHECKING:
-    from kvxfer.serving.group import CacheGroup
 
 log = logging.getLogger("kvxfer.peering")
 
@@ -40,7 +38,7 @@ log = logging.getLogger("kvxfer.peering")
 @dataclass
 class Exposed:
     peer: str
-    group: CacheGroup
+    group: PeeredGroup
     positions: list[int]  # in the peer's request
     slots: list[int]
     addresses: list[int]
@@ -69,7 +67,7 @@ class Granted:
 
 
 class LeaseTable:
-    def __init__(self, agent: Agent, settings: PeeringSettings, groups: Callable[[], list[CacheGroup]],
+    def __init__(self, agent: Agent, settings: PeeringSettings, groups: Callable[[], list[PeeredGroup]],
                  counters: PeerCounters) -> None:
         self.agent = agent
         self.counters = counters
@@ -135,7 +133,7 @@ class LeaseTable:
         return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], [], 0.0, True,
                                       namespace, [keys[i] for i in plan.positions]), lease_ms, present)
 
-    def yield_to_engine(self, group: CacheGroup, namespace: str, keys: list[bytes]) -> None:
+    def yield_to_engine(self, group: PeeredGroup, namespace: str, keys: list[bytes]) -> None:
         """The local engine stores these keys: reservations of them in ``group`` give them up (the engine comes
         first; a peer's uncommitted copy must never stop the engine's). The reserved slots stay held until
         their reservation ends (a peer's write may still land there), then are freed unpublished."""
@@ -160,7 +158,7 @@ class LeaseTable:
         with self._lock:
             self._bounds(peer, n)
 
-    def _bounds(self, peer: str, n: int, group: CacheGroup | None = None) -> None:
+    def _bounds(self, peer: str, n: int, group: PeeredGroup | None = None) -> None:
         """(lock held) The daemon's bounds over all peers, each peer's own (one hoarder cannot stop the
         others), and the share of a host tier peers may hold (the local engine keeps the rest)."""
         s = self.settings
@@ -307,7 +305,7 @@ class LeaseTable:
                 wait = self._deadlines[0][0] - now if self._deadlines else None
                 self._lock.wait(wait)
 
-    def _matching(self, cache_group: str, block_format: bytes) -> list[CacheGroup]:
+    def _matching(self, cache_group: str, block_format: bytes) -> list[PeeredGroup]:
         """The group a peer named, if peers may reach it (``groups``: only those) and its format matches."""
         return [g for g in self._groups() if g.name == cache_group and g.format.fingerprint == block_format]
 

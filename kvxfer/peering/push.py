@@ -11,16 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvxfer.errors import PermissionDenied
 from kvxfer.peering.agent import Agent, XferResult
 from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.link import PeerLink, PeerUnavailable
+from kvxfer.peering.served import PeeredGroup
 from kvxfer.records import Outcome
 
-if TYPE_CHECKING:
-    from kvxfer.serving.group import CacheGroup
 
 log = logging.getLogger("kvxfer.peering")
 MARGIN_S = 0.05  # the write must end this long before the reservation does
@@ -33,7 +31,7 @@ class Pushed:
     seconds: float = 0.0  # the WRITE's
 
 
-def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: CacheGroup, namespace: str,
+def push(agent: Agent, link: PeerLink, counters: PeerCounters, group: PeeredGroup, namespace: str,
          keys: list[bytes], lease_ms: int) -> Pushed:
     outcomes = [Outcome.NOT_FOUND] * len(keys)
     done = Pushed(outcomes)
