@@ -130,8 +130,9 @@ class Daemon:
         events = config.events
         self.kv_events = EventHub(events.replay_keys, events.linger_ms / 1000, events.max_subscribers,
                                   events.replay_mib << 20)
-        self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events)  # empty until listening
-        self.peering: Peering | None = None
+        self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events,  # empty until listening
+                                     (lambda groups: Peering(config.peering, groups)) if config.peering else None)
+        self.peering: Peering | None = self.registry.peering
         self.publisher: ZmqPublisher | None = None
         self.metrics_server: WSGIServer | None = None
         self.health = health.aio.HealthServicer()
@@ -148,8 +149,7 @@ class Daemon:
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         limits = RequestLimits(c.max_concurrent_rpcs, c.max_batch_blocks, c.max_pools, c.max_queued_jobs)
         self.server.add_generic_rpc_handlers((handlers(KVTransferServicer(self.registry, limits, self.executor)),))
-        if c.peering is not None:
-            self.peering = self.registry.peering = Peering(c.peering, self.registry.peer_groups)
+        if self.peering is not None:
             self.server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self.peering, self.executor,
                                                                              c.max_batch_blocks)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

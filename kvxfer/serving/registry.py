@@ -19,8 +19,9 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvxfer.events.hub import EventHub
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
@@ -40,6 +41,9 @@ from kvxfer.memory import cuda_mem, room
 from kvxfer.tiers.host import capacity_blocks
 from kvxfer.memory.shm import size_sealed
 from kvxfer.validate import check_pool_id, shown
+
+if TYPE_CHECKING:
+    from kvxfer.peering.hub import Peering
 
 DAEMON = "daemon"  # the owner of the daemon's own pools and their cache groups
 log = logging.getLogger(__name__)
@@ -71,11 +75,13 @@ class PoolRegistry:
     """Thread-safe map of pool id -> served pool."""
 
     def __init__(self, limits: Limits = Limits(), observer: TransferObserver | None = None,
-                 kv_events: EventHub | None = None) -> None:
+                 kv_events: EventHub | None = None,
+                 peering: Callable[[Callable[[], list[CacheGroup]]], Peering] | None = None) -> None:
+        """``peering``: makes the daemon's peering from the groups peers may reach (``peer_groups``); each
+        group made here then has the peers as a lower tier."""
         self.limits = limits
         self.observer = observer  # told of every transfer of every pool (the daemon's metrics)
         self.kv_events = kv_events  # where the groups' tiers announce their blocks (WatchEvents)
-        self.peering = None  # kvxfer.peering.hub.Peering: set by the daemon before its pools are made
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
         self._pools: dict[str, ServedPool] = {}
         self._groups = GroupTable(limits.cache_group_retention_s, limits.max_cache_groups)
@@ -83,6 +89,7 @@ class PoolRegistry:
         self._job_ids = itertools.count(1)  # job ids are unique across the daemon's pools
         self._watch = ProcessWatch(self._registrant_exited)
         self.until_landed = UntilLanded()  # pools whose late GPU copies may still land: freed once they have
+        self.peering = peering(self.peer_groups) if peering is not None else None
 
     def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
             token: bytes = b"", registrant_pid: int = 0, sharing: Sharing | None = None) -> ServedPool:
