@@ -85,8 +85,8 @@ def round_trip(ctx: dict) -> dict:
     original = {b: pool.storage[b * ROUND_TRIP.block_bytes:(b + 1) * ROUND_TRIP.block_bytes].cpu() for b in sources}
     stored = manager.offload(NS, list(zip(sources, keys)))
     assert stored.outcomes == [Outcome.DONE] * 2048, "offload"
-    slots = [manager.index.locate(NS, k) for k in keys]
-    recorded = manager.index.stored_checksums(slots)  # by the device XXH3, behind the copies
+    slots = [manager.group.index.locate(NS, k) for k in keys]
+    recorded = manager.group.index.stored_checksums(slots)  # by the device XXH3, behind the copies
     read_back = [block_checksum(manager.host.read(slot)) for slot in slots]
     host_sums = [block_checksum(original[b].numpy()) for b in sources]
     restored = manager.restore(NS, list(zip(keys, targets)))

@@ -17,8 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from kvxfer.events.hub import EventHub, ScopedEvents
-from kvxfer.events.records import Reason
+from kvxfer.events.records import EngineBlocks, Reason
 from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.checksum import FORMAT as CHECKSUM_FORMAT
 from kvxfer.geometry.layout import PoolLayout, dtype_name
@@ -140,6 +143,10 @@ class CacheGroup:
     def slot_address(self, slot: int) -> int:
         return self.host.buffer[slot].data_ptr()
 
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """A host slot's bytes (a view: a lower tier's fetch reads a block into it)."""
+        return self.host.buffer[slot]
+
     def slot_checksums(self, slots: list[int]) -> list[int]:
         """The checksum of each host slot's bytes as they are now."""
         return self.host.checksums(slots)
@@ -156,9 +163,15 @@ class CacheGroup:
         """End a ``pin``; ``slots[j]`` for j in ``corrupt`` is dropped, never served again."""
         self.index.complete_load(slots, corrupt)
 
-    def publish(self, slots: Sequence[int], checksums: list[int | None]) -> None:
-        """End a ``prepare_store``: the slots whose checksum is given become visible; the others are freed."""
-        self.index.complete_store(slots, checksums)
+    def publish(self, slots: Sequence[int], checksums: list[int | None], engine: EngineBlocks | None = None,
+                formats: Sequence[int] | None = None) -> None:
+        """End a ``prepare_store``: the slots whose checksum is given become visible; the others are freed.
+        ``engine``, ``formats``: what the events name the blocks by (``BlockIndex.complete_store``)."""
+        self.index.complete_store(slots, checksums, engine, formats)
+
+    def pin_runs(self, slots: np.ndarray) -> np.ndarray:
+        """Each pinned slot's pin run (canonical groups: ranks verify a block once a run)."""
+        return self.index.pin_runs(slots)
 
     def give_up(self, slots: Sequence[int]) -> None:
         """Reserved or stored slots' keys become free now (their slots are freed once unpinned)."""
@@ -217,8 +230,7 @@ class CacheGroup:
             tier.wait_ready(until)
             missing = [k for k, t in zip(keys, self.index.tiers_of(namespace, keys)) if t is None and k not in failed]
             if missing:
-                failed.update(promote(tier, namespace, missing, self.host, self.index, self.store_lock,
-                                      self._demote))
+                failed.update(promote(tier, self, namespace, missing))
         return failed
 
     def tiers_of(self, namespace: str, keys: list[bytes], deadline: float | None = None) -> list[TierKind | None]:

@@ -71,8 +71,7 @@ class PoolManager:
                                manifest=manifest)
         group.check_joins(stored, manifest)
         self.group = group
-        self.host = group.host
-        self.index = group.index
+        self.host = group.host  # the tier the copy engine moves this pool's blocks into and out of
         # A rank holding part of the heads writes its slices of canonical blocks (``_offload_shards``); a pool
         # of every head stores whole blocks, as its bytes are when its layout is the canonical one.
         whole = sharding is None or sharding.heads == (0, sharding.total_kv_heads)
@@ -151,8 +150,8 @@ class PoolManager:
             _set(plan.outcomes, plan.positions, Outcome.FAILED)
         finally:
             # None checksums: never visible. Slots a late copy may still write stay reserved until it lands.
-            self._complete(slots, late, lambda ready: self.index.complete_store(ready, [None] * len(ready)),
-                           lambda: self.index.complete_store(slots, checksums, batch.engine), restore=False)
+            self._complete(slots, late, lambda ready: self.group.publish(ready, [None] * len(ready)),
+                           lambda: self.group.publish(slots, checksums, batch.engine), restore=False)
         return TransferResult(plan.outcomes, moved, seconds)
 
     def _offload_shards(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
@@ -199,13 +198,13 @@ class PoolManager:
             except BaseException:  # never visible, and their slots free again
                 self._forget(slots)
                 raise
-            self.index.complete_store(slots, checksums, batch.engine)
+            self.group.publish(slots, checksums, batch.engine)
             self.group.write_through(batch.namespace, keys, slots, checksums, _format_code(batch))
 
     def _forget(self, slots: list[int]) -> None:
         """Canonical entries that will never be complete: never visible, their slots free."""
         if slots:
-            self.index.complete_store(slots, [None] * len(slots))
+            self.group.publish(slots, [None] * len(slots))
 
     def _complete(self, slots: Sequence[int], late: LateCopies | None, release: Callable[[list[int]], None],
                   complete: Callable[[], None], restore: bool) -> None:
@@ -220,12 +219,12 @@ class PoolManager:
 
     def _prepare_load(self, namespace: str, keys: list[bytes], deadline: float | None = None) -> Plan:
         """Pin the host tier's blocks of the batch, then bring the others up from disk and pin them too."""
-        plan = self.index.prepare_load(namespace, keys)
+        plan = self.group.pin(namespace, keys)
         if len(plan.slots) == len(keys) or not self.group.lower:
             return plan
         missing = [i for i, o in enumerate(plan.outcomes) if o is Outcome.NOT_FOUND]
         lost = self.group.promote(namespace, [keys[i] for i in missing], deadline=deadline)  # may evict: ours pinned
-        more = self.index.prepare_load(namespace, [keys[i] for i in missing])
+        more = self.group.pin(namespace, [keys[i] for i in missing])
         for j, i in enumerate(missing):
             plan.outcomes[i] = lost.get(keys[i], more.outcomes[j])
         # One plan, in batch order (positions ascending, as the index gives them).
@@ -262,7 +261,7 @@ class PoolManager:
         finally:
             # dropped at complete_load; the engine must not read these blocks
             _set(plan.outcomes, [positions[j] for j in corrupt], Outcome.DATA_LOSS)
-            self._complete(slots, late, self.index.complete_load, lambda: self.index.complete_load(slots, corrupt),
+            self._complete(slots, late, self.group.unpin, lambda: self.group.unpin(slots, corrupt),
                            restore=True)
         return TransferResult(plan.outcomes, moved, seconds)
 
@@ -270,9 +269,9 @@ class PoolManager:
         """Which of these pinned canonical blocks are known good in their pin run: verified here now, or by
         another rank's restore (waited for). The others (bad, or not answered in time) the copy checks again."""
         verified, at = self.group.verified, slot_array(slots)
-        runs = self.index.pin_runs(at)
+        runs = self.group.pin_runs(at)
         tried: set[int] = set()
-        step = max(1, VERIFY_STEP_BYTES // self.host.slot_bytes)
+        step = max(1, VERIFY_STEP_BYTES // self.group.slot_bytes)
         while True:
             mine, waits = verified.share(at, runs, tried, step)
             if not mine:

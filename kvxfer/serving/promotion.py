@@ -1,21 +1,21 @@
 """Promotion, written once for every lower tier: a restore's keys brought up into host slots.
 
-The tier finds what it holds and holds it (``LowerTier.fetch``); host slots are reserved
-under the group's store lock (evicting, and so demoting, others: the caller's
-``on_evicted``); the tier copies each block's verified bytes into its slot; good blocks
-are published in the host index, the rest are dropped there, and the tier is told which
-were corrupt (it removes them).
+The tier finds what it holds and holds it (``LowerTier.fetch``); the group reserves host slots
+(``prepare_store``: evicting, and so demoting, others); the tier copies each block's verified
+bytes into its slot; the group publishes the good blocks and drops the rest, and the tier is
+told which were corrupt (it removes them).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from kvxfer.index.block_index import BlockIndex, Evicted
 from kvxfer.records import Outcome
-from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.lower import LowerTier
+
+if TYPE_CHECKING:
+    from kvxfer.serving.group import CacheGroup
 
 #: The verdicts that fail a key (NOT_FOUND leaves it to the host tier and the next lower tier).
 FAILURES = (Outcome.DATA_LOSS, Outcome.FAILED)
@@ -52,21 +52,18 @@ class InFlight:
             event.set()
 
 
-def promote(tier: LowerTier, namespace: str, keys: list[bytes], host: HostTier, host_index: BlockIndex,
-            store_lock: threading.Lock, on_evicted: Callable[[Evicted], None]) -> dict[bytes, Outcome]:
-    """Move the named blocks ``tier`` holds into the host tier; returns the keys that failed."""
+def promote(tier: LowerTier, group: CacheGroup, namespace: str, keys: list[bytes]) -> dict[bytes, Outcome]:
+    """Move the named blocks ``tier`` holds into ``group``'s host tier; returns the keys that failed."""
     fetch = tier.fetch(namespace, keys)
     corrupt: set[int] = set()
     try:
         if not fetch.keys:
             return {}
-        with store_lock:
-            plan = host_index.prepare_store(namespace, fetch.keys)
-            on_evicted(plan.evicted)
+        plan = group.prepare_store(namespace, fetch.keys, engine=False)
         checksums: dict[int, int] = {}  # host slot -> checksum of what landed there
         failed: dict[bytes, Outcome] = {}
         try:
-            targets = [(j, host.buffer[slot]) for j, slot in zip(plan.positions, plan.slots)]
+            targets = [(j, group.slot_view(slot)) for j, slot in zip(plan.positions, plan.slots)]
             for (j, _), slot, (verdict, checksum) in zip(targets, plan.slots, fetch.read(targets)):
                 if verdict is Outcome.DONE:
                     checksums[slot] = checksum
@@ -75,8 +72,8 @@ def promote(tier: LowerTier, namespace: str, keys: list[bytes], host: HostTier, 
                     if verdict is Outcome.DATA_LOSS:
                         corrupt.add(j)
         finally:  # whatever happens, the reserved slots are completed (else they stay pinned, unseen)
-            host_index.complete_store(plan.slots, [checksums.get(s) for s in plan.slots],
-                                      formats=[fetch.formats[j] for j in plan.positions])
+            group.publish(plan.slots, [checksums.get(s) for s in plan.slots],
+                          formats=[fetch.formats[j] for j in plan.positions])
         return failed
     finally:
         fetch.end(corrupt)

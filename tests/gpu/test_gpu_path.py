@@ -71,7 +71,7 @@ def test_offload_waits_for_the_engines_writes():
                                         ready_event=bytes.fromhex(line))
             result = manager.run(batch)
             assert result.outcomes == [Outcome.DONE], result
-            slot = manager.index.locate("ev", b"late")
+            slot = manager.group.index.locate("ev", b"late")
             assert bool((manager.host.buffer[slot] == 0x5A).all())  # the copy ran after the engine's write
         finally:
             engine.stdin.close()

@@ -124,7 +124,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def corrupt(self, data):
         k = data.draw(st.sampled_from([k for k in self.stored if k not in self.corrupted]))
-        slot = self.m.index.locate(NS, k)
+        slot = self.m.group.index.locate(NS, k)
         byte = data.draw(st.integers(0, SPEC.block_bytes - 1))
         self.m.host.buffer[slot][byte] ^= 1 << data.draw(st.integers(0, 7))
         self.corrupted.add(k)
@@ -136,10 +136,10 @@ class StoreMachine(RuleBasedStateMachine):
         assert torch.equal(self.pool.storage, self.expected_pool)
         lookup = self.m.lookup(NS, KEYS)
         assert [t is not None for t in lookup.tiers] == [k in self.stored for k in KEYS]
-        stats = self.m.index.stats()
+        stats = self.m.group.index.stats()
         assert stats.pinned == 0 and stats.used == len(self.stored) <= CAPACITY
         # The counters Stats reads in O(1) equal a count over the whole index.
-        index = self.m.index
+        index = self.m.group.index
         assert (stats.ready, stats.pinned) == (int((index._state == 2).sum()), int(index._pins.astype(bool).sum()))
 
 

@@ -100,10 +100,10 @@ def test_an_offload_waits_for_the_engines_event_and_without_it_reads_old_bytes(c
         everything = manager.pool.layout.nbytes  # every run of every block
         engine.forward(0, everything, 0x5A, delay_s=0.3)  # the forward pass, still running
         assert offload(manager, [3], [b"early"]) == [Outcome.DONE]
-        assert bool((manager.host.buffer[manager.index.locate("ns", b"early")] == 0).all())  # stale KV stored
+        assert bool((manager.host.buffer[manager.group.index.locate("ns", b"early")] == 0).all())  # stale KV stored
         event = engine.forward(0, everything, 0x6B, delay_s=0.3)
         assert offload(manager, [4], [b"late"], event) == [Outcome.DONE]
-        assert bool((manager.host.buffer[manager.index.locate("ns", b"late")] == 0x6B).all())
+        assert bool((manager.host.buffer[manager.group.index.locate("ns", b"late")] == 0x6B).all())
         assert not cuda_sim.violations
     finally:
         engine.close()
@@ -141,7 +141,7 @@ def test_checksums_of_a_dma_engines_copies_catch_corruption(cuda_sim, on_device,
     if on_device:  # hashed on a side stream joined by an event a chunk: the copy stream never waits for it
         assert manager.engine._streams[Direction.TO_HOST].side is not None
         assert cuda_sim.calls.count("cuStreamWaitEvent") == 3  # three chunks
-    slots = [manager.index.locate("ns", k) for k in keys]
+    slots = [manager.group.index.locate("ns", k) for k in keys]
     manager.host.buffer[slots[6], 5] ^= 1  # a bit flips in the tier
     restored = manager.restore("ns", list(zip(keys, range(11, 21))))
     assert restored.outcomes == [Outcome.DONE] * 6 + [Outcome.DATA_LOSS] + [Outcome.DONE] * 3
@@ -158,7 +158,7 @@ def test_a_device_checksum_that_cannot_be_enqueued_fails_the_chunk_after_its_cop
     monkeypatch.setattr(manager.engine._hasher, "enqueue", out_of_memory)
     assert offload(manager, [1, 2], [b"a", b"b"]) == [Outcome.FAILED] * 2
     assert all(s.idle() for s in cuda_sim.streams.values())  # the chunk's copies ran before the error came back
-    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.index.stats().pinned == 0
+    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.group.index.stats().pinned == 0
 
 
 def test_cancellation_between_chunks_publishes_nothing(cuda_sim):
@@ -169,7 +169,7 @@ def test_cancellation_between_chunks_publishes_nothing(cuda_sim):
     result = manager.offload("ns", [(6, b"f"), (7, b"g"), (8, b"h"), (9, b"i"), (10, b"j")],
                              cancelled=lambda: next(answers))
     assert result.outcomes == [Outcome.CANCELLED] * 5 and manager.lookup("ns", [b"f"]).hits == 0
-    assert manager.index.stats().pinned == 0
+    assert manager.group.index.stats().pinned == 0
 
 
 def test_a_bad_event_handle_fails_its_request_alone(cuda_sim):
@@ -186,7 +186,7 @@ def test_a_bad_event_handle_fails_its_request_alone(cuda_sim):
     for bad in (bytes(64), stale):  # not a handle the driver knows; a stale one
         with pytest.raises(InvalidArgument, match="engine's CUDA event"):
             offload(manager, [1], [b"a"], bad)
-    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.index.stats().pinned == 0
+    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.group.index.stats().pinned == 0
     assert offload(manager, [1], [b"a"]) == [Outcome.DONE]  # the pool serves on
     assert offload(other, [1], [b"a"]) == [Outcome.DONE]
     assert manager.engine.driver.lost is None
@@ -234,7 +234,7 @@ def test_layouts_of_short_runs_move_through_staging_one_descriptor_a_block(cuda_
     assert cuda_sim.calls.count("cuLaunchHostFunc") == 3  # three rounds of at most three blocks
     assert cuda_sim.calls.count("cuMemAlloc_v2") == 2  # the buffers, made in the first submit ...
     assert "cuStreamSynchronize" not in cuda_sim.calls  # ... without a host synchronisation (not zeroed)
-    slots = [manager.index.locate("ns", k) for k in keys]
+    slots = [manager.group.index.locate("ns", k) for k in keys]
     reference = HostTier(20, manager.pool.layout.block_bytes)
     CpuCopyEngine(data.clone(), manager.pool.layout, reference).submit(CopyBatch(Direction.TO_HOST, blocks, slots)).wait()
     assert torch.equal(manager.host.buffer[slots], reference.buffer[slots])  # the tier format is the plan's
@@ -265,7 +265,7 @@ def test_a_staging_kernel_that_cannot_be_enqueued_fails_the_chunk_after_its_copi
     monkeypatch.setattr(manager.engine._stager, "enqueue", fail_the_second)
     assert offload(manager, [1, 2, 3, 4], [b"a", b"b", b"c", b"d"]) == [Outcome.FAILED] * 4
     assert all(s.idle() for s in cuda_sim.streams.values())  # the first round's copies ran before the error
-    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.index.stats().pinned == 0
+    assert manager.lookup("ns", [b"a"]).hits == 0 and manager.group.index.stats().pinned == 0
 
 
 def test_without_device_memory_for_staging_blocks_move_run_by_run(cuda_sim, monkeypatch):
@@ -311,7 +311,7 @@ def test_a_long_plan_goes_to_the_driver_in_sub_batches(cuda_sim, monkeypatch):
     monkeypatch.setattr(manager.engine.driver, "copy", fail_the_second)
     assert offload(manager, [3, 7, 11], [b"x", b"y", b"z"]) == [Outcome.FAILED] * 3
     assert all(s.idle() for s in cuda_sim.streams.values())  # the first call's copies ran before the error
-    assert manager.lookup("ns", [b"x"]).hits == 0 and manager.index.stats().pinned == 0
+    assert manager.lookup("ns", [b"x"]).hits == 0 and manager.group.index.stats().pinned == 0
     assert not cuda_sim.violations
 
 

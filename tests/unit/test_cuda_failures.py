@@ -34,18 +34,18 @@ def test_slots_of_an_offload_past_its_deadline_stay_reserved_until_its_copy_land
     data = fill(manager)
     cuda_sim.stall_copies()  # the offload's copy stalls on its stream
     assert offload(manager, [1, 2], [b"a", b"b"]) == [Outcome.DEADLINE_EXCEEDED] * 2
-    assert manager.index.stats().pinned == 2  # held, invisible
+    assert manager.group.index.stats().pinned == 2  # held, invisible
     assert offload(manager, [5, 6], [b"c", b"d"]) == [Outcome.DONE] * 2  # the two other slots, on a fresh stream
-    free = {manager.index.locate("ns", k) for k in (b"c", b"d")}
+    free = {manager.group.index.locate("ns", k) for k in (b"c", b"d")}
     assert offload(manager, [7], [b"e"]) == [Outcome.DONE]  # evicts c: never a held slot
-    assert manager.index.locate("ns", b"e") in free
+    assert manager.group.index.locate("ns", b"e") in free
     cuda_sim.stall.set()  # the late copy lands in the held slots
     assert _until(lambda: manager.engine.reap() == 0)
-    assert manager.index.stats().pinned == 0 and manager.lookup("ns", [b"a"]).hits == 0
+    assert manager.group.index.stats().pinned == 0 and manager.lookup("ns", [b"a"]).hits == 0
     assert manager.restore("ns", [(b"d", 20), (b"e", 21)]).outcomes == [Outcome.DONE] * 2
     assert torch.equal(manager.pool.storage[20 * SPAN:22 * SPAN], data[6 * SPAN:8 * SPAN])
     assert offload(manager, [8, 9], [b"f", b"g"]) == [Outcome.DONE] * 2  # the held slots are free again
-    assert manager.index.stats().ready == 4 and manager.lookup("ns", [b"d", b"e"]).hits == 2
+    assert manager.group.index.stats().ready == 4 and manager.lookup("ns", [b"d", b"e"]).hits == 2
 
 
 def test_no_stream_waits_on_an_engines_event_so_its_death_hangs_nothing(cuda_sim):
@@ -62,7 +62,7 @@ def test_no_stream_waits_on_an_engines_event_so_its_death_hangs_nothing(cuda_sim
         engine("open", handle=manager.pool.descriptor.handle.ipc_handle.hex())
         event = engine.forward(1 * SPAN, SPAN, 0x77, hang=True)  # the engine's stream hangs, then it dies
         assert offload(manager, [1, 2], [b"a", b"b"], event) == [Outcome.DEADLINE_EXCEEDED] * 2
-        assert manager.index.stats().pinned == 0 and manager.engine.reap() == 0  # nothing held, nothing late
+        assert manager.group.index.stats().pinned == 0 and manager.engine.reap() == 0  # nothing held, nothing late
         engine.kill()
         gpu = cuda_driver.driver(0)
         freed = threading.Thread(target=lambda: gpu.free(gpu.alloc(4096, zeroed=False)), daemon=True)
@@ -83,12 +83,12 @@ def test_a_restore_past_its_deadline_takes_the_pool_out_of_service_until_it_land
     cuda_sim.dma.clear()  # the copy engine stalls
     assert manager.restore("ns", [(b"a", 9)]).outcomes == [Outcome.DEADLINE_EXCEEDED]
     assert manager.restore("ns", [(b"a", 10)]).outcomes == [Outcome.FAILED]  # out of service
-    assert manager.index.stats().pinned == 1  # the source slot is still read by the late copy
+    assert manager.group.index.stats().pinned == 1  # the source slot is still read by the late copy
     cuda_sim.dma.set()
     assert _until(lambda: manager.engine.reap() == 0)
     assert manager.restore("ns", [(b"a", 10)]).outcomes == [Outcome.DONE]
     assert torch.equal(manager.pool.storage[10 * SPAN:11 * SPAN], data[SPAN:2 * SPAN])
-    assert manager.index.stats().pinned == 0
+    assert manager.group.index.stats().pinned == 0
 
 
 def test_a_sticky_error_loses_the_device_and_every_pool_on_it_but_not_another_gpu(cuda_sim):
@@ -265,10 +265,10 @@ def test_a_looped_copy_failing_midway_holds_its_slots_until_the_copies_before_it
     cuda_sim.dma.clear()  # the first copy is enqueued and waits ...
     cuda_sim.inject("cuMemcpyAsync", INVALID_VALUE, after=1)  # ... the second cannot be enqueued
     assert offload(manager, [1, 5], [b"a", b"b"]) == [Outcome.DEADLINE_EXCEEDED] * 2
-    assert manager.index.stats().pinned == 2  # held: the first copy may still land in one of them
+    assert manager.group.index.stats().pinned == 2  # held: the first copy may still land in one of them
     cuda_sim.dma.set()
     assert _until(lambda: manager.engine.reap() == 0)
-    assert manager.index.stats().pinned == 0 and offload(manager, [2, 6], [b"c", b"d"]) == [Outcome.DONE] * 2
+    assert manager.group.index.stats().pinned == 0 and offload(manager, [2, 6], [b"c", b"d"]) == [Outcome.DONE] * 2
 
 
 def test_restores_read_in_stream_order_and_checksums_come_back_through_pinned_memory(cuda_sim):

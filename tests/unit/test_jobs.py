@@ -42,7 +42,7 @@ def test_cancelled_offload_publishes_nothing(manager):
     result = manager.offload(NS, [(1 + i, f"k{i}".encode()) for i in range(200)],
                              cancelled=lambda: calls.append(1) or len(calls) > 1)  # stop after one chunk
     assert result.outcomes == [Outcome.CANCELLED] * 200
-    stats = manager.index.stats()
+    stats = manager.group.index.stats()
     assert (stats.used, stats.pinned, stats.ready) == (0, 0, 0)
 
 
@@ -54,7 +54,7 @@ def test_cancelled_restore_stops_writing_at_a_chunk(manager):
     result = manager.restore(NS, [(k, s) for s, k in pairs], cancelled=lambda: calls.append(1) or len(calls) > 1)
     chunk = manager.copier.chunk
     assert result.outcomes == [Outcome.DONE] * chunk + [Outcome.CANCELLED] * (200 - chunk)
-    assert manager.index.stats().pinned == 0
+    assert manager.group.index.stats().pinned == 0
     # restored into the slots they came from: bytes unchanged either way, and nothing else touched
     assert torch.equal(manager.pool.storage, before)
 
@@ -96,7 +96,7 @@ def test_expired_queued_jobs_are_cancelled_and_results_dropped(manager):
     assert stats.cancelled == 1 and stats.expired == 2
     assert runner.wait("gone", [first]) == ([], [first])
     assert manager.lookup(NS, [b"a", b"b"]).tiers == [None, None]  # the running one stopped before its copy
-    assert manager.index.stats().pinned == 0
+    assert manager.group.index.stats().pinned == 0
     runner.close()
 
 

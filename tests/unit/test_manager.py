@@ -37,21 +37,21 @@ def test_roundtrip_and_already_present(pool):
     assert int(read_block(pool.storage, pool.layout, 5).count_nonzero()) == 0
     stats = m.stats()
     assert stats.offloaded.blocks == 3 and stats.offloaded.bytes == 3 * SPEC.block_bytes
-    assert stats.restored.blocks == 3 and m.index.stats().pinned == 0
+    assert stats.restored.blocks == 3 and m.group.index.stats().pinned == 0
 
 
 def test_checksum_mismatch_is_data_loss_and_drops_the_entry(pool):
     m = PoolManager(pool, 8)
     m.offload(NS, [(3, b"good"), (4, b"bad")])
     want_good = read_block(pool.storage, pool.layout, 3)
-    bad_slot = m.index.locate(NS, b"bad")
+    bad_slot = m.group.index.locate(NS, b"bad")
     m.host.buffer[bad_slot][17] ^= 0x40  # one flipped bit in the stored copy
     pool.storage.zero_()
     assert m.restore(NS, [(b"good", 5), (b"bad", 6)]).outcomes == [Outcome.DONE, Outcome.DATA_LOSS]
     assert torch.equal(read_block(pool.storage, pool.layout, 5), want_good)
     assert m.lookup(NS, [b"good", b"bad"]).tiers[1] is None  # dropped, never served again
     assert m.restore(NS, [(b"bad", 6)]).outcomes == [Outcome.NOT_FOUND]
-    assert m.index.stats().pinned == 0
+    assert m.group.index.stats().pinned == 0
 
 
 class BrokenEngine(CopyEngine):
@@ -75,14 +75,14 @@ def test_failed_copy_leaves_nothing_visible_and_no_pins(pool):
     m = PoolManager(pool, 4)
     m.copier.engine = BrokenEngine(CpuCopyEngine(pool.storage, pool.layout, m.host))
     assert m.offload(NS, [(1, b"a"), (2, b"b")]).outcomes == [Outcome.FAILED] * 2
-    stats = m.index.stats()
+    stats = m.group.index.stats()
     assert (stats.used, stats.pinned, stats.ready) == (0, 0, 0)
     assert m.lookup(NS, [b"a"]).hits == 0
     m.copier.engine.fail = False
     assert m.offload(NS, [(1, b"a")]).outcomes == [Outcome.DONE]
     m.copier.engine.fail = True
     assert m.restore(NS, [(b"a", 3)]).outcomes == [Outcome.FAILED]
-    assert m.index.stats().pinned == 0 and m.lookup(NS, [b"a"]).hits == 1
+    assert m.group.index.stats().pinned == 0 and m.lookup(NS, [b"a"]).hits == 1
 
 
 def test_capacity_exhausted_and_eviction(pool):
@@ -90,7 +90,7 @@ def test_capacity_exhausted_and_eviction(pool):
     assert m.offload(NS, [(1, b"a"), (2, b"b"), (3, b"c")]).outcomes == [Outcome.DONE, Outcome.DONE,
                                                                 Outcome.RESOURCE_EXHAUSTED]
     assert m.offload(NS, [(3, b"c")]).outcomes == [Outcome.DONE]  # evicts a, the least recently used
-    assert m.lookup(NS, [b"a", b"b", b"c"]).tiers == [None, m.index.tier, m.index.tier]
+    assert m.lookup(NS, [b"a", b"b", b"c"]).tiers == [None, m.group.index.tier, m.group.index.tier]
 
 
 BAD_OFFLOADS = {
@@ -115,7 +115,7 @@ def test_malformed_batches_are_refused_whole(pool, case):
     with pytest.raises(InvalidArgument):
         m.restore(NS, [(k, s) for s, k in BAD_OFFLOADS[case]])
     assert torch.equal(pool.storage, before_pool) and torch.equal(m.host.buffer, before_host)
-    stats = m.index.stats()
+    stats = m.group.index.stats()
     assert (stats.used, stats.ready, stats.pinned) == (1, 1, 0)
 
 
@@ -144,7 +144,7 @@ def test_pool_checksums_match_tier_checksums(pool):
     """The pool-side hash of a block equals the hash of its tier copy, in every layout."""
     m = PoolManager(pool, 4)
     m.offload(NS, [(7, b"k"), (2, b"j")])
-    slots = [m.index.locate(NS, b"k"), m.index.locate(NS, b"j")]
+    slots = [m.group.index.locate(NS, b"k"), m.group.index.locate(NS, b"j")]
     assert m.engine.pool_checksums([7, 2]) == m.host.checksums(slots)
 
 
@@ -198,8 +198,8 @@ def test_the_engines_deadline_stops_copies_and_what_landed_after_it_never_counts
     # Chunk 1 lands at 101 (in time), chunk 2 starts at 101 and lands at 102 (late), chunk 3 never starts.
     done = m.run(TransferBatch.offload(NS, list(zip(range(1, 7), keys)), SPEC.num_blocks, deadline=101.5))
     assert done.outcomes == [Outcome.DONE] * 2 + [Outcome.DEADLINE_EXCEEDED] * 4
-    assert m.lookup(NS, keys).hits == 2 and m.index.stats().pinned == 0
-    assert m.index.stats().used == 2  # the late blocks' slots were released, never published
+    assert m.lookup(NS, keys).hits == 2 and m.group.index.stats().pinned == 0
+    assert m.group.index.stats().used == 2  # the late blocks' slots were released, never published
 
     before = pool.storage.clone()
     late = m.run(TransferBatch.restore(NS, [(keys[0], 9), (keys[1], 10)], SPEC.num_blocks, deadline=clock.now - 1))
@@ -208,4 +208,4 @@ def test_the_engines_deadline_stops_copies_and_what_landed_after_it_never_counts
     half = m.run(TransferBatch.restore(NS, [(keys[0], 9), (keys[1], 10)], SPEC.num_blocks, deadline=clock.now + 1.5))
     assert half.outcomes == [Outcome.DONE, Outcome.DEADLINE_EXCEEDED]  # the second landed after the deadline
     assert torch.equal(read_block(pool.storage, pool.layout, 9), read_block(before, pool.layout, 1))
-    assert m.index.stats().pinned == 0 and m.lookup(NS, keys[:2]).hits == 2  # entries stay; only the copy was late
+    assert m.group.index.stats().pinned == 0 and m.lookup(NS, keys[:2]).hits == 2  # entries stay; only the copy was late
