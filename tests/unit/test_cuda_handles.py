@@ -66,7 +66,7 @@ def test_gpu_views_have_the_cpu_views_strides_and_offsets(layout):
 
 
 def test_devcheck_plots_a_recorded_run(tmp_path):
-    report = json.loads((ROOT / "docs" / "devcheck" / "2026-11-30-3-device-checksums.json").read_text())
+    report = json.loads((ROOT / "docs" / "benchmarks" / "devcheck" / "2026-11-30-3-device-checksums.json").read_text())
     assert plot(report, str(tmp_path / "bandwidth.png"))
     assert (tmp_path / "bandwidth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plot({"stages": []}, str(tmp_path / "none.png"))  # the bandwidth stage did not run
