@@ -43,6 +43,16 @@ def test_the_library_never_imports_the_daemon():
     assert offenders == []
 
 
+def _moved(path: Path) -> bool:
+    """A module that moved (issue 48) and keeps its old name for one release: a docstring that says where
+    to, and imports, nothing else (no definitions)."""
+    body = ast.parse(path.read_text()).body
+    text = ast.get_docstring(ast.Module(body=body, type_ignores=[])) or ""
+    return text.startswith("Moved to ") and all(isinstance(n, (ast.Expr, ast.ImportFrom, ast.Assign)) for n in body) \
+        and not any(isinstance(n, ast.Assign) and [t.id for t in n.targets if isinstance(t, ast.Name)] != ["__all__"]
+                    for n in body)
+
+
 def test_modules_stay_small():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in Path(ROOT).glob("[ks]*/**/*.py")
              if "v1" not in p.parts}
@@ -67,7 +77,7 @@ def test_benchmarks_and_harnesses_live_in_kvxfer_bench_and_the_daemon_package_ho
     from kvxfer.cli import BENCHES
 
     harnesses = [p.name for p in (ROOT / "service").glob("*.py")
-                 if p.name.startswith(("bench", "launch", "peer_lmcache", "peering_local"))]
+                 if p.name.startswith(("bench", "launch", "peer_lmcache", "peering_local")) and not _moved(p)]
     assert harnesses == [] and all(module.startswith("kvxfer.bench.") for _, module, _ in BENCHES)
     assert "torch" not in _loaded_after("import kvxfer.defaults")
 
@@ -92,6 +102,8 @@ def test_the_engine_integrations_use_the_client_and_the_vocabulary_alone():
     allowed = ("kvxfer.client", "kvxfer.records", "kvxfer.errors", "kvxfer.validate", "kvxfer.integrations")
     offenders = []
     for path in (ROOT / "kvxfer" / "integrations").rglob("*.py"):
+        if _moved(path):
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
@@ -105,7 +117,7 @@ def test_the_library_s_packages_import_each_other_without_a_cycle():
     for type checking alone: the packages of ``kvxfer`` form layers, and imports go one way."""
     graph: dict[str, set[str]] = {}
     for path in (ROOT / "kvxfer").rglob("*.py"):
-        if "v1" in path.parts:
+        if "v1" in path.parts or _moved(path):  # (an old name kept one release points where the code went)
             continue
         rel = path.relative_to(ROOT / "kvxfer")
         source = rel.parts[0] if len(rel.parts) > 1 else rel.stem
