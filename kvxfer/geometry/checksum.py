@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 
+import numpy as np
 import xxhash
 
 FORMAT = "xxh3-64 of xxh3-64 of 64 KiB pieces"
@@ -37,11 +38,17 @@ def combine(piece_sums: list[int]) -> int:
     return _digest(struct.pack(f"<{len(piece_sums)}Q", *piece_sums), SEED)
 
 
+def combine_rows(piece_sums: np.ndarray, blocks: int) -> list[int]:
+    """``combine`` of each of ``blocks`` equal rows of piece sums (block after block, pieces in order)."""
+    rows = np.ascontiguousarray(piece_sums, dtype="<u8").reshape(blocks, -1)
+    return [_digest(row, SEED) for row in rows]
+
+
 def block_checksum(data, piece: int = PIECE_BYTES) -> int:
     """The checksum of one block's bytes; ``data`` is any C-contiguous buffer."""
     view = memoryview(data).cast("B")
     n = len(view)
-    if n <= piece:
+    if n <= piece:  # (also an empty block: one empty piece)
         return combine([_digest(view, SEED)])
     return combine([_digest(view[a:a + piece], SEED) for a in range(0, n, piece)])
 

@@ -202,8 +202,9 @@ class CudaCopyEngine(CopyEngine):
         Returning False, nothing was enqueued, so nothing is late and no slot stays held."""
         self._check_usable()
         handle = self.driver.open_ipc_event(event)  # one that does not open fails this request alone
-        limit = time.monotonic() + self.deadline_s if deadline is None else min(deadline, time.monotonic()
-                                                                                 + self.deadline_s)
+        limit = time.monotonic() + self.deadline_s
+        if deadline is not None:
+            limit = min(limit, deadline)
         sleep = POLL_S[0]
         try:
             while not self.driver.engine_event_done(handle):

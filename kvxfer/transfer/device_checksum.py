@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 import xxhash
 
-from kvxfer.geometry.checksum import PIECE_BYTES
+from kvxfer.geometry.checksum import PIECE_BYTES, combine_rows
 
 #: XXH3's default secret (192 bytes) and constants, from the xxHash 0.8 specification.
 SECRET = bytes([
@@ -203,12 +203,6 @@ def piece_spans(starts: np.ndarray, block_bytes: int) -> np.ndarray:
     spans[:, :, 0] = np.asarray(starts, dtype=np.int64)[:, None] + offsets[None, :]
     spans[:, :, 1] = np.minimum(PIECE_BYTES, block_bytes - offsets)[None, :]
     return spans.reshape(-1, 2)
-
-
-def combine_rows(piece_sums: np.ndarray, blocks: int) -> list[int]:
-    """The block checksums from their pieces' XXH3-64s (block after block, as ``piece_spans`` orders them)."""
-    rows = np.ascontiguousarray(piece_sums, dtype="<u8").reshape(blocks, -1)
-    return [xxhash.xxh3_64_intdigest(row) for row in rows]
 
 
 def block_checksums(data: torch.Tensor, starts: list[int], block_bytes: int) -> list[int]:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvxfer.geometry.checksum import combine_rows
 from kvxfer.tiers.slots import slot_array
 from kvxfer.transfer import device_checksum
 
@@ -39,7 +40,7 @@ class PendingSums:
     def result(self) -> list[int]:
         lanes = self._lanes().numpy().view(np.uint64)
         self._keep = None
-        return device_checksum.combine_rows(device_checksum.merge(lanes, self._lengths), self._blocks)
+        return combine_rows(device_checksum.merge(lanes, self._lengths), self._blocks)
 
 
 class StreamHasher:
