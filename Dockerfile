@@ -41,7 +41,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} ${RUNTIME_PACKAGES} \
  && python3 -m venv /opt/kvxfer \
  && /opt/kvxfer/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
- && /opt/kvxfer/bin/pip install --no-cache-dir "/src[events,peering]" \
+ && /opt/kvxfer/bin/pip install --no-cache-dir "/src[events,peering,object]" \
  && if [ -n "${BUILD_PACKAGES}" ]; then apt-get purge -y --auto-remove ${BUILD_PACKAGES}; fi \
  && rm -rf /src /var/lib/apt/lists/* \
  && groupadd --gid 2000 kvxfer \

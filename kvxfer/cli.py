@@ -97,6 +97,7 @@ BENCHES: list[tuple[str, str, str]] = [
     ("bookkeeping", "kvxfer.bench.bookkeeping", "per-block cost of validation, index and outcomes, alone"),
     ("disk", "kvxfer.bench.disk", "the disk tier's demotion and promotion beside plain file I/O"),
     ("remote", "kvxfer.bench.remote", "the remote tier's stores and fetches beside raw redis-py SET/GET"),
+    ("object", "kvxfer.bench.object", "the object tier against obstore's and boto3's PUT/GET on a real S3 server"),
     ("scale", "kvxfer.bench.scale", "the index of a tier of millions of blocks, fragmented and shuffled"),
     ("shards", "kvxfer.bench.shards", "cross-rank canonical blocks beside the same bytes per rank"),
     # through real daemons (``kvxfer serve`` processes: kvxfer.bench.launch)

@@ -76,6 +76,10 @@ class Cancelled(KvxferError):
     code = "CANCELLED"
 
 
+class ConfigError(InvalidArgument):
+    """A configuration value is invalid; the daemon does not start."""
+
+
 class Internal(KvxferError):
     """An invariant broke; this is a bug in kvxfer."""
 

@@ -40,6 +40,7 @@ class TierKind(enum.Enum):
     REMOTE = "remote"
     SHARED_FS = "shared_fs"
     PEER = "peer"  # another node's daemon, read over NIXL (kvxfer.peering)
+    OBJECT = "object"  # object storage: S3 or S3-compatible, GCS, Azure Blob (kvxfer.tiers.object)
 
 
 class Medium(enum.Enum):
@@ -109,7 +110,7 @@ class TierStats:
         """False for the tiers every node shares (Redis evicts on its own; a shared filesystem is
         filled by every node; a peer is another node's host tier): capacity, use and evictions
         are not ours to count (their figures here are zeros, not measurements)."""
-        return self.tier not in (TierKind.REMOTE, TierKind.SHARED_FS, TierKind.PEER)
+        return self.tier not in (TierKind.REMOTE, TierKind.SHARED_FS, TierKind.PEER, TierKind.OBJECT)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ OUTCOME_TO_STATUS = {
 }
 STATUS_TO_OUTCOME = {status: outcome for outcome, status in OUTCOME_TO_STATUS.items()}
 TIER_TO_PB = {TierKind.HOST: pb.TIER_HOST, TierKind.DISK: pb.TIER_DISK, TierKind.REMOTE: pb.TIER_REMOTE,
-              TierKind.SHARED_FS: pb.TIER_SHARED_FS, TierKind.PEER: pb.TIER_PEER}
+              TierKind.SHARED_FS: pb.TIER_SHARED_FS, TierKind.PEER: pb.TIER_PEER, TierKind.OBJECT: pb.TIER_OBJECT}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 MEDIUM_TO_PB = {Medium.SHM: pb.MEDIUM_SHM, Medium.CUDA: pb.MEDIUM_CUDA, Medium.MEMFD: pb.MEDIUM_MEMFD}
 PB_TO_MEDIUM = {v: k for k, v in MEDIUM_TO_PB.items()}

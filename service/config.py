@@ -19,12 +19,10 @@ from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
 from kvxfer.events.settings import EventSettings
 from kvxfer.peering.settings import PeeringSettings
-from kvxfer.serving.disk_store import DiskSettings
-from kvxfer.serving.remote_store import RemoteSettings
-from kvxfer.serving.shared_fs_store import SharedFsSettings
+from kvxfer.errors import ConfigError
+from kvxfer.tiers.registry import LOWER_TIERS
 from service import config_sections as sections
 from service.config_peering import peering as peering_section
-from service.config_sections import ConfigError
 from kvxfer.serving.registry import Limits
 from kvxfer.tiers.host import capacity_blocks
 from kvxfer.memory.shm import resolve_group
@@ -74,9 +72,9 @@ class Config:
     log_format: str = "json"
     allow_overcommit: bool = False  # start even when pools and tiers exceed the memory free here
     pools: tuple[PoolConfig, ...] = field(default_factory=tuple)
-    disk: DiskSettings | None = None  # every cache group's disk tier; absent: none
-    remote: RemoteSettings | None = None  # every cache group's remote tier (Redis); absent: none
-    shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier; absent: none
+    #: every cache group's lower tiers, settings by config section (``disk``, ``shared_fs``, ``remote``, ...: the
+    #: rows of ``kvxfer.tiers.registry.LOWER_TIERS``); a section absent: no such tier
+    tiers: dict[str, object] = field(default_factory=dict)
     events: EventSettings = field(default_factory=EventSettings)  # KV events: replay buffer, publisher
     peering: PeeringSettings | None = None  # other nodes' daemons, read over NIXL; absent: none
 
@@ -84,9 +82,8 @@ class Config:
     def limits(self) -> Limits:
         return Limits(self.max_pools, self.max_cache_groups, self.max_queued_jobs, self.default_lease_s,
                       self.max_lease_s, self.allow_register, self.registered_host_capacity_mib,
-                      self.jobs_per_client, self.cache_group_retention_s, self.checksum_on_device, self.disk,
-                      self.remote, self.copy_threads, self.gpu_copy_deadline_s, self.shared_fs,
-                      self.allow_overcommit)
+                      self.jobs_per_client, self.cache_group_retention_s, self.checksum_on_device,
+                      self.copy_threads, self.gpu_copy_deadline_s, self.allow_overcommit)
 
     @property
     def jobs_per_client(self) -> int:
@@ -101,8 +98,8 @@ class Config:
         return Path(self.token_file).read_text().strip()
 
 
-_SECTIONS = ("pools", "disk", "remote", "shared_fs", "events", "peering")
-_SCALARS = {f.name: f for f in fields(Config) if f.name not in _SECTIONS}
+_SECTIONS = ("pools", "events", "peering")  # and each lower tier's (``_sections``)
+_SCALARS = {f.name: f for f in fields(Config) if f.name not in (*_SECTIONS, "tiers")}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _ENV_PREFIX = "KVXFER_"
@@ -208,9 +205,10 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: must be a mapping")
         raw = dict(loaded or {})
-    unknown = set(raw) - set(_SCALARS) - set(_SECTIONS)
+    tier_sections = [row.section for row in LOWER_TIERS if row.parse is not None]
+    unknown = set(raw) - set(_SCALARS) - set(_SECTIONS) - set(tier_sections)
     if unknown:
-        raise _unknown(unknown, [*_SCALARS, *_SECTIONS], "")
+        raise _unknown(unknown, [*_SCALARS, *_SECTIONS, *tier_sections], "")
     sources = {name: f"config file {path}" for name in raw}
     env = os.environ if env is None else env
     for name in _SCALARS:
@@ -236,9 +234,8 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     pools = tuple(_pool(p, i) for i, p in enumerate(pools_raw))
     if len({p.id for p in pools}) != len(pools):
         raise ConfigError("pools: ids must be unique")
-    return validate(replace(Config(), **values, pools=pools, disk=sections.disk(raw.get("disk")),
-                            remote=sections.remote(raw.get("remote")),
-                            shared_fs=sections.shared_fs(raw.get("shared_fs")),
+    tiers = {row.section: row.parse(raw.get(row.section)) for row in LOWER_TIERS if row.parse is not None}
+    return validate(replace(Config(), **values, pools=pools, tiers={k: v for k, v in tiers.items() if v is not None},
                             events=sections.events(raw.get("events")),
                             peering=peering_section(raw.get("peering"))))
 

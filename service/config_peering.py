@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvxfer.peering.settings import PeerAddress, PeeringSettings
 from kvxfer.validate import shown
-from service.config_sections import ConfigError
+from kvxfer.errors import ConfigError
 
 PEERING_KEYS = {"name", "peers", "ucx_tls", "ucx_net_devices", "timeout_ms", "lease_ms", "max_lease_ms",
                 "max_leases", "max_leased_blocks", "progress_interval_us", "max_leases_per_peer",

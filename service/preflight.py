@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from kvxfer.errors import FailedPrecondition, ResourceExhausted
 from kvxfer.memory import cuda_mem, room
 from kvxfer.tiers.host import capacity_blocks
+from kvxfer.tiers.registry import staged_blocks
 from service.config import Config
 
 
@@ -53,9 +54,7 @@ def memory_need(config: Config) -> MemoryNeed:
         if (p.cache_group or p.id) not in groups:
             groups[p.cache_group or p.id] = p.spec.block_bytes
             tiers += capacity_blocks(p.host_capacity_mib, p.spec.block_bytes) * p.spec.block_bytes
-    queued = sum(blocks for blocks in (config.disk and config.disk.queue_blocks,
-                                       config.shared_fs and config.shared_fs.max_inflight,
-                                       config.remote and config.remote.max_inflight) if blocks)
+    queued = staged_blocks(config.tiers)
     return MemoryNeed(pools, tiers, queued * sum(groups.values()))
 
 

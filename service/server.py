@@ -131,7 +131,8 @@ class Daemon:
         self.kv_events = EventHub(events.replay_keys, events.linger_ms / 1000, events.max_subscribers,
                                   events.replay_mib << 20)
         self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events,  # empty until listening
-                                     (lambda groups: Peering(config.peering, groups)) if config.peering else None)
+                                     (lambda groups: Peering(config.peering, groups)) if config.peering else None,
+                                     config.tiers)
         self.peering: Peering | None = self.registry.peering
         self.publisher: ZmqPublisher | None = None
         self.metrics_server: WSGIServer | None = None

@@ -28,12 +28,14 @@ import torch
 from kvxfer.bench.common import FASTER, GB, Progress, add_block_arguments, human_bytes
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
-from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
-from kvxfer.tiers.disk import BASE, HEADER_BYTES, JOURNAL
+from kvxfer.tiers.disk.files import BASE, HEADER_BYTES, JOURNAL
 from kvxfer.tiers.record import encode_header
 from kvxfer.tables import format_table
+from kvxfer.tiers.registry import lower_tiers
+from kvxfer.records import TierKind
 
 BATCH = 64
 
@@ -77,7 +79,7 @@ def _tier_round(root: Path, pool: Pool, n: int, rep: int) -> tuple[float, float]
     shutil.rmtree(root, ignore_errors=True)
     settings = DiskSettings(str(root), (n + 8) * (HEADER_BYTES + pool.layout.block_bytes) * 2, queue_blocks=n,
                             workers=8)
-    group = CacheGroup(f"bench{rep}", pool.layout, n, disk=settings)
+    group = CacheGroup(f"bench{rep}", pool.layout, n, lower=lower_tiers(disk=settings))
     manager = PoolManager(pool, group)
     keys = [b"k%d" % i for i in range(n)]
     for start in range(0, n, 256):
@@ -107,8 +109,8 @@ def index_time(root: Path, pool: Pool, n: int) -> tuple[float, float, float, int
     settings = DiskSettings(str(root), n * (HEADER_BYTES + pool.layout.block_bytes), queue_blocks=1, workers=1)
     directory = root / "index"
     block = b"\0" * pool.layout.block_bytes
-    group = CacheGroup("index", pool.layout, 1, disk=settings)
-    tier = group.disk.tier
+    group = CacheGroup("index", pool.layout, 1, lower=lower_tiers(disk=settings))
+    tier = group.tier(TierKind.DISK).tier
     for slot in range(n):  # files as the tier writes them (no fsync: only the indexing is timed)
         path = tier.path(slot)
         path.parent.mkdir(exist_ok=True)
@@ -118,26 +120,28 @@ def index_time(root: Path, pool: Pool, n: int) -> tuple[float, float, float, int
     group.close(5)
     (directory / ".checkpoint").unlink()  # it knew none of them: as after a crash, the files are scanned
     tracemalloc.start()
-    group = CacheGroup("index", pool.layout, 1, disk=settings)
+    group = CacheGroup("index", pool.layout, 1, lower=lower_tiers(disk=settings))
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    scan = group.disk.index_seconds
-    assert group.disk.stats().ready_blocks == n
+    scan = group.tier(TierKind.DISK).index_seconds
+    assert group.tier(TierKind.DISK).stats().ready_blocks == n
     crashed = root / "crashed"  # the base and journal as a crash now would leave them
     crashed.mkdir()
     for name in (BASE, JOURNAL):
         shutil.copy2(directory / name, crashed / name)
     group.close(5)  # a clean shutdown: the checkpoint
-    group = CacheGroup("index", pool.layout, 1, disk=settings)
-    checkpoint = group.disk.index_seconds
-    assert group.disk.stats().ready_blocks == n and group.disk.stats().events["found_at_start"] == n
+    group = CacheGroup("index", pool.layout, 1, lower=lower_tiers(disk=settings))
+    checkpoint = group.tier(TierKind.DISK).index_seconds
+    stats = group.tier(TierKind.DISK).stats()
+    assert stats.ready_blocks == n and stats.events["found_at_start"] == n
     group.close(5)
     (directory / ".checkpoint").unlink()
     for name in (BASE, JOURNAL):
         os.replace(crashed / name, directory / name)
-    group = CacheGroup("index", pool.layout, 1, disk=settings)
-    journal = group.disk.index_seconds
-    assert group.disk.stats().ready_blocks == n and group.disk.stats().events["found_at_start"] == n
+    group = CacheGroup("index", pool.layout, 1, lower=lower_tiers(disk=settings))
+    journal = group.tier(TierKind.DISK).index_seconds
+    stats = group.tier(TierKind.DISK).stats()
+    assert stats.ready_blocks == n and stats.events["found_at_start"] == n
     group.close(5)
     shutil.rmtree(directory, ignore_errors=True)
     return scan, checkpoint, journal, peak // n

@@ -86,10 +86,11 @@ class DaemonProcess:
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
-def spawn(config: dict, wait: bool = True, command: list[str] | None = None) -> DaemonProcess:
+def spawn(config: dict, wait: bool = True, command: list[str] | None = None,
+          env: dict[str, str] | None = None) -> DaemonProcess:
     """Start ``kvxfer serve`` with ``config`` over a short socket path (Unix sockets allow ~107
     bytes). ``command`` replaces the Python command line before ``serve`` (tests start the
-    daemon under another user this way)."""
+    daemon under another user this way); ``env``: variables added to its environment."""
     workdir = Path(tempfile.mkdtemp(prefix="kx", dir="/tmp"))
     shm_dir = Path(tempfile.mkdtemp(prefix="kx", dir="/dev/shm"))
     # No metrics port unless asked: daemons started side by side would contend for the default one.
@@ -97,7 +98,7 @@ def spawn(config: dict, wait: bool = True, command: list[str] | None = None) -> 
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(full))
     log = workdir / "daemon.log"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with log.open("w") as log_file:
         argv = command or [sys.executable, "-m", "service.cli"]
         proc = subprocess.Popen([*argv, "serve", "--config", str(config_path)],

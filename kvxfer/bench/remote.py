@@ -27,8 +27,11 @@ from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
-from kvxfer.serving.remote_store import BATCH, RemoteSettings
+from kvxfer.tiers.remote.settings import RemoteSettings
+from kvxfer.tiers.remote.store import BATCH
 from kvxfer.tables import format_table
+from kvxfer.tiers.registry import lower_tiers
+from kvxfer.records import TierKind
 
 
 def _local_server() -> tuple[subprocess.Popen, str, str]:
@@ -66,7 +69,9 @@ def _raw(client: redis.Redis, values: list[bytes]) -> tuple[float, float]:
 
 
 def _tier(url: str, pool: Pool, n: int, rep: int) -> tuple[float, float]:
-    group = CacheGroup(f"bench{rep}", pool.layout, n, remote=RemoteSettings(url, timeout_s=10, max_inflight=n))
+    settings = RemoteSettings(url, timeout_s=10, max_inflight=n)
+    group = CacheGroup(f"bench{rep}", pool.layout, n, lower=lower_tiers(remote=settings))
+    tier = group.tier(TierKind.REMOTE)
     manager = PoolManager(pool, group)
     keys = [b"k%d" % i for i in range(n)]
     for first in range(0, n, 256):  # into the host tier only (no eviction, no write-through)
@@ -74,9 +79,9 @@ def _tier(url: str, pool: Pool, n: int, rep: int) -> tuple[float, float]:
                                range(first, min(first + 256, n))])
     entries = group.index.entries()
     start = time.perf_counter()  # the tier's store path: staging copy, header, pipelined SETs
-    group.remote.stage("ns", [(key, checksum, group.host.buffer[slot]) for _, key, slot, checksum, _ in entries])
-    while group.remote.events["stored"] < n:
-        assert not group.remote.breaker.open, group.remote.events
+    tier.stage("ns", [(key, checksum, group.host.buffer[slot]) for _, key, slot, checksum, _ in entries])
+    while tier.events["stored"] < n:
+        assert not tier.breaker.open, tier.events
         time.sleep(0.0005)
     stored = time.perf_counter() - start
     group.index.delete("ns", keys)  # only Redis holds them now

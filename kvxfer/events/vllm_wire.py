@@ -21,9 +21,9 @@ from kvxfer.events.records import EventKind, KeyFormat, TierEvent, engine_hash
 from kvxfer.records import TierKind
 
 MEDIUM = {TierKind.HOST: "CPU", TierKind.DISK: "DISK", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "SHARED_FS",
-          TierKind.PEER: "REMOTE"}
+          TierKind.PEER: "REMOTE", TierKind.OBJECT: "OBJ"}  # OBJ: vLLM's name of its object-storage tier
 LOCALITY = {TierKind.HOST: "LOCAL", TierKind.DISK: "LOCAL", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "REMOTE",
-            TierKind.PEER: "REMOTE"}
+            TierKind.PEER: "REMOTE", TierKind.OBJECT: "REMOTE"}
 OWNERSHIP = "kvxfer"
 MAX_NAMESPACES = 4096  # block sizes remembered (namespaces whose offloads described their blocks lately)
 

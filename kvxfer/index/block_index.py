@@ -28,7 +28,7 @@ from kvxfer.events.records import EngineBlocks, Reason, described, format_code
 from kvxfer.index.entries import Entry, Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import EvictionPolicy, lru
 from kvxfer.index.keytable import KeyTable
-from kvxfer.tiers.slots import SlotAllocator, int_array, slot_array
+from kvxfer.slots import SlotAllocator, int_array, slot_array
 from kvxfer.records import Outcome, TierKind
 
 FREE, PENDING, READY, DROPPED = 0, 1, 2, 3  # slot states; DROPPED: gone from the index, still pinned

@@ -1,4 +1,8 @@
-"""Peering for one daemon: its NIXL agent, the leases it grants, the peers it reads from."""
+"""Peering for one daemon: its NIXL agent, the leases it grants, the peers it reads from.
+
+The reading side is a lower tier of each cache group (``kvxfer.tiers.peer``, made from this
+object by ``kvxfer.tiers.registry``); this package is the serving side and the links both use.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +16,12 @@ from kvxfer.peering.link import PeerLink
 from kvxfer.peering.push import Pushed, push
 from kvxfer.peering.served import PeeredGroup
 from kvxfer.peering.settings import PeeringSettings
-from kvxfer.peering.store import PeerStore
-from kvxfer.tiers.host import HostTier
+from kvxfer.records import TierKind
 from kvxfer.validate import shown
 
 
-
 class Peering:
-    """Made once by the daemon; each cache group gets a ``PeerStore`` of it (``tier``)."""
+    """Made once by the daemon; each cache group gets a peer tier of it (``kvxfer.tiers.peer.PeerTier``)."""
 
     def __init__(self, settings: PeeringSettings, groups: Callable[[], list[PeeredGroup]]) -> None:
         self.settings = settings
@@ -29,11 +31,6 @@ class Peering:
         timeout = settings.timeout_ms / 1000
         self.links = [PeerLink(settings.name, peer, self.agent, timeout, settings.tls_cert, settings.tls_key)
                       for peer in settings.peers]
-
-    def tier(self, group: str, block_format: bytes, host: HostTier) -> PeerStore:
-        """The peers as a lower tier of cache group ``group``, whose blocks have this format's fingerprint:
-        each peer is asked for its group of the same name (which it serves only if shared with peers)."""
-        return PeerStore(self.agent, self.links, self.counters, group, block_format, host, self.settings.lease_ms)
 
     def admits(self, peer: str) -> bool:
         return self.settings.peer(peer) is not None
@@ -45,8 +42,9 @@ class Peering:
     def pull(self, group: PeeredGroup, namespace: str, keys: list[bytes], peer: str) -> None:
         """Read the keys the group lacks from peer ``peer`` into its host tier (a caller said it holds them)."""
         link = self._link(peer)
-        store = next(t for t in group.lower_tiers if isinstance(t, PeerStore))
-        group.promote(namespace, keys, tiers=[store.only(link)])
+        tier = group.tier(TierKind.PEER)
+        if tier is not None:
+            group.promote(namespace, keys, tiers=[tier.only(link)])
 
     def _link(self, peer: str) -> PeerLink:
         link = next((link for link in self.links if link.name == peer), None)

@@ -18,7 +18,7 @@ import grpc
 from kvxfer.errors import PermissionDenied, Unavailable
 from kvxfer.peering.agent import Agent
 from kvxfer.peering.settings import PeerAddress
-from kvxfer.tiers.breaker import Breaker
+from kvxfer.breaker import Breaker
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 

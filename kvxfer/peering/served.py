@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvxfer.index.block_index import Plan
-from kvxfer.records import Outcome
+from kvxfer.records import Outcome, TierKind
 
 
 class Fingerprinted(Protocol):
@@ -19,13 +19,14 @@ class Fingerprinted(Protocol):
 class PeeredGroup(Protocol):
     name: str
     format: Fingerprinted
-    lower_tiers: list
 
     @property
     def slot_bytes(self) -> int: ...
 
     @property
     def capacity(self) -> int: ...
+
+    def tier(self, kind: TierKind): ...
 
     def slot_address(self, slot: int) -> int: ...
 

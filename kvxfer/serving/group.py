@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,15 +29,16 @@ from kvxfer.geometry.sharding import Manifest
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.assembly import Assembly, Verified
-from kvxfer.serving.disk_store import DiskSettings, DiskStore
 from kvxfer.serving.promotion import InFlight, promote
-from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
-from kvxfer.serving.shared_fs_store import SharedFsSettings, SharedFsStore
 from kvxfer.tiers.host import HostTier
-from kvxfer.tiers.lower import LowerTier
+from kvxfer.tiers.lower import GroupContext, LowerTier, LowerTierFactory
 
-if TYPE_CHECKING:
-    from kvxfer.peering.hub import Peering
+
+class Reservations(Protocol):
+    """Peers' reservations of host slots for blocks they push here (``kvxfer.peering.leases.LeaseTable``)."""
+
+    def yield_to_engine(self, group: CacheGroup, namespace: str, keys: list[bytes]) -> None:
+        """The local engine stores ``keys``: a peer's reservation of any of them gives it up."""
 
 
 @dataclass(frozen=True)
@@ -76,21 +77,18 @@ class BlockFormat:
 
 
 PROMOTION_WAIT_S = 10.0  # how long a request without a deadline waits for another's promotion or an index's load
-#: The lower tiers a group may have, top down (a restore asks them in this order): config
-#: section -> the class that serves it. A new tier is a row here and a class under ``serving``.
-LOWER_TIERS: list[tuple[str, type]] = [("disk", DiskStore), ("shared_fs", SharedFsStore), ("remote", RemoteStore)]
 
 
 class CacheGroup:
     """One host tier and the index over it, and the lower tiers below it (``LowerTier``), top down."""
 
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
-                 disk: DiskSettings | None = None, remote: RemoteSettings | None = None,
-                 shared_fs: SharedFsSettings | None = None, kv_events: EventHub | ScopedEvents | None = None,
-                 manifest: Manifest | None = None, peering: Peering | None = None) -> None:
-        """``kv_events``: where every tier of the group announces blocks becoming restorable and going.
+                 lower: LowerTierFactory | None = None, kv_events: EventHub | ScopedEvents | None = None,
+                 manifest: Manifest | None = None, reservations: Reservations | None = None) -> None:
+        """``lower``: makes the group's lower tiers, top down (``kvxfer.tiers.registry.lower_tiers``).
+        ``kv_events``: where every tier of the group announces blocks becoming restorable and going.
         ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
-        ``peering``: other nodes' daemons are a tier too, asked after the local ones and before Redis."""
+        ``reservations``: peers' pushes into this group, which the local engine's stores come before."""
         self.name = name
         self.event_scope = kv_events.scope if kv_events is not None else 0  # who sees its events (EventHub.scoped)
         self.format = BlockFormat.of(layout, manifest)
@@ -105,30 +103,24 @@ class CacheGroup:
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
         self._promoting = InFlight()  # keys being promoted: restores of one key at once share one promotion
-        fingerprint, nbytes = self.format.bound_to(name), layout.block_bytes
-        settings = {"disk": disk, "remote": remote, "shared_fs": shared_fs}
-        self.lower_tiers: list[LowerTier] = [make(settings[section], name, fingerprint, nbytes, kv_events)
-                                             for section, make in LOWER_TIERS if settings[section] is not None]
-        self._reservations = peering.leases if peering is not None else None  # peers' pushes into this group
-        if peering is not None:
-            remote = [i for i, t in enumerate(self.lower_tiers) if t.kind is TierKind.REMOTE]
-            at = remote[0] if remote else len(self.lower_tiers)
-            self.lower_tiers.insert(at, peering.tier(name, self.format.fingerprint, self.host))
+        self._reservations = reservations
+        #: what the group's lower tiers are told of it
+        self.context = GroupContext(name, layout.block_bytes, self.format.bound_to(name), self.format.fingerprint,
+                                    (self.host.buffer.data_ptr(), self.host.buffer.numel()), kv_events)
+        self.lower_tiers: list[LowerTier] = lower(self.context) if lower is not None else []
 
-    def _tier(self, kind: TierKind) -> LowerTier | None:
+    def tier(self, kind: TierKind) -> LowerTier | None:
+        """The group's lower tier of this kind, if it has one."""
         return next((t for t in self.lower_tiers if t.kind is kind), None)
-
-    @property
-    def disk(self) -> DiskStore | None:
-        return self._tier(TierKind.DISK)  # type: ignore[return-value]
-
-    @property
-    def remote(self) -> RemoteStore | None:
-        return self._tier(TierKind.REMOTE)  # type: ignore[return-value]
 
     @property
     def lower(self) -> bool:
         return bool(self.lower_tiers)
+
+    @property
+    def restart_warm(self) -> bool:
+        """Whether a tier keeps the host tier's blocks across a restart (``demote_all`` writes them there)."""
+        return any(t.restart_warm for t in self.lower_tiers)
 
     # -- the host tier's blocks, for those who serve them directly (peers' leases, pushes) ---------------
     @property
@@ -178,8 +170,9 @@ class CacheGroup:
         self.index.drop_slots(slots)
 
     def key_indexes(self) -> list[BlockIndex]:
-        """The indexes that name the group's keys: the host tier's, and a disk tier's (a Snapshot lists both)."""
-        return [self.index] + ([self.disk.index] if self.disk is not None else [])
+        """The indexes that name the group's keys: the host tier's, and those of lower tiers that keep one (the
+        disk's): a Snapshot lists them all."""
+        return [self.index] + [t.index for t in self.lower_tiers if t.index is not None]
 
     def prepare_store(self, namespace: str, keys: list[bytes], engine: bool = True) -> Plan:
         """Host slots for new keys; the blocks evicted to make room go to the lower tiers. ``engine``: the local

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvxfer.serving.disk_store import DiskSettings
-from kvxfer.serving.remote_store import RemoteSettings
-from kvxfer.serving.shared_fs_store import SharedFsSettings
 
 
 @dataclass(frozen=True)
@@ -23,9 +20,6 @@ class Limits:
     max_jobs_per_client: int = 64  # queued + uncollected jobs of one client_id on one pool
     cache_group_retention_s: float = 300.0  # a group without pools keeps its blocks this long
     checksum_on_device: bool = True  # GPU pools: block checksums by the device XXH3, behind each copy
-    disk: DiskSettings | None = None  # every cache group's disk tier (None: no disk tier)
-    remote: RemoteSettings | None = None  # every cache group's remote tier on Redis (None: none)
     copy_threads: int = 2  # threads of each CPU pool's copy engine
     gpu_copy_deadline_s: float = 30.0  # a GPU copy not done by then fails its job (DEADLINE_EXCEEDED)
-    shared_fs: SharedFsSettings | None = None  # every cache group's shared filesystem tier (None: none)
     allow_overcommit: bool = False  # a registered pool's host tier may exceed the memory free here

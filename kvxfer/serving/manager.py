@@ -25,7 +25,7 @@ from kvxfer.index.block_index import Plan
 from kvxfer.serving.group import CacheGroup
 from kvxfer.transfer import CopyEngine, engine_for
 from kvxfer.transfer.base import LateCopies
-from kvxfer.tiers.slots import slot_array
+from kvxfer.slots import slot_array
 from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.validate import check_namespace, checked_keys
 

@@ -19,8 +19,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvxfer.events.hub import EventHub
@@ -35,40 +34,19 @@ from kvxfer.serving.lifetimes import ProcessWatch, UntilLanded
 from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
 from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.serving.manager import PoolManager, TransferObserver
+from kvxfer.serving.served import DAEMON, ServedPool
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
-from kvxfer.records import LookupResult, Medium, PoolRef, PoolStats
+from kvxfer.records import LookupResult, Medium, PoolRef
 from kvxfer.memory import cuda_mem, room
 from kvxfer.tiers.host import capacity_blocks
+from kvxfer.tiers.registry import lower_tiers as make_lower_tiers
 from kvxfer.memory.shm import size_sealed
 from kvxfer.validate import check_pool_id, shown
 
 if TYPE_CHECKING:
     from kvxfer.peering.hub import Peering
 
-DAEMON = "daemon"  # the owner of the daemon's own pools and their cache groups
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServedPool:
-    manager: PoolManager
-    jobs: JobRunner
-    owner: str = DAEMON
-    token_digest: bytes = b""  # of the registration token that may unregister it
-    registrant_pid: int = 0  # the registering process, as the descriptor socket saw it (0: unknown)
-
-    @property
-    def descriptor(self) -> PoolDescriptor:
-        return self.manager.pool.descriptor
-
-    @property
-    def cache_group(self) -> str:
-        return self.manager.group.name
-
-    def stats(self) -> PoolStats:
-        store = self.manager.stats()
-        return PoolStats(self.descriptor.pool_id, self.descriptor.epoch, self.cache_group, store.tiers,
-                         store.offloaded, store.restored, store.outcomes, self.jobs.stats(), store.lookups)
 
 
 class PoolRegistry:
@@ -76,9 +54,11 @@ class PoolRegistry:
 
     def __init__(self, limits: Limits = Limits(), observer: TransferObserver | None = None,
                  kv_events: EventHub | None = None,
-                 peering: Callable[[Callable[[], list[CacheGroup]]], Peering] | None = None) -> None:
+                 peering: Callable[[Callable[[], list[CacheGroup]]], Peering] | None = None,
+                 lower_tiers: Mapping[str, object] | None = None) -> None:
         """``peering``: makes the daemon's peering from the groups peers may reach (``peer_groups``); each
-        group made here then has the peers as a lower tier."""
+        group made here then has the peers as a lower tier. ``lower_tiers``: every group's other lower
+        tiers, settings by config section (``kvxfer.tiers.registry``)."""
         self.limits = limits
         self.observer = observer  # told of every transfer of every pool (the daemon's metrics)
         self.kv_events = kv_events  # where the groups' tiers announce their blocks (WatchEvents)
@@ -90,6 +70,7 @@ class PoolRegistry:
         self._watch = ProcessWatch(self._registrant_exited)
         self.until_landed = UntilLanded()  # pools whose late GPU copies may still land: freed once they have
         self.peering = peering(self.peer_groups) if peering is not None else None
+        self._lower_tiers = make_lower_tiers({**(lower_tiers or {}), "peering": self.peering})
 
     def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
             token: bytes = b"", registrant_pid: int = 0, sharing: Sharing | None = None) -> ServedPool:
@@ -119,11 +100,11 @@ class PoolRegistry:
                     released = self._groups.take_expired(time.monotonic(), force_room=True)  # closed below
                     self._groups.check_room()
                     entry = GroupEntry(CacheGroup(name, stored, host_capacity_blocks, pin_device=pool.cuda_device,
-                                              disk=self.limits.disk, remote=self.limits.remote,
-                                              shared_fs=self.limits.shared_fs,
+                                              lower=self._lower_tiers,
                                               kv_events=self.kv_events.scoped(private=not sharing.events)
-                                              if self.kv_events is not None else None,
-                                              manifest=manifest, peering=self.peering), owner, sharing)
+                                              if self.kv_events is not None else None, manifest=manifest,
+                                              reservations=self.peering.leases if self.peering else None),
+                                       owner, sharing)
                 # PoolManager refuses a pool whose block format differs from the group's.
                 manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
                                       observer=self.observer, copy_threads=self.limits.copy_threads,
@@ -369,7 +350,7 @@ class PoolRegistry:
         for group in groups:
             demoted = group.demote_all(max(0.0, deadline - time.monotonic()))
             group.close(max(0.0, deadline - time.monotonic()), announce=False)
-            if group.disk is not None:
+            if group.restart_warm:
                 log.info("host tier written to disk", extra={"cache_group": group.name, "blocks": demoted})
         for s in served:
             s.manager.close()

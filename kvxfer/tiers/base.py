@@ -4,12 +4,12 @@ Host memory, disk and a remote store are siblings behind it. A tier owns its
 free-slot bookkeeping (``slots``; the index reserves and frees through it, under
 the index's lock) and its bytes. Which key a slot holds is the index's business;
 copy engines reach a host tier's buffer directly, a lower tier moves whole blocks
-between its medium and host memory (``kvxfer.tiers.disk``).
+between its medium and host memory (``kvxfer.tiers.disk.files``).
 """
 
 from __future__ import annotations
 
-from kvxfer.tiers.slots import SlotAllocator
+from kvxfer.slots import SlotAllocator
 from kvxfer.records import TierKind
 
 

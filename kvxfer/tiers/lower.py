@@ -6,20 +6,36 @@ tier, blocks just stored) are *staged* into it, never waited for; a restore of k
 host tier lacks *fetches* them from the first tier that has them, straight into reserved
 host slots, with a verdict per key (``kvxfer.serving.promotion`` does the host side once
 for all tiers); a Delete removes keys from all of them, including writes still queued.
-A new tier is one class implementing this, a config section and a row in the group's
-table of tiers.
+A tier knows of its group only what ``GroupContext`` says. A new tier is one module implementing
+this, its config section, and a row in ``kvxfer.tiers.registry.LOWER_TIERS``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from kvxfer.events.hub import EventHub, ScopedEvents
+from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind, TierStats
 
 #: (key, checksum, the block's bytes in a host slot) as staged into a lower tier.
 StagedBlock = tuple[bytes, int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupContext:
+    """What a lower tier is told of the cache group it serves; it knows nothing else of it."""
+
+    name: str
+    block_bytes: int
+    fingerprint: bytes  # the block format bound to this group (``BlockFormat.bound_to``): kept with every block
+    format_fingerprint: bytes  # the block format alone (``BlockFormat.fingerprint``): what peers match groups by
+    host_memory: tuple[int, int]  # (address, bytes) of the group's host tier, where fetched blocks land
+    events: EventHub | ScopedEvents | None = None  # where the tier announces blocks stored and removed
 
 
 class Fetch(Protocol):
@@ -46,6 +62,7 @@ class LowerTier(Protocol):
     takes_evictions: bool  # blocks the host tier evicts are staged here (demotion)
     takes_stores: bool  # blocks just stored are staged here too (write-through)
     restart_warm: bool  # the daemon writes the host tier down here at SIGTERM (``write_now``)
+    index: BlockIndex | None  # its own index of the keys it holds, if it keeps one (a Snapshot lists it)
 
     def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
         """Copy the blocks out now (their host slots are reused next) and write them later; never
@@ -80,6 +97,10 @@ class LowerTier(Protocol):
 
     def close(self, timeout: float = 0.0) -> None:
         ...
+
+
+#: What a cache group is given at construction: its lower tiers, top down (``kvxfer.tiers.registry``).
+LowerTierFactory = Callable[[GroupContext], list[LowerTier]]
 
 
 class Nothing:

@@ -1,4 +1,5 @@
-"""A stored block's self-describing header, shared by the tiers below host memory (disk, remote).
+"""A stored block's self-describing header, shared by the tiers below host memory (disk, remote, object),
+and the sealed value a shared store keeps (header, bytes and, with a secret, a MAC).
 
 The header records a magic and format version, the block format's fingerprint (a block
 of another geometry or layout is never served), the block's XXH3 checksum, its length,
@@ -10,15 +11,22 @@ store it is exactly as long as it needs to be, followed by the bytes in the same
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import zlib
 from typing import NamedTuple
+
+from kvxfer.geometry.checksum import block_checksum
 
 MAGIC = b"KVXFDSK1"
 VERSION = 2
 # magic, version, crc, fingerprint, checksum, data bytes, ns len, key len (, key format: version 2)
 _FIXED = {1: struct.Struct("<8sII32sQQHH"), 2: struct.Struct("<8sII32sQQHHI")}
 _CRC = slice(12, 16)
+MAC_BYTES = 32
+#: a sealed value's header at most: the fixed part, a namespace (UTF-8), a key, and room
+MAX_HEADER = 48 + 128 * 4 + 256 + 64
 
 
 class Header(NamedTuple):
@@ -72,3 +80,43 @@ def decode_header(header: bytes, fingerprint: bytes, nbytes: int, padded_to: int
     except UnicodeDecodeError:
         raise DiskCorrupt("bad_header") from None
     return Header(namespace, bytes(header[fixed.size + ns_len:end]), checksum, key_format)
+
+
+def mac(secret: bytes, name: bytes, value) -> bytes:
+    """HMAC-SHA256 of a value under its full name (a Redis key, an object's path): whoever lacks the secret can neither forge a
+    value nor move one to another key."""
+    digest = hmac.new(secret, name, hashlib.sha256)
+    digest.update(value)
+    return digest.digest()
+
+
+def header(fingerprint: bytes, namespace: str, key: bytes, checksum: int, slot_bytes: int, key_format: int = 0
+           ) -> bytes:
+    """The header written just before a block's bytes in its value."""
+    return encode_header(fingerprint, namespace, key, checksum, slot_bytes, key_format=key_format)
+
+
+def sealed(secret: bytes, name: bytes, value) -> bytes | memoryview:
+    """The value as stored: with a secret, its MAC appended."""
+    return value if not secret else bytes(value) + mac(secret, name, value)
+
+
+def unpack(value: bytes, name: bytes, namespace: str, key: bytes, fingerprint: bytes, slot_bytes: int,
+           secret: bytes) -> tuple[int, memoryview, int]:
+    """The block's checksum, bytes and key format code from a value, checked: its MAC (with a secret), its length, its
+    header (format, namespace, key) and its checksum. ``DiskCorrupt`` names what failed
+    ("foreign_format": a block of another format under this name, not ours to judge)."""
+    if secret:
+        value, tag = value[:-MAC_BYTES], value[-MAC_BYTES:]
+        if not hmac.compare_digest(mac(secret, name, value), tag):
+            raise DiskCorrupt("forged")
+    split = len(value) - slot_bytes
+    if split != header_length(namespace, key):
+        raise DiskCorrupt("truncated")
+    got = decode_header(bytes(value[:split]), fingerprint, slot_bytes)  # (a value may be a memoryview)
+    if got[:2] != (namespace, key):
+        raise DiskCorrupt("bad_header")
+    data = memoryview(value)[split:]
+    if block_checksum(data) != got[2]:
+        raise DiskCorrupt("checksum")
+    return got.checksum, data, got.key_format

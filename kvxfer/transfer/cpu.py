@@ -30,7 +30,7 @@ import torch
 from kvxfer.errors import Internal
 from kvxfer.geometry.checksum import rows_checksums, runs_checksum
 from kvxfer.geometry.layout import PoolLayout
-from kvxfer.tiers.slots import slot_array
+from kvxfer.slots import slot_array
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction

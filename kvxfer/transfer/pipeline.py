@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvxfer.errors import Internal
-from kvxfer.tiers.slots import slot_array
+from kvxfer.slots import slot_array
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
 from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies

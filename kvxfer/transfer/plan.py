@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.geometry.layout import Axis, PoolLayout
-from kvxfer.tiers.slots import slot_array
+from kvxfer.slots import slot_array
 
 
 #: A canonical block's axes, outermost first (its order; B is outside).

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvxfer.geometry.checksum import combine_rows
-from kvxfer.tiers.slots import slot_array
+from kvxfer.slots import slot_array
 from kvxfer.transfer import device_checksum
 
 

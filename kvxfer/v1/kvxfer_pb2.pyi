@@ -39,6 +39,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_REMOTE: _ClassVar[Tier]
     TIER_SHARED_FS: _ClassVar[Tier]
     TIER_PEER: _ClassVar[Tier]
+    TIER_OBJECT: _ClassVar[Tier]
 
 class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -76,6 +77,7 @@ TIER_DISK: Tier
 TIER_REMOTE: Tier
 TIER_SHARED_FS: Tier
 TIER_PEER: Tier
+TIER_OBJECT: Tier
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_STORED: EventKind
 EVENT_KIND_REMOVED: EventKind

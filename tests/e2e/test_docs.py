@@ -22,6 +22,7 @@ import yaml
 from service import cli as service_cli
 from service import config as service_config
 from kvxfer.bench import launch
+from kvxfer.tiers.registry import LOWER_TIERS
 from service import config_peering, config_sections
 from tests.conftest import PYTHON, ROOT, python_env
 
@@ -181,13 +182,14 @@ def test_the_configuration_reference_lists_exactly_the_daemons_keys():
     text = (ROOT / "docs" / "configuration.md").read_text()
     (reference,) = [b for b in blocks(ROOT / "docs" / "configuration.md", "yaml") if "max_concurrent_rpcs" in b]
     documented = yaml.safe_load(reference)
-    fields = set(service_config._SCALARS) | set(service_config._SECTIONS)
+    tiers = {row.section: row.keys for row in LOWER_TIERS if row.parse is not None}
+    fields = set(service_config._SCALARS) | set(service_config._SECTIONS) | set(tiers)
     assert set(documented) == fields
     assert set(documented["pools"][0]) == set(service_config.DEFAULT_POOL)
     assert set(documented["pools"][0]["spec"]) == set(service_config.DEFAULT_POOL["spec"])
-    assert set(documented["disk"]) == config_sections.DISK_KEYS
-    assert set(documented["shared_fs"]) == config_sections.SHARED_FS_KEYS
-    assert set(documented["remote"]) == config_sections.REMOTE_KEYS
+    assert sorted(tiers) == ["disk", "object", "remote", "shared_fs"]
+    for section, keys in tiers.items():
+        assert set(documented[section]) == keys, section
     assert set(documented["events"]) == config_sections.EVENTS_KEYS
     assert set(documented["peering"]) == config_peering.PEERING_KEYS
     assert set(documented["peering"]["peers"][0]) == config_peering.PEER_KEYS

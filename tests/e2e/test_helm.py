@@ -300,7 +300,22 @@ def test_lower_tiers_get_their_volumes_and_the_daemon_accepts_their_config(tmp_p
     path = tmp_path / "kvxfer.yaml"
     path.write_text(yaml.safe_dump(config))
     loaded = service_config.load(str(path), env={})
-    assert loaded.disk.capacity_bytes == 50 << 30 and loaded.remote.url == "rediss://redis:6380/0"
+    assert loaded.tiers["disk"].capacity_bytes == 50 << 30 and loaded.tiers["remote"].url == "rediss://redis:6380/0"
+
+
+def test_the_object_tier_gets_its_credentials_from_the_environment_and_a_service_account():
+    values = {"kvxfer": {"config": {"object": {"url": "s3://kv/prod", "region": "us-east-1"}},
+                         "extraEnv": [{"name": "AWS_ACCESS_KEY_ID",
+                                       "valueFrom": {"secretKeyRef": {"name": "kv-bucket", "key": "id"}}}]},
+              "serviceAccountName": "kv-reader"}
+    objects = render(values)
+    pod, config = pod_of(objects), rendered_config(objects)
+    assert config["object"] == {"url": "s3://kv/prod", "region": "us-east-1"}
+    sidecar = pod["initContainers"][0]
+    assert {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "kv-bucket", "key": "id"}}} in \
+        sidecar["env"]
+    assert pod["serviceAccountName"] == "kv-reader"
+    assert not any(e["name"].startswith("AWS_") for e in pod["containers"][0].get("env", []))  # the sidecar's own
 
 
 def test_kv_events_get_their_ports_a_service_and_the_daemons_config(tmp_path):

@@ -280,7 +280,8 @@ def test_a_deleted_key_never_comes_back_from_the_write_queue(server):
     queued (the write is dropped), and while it is being sent (the Delete waits, then removes it)."""
     import threading
 
-    from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
+    from kvxfer.tiers.remote.settings import RemoteSettings
+    from kvxfer.tiers.remote.store import RemoteStore
     from tests.e2e.redis_server import PASSWORD, USER
 
     store = RemoteStore(RemoteSettings(server.url, username=USER, password=PASSWORD, timeout_s=2), "g",

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvxfer.index.eviction
 import kvxfer.index.keytable
-import kvxfer.tiers.slots
+import kvxfer.slots
 import kvxfer.validate
 from kvxfer.geometry.layout import PRESETS, KVSpec
 from kvxfer.serving.manager import PoolManager
@@ -30,7 +30,7 @@ KEYS = [f"key-{i}".encode() for i in range(8)]
 NS = "model"
 
 # The C modules' users, and the name each knows its module by (None: the Python twins run).
-NATIVE_USERS = ((kvxfer.validate, "FAST"), (kvxfer.tiers.slots, "FAST"), (kvxfer.index.keytable, "TABLES"),
+NATIVE_USERS = ((kvxfer.validate, "FAST"), (kvxfer.slots, "FAST"), (kvxfer.index.keytable, "TABLES"),
                 (kvxfer.index.eviction, "USE_ORDER"))
 slots_st = st.lists(st.integers(1, SPEC.num_blocks - 1), min_size=1, max_size=5, unique=True)
 

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.records import Outcome
-from kvxfer.serving.remote_store import RemoteSettings, RemoteStore
-from kvxfer.tiers.remote import mac
-from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
+from kvxfer.tiers.remote.settings import RemoteSettings
+from kvxfer.tiers.remote.store import RemoteStore
+from kvxfer.tiers.record import mac
+from kvxfer.tiers.disk.files import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt, encode_header
 
 SLOT_BYTES = 512

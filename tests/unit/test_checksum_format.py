@@ -15,11 +15,13 @@ from hypothesis import strategies as st
 from kvxfer.geometry.checksum import FORMAT, PIECE_BYTES, block_checksum, rows_checksums, runs_checksum
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
-from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.serving.group import BlockFormat, CacheGroup
 from kvxfer.transfer import device_checksum, native
 from kvxfer.transfer.stream_hash import StreamHasher
 from tests.unit.test_disk_tier import HOST_BLOCKS, SPEC, fill, offload_all, store
+from kvxfer.tiers.registry import lower_tiers
+from kvxfer.records import TierKind
 
 PIECE = PIECE_BYTES
 
@@ -108,9 +110,11 @@ def test_blocks_stored_with_the_whole_span_xxh3_are_dropped_once_as_foreign(tmp_
     monkeypatch.setattr(BlockFormat, "fingerprint", old)
     pool = Pool.create("q", SPEC, Layout.parse("BLHNC"))
     for dropped in (6, 0):
-        upgraded = CacheGroup("g", pool.layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20))
-        events = upgraded.disk.stats().events
-        assert events.get("dropped_at_start_foreign_format", 0) == dropped and not upgraded.disk.contains(
+        upgraded = CacheGroup("g", pool.layout, HOST_BLOCKS,
+                              lower=lower_tiers(disk=DiskSettings(str(tmp_path), 1 << 20)))
+        disk = upgraded.tier(TierKind.DISK)
+        events = disk.stats().events
+        assert events.get("dropped_at_start_foreign_format", 0) == dropped and not disk.contains(
             "ns", [b"k%d" % b for b in range(1, 7)]).count(True)
         upgraded.close(5)
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvxfer.tiers.disk_journal as disk_journal
-from kvxfer.tiers.disk import BASE, JOURNAL
-from kvxfer.tiers.disk_journal import Journal, recover
+import kvxfer.tiers.disk.journal as disk_journal
+from kvxfer.tiers.disk.files import BASE, JOURNAL
+from kvxfer.tiers.disk.journal import Journal, recover
 
 FINGERPRINT = b"format-1"
 CAPACITY = 12

@@ -10,11 +10,12 @@ import torch
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome, TierKind
-from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
-from kvxfer.tiers.disk import HEADER_BYTES
+from kvxfer.tiers.disk.files import HEADER_BYTES
 from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
+from kvxfer.tiers.registry import lower_tiers
 
 SPEC = KVSpec(2, 64, 16, 2, 32, torch.float16)  # 8 KiB blocks
 HOST_BLOCKS = 8
@@ -33,8 +34,8 @@ def block(pool: Pool, b: int) -> torch.Tensor:
 
 def store(tmp_path, layout="BLHNC", capacity_mib=1.0, **disk):
     pool = Pool.create("p", SPEC, Layout.parse(layout))
-    group = CacheGroup("g", pool.layout, HOST_BLOCKS,
-                       disk=DiskSettings(str(tmp_path), int(capacity_mib * (1 << 20)), **disk))
+    settings = DiskSettings(str(tmp_path), int(capacity_mib * (1 << 20)), **disk)
+    group = CacheGroup("g", pool.layout, HOST_BLOCKS, lower=lower_tiers(disk=settings))
     return pool, group, PoolManager(pool, group)
 
 
@@ -72,7 +73,7 @@ def test_evicted_blocks_go_to_disk_and_come_back_bit_exact(tmp_path, layout):
     fill(pool, 1)
     original = {b: block(pool, b) for b in range(1, 41)}
     offload_all(manager, range(1, 41))
-    assert group.disk.flush(10)
+    assert group.tier(TierKind.DISK).flush(10)
     tiers = manager.lookup("ns", [b"k%d" % b for b in range(1, 41)]).tiers
     assert tiers.count(TierKind.DISK) == 40 - HOST_BLOCKS and tiers.count(TierKind.HOST) == HOST_BLOCKS
     for k, v in pool.views():
@@ -80,12 +81,12 @@ def test_evicted_blocks_go_to_disk_and_come_back_bit_exact(tmp_path, layout):
         v.zero_()
     for start in range(1, 41, 4):  # host blocks and disk blocks in one restore, into other blocks
         # Promotions evict host blocks; until written, a block on its way down is found in neither tier.
-        assert group.disk.flush(10)
+        assert group.tier(TierKind.DISK).flush(10)
         pairs = [(b"k%d" % b, b + 20) for b in range(start, start + 4)]
         assert manager.restore("ns", pairs).outcomes == [Outcome.DONE] * 4
         for b in range(start, start + 4):
             assert torch.equal(block(pool, b + 20), original[b])
-    disk = group.disk.stats()
+    disk = group.tier(TierKind.DISK).stats()
     assert disk.events["demoted"] >= 32 and disk.events["promoted"] >= 32 and not disk.degraded
     group.close(5)
 
@@ -109,7 +110,7 @@ def test_a_restart_rebuilds_the_index_and_drops_every_bad_file(tmp_path):
         f.write(bytes([f.read(1)[0] ^ 1]))
     (files[3].parent / "00000003.tmp").write_bytes(b"half")  # a crash mid-write
     _, group2, manager2 = store(tmp_path)
-    disk = group2.disk.stats()
+    disk = group2.tier(TierKind.DISK).stats()
     assert disk.events["found_at_start"] == 22 and disk.ready_blocks == 22
     assert disk.events["dropped_at_start_truncated"] == 1 and disk.events["dropped_at_start_bad_header"] == 1
     assert disk.events["dropped_at_start_incomplete"] == 1
@@ -136,7 +137,7 @@ def test_a_clean_restart_reads_the_checkpoint_and_still_catches_files_damaged_si
         f.seek(40)
         f.write(bytes([f.read(1)[0] ^ 1]))
     _, group2, manager2 = store(tmp_path)
-    disk = group2.disk.stats()
+    disk = group2.tier(TierKind.DISK).stats()
     assert disk.events["found_at_start"] == 24 and not disk.loading
     assert not any(e.startswith("dropped_at_start") for e in disk.events)  # no scan
     assert not checkpoint.exists()  # consumed: a crash from now on means a scan
@@ -156,7 +157,8 @@ def test_a_checkpoint_that_is_not_ours_is_ignored_and_the_files_are_scanned(tmp_
     elif damage == "bad hash":
         checkpoint.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     elif damage == "other format":
-        checkpoint.write_bytes(data.replace(group.disk.tier.fingerprint, bytes(len(group.disk.tier.fingerprint))))
+        fingerprint = group.tier(TierKind.DISK).tier.fingerprint
+        checkpoint.write_bytes(data.replace(fingerprint, bytes(len(fingerprint))))
     elif damage == "too large":
         with checkpoint.open("ab") as f:
             f.truncate(10 << 20)
@@ -165,7 +167,7 @@ def test_a_checkpoint_that_is_not_ours_is_ignored_and_the_files_are_scanned(tmp_
         (tmp_path / "target").write_bytes(data)
         checkpoint.symlink_to(tmp_path / "target")
     _, group2, manager2 = store(tmp_path)
-    disk = group2.disk.stats()
+    disk = group2.tier(TierKind.DISK).stats()
     assert disk.events["found_at_start"] == 12  # from the files' own headers
     assert (tmp_path / "target").exists() if damage == "a link" else True  # a link's target is never touched
     assert not checkpoint.exists() and not checkpoint.is_symlink()
@@ -176,7 +178,7 @@ def test_a_background_load_serves_misses_drops_demotions_and_applies_deletes(tmp
     """The daemon's way: the index loads on a thread while the daemon serves (issue 32)."""
     import threading
 
-    from kvxfer.tiers.disk import DiskTier
+    from kvxfer.tiers.disk.files import DiskTier
 
     stored_and_shut_down(tmp_path, 5, 16)
     (tmp_path / "g" / ".checkpoint").unlink()  # a scan
@@ -184,7 +186,7 @@ def test_a_background_load_serves_misses_drops_demotions_and_applies_deletes(tmp
     scan = DiskTier.scan
     monkeypatch.setattr(DiskTier, "scan", lambda self, stop=lambda: False: (release.wait(30), scan(self, stop))[1])
     _, group2, manager2 = store(tmp_path, load_in_background=True)
-    disk = group2.disk
+    disk = group2.tier(TierKind.DISK)
     assert disk.stats().loading and disk.contains("ns", [b"k1"]) == [False]  # a miss, not a wait
     assert manager2.delete("ns", [b"k2"]) >= 0  # applied once the files are known
     disk.stage("ns", [(b"new", 1, torch.zeros(4, dtype=torch.uint8))])
@@ -208,8 +210,8 @@ def test_a_foreign_block_format_is_never_served(tmp_path):
     group.demote_all(10)
     group.close(5)
     other = Pool.create("q", KVSpec(2, 64, 16, 2, 32, torch.bfloat16), Layout.parse("BLHNC"))  # same size
-    group2 = CacheGroup("g", other.layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20))
-    assert group2.disk.stats().events["dropped_at_start_foreign_format"] == 12
+    group2 = CacheGroup("g", other.layout, HOST_BLOCKS, lower=lower_tiers(disk=DiskSettings(str(tmp_path), 1 << 20)))
+    assert group2.tier(TierKind.DISK).stats().events["dropped_at_start_foreign_format"] == 12
     group2.close(5)
 
 
@@ -217,19 +219,19 @@ def test_a_failing_device_fails_the_block_and_marks_the_tier_degraded(tmp_path, 
     pool, group, manager = store(tmp_path)
     fill(pool, 4)
     offload_all(manager, range(1, 17))
-    assert group.disk.flush(10)
-    victim = group.disk.index.entries()[0]
-    read_into = group.disk.tier.read_into
+    assert group.tier(TierKind.DISK).flush(10)
+    victim = group.tier(TierKind.DISK).index.entries()[0]
+    read_into = group.tier(TierKind.DISK).tier.read_into
 
     def dead_sector(slot, *args):
         if slot == victim[2]:
             raise OSError(errno.EIO, "Input/output error")
         return read_into(slot, *args)
 
-    monkeypatch.setattr(group.disk.tier, "read_into", dead_sector)
+    monkeypatch.setattr(group.tier(TierKind.DISK).tier, "read_into", dead_sector)
     result = manager.restore("ns", [(victim[1], 40), (b"k16", 41)])
     assert result.outcomes == [Outcome.FAILED, Outcome.DONE]
-    stats = group.disk.stats()
+    stats = group.tier(TierKind.DISK).stats()
     assert stats.degraded and stats.events["read_errors"] == 1
     assert manager.offload("ns", [(2, b"new")]).outcomes == [Outcome.DONE]  # the host path goes on
     group.close(5)
@@ -239,8 +241,8 @@ def test_a_full_demotion_queue_drops_and_counts_instead_of_waiting(tmp_path):
     pool, group, manager = store(tmp_path, queue_blocks=1)
     fill(pool, 5)
     offload_all(manager, range(1, 41))
-    group.disk.flush(10)
-    events = group.disk.stats().events
+    group.tier(TierKind.DISK).flush(10)
+    events = group.tier(TierKind.DISK).stats().events
     assert events["demotions_dropped"] > 0 and events["demoted"] + events["demotions_dropped"] == 32
     group.close(5)
 
@@ -284,10 +286,10 @@ def test_a_write_that_breaks_midway_leaves_no_pinned_or_invisible_entries(tmp_pa
     def broken(blocks):
         raise RuntimeError("a bug in the write path")  # nothing the device can be made to do on demand
 
-    group.disk.tier.write_batch = broken
+    group.tier(TierKind.DISK).tier.write_batch = broken
     offload_all(manager, range(1, 17))  # 8 demotions reach the broken writer
-    group.disk.flush(10)
-    stats = group.disk.stats()
+    group.tier(TierKind.DISK).flush(10)
+    stats = group.tier(TierKind.DISK).stats()
     assert stats.pinned_blocks == 0 and stats.used_blocks == 0 and stats.events["write_errors"] == 8
     assert manager.restore("ns", [(b"k16", 40)]).outcomes == [Outcome.DONE]  # the host path goes on
     group.close(5)
@@ -297,7 +299,7 @@ def test_a_key_named_twice_in_a_delete_is_removed_once_from_both_tiers(tmp_path)
     pool, group, manager = store(tmp_path)
     fill(pool, 3)
     offload_all(manager, range(1, 21))  # 8 in the host tier, 12 on disk
-    assert group.disk.flush(10)
+    assert group.tier(TierKind.DISK).flush(10)
     assert manager.delete("ns", [b"k1", b"k1", b"k20", b"k20", b"absent"]) == 2  # k1 on disk, k20 in host memory
     assert manager.lookup("ns", [b"k1"]).tiers == [None] and manager.lookup("ns", [b"k20"]).tiers == [None]
     for tier in manager.stats().tiers:
@@ -305,7 +307,7 @@ def test_a_key_named_twice_in_a_delete_is_removed_once_from_both_tiers(tmp_path)
 
 
 def test_a_directory_in_a_slots_place_is_set_aside_when_the_slot_is_written(tmp_path):
-    from kvxfer.tiers.disk import QUARANTINE, Block, DiskTier
+    from kvxfer.tiers.disk.files import QUARANTINE, Block, DiskTier
 
     tier = DiskTier(tmp_path / "t", 8, 64, b"f" * 16)
     (tier.path(3) / "inside").mkdir(parents=True)  # a directory where slot 3's file goes
@@ -327,7 +329,7 @@ def test_a_deleted_key_never_comes_back_from_the_write_queue(tmp_path, when):
 
     pool, group, manager = store(tmp_path)
     fill(pool, 4)
-    real, entered, release = group.disk.tier.write_batch, threading.Event(), threading.Event()
+    real, entered, release = group.tier(TierKind.DISK).tier.write_batch, threading.Event(), threading.Event()
 
     def held(blocks):
         if when == "half_written":
@@ -339,16 +341,17 @@ def test_a_deleted_key_never_comes_back_from_the_write_queue(tmp_path, when):
         release.wait(10)
         return real(blocks)
 
-    group.disk.tier.write_batch = held
+    group.tier(TierKind.DISK).tier.write_batch = held
     offload_all(manager, range(1, 13))  # k1..k4 evicted to disk: the writer holds them
     assert entered.wait(10)
     offload_all(manager, range(13, 17))  # k5..k8 evicted too: queued behind the held batch
     deleted = [b"k%d" % b for b in range(1, 9)]
     assert manager.delete("ns", deleted) == 0  # nothing published yet
     release.set()
-    assert group.disk.flush(10)
+    assert group.tier(TierKind.DISK).flush(10)
     assert manager.lookup("ns", deleted).tiers == [None] * 8
-    assert group.disk.stats().events["deleted_while_queued"] == 8 and len(group.disk.tombstones) == 0
+    disk = group.tier(TierKind.DISK)
+    assert disk.stats().events["deleted_while_queued"] == 8 and len(disk.tombstones) == 0
     offload_all(manager, range(17, 21))  # a key stored again after its Delete is kept
     assert manager.offload("ns", [(3, b"k3")]).outcomes == [Outcome.DONE]
     assert manager.lookup("ns", [b"k3"]).tiers == [TierKind.HOST]
@@ -368,8 +371,9 @@ def test_a_fifo_or_link_planted_as_the_checkpoints_temporary_never_stalls_a_shut
     group.close(5)
     assert (tmp_path / "g" / ".checkpoint").is_file()
     _, group2, _ = store(tmp_path)
-    assert group2.disk.stats().events["found_at_start"] == 12
-    assert not any(e.startswith("dropped_at_start") for e in group2.disk.stats().events)  # from the checkpoint
+    assert group2.tier(TierKind.DISK).stats().events["found_at_start"] == 12
+    disk = group2.tier(TierKind.DISK)
+    assert not any(e.startswith("dropped_at_start") for e in disk.stats().events)  # from the checkpoint
     group2.close(5)
-    assert group2.disk.index.entries() == [e for batch in group2.disk.index.entry_batches(5) for e in batch]
+    assert disk.index.entries() == [e for batch in disk.index.entry_batches(5) for e in batch]
 

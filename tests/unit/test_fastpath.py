@@ -14,7 +14,7 @@ import pytest
 import kvxfer.index.block_index as block_index
 import kvxfer.index.eviction as eviction
 import kvxfer.index.keytable as keytable
-import kvxfer.tiers.slots as slots_module
+import kvxfer.slots as slots_module
 import kvxfer.validate as validate
 from kvxfer.errors import InvalidArgument
 from kvxfer.fastpath import FAST, TABLES, USE_ORDER

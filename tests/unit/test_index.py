@@ -5,7 +5,7 @@ import pytest
 
 import kvxfer.index.eviction as eviction
 import kvxfer.index.keytable as keytable
-import kvxfer.tiers.slots as slots_module
+import kvxfer.slots as slots_module
 from kvxfer.fastpath import FAST
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind

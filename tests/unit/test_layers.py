@@ -59,16 +59,40 @@ def test_modules_stay_small():
     assert {p: n for p, n in sizes.items() if n > 400} == {}
 
 
-def test_copy_engines_and_tiers_never_import_the_index():
-    """Bookkeeping uses the tiers' slots, never the reverse (issue 30): transfer/ and tiers/ stay below index/."""
-    offenders = []
-    for package in ("transfer", "tiers"):
-        for path in (ROOT / "kvxfer" / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("kvxfer.index")]
+def _imports(package: str) -> list[tuple[Path, str]]:
+    found = []
+    for path in (ROOT / "kvxfer" / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [(path.relative_to(ROOT), n) for n in names]
+    return found
+
+
+def test_bookkeeping_never_imports_a_tier_and_copy_engines_never_import_the_index():
+    """Bookkeeping never touches bytes (issue 30): the index (over ``kvxfer.slots``) imports no tier and no copy
+    engine; copy engines import no index. The lower tiers sit above the index (issue 48: a disk tier keeps
+    its own)."""
+    offenders = [f"{p}: {n}" for p, n in _imports("index") if n.startswith(("kvxfer.tiers", "kvxfer.transfer"))]
+    offenders += [f"{p}: {n}" for p, n in _imports("transfer") if n.startswith("kvxfer.index")]
     assert offenders == []
+
+
+def test_each_lower_tier_lives_whole_in_tiers_behind_one_table():
+    """Issue 48: one ``LowerTier``, one home. Medium, store and settings of every tier below host memory are
+    in ``kvxfer.tiers`` and ``LOWER_TIERS`` names them all; ``serving`` keeps pools, jobs, groups and
+    promotion, and never names a tier; the peer tier reads through ``kvxfer.peering``'s links, which
+    import no tier."""
+    from kvxfer.tiers.registry import LOWER_TIERS
+
+    assert [r.section for r in LOWER_TIERS] == ["disk", "shared_fs", "peering", "remote", "object"]
+    stores = [p.name for p in (ROOT / "kvxfer" / "serving").glob("*.py")
+              if p.name.endswith(("_store.py", "staging.py", "_watch.py"))]
+    assert stores == []
+    named = [f"{p}: {n}" for p, n in _imports("serving") if n.startswith("kvxfer.tiers.")
+             and n not in ("kvxfer.tiers.host", "kvxfer.tiers.lower", "kvxfer.tiers.registry")]
+    assert named == []
+    assert [f"{p}: {n}" for p, n in _imports("peering") if n.startswith("kvxfer.tiers")] == []
 
 
 def test_benchmarks_and_harnesses_live_in_kvxfer_bench_and_the_daemon_package_holds_the_daemon():

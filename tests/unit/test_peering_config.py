@@ -3,7 +3,7 @@
 import pytest
 
 from service import config as cfg
-from service.config_sections import ConfigError
+from kvxfer.errors import ConfigError
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ two daemons' cache groups in one process joined by a fake NIXL agent (``tests/fa
 end-to-end tests with real agents are ``tests/peering``."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.leases import LeaseTable
 from kvxfer.peering.push import push
 from kvxfer.peering.settings import PeeringSettings
-from kvxfer.peering.store import PeerStore
+from kvxfer.tiers.peer import PeerTier
 from kvxfer.records import Outcome
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
@@ -60,8 +61,11 @@ def nodes():
     b.close()
 
 
-def _store(b: Node, link: FakeLink) -> PeerStore:
-    return PeerStore(b.agent, [link], b.counters, "g", b.group.format.fingerprint, b.group.host, lease_ms=5000)
+def _store(b: Node, link: FakeLink, lease_ms: int = 5000) -> PeerTier:
+    """``b``'s peer tier reading from one peer, made as the tier registry makes it for a group."""
+    peers = SimpleNamespace(agent=b.agent, links=[link], counters=b.counters,
+                            settings=PeeringSettings("b", lease_ms=lease_ms))
+    return PeerTier(peers, b.group.context)
 
 
 def test_a_restore_reads_a_peers_blocks_bit_exact_and_releases_its_lease(nodes):
@@ -113,7 +117,7 @@ def test_a_lease_the_peer_could_not_have_granted_is_released_unread(nodes):
 
 def test_a_lease_ended_before_the_read_is_a_miss_and_the_peer_unpins_at_its_deadline(nodes):
     a, b, b_to_a, _ = nodes
-    store = PeerStore(b.agent, [b_to_a], b.counters, "g", b.group.format.fingerprint, b.group.host, lease_ms=1)
+    store = _store(b, b_to_a, lease_ms=1)
     fetch = store.fetch("ns", KEYS)
     time.sleep(0.05)  # the 1 ms lease is over: reading now could read a reused slot
     slots = b.group.index.prepare_store("ns", [b"t"]).slots

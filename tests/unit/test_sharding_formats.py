@@ -16,6 +16,8 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer.base import CopyBatch, Direction
 from kvxfer.transfer.shard import ShardCopyEngine, blocks_view
 from tests.unit.test_sharding import BLHNC, Engine, spec_of
+from kvxfer.tiers.registry import lower_tiers
+from kvxfer.records import TierKind
 
 
 @pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "BLNHC"])
@@ -93,11 +95,12 @@ def test_the_element_format_is_part_of_the_manifest():
 def test_blocks_of_another_manifest_on_disk_are_never_served(tmp_path, model, kv_format):
     """The manifest is in the fingerprint every stored block carries: a group of the same name and geometry
     but another model (or element format) finds the disk's blocks foreign; the same manifest finds them."""
-    from kvxfer.serving.disk_store import DiskSettings
+    from kvxfer.tiers.disk.settings import DiskSettings
 
     def group(model, kv_format=""):
         stored, manifest = stored_format(PoolLayout(spec_of(4, 2), BLHNC), Sharding(model, 0, 2, 4, kv_format))
-        return CacheGroup("g", stored, 4, disk=DiskSettings(str(tmp_path), 1 << 20), manifest=manifest)
+        return CacheGroup("g", stored, 4, manifest=manifest,
+                          lower=lower_tiers(disk=DiskSettings(str(tmp_path), 1 << 20)))
 
     first = group("m")
     engine = Engine(first, 4, 2)
@@ -107,8 +110,8 @@ def test_blocks_of_another_manifest_on_disk_are_never_served(tmp_path, model, kv
     first.close(5)
     other = group(model, kv_format)
     same = (model, kv_format) == ("m", "")
-    assert other.disk.stats().events.get("dropped_at_start_foreign_format", 0) == (0 if same else 4)
-    assert other.disk.contains("ns", [b"\x01", b"\x04"]) == [same, same]
+    assert other.tier(TierKind.DISK).stats().events.get("dropped_at_start_foreign_format", 0) == (0 if same else 4)
+    assert other.tier(TierKind.DISK).contains("ns", [b"\x01", b"\x04"]) == [same, same]
     other.close(5)
 
 

@@ -15,7 +15,8 @@ from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome, TierKind
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
-from kvxfer.serving.shared_fs_store import SharedFsSettings
+from kvxfer.tiers.shared_fs.settings import SharedFsSettings
+from kvxfer.tiers.registry import lower_tiers
 
 SPEC = KVSpec(2, 64, 16, 2, 32, torch.float16)  # 8 KiB blocks
 HOST_BLOCKS = 8
@@ -24,7 +25,8 @@ HOST_BLOCKS = 8
 def node(shared, timeout_s: float = 2.0) -> tuple[Pool, PoolManager]:
     pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
     pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
-    group = CacheGroup("g", pool.layout, HOST_BLOCKS, shared_fs=SharedFsSettings(str(shared), timeout_s))
+    group = CacheGroup("g", pool.layout, HOST_BLOCKS,
+                       lower=lower_tiers(shared_fs=SharedFsSettings(str(shared), timeout_s)))
     return pool, PoolManager(pool, group)
 
 
@@ -195,7 +197,7 @@ def test_the_key_format_travels_with_the_block_to_the_node_that_restores_it(tmp_
     hub = EventHub()
     b_pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
     b = PoolManager(b_pool, CacheGroup("g", b_pool.layout, HOST_BLOCKS, kv_events=hub,
-                                       shared_fs=SharedFsSettings(str(tmp_path), 2.0)))
+                                       lower=lower_tiers(shared_fs=SharedFsSettings(str(tmp_path), 2.0))))
     try:
         for first in range(0, 12, 4):
             a.run(TransferBatch.build(TransferKind.OFFLOAD, "ns", range(first + 1, first + 5), keys[first:first + 4],

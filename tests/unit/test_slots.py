@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.errors import Internal
-from kvxfer.tiers.slots import SlotAllocator
+from kvxfer.slots import SlotAllocator
 
 
 def test_a_fresh_tier_hands_out_runs_and_takes_back_what_was_released_first():

@@ -10,13 +10,14 @@ import torch
 from kvxfer.geometry.layout import Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome, TierKind
-from kvxfer.serving.disk_store import DiskSettings
+from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.manager import PoolManager
-from kvxfer.tiers.disk import DiskTier
+from kvxfer.tiers.disk.files import DiskTier
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import EventKind, Reason
 from tests.unit.test_disk_tier import HOST_BLOCKS, SPEC, block, fill, offload_all, store, stored_and_shut_down
+from kvxfer.tiers.registry import lower_tiers
 
 KEYS = [b"k%d" % b for b in range(1, 9)]  # on disk after stored_and_shut_down(..., 16): the oldest eight
 
@@ -35,7 +36,7 @@ def test_a_lookup_and_a_restore_during_the_index_load_wait_for_it_and_hit(tmp_pa
     scan = DiskTier.scan
     monkeypatch.setattr(DiskTier, "scan", lambda self, stop=lambda: False: (release.wait(60), scan(self, stop))[1])
     pool, group, manager = store(tmp_path, load_in_background=True)
-    assert group.disk.stats().loading
+    assert group.tier(TierKind.DISK).stats().loading
     lookup, looked = in_thread(manager.lookup, "ns", KEYS)
     restore, restored = in_thread(manager.restore, "ns", [(k, 20 + i) for i, k in enumerate(KEYS[:4])])
     time.sleep(0.3)  # (both asked before the load ended: the old code answered them with misses at once)
@@ -66,17 +67,17 @@ def test_ranks_restoring_one_disk_key_at_once_share_one_promotion(tmp_path, monk
     at the same moment: the second waits for the first's promotion and both get every block."""
     stored_and_shut_down(tmp_path, 6, 16)
     pools = [Pool.create(f"p{r}", SPEC, Layout.parse("BLHNC")) for r in range(2)]
-    group = CacheGroup("g", pools[0].layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20))
+    group = CacheGroup("g", pools[0].layout, HOST_BLOCKS, lower=lower_tiers(disk=DiskSettings(str(tmp_path), 1 << 20)))
     managers = [PoolManager(p, group) for p in pools]
     reading, release = threading.Event(), threading.Event()
-    read_into = group.disk.tier.read_into
+    read_into = group.tier(TierKind.DISK).tier.read_into
 
     def slow_read(*args):
         reading.set()
         release.wait(60)
         return read_into(*args)
 
-    monkeypatch.setattr(group.disk.tier, "read_into", slow_read)
+    monkeypatch.setattr(group.tier(TierKind.DISK).tier, "read_into", slow_read)
     pairs = [(k, 10 + i) for i, k in enumerate(KEYS[:4])]
     first, first_out = in_thread(managers[0].restore, "ns", pairs)
     assert reading.wait(60)  # rank 0 is reading the files
@@ -88,7 +89,7 @@ def test_ranks_restoring_one_disk_key_at_once_share_one_promotion(tmp_path, monk
     assert first_out[0].outcomes == [Outcome.DONE] * 4 and second_out[0].outcomes == [Outcome.DONE] * 4
     for i in range(4):
         assert torch.equal(block(pools[0], 10 + i), block(pools[1], 10 + i))
-    assert group.disk.stats().events["promoted"] == 4  # one promotion, not one a rank
+    assert group.tier(TierKind.DISK).stats().events["promoted"] == 4  # one promotion, not one a rank
     group.close(5)
 
 
@@ -101,14 +102,15 @@ def test_blocks_loaded_from_disk_are_announced_by_the_engines_hashes_after_a_res
     from kvxfer.events.records import EngineBlocks, KeyFormat
     from kvxfer.events.vllm_wire import BlockRemoved, BlockStored, VllmEncoder
     from kvxfer.serving.batch import TransferBatch, TransferKind
-    from kvxfer.tiers import disk_checkpoint
+    from kvxfer.tiers.disk import checkpoint as disk_checkpoint
 
     keys = [bytes([i]) * 32 + (2).to_bytes(4, "big") for i in range(1, 17)]  # vLLM offload keys, group 2
 
     def start():
         hub = EventHub()
         pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
-        group = CacheGroup("g", pool.layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20), kv_events=hub)
+        group = CacheGroup("g", pool.layout, HOST_BLOCKS, kv_events=hub,
+                           lower=lower_tiers(disk=DiskSettings(str(tmp_path), 1 << 20)))
         return hub, pool, group, PoolManager(pool, group)
 
     def vllm_events(hub):
@@ -155,23 +157,24 @@ def test_an_entry_whose_file_is_gone_is_removed_when_read_and_the_restore_goes_o
     announced once it is read (not TIER_DISK forever, not a failure that marks the tier degraded)."""
     pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
     hub = EventHub()
-    group = CacheGroup("g", pool.layout, HOST_BLOCKS, disk=DiskSettings(str(tmp_path), 1 << 20), kv_events=hub)
+    group = CacheGroup("g", pool.layout, HOST_BLOCKS, kv_events=hub,
+                       lower=lower_tiers(disk=DiskSettings(str(tmp_path), 1 << 20)))
     manager = PoolManager(pool, group)
     fill(pool, 9)
     offload_all(manager, range(1, 17))
-    assert group.disk.flush(10)
-    namespace, key, slot = group.disk.index.entries()[0][:3]
-    group.disk.tier.path(slot).unlink()  # removed behind the daemon's back
+    assert group.tier(TierKind.DISK).flush(10)
+    namespace, key, slot = group.tier(TierKind.DISK).index.entries()[0][:3]
+    group.tier(TierKind.DISK).tier.path(slot).unlink()  # removed behind the daemon's back
     assert manager.lookup("ns", [key]).tiers == [TierKind.DISK]  # (nothing has read it yet)
     assert manager.restore("ns", [(key, 40)]).outcomes == [Outcome.NOT_FOUND]
     assert manager.lookup("ns", [key]).tiers == [None]  # gone for good
     removed = [e for e in hub.read(0, 10_000)[0] if e.kind is EventKind.REMOVED and key in e.keys
                and e.tier is TierKind.DISK]
     assert [(e.tier, e.reason) for e in removed] == [(TierKind.DISK, Reason.EXPIRED)]
-    assert group.disk.flush(10)  # (the promotion's evictions on their way down)
-    stats = group.disk.stats()
+    assert group.tier(TierKind.DISK).flush(10)  # (the promotion's evictions on their way down)
+    stats = group.tier(TierKind.DISK).stats()
     assert stats.events["missing"] == 1 and not stats.degraded and stats.pinned_blocks == 0
-    other = next(e.key for e in group.disk.index.entries())
+    other = next(e.key for e in group.tier(TierKind.DISK).index.entries())
     assert manager.restore("ns", [(other, 41)]).outcomes == [Outcome.DONE]  # the others are served
     group.close(5)
     _, group2, manager2 = store(tmp_path)  # the journal said so: the next start does not bring it back

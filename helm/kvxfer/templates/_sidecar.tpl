@@ -37,6 +37,9 @@ exec:
     - {name: NVIDIA_VISIBLE_DEVICES, value: all}
     - {name: NVIDIA_DRIVER_CAPABILITIES, value: "compute,utility"}
     {{- end }}
+    {{- with .Values.kvxfer.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   startupProbe:
     {{- include "kvxfer.probe" . | nindent 4 }}
     {{- toYaml .Values.kvxfer.startupProbe | nindent 4 }}

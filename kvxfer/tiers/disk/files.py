@@ -49,8 +49,8 @@ FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 QUARANTINE = "quarantine"  # entries set aside, for the operator to look at
-CHECKPOINT = ".checkpoint"  # the index a clean shutdown wrote (kvxfer.tiers.disk_checkpoint)
-BASE, JOURNAL = ".base", ".journal"  # what a crash leaves for the next start (kvxfer.tiers.disk_journal)
+CHECKPOINT = ".checkpoint"  # the index a clean shutdown wrote (kvxfer.tiers.disk.checkpoint)
+BASE, JOURNAL = ".base", ".journal"  # what a crash leaves for the next start (kvxfer.tiers.disk.journal)
 NOT_BLOCKS = (".lock", QUARANTINE, *(name + tmp for name in (CHECKPOINT, BASE, JOURNAL) for tmp in ("", ".tmp")))
 log = logging.getLogger(__name__)
 

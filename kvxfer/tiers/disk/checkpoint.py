@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import xxhash
 
-from kvxfer.tiers.disk import CHECKPOINT as NAME, NOT_BLOCKS, Stored, write_all
+from kvxfer.tiers.disk.files import CHECKPOINT as NAME, NOT_BLOCKS, Stored, write_all
 
 _MAGIC = b"KVXFER-DISK-INDEX-2\n"
 # slot, checksum, namespace length, key length (, the key's format: version 2); by the file's magic

@@ -1,7 +1,7 @@
 """A cache group's disk tier: demotion on its own thread, promotion on restore, the index rebuilt at start.
 
 Start. The index comes from the checkpoint a clean shutdown wrote (one file), else from the
-base and journal a crash left (``kvxfer.tiers.disk_journal``), else from the block files'
+base and journal a crash left (``kvxfer.tiers.disk.journal``), else from the block files'
 headers (a scan: minutes for millions of blocks). Then a new base is written and every change
 is journaled until the next clean shutdown. With ``load_in_background``
 (the daemon) it is loaded on a thread while the daemon serves: until it is done the tier
@@ -36,7 +36,6 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,9 +45,10 @@ from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.staging import EventCounts, Staged, WriteQueue
-from kvxfer.tiers import disk_checkpoint, disk_journal
-from kvxfer.tiers.disk import HEADER_BYTES, Block, DiskTier
+from kvxfer.tiers.disk.settings import DiskSettings
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue
+from kvxfer.tiers.disk import checkpoint as disk_checkpoint, journal as disk_journal
+from kvxfer.tiers.disk.files import HEADER_BYTES, Block, DiskTier
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.lower import StagedBlock
 
@@ -56,15 +56,6 @@ log = logging.getLogger(__name__)
 BATCH = 64  # blocks made durable per directory fsync
 
 
-@dataclass(frozen=True)
-class DiskSettings:
-    """The disk tier of every cache group: ``<path>/<cache group>/``, ``capacity_bytes`` each."""
-
-    path: str
-    capacity_bytes: int  # per cache group, headers included
-    queue_blocks: int = 256  # demotions staged in memory (and promotion reads in flight) at most
-    workers: int = 4  # threads reading blocks for restores
-    load_in_background: bool = False  # the index loaded on a thread while the daemon serves
 
 
 class DiskStore:

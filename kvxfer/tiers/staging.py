@@ -173,17 +173,21 @@ def announce_stored(events: TierEvents | None, written: list[Staged]) -> None:
 
 
 class WriteQueue:
-    """A bounded queue of staged blocks written by one thread, ``batch`` at a time, through the
-    tier's ``write``; the tier decides and publishes under ``tombstones.publishing``."""
+    """A bounded queue of staged blocks written by ``writers`` threads, ``batch`` at a time each, through the
+    tier's ``write``; the tier decides under ``tombstones.publishing`` (one writer: and publishes there too)."""
 
     def __init__(self, name: str, count: int, nbytes: int, write: Callable[[list[Staged]], None], batch: int,
-                 headroom: int = 0, on_stop: Callable[[], None] = lambda: None) -> None:
+                 headroom: int = 0, on_stop: Callable[[], None] = lambda: None, writers: int = 1) -> None:
         self.staging = StagingBuffers(count, nbytes, headroom)
         self.tombstones = Tombstones()
         self._write, self._batch, self._on_stop = write, batch, on_stop
-        self._queue: queue.Queue[Staged | None] = queue.Queue(count + 1)  # + the stop mark
-        self._writer = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._writer.start()
+        self._queue: queue.Queue[Staged | None] = queue.Queue(count + writers)  # + a stop mark each
+        self._running = writers  # writers not yet stopped: the last one calls ``on_stop``
+        self._running_lock = threading.Lock()
+        self._writers = [threading.Thread(target=self._loop, name=f"{name}-{i}" if writers > 1 else name, daemon=True)
+                         for i in range(writers)]
+        for writer in self._writers:
+            writer.start()
 
     def stage(self, namespace: str, key: bytes, checksum: int, data: np.ndarray, key_format: int = 0) -> bool:
         """Copy a block into a staging buffer and queue it; False (nothing queued) when every
@@ -200,7 +204,11 @@ class WriteQueue:
             first = self._queue.get()
             if first is None:
                 self._queue.task_done()
-                self._on_stop()
+                with self._running_lock:
+                    self._running -= 1
+                    last = self._running == 0
+                if last:
+                    self._on_stop()
                 return
             batch = take_batch(self._queue, first, self._batch)
             try:
@@ -222,8 +230,10 @@ class WriteQueue:
 
     def close(self, timeout: float = 0.0) -> None:
         self.flush(timeout)
-        try:
-            self._queue.put(None, timeout=max(timeout, 0.1))
-        except queue.Full:
-            pass  # the writer is stuck on a dead medium: it is a daemon thread
-        self._writer.join(timeout)
+        for _ in self._writers:
+            try:
+                self._queue.put(None, timeout=max(timeout, 0.1))
+            except queue.Full:
+                break  # a writer is stuck on a dead medium: they are daemon threads
+        for writer in self._writers:
+            writer.join(timeout)

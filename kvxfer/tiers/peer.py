@@ -1,4 +1,6 @@
-"""The reading side: configured peers as a lower tier of one cache group (``LowerTier``).
+"""The peer tier, peering's reading side: configured peers as a lower tier of one cache group
+(``LowerTier``). It knows the group by its ``GroupContext`` alone; the serving side (leases and
+pushes of this daemon's blocks) is ``kvxfer.peering``.
 
 A restore of keys this daemon lacks asks its peers in order; the first that holds some
 leases them (pinned there, their slots exposed to this agent alone), and promotion reads
@@ -15,6 +17,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,12 +26,21 @@ from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.peering.agent import Agent, XferResult
 from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.link import PeerLink, PeerUnavailable
+from kvxfer.peering.settings import PeeringSettings
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.tiers.host import HostTier
-from kvxfer.tiers.lower import StagedBlock
+from kvxfer.tiers.lower import GroupContext, StagedBlock
 
 log = logging.getLogger("kvxfer.peering")
 MARGIN_S = 0.05  # a read must end this long before its lease does (clocks and the answer's flight)
+
+
+class Peers(Protocol):
+    """The daemon's peering (``kvxfer.peering.hub.Peering``), as the tiers of its groups use it."""
+
+    settings: PeeringSettings
+    agent: Agent
+    links: list[PeerLink]
+    counters: PeerCounters
 
 
 @dataclass
@@ -42,7 +54,7 @@ class _Leased:
 class PeerFetch:
     """Blocks leased from peers for one promotion; ``end`` releases the leases."""
 
-    def __init__(self, store: PeerStore, keys: list[bytes], leases: list[_Leased]) -> None:
+    def __init__(self, store: PeerTier, keys: list[bytes], leases: list[_Leased]) -> None:
         self.store = store
         self.keys = keys
         self.formats = [0] * len(keys)  # (a peer's lease does not say: opaque)
@@ -63,24 +75,26 @@ class PeerFetch:
             leased.link.release(leased.lease_id, bad, lambda cause, name=name: self.store.counters.failed(name, cause))
 
 
-class PeerStore:
+class PeerTier:
     """Read-only: takes no evictions or stores, holds nothing of its own."""
 
     kind = TierKind.PEER
     takes_evictions = False
     takes_stores = False
     restart_warm = False
+    index = None
 
-    def __init__(self, agent: Agent, links: list[PeerLink], counters: PeerCounters, group: str, block_format: bytes,
-                 host: HostTier, lease_ms: int) -> None:
-        self.agent = agent
-        self.group = group  # the cache group asked for on every peer: the one of the same name there
-        self.links = links
-        self.counters = counters
-        self.block_format = block_format
-        self.slot_bytes = host.slot_bytes
-        self.lease_ms = lease_ms
-        self._registration = agent.register(host.buffer.data_ptr(), host.buffer.numel())  # where reads land
+    def __init__(self, peers: Peers, group: GroupContext) -> None:
+        """Each peer is asked for its cache group of ``group``'s name (served only if shared with peers),
+        whose blocks have the same format."""
+        self.agent = peers.agent
+        self.group = group.name  # the cache group asked for on every peer: the one of the same name there
+        self.links = peers.links
+        self.counters = peers.counters
+        self.block_format = group.format_fingerprint
+        self.slot_bytes = group.block_bytes
+        self.lease_ms = peers.settings.lease_ms
+        self._registration = self.agent.register(*group.host_memory)  # where reads land
 
     def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
         return None
@@ -182,7 +196,7 @@ class PeerStore:
         self.counters.moved(name, "in", good, good * self.slot_bytes, seconds)
         return verdicts
 
-    def only(self, link: PeerLink) -> PeerStore:
+    def only(self, link: PeerLink) -> PeerTier:
         """This tier reading from one peer alone (the one a caller named)."""
         view = copy.copy(self)
         view.links = [link]

@@ -1,6 +1,6 @@
 """A cache group's remote tier on Redis or Redis Cluster: blocks every daemon (node) using it shares.
 
-One Redis value per block (``kvxfer.tiers.remote``: the medium's connections, circuit
+One Redis value per block (``kvxfer.tiers.remote.client``: the medium's connections, circuit
 breaker and value encoding): its header (``kvxfer.tiers.record``: format version, block
 format fingerprint, checksum, namespace, key) and its bytes, written with one SET, so
 that a reader never sees bytes without their checksum. The Redis key is ``key_prefix``,
@@ -32,15 +32,16 @@ from redis.cluster import RedisCluster
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
 from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.serving.remote_watch import RemovalWatch
-from kvxfer.serving.staging import EventCounts, Staged, WriteQueue, announce_stored
+from kvxfer.tiers.remote.watch import RemovalWatch
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
-from kvxfer.tiers.breaker import Breaker
-from kvxfer.tiers.remote import BATCH, FAILURES, MAX_HEADER, RemoteSettings, connect, header, sealed, \
-    unpack
+from kvxfer.breaker import Breaker
+from kvxfer.tiers.record import MAX_HEADER, header, sealed, unpack
+from kvxfer.tiers.remote.client import BATCH, FAILURES, connect
+from kvxfer.tiers.remote.settings import RemoteSettings
 
-__all__ = ["BATCH", "RemoteSettings", "RemoteStore"]
+__all__ = ["BATCH", "RemoteStore"]
 
 
 class RemoteStore:
@@ -48,12 +49,13 @@ class RemoteStore:
 
     kind = TierKind.REMOTE
     restart_warm = False  # Redis outlives the daemon on its own
+    index = None  # (Redis is asked: it evicts on its own)
 
     def __init__(self, settings: RemoteSettings, group: str, fingerprint: bytes, slot_bytes: int,
                  kv_events: EventHub | None = None) -> None:
         """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every value's header;
         ``kv_events``: where this daemon's stores, deletes and corrupt finds are announced, and Redis's own
-        evictions and expiries where it publishes them (``kvxfer.serving.remote_watch``)."""
+        evictions and expiries where it publishes them (``kvxfer.tiers.remote.watch``)."""
         self.kv_events = kv_events.tier(TierKind.REMOTE, group) if kv_events else None
         self.settings = settings
         self.takes_stores = settings.write_through  # else blocks go to Redis when the host tier evicts them

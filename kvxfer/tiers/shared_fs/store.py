@@ -18,10 +18,11 @@ import torch
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
-from kvxfer.serving.staging import EventCounts, Staged, WriteQueue, announce_stored
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored
 from kvxfer.tiers.lower import StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
-from kvxfer.tiers.shared_fs import SharedFs, SharedFsSettings, Stalled
+from kvxfer.tiers.shared_fs.files import SharedFs, Stalled
+from kvxfer.tiers.shared_fs.settings import SharedFsSettings
 
 __all__ = ["SharedFsSettings", "SharedFsStore"]
 BATCH = 16  # blocks a writer pass takes from the queue
@@ -32,6 +33,7 @@ class SharedFsStore:
 
     kind = TierKind.SHARED_FS
     takes_evictions, takes_stores, restart_warm = True, False, False
+    index = None  # (the mount is asked: other nodes change it)
 
     def __init__(self, settings: SharedFsSettings, group: str, fingerprint: bytes, slot_bytes: int,
                  kv_events: EventHub | None = None) -> None:

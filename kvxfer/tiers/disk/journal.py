@@ -1,7 +1,7 @@
 """The disk tier's journal: a start after a crash replays a base and what changed since, instead
 of reading one header per block file (45-110 us a file: minutes for millions of blocks).
 
-A clean shutdown leaves a checkpoint (``kvxfer.tiers.disk_checkpoint``); a crash leaves none.
+A clean shutdown leaves a checkpoint (``kvxfer.tiers.disk.checkpoint``); a crash leaves none.
 So while the daemon runs, the tier keeps ``.base`` (its entries when the journal began, written
 like a checkpoint, about a random generation instead of the directory) and ``.journal`` (that
 generation, then one record per change, each with its own XXH3): a block published after its
@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterable
 
 import xxhash
 
-from kvxfer.tiers import disk_checkpoint
-from kvxfer.tiers.disk_checkpoint import EntryRow
-from kvxfer.tiers.disk import BASE, JOURNAL, Stored, write_all
+from kvxfer.tiers.disk import checkpoint as disk_checkpoint
+from kvxfer.tiers.disk.checkpoint import EntryRow
+from kvxfer.tiers.disk.files import BASE, JOURNAL, Stored, write_all
 
 log = logging.getLogger(__name__)
 MIN_RECORDS = 1 << 16  # records before the base is written anew, at least

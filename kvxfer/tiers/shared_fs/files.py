@@ -30,13 +30,13 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
-from kvxfer.tiers.breaker import Breaker
+from kvxfer.breaker import Breaker
+from kvxfer.tiers.shared_fs.settings import SharedFsSettings
 
 HEADER_BYTES = 4096
 FILE_MODE = 0o600
@@ -49,14 +49,6 @@ class Stalled(Exception):
     """The mount did not answer within the deadline (or the breaker is open after it did not)."""
 
 
-@dataclass(frozen=True)
-class SharedFsSettings:
-    """A directory on a shared mount; every node's cache group ``g`` uses ``<path>/<g>/``."""
-
-    path: str
-    timeout_s: float = 2.0  # one call into the mount, at most
-    workers: int = 8  # threads calling into the mount (stuck ones included)
-    max_inflight: int = 256  # writes staged in memory
 
 
 class SharedFs:

@@ -1,0 +1,69 @@
+"""The object tier's medium: one store client (obstore: S3, GCS and Azure behind one API), object
+names, and what a failing server raises.
+
+Every call has ``timeout_s`` and no retries of the client's own: the tier's circuit breaker
+decides when to try again, as for Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+
+import obstore
+from obstore.exceptions import BaseError, NotFoundError, PermissionDeniedError, UnauthenticatedError
+from obstore.store import from_url
+
+from kvxfer.errors import ConfigError
+from kvxfer.tiers.object.settings import ObjectSettings
+from kvxfer.validate import shown
+
+#: What a failing or refusing server raises (a missing object is ``MISSING``, never a failure).
+FAILURES = (BaseError, OSError, TimeoutError, RuntimeError)
+MISSING = (NotFoundError, FileNotFoundError)
+SHARDS = 256  # first-level prefixes: listings and request rates spread over them
+
+
+def open_store(settings: ObjectSettings):
+    """The store client for ``settings.url`` (credentials from the environment's standard chain)."""
+    bucket, prefix = settings.bucket_and_prefix
+    scheme = settings.url.split("://", 1)[0]
+    timeout = timedelta(seconds=settings.timeout_s)
+    options = {"timeout": timeout, "connect_timeout": timeout, "allow_http": settings.allow_http}
+    retry = {"max_retries": 0, "retry_timeout": timeout}
+    config: dict[str, object] = {}
+    if scheme == "s3":
+        config = {k: v for k, v in (("endpoint", settings.endpoint), ("region", settings.region)) if v}
+    elif settings.endpoint:
+        config = {"endpoint": settings.endpoint} if scheme in ("az", "abfs") else {"base_url": settings.endpoint}
+    root = f"{scheme}://{bucket}" + (f"/{prefix}" if prefix else "")
+    return from_url(root, client_options=options, retry_config=retry, **config)
+
+
+def object_name(group: str, namespace: str, key: bytes) -> str:
+    """``<shard>/<cache group>/<digest>``: fixed length, no client-chosen bytes in the path (the header inside
+    names the namespace and key, and is checked on every read); the shard spreads names over prefixes."""
+    digest = hashlib.sha256(b"\0".join([group.encode(), namespace.encode(), key])).hexdigest()
+    return f"{int(digest[:2], 16) % SHARDS:02x}/{group}/{digest}"
+
+
+def check_reachable(settings: ObjectSettings) -> None:
+    """Ask the bucket once (a GET of a name no block has: its answer tells a missing bucket from a missing
+    object): a missing bucket, refused credentials or an unreachable server fail the start in one line."""
+    try:
+        store = open_store(settings)
+        obstore.get(store, "kvxfer-probe/absent")
+    except MISSING as exc:
+        if "NoSuchBucket" in str(exc):
+            raise ConfigError(f"object.url: the bucket of {shown(settings.url)} does not exist") from None
+        return  # the bucket answered: no such object
+    except (PermissionDeniedError, UnauthenticatedError) as exc:
+        raise ConfigError(f"object: the credentials were refused for {shown(settings.url)} "
+                          f"({_first_line(exc)})") from None
+    except FAILURES as exc:
+        raise ConfigError(f"object: {shown(settings.url)} did not answer within {settings.timeout_s:g} s "
+                          f"({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).split("\n", 1)[0][:300]

@@ -1,0 +1,105 @@
+"""The object tier's settings and its config section (``object``).
+
+Credentials never appear in the config: the client takes them from the standard chain of its
+store (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_WEB_IDENTITY_TOKEN_FILE`` with
+``AWS_ROLE_ARN`` for workload identity, the instance or task role; ``GOOGLE_*``, ``AZURE_*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvxfer.errors import ConfigError
+from kvxfer.validate import shown
+
+KEYS = frozenset({"url", "endpoint", "region", "allow_http", "timeout_ms", "workers", "max_inflight",
+                  "write_through", "secret_file", "max_gib", "negative_cache_ms"})
+SCHEMES = ("s3", "gs", "az", "abfs")
+
+
+@dataclass(frozen=True)
+class ObjectSettings:
+    """Where the object tier lives (``s3://bucket/prefix``) and how it is used."""
+
+    url: str
+    endpoint: str = ""  # an S3-compatible server's URL (empty: the provider's own)
+    region: str = ""
+    allow_http: bool = False  # plain HTTP to ``endpoint`` (tests, a server on the same host)
+    timeout_s: float = 2.0  # one call, at most; a Lookup's HEADs all together, at most
+    workers: int = 16  # calls in flight at once (puts, gets, heads)
+    max_inflight: int = 256  # demotions staged in memory
+    write_through: bool = False  # every stored block goes down too, not only those the host tier evicts
+    secret: bytes = field(default=b"", repr=False)  # shared by the daemons of a bucket: objects carry a MAC
+    max_bytes: int = 0  # what this daemon keeps in the bucket, oldest written first out (0: no bound)
+    negative_cache_s: float = 1.0  # a key found absent is not asked again for this long (a store clears it)
+
+    @property
+    def staged_blocks(self) -> int:
+        """Blocks of each cache group's that its write queue may hold in memory."""
+        return self.max_inflight
+
+    @property
+    def bucket_and_prefix(self) -> tuple[str, str]:
+        rest = self.url.split("://", 1)[1]
+        bucket, _, prefix = rest.partition("/")
+        return bucket, prefix.strip("/")
+
+
+def _bounded(raw: dict, key: str, default: int, top: int, low: int = 1) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+        raise ConfigError(f"object.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
+    return value
+
+
+def parse(raw) -> ObjectSettings | None:
+    """The ``object`` section. The bucket is asked once here (a HEAD, read-only), so that a missing
+    bucket or refused credentials stop the start (and ``serve --check``) in one line."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError("object: must be a mapping with a url (s3://bucket/prefix)")
+    unknown = set(raw) - KEYS
+    if unknown:
+        raise ConfigError(f"object: unknown keys {sorted(unknown)}; allowed: {sorted(KEYS)}")
+    url = raw.get("url")
+    scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else ""
+    if scheme not in SCHEMES or not url.split("://", 1)[1].split("/", 1)[0] or len(url) > 1024:
+        raise ConfigError(f"object.url: must be {' or '.join(s + '://BUCKET[/PREFIX]' for s in SCHEMES)}, "
+                          f"got {shown(url)}")
+    if "@" in url or "?" in url:
+        raise ConfigError("object.url: no credentials or options in the url (credentials come from the "
+                          "environment: AWS_*, GOOGLE_*, AZURE_*)")
+    text = {}
+    for key in ("endpoint", "region", "secret_file"):
+        value = raw.get(key, "")
+        if not isinstance(value, str) or len(value) > 1024:
+            raise ConfigError(f"object.{key}: must be a string")
+        text[key] = value
+    if text["endpoint"] and not text["endpoint"].startswith(("http://", "https://")):
+        raise ConfigError(f"object.endpoint: must start with http:// or https://, got {shown(text['endpoint'])}")
+    for key in ("allow_http", "write_through"):
+        if not isinstance(raw.get(key, False), bool):
+            raise ConfigError(f"object.{key}: true or false, got {shown(raw.get(key))}")
+    if text["endpoint"].startswith("http://") and not raw.get("allow_http", False):
+        raise ConfigError("object.endpoint: http:// sends in the clear; set allow_http: true to mean it")
+    secret = b""
+    if text["secret_file"]:
+        if not Path(text["secret_file"]).is_file():
+            raise ConfigError(f"object.secret_file: {shown(text['secret_file'])} is not a readable file")
+        secret = Path(text["secret_file"]).read_bytes().strip()
+        if len(secret) < 16:
+            raise ConfigError("object.secret_file: at least 16 bytes (the key that authenticates every object)")
+    max_gib = raw.get("max_gib", 0)
+    if isinstance(max_gib, bool) or not isinstance(max_gib, int | float) or not 0 <= max_gib <= 1 << 30:
+        raise ConfigError(f"object.max_gib: a number of GiB, 0 for no bound, got {shown(max_gib)}")
+    settings = ObjectSettings(
+        url, text["endpoint"], text["region"], raw.get("allow_http", False),
+        _bounded(raw, "timeout_ms", 2000, 60_000) / 1000, _bounded(raw, "workers", 16, 256),
+        _bounded(raw, "max_inflight", 256, 65536), raw.get("write_through", False), secret,
+        int(max_gib * (1 << 30)), _bounded(raw, "negative_cache_ms", 1000, 600_000, 0) / 1000)
+    from kvxfer.tiers.object.client import check_reachable  # (the client library: only when configured)
+
+    check_reachable(settings)
+    return settings

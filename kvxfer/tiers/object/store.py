@@ -1,0 +1,335 @@
+"""A cache group's object-storage tier: blocks every daemon pointed at a bucket shares.
+
+One object per block (``kvxfer.tiers.object.client.object_name``: a shard, the cache group, a
+digest of namespace and key), its value sealed as Redis's are (``kvxfer.tiers.record``: the
+header binding it to its group's block format, namespace and key, its checksum, and with
+``secret`` an HMAC under its full name). A value that fails any check is DATA_LOSS, deleted
+(where the credentials permit) and announced CORRUPTED; another format's block is a miss.
+
+Writes are write-once: a conditional put (``If-None-Match: *``), so nodes storing one key at
+once never clobber each other (the loser counts ``already_present``). They run from a bounded
+queue (``max_inflight``; full: dropped and counted), ``workers`` calls at once, each within
+``timeout_s``; a Delete overtakes queued writes of its keys (tombstones). Lookups ask only for
+keys this node has not seen absent lately (a bounded negative cache), with concurrent HEADs
+that all end by ``timeout_s``. A failing server opens the circuit breaker: for its backoff no
+call is made (lookups miss, stores drop, restores find nothing). With ``max_bytes`` the tier
+deletes the oldest objects this daemon wrote (its own index, since it started) past the bound;
+a bucket lifecycle rule bounds the rest (docs/storage.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import numpy as np
+import obstore
+import torch
+from obstore.exceptions import AlreadyExistsError, PermissionDeniedError
+
+from kvxfer.breaker import Breaker
+from kvxfer.events.hub import EventHub
+from kvxfer.events.records import Reason
+from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.tiers.lower import Nothing, StagedBlock
+from kvxfer.tiers.object.client import FAILURES, MISSING, object_name, open_store
+from kvxfer.tiers.object.settings import ObjectSettings
+from kvxfer.tiers.record import MAX_HEADER, DiskCorrupt, header, sealed, unpack
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored
+
+ABSENT_KEYS = 65536  # names the negative cache remembers at most
+
+
+class Absent:
+    """Names found absent lately (a bounded negative cache): not asked again until ``ttl_s`` passes."""
+
+    def __init__(self, ttl_s: float, capacity: int = ABSENT_KEYS) -> None:
+        self.ttl_s, self.capacity = ttl_s, capacity
+        self._until: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def known(self, name: str, now: float) -> bool:
+        with self._lock:
+            until = self._until.get(name)
+            if until is not None and until <= now:
+                del self._until[name]
+            return until is not None and until > now
+
+    def add(self, names: list[str], now: float) -> None:
+        if self.ttl_s <= 0:
+            return
+        with self._lock:
+            for name in names:
+                self._until[name] = now + self.ttl_s
+                self._until.move_to_end(name)
+            while len(self._until) > self.capacity:
+                self._until.popitem(last=False)
+
+    def forget(self, names: list[str]) -> None:
+        with self._lock:
+            for name in names:
+                self._until.pop(name, None)
+
+
+class ObjectTier:
+    """One cache group's objects in the bucket (a ``LowerTier``)."""
+
+    kind = TierKind.OBJECT
+    restart_warm = False  # the bucket outlives the daemon on its own
+    index = None  # (the bucket is asked: other nodes change it)
+
+    def __init__(self, settings: ObjectSettings, group: str, fingerprint: bytes, slot_bytes: int,
+                 kv_events: EventHub | None = None) -> None:
+        self.kv_events = kv_events.tier(TierKind.OBJECT, group) if kv_events else None
+        self.settings, self.group, self.fingerprint, self.slot_bytes = settings, group, fingerprint, slot_bytes
+        self.takes_stores = settings.write_through
+        self.takes_evictions = not settings.write_through
+        self.store = open_store(settings)
+        self.breaker = Breaker(settings.url, tier="object tier")
+        self.events = EventCounts()
+        self.absent = Absent(settings.negative_cache_s)
+        self._written: OrderedDict[str, int] = OrderedDict()  # name -> bytes, oldest first (``max_bytes``)
+        self._written_bytes = 0
+        self._written_lock = threading.Lock()
+        self._inflight: Counter[str] = Counter()  # names with a put in flight (a Delete waits for them)
+        self._settled = threading.Condition()
+        self.calls = ThreadPoolExecutor(settings.workers, thread_name_prefix=f"kvxfer-object-{group}")
+        self.queue = WriteQueue(f"kvxfer-object-{group}", settings.max_inflight, slot_bytes, self._write, 1,
+                                headroom=MAX_HEADER, writers=settings.workers)
+        self.tombstones = self.queue.tombstones
+
+    def name(self, namespace: str, key: bytes) -> str:
+        return object_name(self.group, namespace, key)
+
+    def _all(self, call, items: list) -> list[tuple[object, BaseException | None]]:
+        """``call(item)`` for every item on the tier's threads, each ended (or abandoned) by ``timeout_s``:
+        (result, None) or (None, the exception); an unfinished call is a ``TimeoutError``."""
+        try:
+            futures: list[Future] = [self.calls.submit(call, item) for item in items]
+        except RuntimeError:  # closed (the writer's last batch after the group closed): nothing is sent
+            return [(None, TimeoutError("the tier is closed")) for _ in items]
+        wait(futures, timeout=self.settings.timeout_s + 0.5)  # (each call has timeout_s; this bounds the queue)
+        out: list[tuple[object, BaseException | None]] = []
+        for future in futures:
+            if not future.done():
+                future.cancel()
+                out.append((None, TimeoutError("no answer within the deadline")))
+            elif future.exception() is not None:
+                out.append((None, future.exception()))
+            else:
+                out.append((future.result(), None))
+        return out
+
+    # -- stores ------------------------------------------------------------------
+    def write_now(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> int:
+        """Queued like any store (the bucket keeps what it holds across the daemon's restarts)."""
+        self.stage(namespace, blocks, key_format)
+        return 0
+
+    def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
+        for key, checksum, data in blocks:
+            if not (self.breaker.allows() and self.queue.stage(namespace, key, checksum, data.numpy(), key_format)):
+                self.events.add("stores_dropped")
+
+    def _put(self, staged: Staged) -> str:
+        name = self.name(staged.namespace, staged.key)
+        head = header(self.fingerprint, staged.namespace, staged.key, staged.checksum, self.slot_bytes,
+                      staged.key_format)
+        value = sealed(self.settings.secret, name.encode(), self.queue.staging.with_header(staged.buffer, head))
+        try:
+            obstore.put(self.store, name, value, mode="create", use_multipart=False)
+        except AlreadyExistsError:
+            return "already_present"  # another node (or an earlier run) wrote this key: write-once
+        return "stored"
+
+    def _write(self, batch: list[Staged]) -> None:
+        # ``workers`` writers run this at once, a put each. The decision is made under ``publishing`` and the
+        # put registered in flight there; a Delete marks its keys under it, then waits for their puts in
+        # flight before removing: it either comes after a put (and removes what it wrote) or before the
+        # decision (and the write is dropped). A deleted key never comes back.
+        with self.tombstones.publishing:
+            alive = [s for s in batch if self.tombstones.alive(s.namespace, s.key, s.seq)]
+            self.events.add("deleted_while_queued", len(batch) - len(alive))
+            if not alive:
+                return
+            if not self.breaker.allows():
+                self.events.add("stores_dropped", len(alive))
+                return
+            names = [self.name(s.namespace, s.key) for s in alive]
+            with self._settled:
+                self._inflight.update(names)
+        written: list[Staged] = []
+        try:
+            for staged in alive:
+                try:
+                    verdict = self._put(staged)
+                except FAILURES as exc:
+                    self.breaker.failed(exc)
+                    self.events.add("stores_dropped")
+                    continue
+                self.breaker.succeeded()
+                self.events.add(verdict)
+                if verdict == "stored":
+                    written.append(staged)
+        finally:
+            with self._settled:
+                for name in names:
+                    self._inflight[name] -= 1
+                    if not self._inflight[name]:
+                        del self._inflight[name]  # (bounded by the writes in flight)
+                self._settled.notify_all()
+        self.absent.forget(names)
+        announce_stored(self.kv_events, written)
+        self._account([self.name(s.namespace, s.key) for s in written])
+
+    def _account(self, names: list[str]) -> None:
+        """Remember what this daemon wrote; past ``max_bytes``, delete its oldest."""
+        size = self.slot_bytes + MAX_HEADER
+        with self._written_lock:
+            for name in names:
+                self._written[name] = size
+                self._written_bytes += size
+            oldest: list[str] = []
+            while self.settings.max_bytes and self._written_bytes > self.settings.max_bytes and self._written:
+                name, nbytes = self._written.popitem(last=False)
+                self._written_bytes -= nbytes
+                oldest.append(name)
+        if oldest:
+            gone = [error is None for _, error in self._all(lambda n: obstore.delete(self.store, n), oldest)]
+            self.events.add("evicted", sum(gone))
+
+    # -- lookups and restores ---------------------------------------------------------
+    def wait_ready(self, until: float) -> bool:
+        return True  # (nothing to load: it asks the bucket)
+
+    def _head(self, name: str) -> bool:
+        try:
+            obstore.head(self.store, name)
+        except MISSING:
+            return False
+        return True
+
+    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        """Which keys the bucket holds now: concurrent HEADs, all ended by ``timeout_s``, for the keys not
+        found absent lately; all False when the server is unavailable."""
+        if not keys or not self.breaker.allows():
+            return [False] * len(keys)
+        now = time.monotonic()
+        names = [self.name(namespace, k) for k in keys]
+        asked = [i for i, name in enumerate(names) if not self.absent.known(name, now)]
+        found = [False] * len(keys)
+        results = self._all(self._head, [names[i] for i in asked])
+        errors = [error for _, error in results if error is not None]
+        for i, (there, error) in zip(asked, results):
+            found[i] = bool(there) and error is None
+        self.absent.add([names[i] for i, (there, error) in zip(asked, results) if error is None and not there], now)
+        self.events.add("lookups_cached", len(keys) - len(asked))
+        self._judge(errors)
+        return found
+
+    def _get(self, name: str) -> bytes | None:
+        try:
+            return obstore.get(self.store, name).bytes()
+        except MISSING:
+            return None
+
+    def fetch(self, namespace: str, keys: list[bytes]) -> _ObjectFetch | Nothing:
+        """The named objects the bucket holds, fetched now (concurrently); nothing while unavailable."""
+        if not keys or not self.breaker.allows():
+            return Nothing()
+        results = self._all(self._get, [self.name(namespace, k) for k in keys])
+        self._judge([error for _, error in results if error is not None])
+        present = [(k, value) for k, (value, error) in zip(keys, results) if error is None and value is not None]
+        return _ObjectFetch(self, namespace, present)
+
+    def _judge(self, errors: list[BaseException]) -> None:
+        if errors:
+            self.breaker.failed(errors[0])
+        else:
+            self.breaker.succeeded()
+
+    def _unpack(self, namespace: str, key: bytes, value, out: torch.Tensor) -> tuple[Outcome, int, int]:
+        """(verdict, checksum, key format code)"""
+        name = self.name(namespace, key)
+        try:
+            checksum, data, key_format = unpack(memoryview(value), name.encode(), namespace, key, self.fingerprint,
+                                                self.slot_bytes, self.settings.secret)
+        except DiskCorrupt as bad:
+            if str(bad) == "foreign_format":
+                return Outcome.NOT_FOUND, 0, 0  # another format's block under this name: not ours to judge
+            self.events.add("corrupt")
+            if self.kv_events is not None:
+                self.kv_events.removed(namespace, [key], Reason.CORRUPTED)
+            try:
+                obstore.delete(self.store, name)
+            except PermissionDeniedError:
+                self.events.add("corrupt_not_deletable")
+            except FAILURES as exc:
+                self.breaker.failed(exc)
+            return Outcome.DATA_LOSS, 0, 0
+        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        self.events.add("promoted")
+        return Outcome.DONE, checksum, key_format
+
+    def _remove(self, name: str) -> int:
+        if not self._head(name):
+            return 0
+        obstore.delete(self.store, name)
+        return 1
+
+    def delete(self, namespace: str, keys: list[bytes]) -> int:
+        """Remove the keys' objects, and drop the writes of them still queued; returns how many the bucket held."""
+        if not keys:
+            return 0
+        names = [self.name(namespace, k) for k in keys]
+        with self.tombstones.publishing:
+            self.tombstones.delete(namespace, keys)
+        if not self.breaker.allows():
+            return 0
+        with self._settled:  # puts decided before the marks: removed once written (each ends by timeout_s)
+            self._settled.wait_for(lambda: not any(self._inflight[n] for n in names), self.settings.timeout_s + 1)
+        results = self._all(self._remove, names)
+        self._judge([error for _, error in results if error is not None])
+        removed = [k for k, (n, error) in zip(keys, results) if error is None and n]
+        with self._written_lock:
+            for name in names:
+                self._written_bytes -= self._written.pop(name, 0)
+        if self.kv_events is not None and removed:
+            self.kv_events.removed(namespace, removed, Reason.DELETED)
+        return len(removed)
+
+    # -- the rest ------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        """The bucket is shared (other nodes write and delete in it): what this daemon did is counted in ``events``;
+        capacity and occupancy are not ours to report."""
+        return TierStats(TierKind.OBJECT, 0, 0, 0, 0, 0, self.slot_bytes, self.breaker.open, self.events.snapshot())
+
+    def flush(self, timeout: float) -> bool:
+        return self.queue.flush(timeout)
+
+    def close(self, timeout: float = 0.0) -> None:
+        self.queue.close(timeout)
+        self.calls.shutdown(wait=False, cancel_futures=True)
+
+
+class _ObjectFetch:
+    """A restore's objects the bucket held when asked: checked and unpacked into host slots."""
+
+    def __init__(self, tier: ObjectTier, namespace: str, present: list[tuple[bytes, object]]) -> None:
+        self._tier, self._namespace = tier, namespace
+        self.keys = [k for k, _ in present]
+        self._values = [v for _, v in present]
+        self.formats = [0] * len(self.keys)
+
+    def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
+        out = []
+        for j, target in targets:
+            verdict, checksum, self.formats[j] = self._tier._unpack(self._namespace, self.keys[j], self._values[j],
+                                                                    target)
+            out.append((verdict, checksum))
+        return out
+
+    def end(self, corrupt: set[int]) -> None:
+        self._values = []

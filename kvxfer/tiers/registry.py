@@ -1,0 +1,84 @@
+"""The lower tiers there are, in one table: how each is configured and made for a cache group.
+
+``LOWER_TIERS`` lists them top down (a restore asks them in this order). A row names the
+tier's config section, parses it, and makes the tier for one group from what the section
+gave (its settings, or what the daemon built: peering is the daemon's NIXL agent and links).
+A new tier is one module under ``kvxfer.tiers``, its settings with their parser, and a row
+here; the config, the daemon, ``serve --check`` and every cache group take it from this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.errors import Internal
+from kvxfer.tiers import peer
+from kvxfer.tiers.disk import settings as disk
+from kvxfer.tiers.disk.store import DiskStore
+from kvxfer.tiers.lower import GroupContext, LowerTier, LowerTierFactory
+from kvxfer.tiers.object import settings as object_settings
+from kvxfer.tiers.remote import settings as remote
+from kvxfer.tiers.remote.store import RemoteStore
+from kvxfer.tiers.shared_fs import settings as shared_fs
+from kvxfer.tiers.shared_fs.store import SharedFsStore
+
+
+@dataclass(frozen=True)
+class TierRow:
+    """One lower tier: its config section, how the section is read, how the tier is made."""
+
+    section: str  # its config section, and its name among ``lower_tiers``' sources
+    make: Callable[[Any, GroupContext], LowerTier]  # (what the section gave, the group) -> the group's tier
+    parse: Callable[[object], Any] | None = None  # the section's raw value -> its settings (None: absent);
+    # None here: the daemon makes the source itself (peering)
+    keys: frozenset[str] = frozenset()  # the section's keys (documented in docs/storage.md; a test checks it)
+
+
+def _store(cls: type) -> Callable[[Any, GroupContext], LowerTier]:
+    return lambda settings, group: cls(settings, group.name, group.fingerprint, group.block_bytes, group.events)
+
+
+def _object(settings: Any, group: GroupContext) -> LowerTier:
+    from kvxfer.tiers.object.store import ObjectTier  # (the object-store client: only when configured)
+
+    return ObjectTier(settings, group.name, group.fingerprint, group.block_bytes, group.events)
+
+
+LOWER_TIERS: list[TierRow] = [
+    TierRow("disk", _store(DiskStore), disk.parse, disk.KEYS),
+    TierRow("shared_fs", _store(SharedFsStore), shared_fs.parse, shared_fs.KEYS),
+    TierRow("peering", peer.PeerTier),  # other nodes' daemons: after the local tiers, before Redis
+    TierRow("remote", _store(RemoteStore), remote.parse, remote.KEYS),
+    TierRow("object", _object, object_settings.parse, object_settings.KEYS),  # the bucket: shared, slowest, last
+]
+
+
+def staged_blocks(sources: Mapping[str, object]) -> int:
+    """Blocks of each cache group's that its lower tiers may hold in memory on their way down (the settings
+    of a tier with a write queue say how many: ``staged_blocks``)."""
+    return sum(int(getattr(source, "staged_blocks", 0)) for source in sources.values())
+
+
+def lower_tiers(sources: Mapping[str, object] | None = None, /, **named: object) -> LowerTierFactory:
+    """The factory a cache group is given: the tiers whose source is given (settings by config section,
+    ``peering``: the daemon's ``Peering``), top down. ``lower_tiers(disk=DiskSettings(...))`` for one."""
+    given = {**(sources or {}), **named}
+    unknown = set(given) - {r.section for r in LOWER_TIERS}
+    if unknown:
+        raise Internal(f"no lower tier has the config section {sorted(unknown)}")
+    present = [(r, given[r.section]) for r in LOWER_TIERS if given.get(r.section) is not None]
+
+    def make(group: GroupContext) -> list[LowerTier]:
+        made: list[LowerTier] = []
+        try:
+            for r, source in present:
+                made.append(r.make(source, group))
+        except BaseException:  # a tier that cannot start: those made before it stop (threads, locks)
+            for tier in made:
+                tier.close()
+            raise
+        return made
+
+    return make

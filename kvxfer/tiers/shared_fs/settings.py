@@ -1,0 +1,52 @@
+"""The shared filesystem tier's settings and its config section (``shared_fs``)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvxfer.errors import ConfigError
+from kvxfer.validate import shown
+
+KEYS = frozenset({"path", "timeout_ms", "workers", "max_inflight"})
+
+
+@dataclass(frozen=True)
+class SharedFsSettings:
+    """A directory on a shared mount; every node's cache group ``g`` uses ``<path>/<g>/``."""
+
+    path: str
+    timeout_s: float = 2.0  # one call into the mount, at most
+    workers: int = 8  # threads calling into the mount (stuck ones included)
+    max_inflight: int = 256  # writes staged in memory
+
+    @property
+    def staged_blocks(self) -> int:
+        """Blocks of each cache group's that its write queue may hold in memory."""
+        return self.max_inflight
+
+
+def parse(raw) -> SharedFsSettings | None:
+    """The ``shared_fs`` section: a directory on a mount every node shares, a deadline per call. Nothing is
+    made here: a missing directory is a mount that is not there."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) - KEYS:
+        raise ConfigError(f"shared_fs: must be a mapping of {sorted(KEYS)} (path required)")
+    path = raw.get("path")
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ConfigError(f"shared_fs.path: must be an absolute path, got {shown(path)}")
+    bounded = {}
+    for key, default, top in (("timeout_ms", 2000, 60_000), ("workers", 8, 64), ("max_inflight", 256, 65536)):
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise ConfigError(f"shared_fs.{key}: must be an integer in [1, {top}], got {shown(value)}")
+        bounded[key] = value
+    answer: list[bool] = []  # asked on a thread: a stalled mount must not hang the start (the tier then misses)
+    probe = threading.Thread(target=lambda: answer.append(Path(path).is_dir()), daemon=True)
+    probe.start()
+    probe.join(bounded["timeout_ms"] / 1000)
+    if answer == [False]:
+        raise ConfigError(f"shared_fs.path: {shown(path)} is not a directory (is the shared filesystem mounted?)")
+    return SharedFsSettings(path, bounded["timeout_ms"] / 1000, bounded["workers"], bounded["max_inflight"])
