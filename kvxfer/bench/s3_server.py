@@ -54,6 +54,9 @@ class S3Server:
         self.start()
         if bucket:
             self.client().create_bucket(Bucket=bucket)
+            for i in range(16):  # the server allocates its volumes on the first writes (~1 s): not in a test's time
+                self.client().put_object(Bucket=bucket, Key=f"warmup/{i}", Body=b"x")
+                self.client().delete_object(Bucket=bucket, Key=f"warmup/{i}")
 
     @property
     def endpoint(self) -> str:

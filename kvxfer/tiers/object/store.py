@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 import obstore
@@ -229,49 +230,49 @@ class ObjectTier:
         self._judge(errors)
         return found
 
-    def _get(self, name: str) -> bytes | None:
+    def _get(self, item: tuple[str, bytes]) -> _Checked | None:
+        """One object fetched and checked on a worker (so that checking overlaps the other GETs); None: absent."""
+        namespace, key = item
+        name = self.name(namespace, key)
         try:
-            return obstore.get(self.store, name).bytes()
+            value = obstore.get(self.store, name).bytes()
         except MISSING:
             return None
+        try:
+            checksum, data, key_format = unpack(memoryview(value), name.encode(), namespace, key, self.fingerprint,
+                                                self.slot_bytes, self.settings.secret)
+        except DiskCorrupt as bad:
+            if str(bad) == "foreign_format":
+                return None  # another format's block under this name: not ours to judge, a miss
+            self._corrupt(namespace, key, name)
+            return _Checked(Outcome.DATA_LOSS)
+        return _Checked(Outcome.DONE, checksum, data, key_format)
+
+    def _corrupt(self, namespace: str, key: bytes, name: str) -> None:
+        self.events.add("corrupt")
+        if self.kv_events is not None:
+            self.kv_events.removed(namespace, [key], Reason.CORRUPTED)
+        try:
+            obstore.delete(self.store, name)
+        except PermissionDeniedError:
+            self.events.add("corrupt_not_deletable")  # (read-only credentials: the bucket's owner must remove it)
+        except FAILURES as exc:
+            self.breaker.failed(exc)
 
     def fetch(self, namespace: str, keys: list[bytes]) -> _ObjectFetch | Nothing:
-        """The named objects the bucket holds, fetched now (concurrently); nothing while unavailable."""
+        """The named objects the bucket holds, fetched and checked now (concurrently); nothing while unavailable."""
         if not keys or not self.breaker.allows():
             return Nothing()
-        results = self._all(self._get, [self.name(namespace, k) for k in keys])
+        results = self._all(self._get, [(namespace, k) for k in keys])
         self._judge([error for _, error in results if error is not None])
-        present = [(k, value) for k, (value, error) in zip(keys, results) if error is None and value is not None]
-        return _ObjectFetch(self, namespace, present)
+        present = [(k, got) for k, (got, error) in zip(keys, results) if error is None and got is not None]
+        return _ObjectFetch(self, present)
 
     def _judge(self, errors: list[BaseException]) -> None:
         if errors:
             self.breaker.failed(errors[0])
         else:
             self.breaker.succeeded()
-
-    def _unpack(self, namespace: str, key: bytes, value, out: torch.Tensor) -> tuple[Outcome, int, int]:
-        """(verdict, checksum, key format code)"""
-        name = self.name(namespace, key)
-        try:
-            checksum, data, key_format = unpack(memoryview(value), name.encode(), namespace, key, self.fingerprint,
-                                                self.slot_bytes, self.settings.secret)
-        except DiskCorrupt as bad:
-            if str(bad) == "foreign_format":
-                return Outcome.NOT_FOUND, 0, 0  # another format's block under this name: not ours to judge
-            self.events.add("corrupt")
-            if self.kv_events is not None:
-                self.kv_events.removed(namespace, [key], Reason.CORRUPTED)
-            try:
-                obstore.delete(self.store, name)
-            except PermissionDeniedError:
-                self.events.add("corrupt_not_deletable")
-            except FAILURES as exc:
-                self.breaker.failed(exc)
-            return Outcome.DATA_LOSS, 0, 0
-        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-        self.events.add("promoted")
-        return Outcome.DONE, checksum, key_format
 
     def _remove(self, name: str) -> int:
         if not self._head(name):
@@ -286,12 +287,12 @@ class ObjectTier:
         names = [self.name(namespace, k) for k in keys]
         with self.tombstones.publishing:
             self.tombstones.delete(namespace, keys)
-        if not self.breaker.allows():
-            return 0
+        # (Asked even while the breaker is open: a Delete is rare, and one left undone would serve the keys again.)
         with self._settled:  # puts decided before the marks: removed once written (each ends by timeout_s)
             self._settled.wait_for(lambda: not any(self._inflight[n] for n in names), self.settings.timeout_s + 1)
         results = self._all(self._remove, names)
         self._judge([error for _, error in results if error is not None])
+        self.events.add("deletes_failed", sum(1 for _, error in results if error is not None))
         removed = [k for k, (n, error) in zip(keys, results) if error is None and n]
         with self._written_lock:
             for name in names:
@@ -314,22 +315,34 @@ class ObjectTier:
         self.calls.shutdown(wait=False, cancel_futures=True)
 
 
-class _ObjectFetch:
-    """A restore's objects the bucket held when asked: checked and unpacked into host slots."""
+@dataclass
+class _Checked:
+    """One fetched object's verdict; for DONE its checksum, bytes (a view of the fetched value) and key format."""
 
-    def __init__(self, tier: ObjectTier, namespace: str, present: list[tuple[bytes, object]]) -> None:
-        self._tier, self._namespace = tier, namespace
+    verdict: Outcome
+    checksum: int = 0
+    data: memoryview | None = None
+    key_format: int = 0
+
+
+class _ObjectFetch:
+    """A restore's objects the bucket held when asked, already checked: copied into host slots."""
+
+    def __init__(self, tier: ObjectTier, present: list[tuple[bytes, _Checked]]) -> None:
+        self._tier = tier
         self.keys = [k for k, _ in present]
-        self._values = [v for _, v in present]
-        self.formats = [0] * len(self.keys)
+        self._checked = [c for _, c in present]
+        self.formats = [c.key_format for c in self._checked]
 
     def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
         out = []
         for j, target in targets:
-            verdict, checksum, self.formats[j] = self._tier._unpack(self._namespace, self.keys[j], self._values[j],
-                                                                    target)
-            out.append((verdict, checksum))
+            checked = self._checked[j]
+            if checked.verdict is Outcome.DONE:
+                target.numpy()[:] = np.frombuffer(checked.data, dtype=np.uint8)
+                self._tier.events.add("promoted")
+            out.append((checked.verdict, checked.checksum))
         return out
 
     def end(self, corrupt: set[int]) -> None:
-        self._values = []
+        self._checked = []  # (corrupt objects were removed when found)
