@@ -21,7 +21,7 @@ from kvxfer.events.records import EventKind, KeyFormat, TierEvent, engine_hash
 from kvxfer.records import TierKind
 
 MEDIUM = {TierKind.HOST: "CPU", TierKind.DISK: "DISK", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "SHARED_FS",
-          TierKind.PEER: "REMOTE", TierKind.OBJECT: "OBJ"}  # OBJ: vLLM's name of its object-storage tier
+          TierKind.PEER: "REMOTE", TierKind.OBJECT: "STORAGE"}  # STORAGE: what vLLM 0.33's own obj tier publishes
 LOCALITY = {TierKind.HOST: "LOCAL", TierKind.DISK: "LOCAL", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "REMOTE",
             TierKind.PEER: "REMOTE", TierKind.OBJECT: "REMOTE"}
 OWNERSHIP = "kvxfer"

@@ -236,7 +236,7 @@ class CacheGroup:
             if not missing:
                 break
             tier.wait_ready(until)
-            for i, there in zip(missing, tier.contains(namespace, [keys[i] for i in missing])):
+            for i, there in zip(missing, tier.contains(namespace, [keys[i] for i in missing], until)):
                 tiers[i] = tier.kind if there else None
         return tiers
 

@@ -79,7 +79,9 @@ class LowerTier(Protocol):
         start holds nothing yet), or until ``until`` (``time.monotonic()``); True if it does."""
         ...
 
-    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+    def contains(self, namespace: str, keys: list[bytes], until: float | None = None) -> list[bool]:
+        """Which keys the tier holds; asking the medium ends by ``until`` (the request's deadline,
+        ``time.monotonic()``; None: the tier's own timeout), what is not answered by then a miss."""
         ...
 
     def fetch(self, namespace: str, keys: list[bytes]) -> Fetch:

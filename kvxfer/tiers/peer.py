@@ -105,7 +105,7 @@ class PeerTier:
     def wait_ready(self, until: float) -> bool:
         return True  # (nothing to load: it asks the medium)
 
-    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+    def contains(self, namespace: str, keys: list[bytes], until: float | None = None) -> list[bool]:
         """Every peer is asked at once: a lookup waits for the slowest answer, not for their sum."""
         present = [False] * len(keys)
         asked = []

@@ -92,7 +92,7 @@ class MemoTier:
     def wait_ready(self, until: float) -> bool:
         return True
 
-    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+    def contains(self, namespace: str, keys: list[bytes], until: float | None = None) -> list[bool]:
         with self._lock:
             return [(namespace, k) in self._blocks for k in keys]
 

@@ -10,6 +10,7 @@ import torch
 
 from kvxfer import Client
 from kvxfer.bench import launch
+from kvxfer.events.records import EventKind, Reason
 from kvxfer.records import Outcome, TierKind
 from kvxfer.geometry.checksum import block_checksum
 from kvxfer.tiers.object.client import object_name
@@ -97,6 +98,14 @@ def test_forged_truncated_and_foreign_objects_are_never_served(s3, tmp_path):
         assert _events(daemon)["corrupt"] == 4
         assert not {name(k) for k in KEYS[:4]} & set(s3.objects())  # deleted from the bucket
         assert _tiers(daemon, KEYS[:4]) == [None] * 4
+        stored, corrupted = set(), set()  # KV events: stored into the bucket, then the corrupt ones removed
+        with Client(daemon.target) as watcher:
+            for batch in watcher.watch_events(["default"], from_sequence=1, timeout=30):
+                for e in (e for e in batch.events if e.tier is TierKind.OBJECT):
+                    (stored if e.kind is EventKind.STORED else corrupted if e.reason is Reason.CORRUPTED
+                     else set()).update(e.keys)
+                if set(KEYS[:8]) <= stored and corrupted == set(KEYS[:4]):
+                    break
     finally:
         daemon.cleanup()
 
@@ -238,3 +247,92 @@ def test_a_delete_overtakes_the_queued_write_of_its_key(s3, monkeypatch):
     assert tier.flush(30)
     assert tier.contains("ns", [b"first", b"queued"]) == [True, False]
     tier.close()
+
+
+def test_credentials_come_from_the_shared_files_where_the_environment_names_none(s3, tmp_path):
+    """``aws configure``'s files, as a developer's machine has them: no AWS_* keys in the environment."""
+    from kvxfer.bench.s3_server import ACCESS_KEY, SECRET_KEY
+
+    credentials, config = tmp_path / "credentials", tmp_path / "config"
+    credentials.write_text(f"[default]\naws_access_key_id = nobody\naws_secret_access_key = wrong\n\n"
+                           f"[kv]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    config.write_text("[profile kv]\nregion = us-east-1\n")
+    files = {"AWS_SHARED_CREDENTIALS_FILE": str(credentials), "AWS_CONFIG_FILE": str(config)}
+    section = {"url": f"s3://{s3.bucket}/files", "endpoint": s3.endpoint, "allow_http": True, "timeout_ms": 3000}
+    good = launch.spawn({"pools": [{**SMALL_POOL, "host_capacity_mib": 0.5}], "object": section},
+                        env={**files, "AWS_PROFILE": "kv"})
+    wrong = launch.spawn({"pools": [SMALL_POOL], "object": section}, wait=False, env=files)  # [default]: refused
+    try:
+        shadow = offload(good, KEYS[:40])
+        _until(lambda: _tiers(good, KEYS[:8]) == [TierKind.OBJECT] * 8, "stored with the file's credentials")
+        outcomes, blocks = restore(good, KEYS[:8])
+        assert outcomes == [Outcome.DONE] * 8 and all(d.equal(shadow[k]) for k, d in zip(KEYS[:8], blocks))
+        assert wrong.proc.wait(60) != 0 and "credentials were refused" in wrong.log_text()
+    finally:
+        good.cleanup()
+        wrong.cleanup()
+
+
+def test_a_slow_server_behind_a_proxy_is_a_miss_within_the_deadline_and_then_serves_again(s3, tmp_path):
+    from tests.e2e.slow_proxy import SlowProxy
+
+    proxy = SlowProxy(("127.0.0.1", s3.ports["s3"]))
+    daemon = _node(s3, tmp_path, "slow", endpoint=proxy.url)
+    try:
+        offload(daemon, KEYS[:40])
+        _until(lambda: _events(daemon).get("stored", 0) >= 8, "demoted")
+        proxy.delay_s = 3.0  # every byte held longer than timeout_ms
+        start = time.monotonic()
+        assert _tiers(daemon, KEYS[:8]) == [None] * 8
+        assert time.monotonic() - start < 15  # (a hang guard: the deadline is 1 s)
+        assert daemon.health() == 1
+        offload(daemon, [b"slow%d" % i for i in range(8)])  # the host path goes on
+        assert _events(daemon)["degraded"]
+        proxy.delay_s = 0.0
+        _until(lambda: _tiers(daemon, KEYS[:8]) == [TierKind.OBJECT] * 8, "served again after the backoff")
+    finally:
+        daemon.cleanup()
+        proxy.close()
+
+
+def test_a_killed_server_restarted_serves_what_it_held_and_nothing_waited_meanwhile(tmp_path):
+    server = S3Server()
+    daemon = _node(server, tmp_path, "killed")
+    try:
+        shadow = offload(daemon, KEYS[:40])
+        _until(lambda: _events(daemon).get("stored", 0) >= 8, "demoted")
+        server.stop()
+        start = time.monotonic()
+        assert _tiers(daemon, KEYS[:8]) == [None] * 8  # refused: a miss at once
+        offload(daemon, KEYS[40:48])  # evictions meanwhile: dropped and counted, never waited for
+        assert time.monotonic() - start < 30  # (a hang guard)
+        _until(lambda: _events(daemon).get("stores_dropped", 0) > 0, "drops counted")
+        server.start()
+        _until(lambda: _tiers(daemon, KEYS[:8]) == [TierKind.OBJECT] * 8, "the restarted server's objects")
+        outcomes, blocks = restore(daemon, KEYS[:8])
+        assert outcomes == [Outcome.DONE] * 8 and all(d.equal(shadow[k]) for k, d in zip(KEYS[:8], blocks))
+    finally:
+        daemon.cleanup()
+        server.close()
+
+
+def test_a_lookup_ends_by_the_request_s_deadline_even_when_the_tier_s_timeout_is_longer(s3, monkeypatch):
+    from tests.e2e.slow_proxy import SlowProxy
+
+    proxy = SlowProxy(("127.0.0.1", s3.ports["s3"]))
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    tier = ObjectTier(ObjectSettings(f"s3://{s3.bucket}/deadline", proxy.url, allow_http=True, timeout_s=20.0), "g",
+                      b"f" * 32, 4096)
+    try:
+        proxy.delay_s = 10.0
+        start = time.monotonic()
+        assert tier.contains("ns", [b"a", b"b"], until=start + 0.5) == [False, False]
+        assert time.monotonic() - start < 5  # (a hang guard: the request's deadline was 0.5 s)
+        assert not tier.breaker.open  # the request ran out of time, the server did not fail
+        proxy.delay_s = 0.0
+        assert tier.contains("ns", [b"a"]) == [False]  # not remembered as absent: asked (and answered) now
+        assert tier.stats().events.get("lookups_cached", 0) == 0
+    finally:
+        tier.close()
+        proxy.close()

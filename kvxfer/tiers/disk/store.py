@@ -268,7 +268,7 @@ class DiskStore:
         """Wait for the index's load at start (a restarted daemon's first requests find what the disk holds)."""
         return not self.loading or self._loaded.wait(max(0.0, until - time.monotonic())) and not self.loading
 
-    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+    def contains(self, namespace: str, keys: list[bytes], until: float | None = None) -> list[bool]:
         return self.index.contains(namespace, keys)
 
     def stats(self) -> TierStats:

@@ -15,6 +15,7 @@ from obstore.exceptions import BaseError, NotFoundError, PermissionDeniedError, 
 from obstore.store import from_url
 
 from kvxfer.errors import ConfigError
+from kvxfer.tiers.object.credentials import from_files
 from kvxfer.tiers.object.settings import ObjectSettings
 from kvxfer.validate import shown
 
@@ -33,7 +34,8 @@ def open_store(settings: ObjectSettings):
     retry = {"max_retries": 0, "retry_timeout": timeout}
     config: dict[str, object] = {}
     if scheme == "s3":
-        config = {k: v for k, v in (("endpoint", settings.endpoint), ("region", settings.region)) if v}
+        config = {**from_files(), **{k: v for k, v in (("endpoint", settings.endpoint),
+                                                        ("region", settings.region)) if v}}
     elif settings.endpoint:
         config = {"endpoint": settings.endpoint} if scheme in ("az", "abfs") else {"base_url": settings.endpoint}
     root = f"{scheme}://{bucket}" + (f"/{prefix}" if prefix else "")

@@ -104,14 +104,16 @@ class ObjectTier:
     def name(self, namespace: str, key: bytes) -> str:
         return object_name(self.group, namespace, key)
 
-    def _all(self, call, items: list) -> list[tuple[object, BaseException | None]]:
-        """``call(item)`` for every item on the tier's threads, each ended (or abandoned) by ``timeout_s``:
-        (result, None) or (None, the exception); an unfinished call is a ``TimeoutError``."""
+    def _all(self, call, items: list, until: float | None = None) -> list[tuple[object, BaseException | None]]:
+        """``call(item)`` for every item on the tier's threads, each ended (or abandoned) by ``timeout_s`` and
+        all by ``until`` (``time.monotonic()``): (result, None) or (None, the exception); an unfinished call
+        is a ``TimeoutError``."""
         try:
             futures: list[Future] = [self.calls.submit(call, item) for item in items]
         except RuntimeError:  # closed (the writer's last batch after the group closed): nothing is sent
             return [(None, TimeoutError("the tier is closed")) for _ in items]
-        wait(futures, timeout=self.settings.timeout_s + 0.5)  # (each call has timeout_s; this bounds the queue)
+        limit = self.settings.timeout_s + 0.5  # (each call has timeout_s; this bounds the queue)
+        wait(futures, timeout=limit if until is None else max(0.0, min(limit, until - time.monotonic())))
         out: list[tuple[object, BaseException | None]] = []
         for future in futures:
             if not future.done():
@@ -212,17 +214,18 @@ class ObjectTier:
             return False
         return True
 
-    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
-        """Which keys the bucket holds now: concurrent HEADs, all ended by ``timeout_s``, for the keys not
-        found absent lately; all False when the server is unavailable."""
+    def contains(self, namespace: str, keys: list[bytes], until: float | None = None) -> list[bool]:
+        """Which keys the bucket holds now: concurrent HEADs, all ended by ``timeout_s`` and by ``until`` (the
+        request's deadline), for the keys not found absent lately; all False when the server is unavailable.
+        A HEAD not answered by then is a miss (not remembered as absent)."""
         if not keys or not self.breaker.allows():
             return [False] * len(keys)
         now = time.monotonic()
         names = [self.name(namespace, k) for k in keys]
         asked = [i for i, name in enumerate(names) if not self.absent.known(name, now)]
         found = [False] * len(keys)
-        results = self._all(self._head, [names[i] for i in asked])
-        errors = [error for _, error in results if error is not None]
+        results = self._all(self._head, [names[i] for i in asked], until)
+        errors = [error for _, error in results if error is not None and not isinstance(error, TimeoutError)]
         for i, (there, error) in zip(asked, results):
             found[i] = bool(there) and error is None
         self.absent.add([names[i] for i, (there, error) in zip(asked, results) if error is None and not there], now)

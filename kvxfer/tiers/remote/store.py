@@ -131,7 +131,7 @@ class RemoteStore:
     def wait_ready(self, until: float) -> bool:
         return True  # (nothing to load: it asks the medium)
 
-    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+    def contains(self, namespace: str, keys: list[bytes], until: float | None = None) -> list[bool]:
         """Which keys Redis holds now (one pipelined round trip); all False when unavailable."""
         if not keys or not self.breaker.allows():
             return [False] * len(keys)

@@ -84,7 +84,7 @@ class SharedFsStore:
     def wait_ready(self, until: float) -> bool:
         return True  # (nothing to load: it asks the medium)
 
-    def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
+    def contains(self, namespace: str, keys: list[bytes], until: float | None = None) -> list[bool]:
         if not keys:
             return []
         try:
