@@ -83,8 +83,8 @@ def decode_header(header: bytes, fingerprint: bytes, nbytes: int, padded_to: int
 
 
 def mac(secret: bytes, name: bytes, value) -> bytes:
-    """HMAC-SHA256 of a value under its full name (a Redis key, an object's path): whoever lacks the secret can neither forge a
-    value nor move one to another key."""
+    """HMAC-SHA256 of a value under its full name (a Redis key, an object's path): whoever lacks the secret
+    can neither forge a value nor move one to another key."""
     digest = hmac.new(secret, name, hashlib.sha256)
     digest.update(value)
     return digest.digest()

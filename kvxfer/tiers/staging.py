@@ -164,6 +164,17 @@ class Staged:
     key_format: int = 0  # ``kvxfer.events.records.format_code``
 
 
+def to_send(batch: list[Staged], tombstones: Tombstones, allowed: bool, counts: EventCounts) -> list[Staged]:
+    """(``tombstones.publishing`` held) The batch's writes still to send: those a Delete marked are dropped
+    (``deleted_while_queued``), and all are while the medium's breaker is open (``stores_dropped``)."""
+    alive = [s for s in batch if tombstones.alive(s.namespace, s.key, s.seq)]
+    counts.add("deleted_while_queued", len(batch) - len(alive))
+    if alive and not allowed:
+        counts.add("stores_dropped", len(alive))
+        return []
+    return alive
+
+
 def announce_stored(events: TierEvents | None, written: list[Staged]) -> None:
     """Announce blocks a shared tier now holds, one event a namespace."""
     if events is not None:

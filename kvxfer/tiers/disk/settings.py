@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvxfer.errors import ConfigError
+from kvxfer.tiers.sections import bounded, mapping
 from kvxfer.validate import shown
 
 KEYS = frozenset({"path", "capacity_gib", "queue_blocks", "workers"})
@@ -34,25 +35,16 @@ class DiskSettings:
 
 def parse(raw) -> DiskSettings | None:
     """The ``disk`` section: one directory per cache group under ``path``, ``capacity_gib`` each."""
+    raw = mapping("disk", raw, KEYS, "with path and capacity_gib")
     if raw is None:
         return None
-    if not isinstance(raw, dict):
-        raise ConfigError("disk: must be a mapping with path and capacity_gib")
-    unknown = set(raw) - KEYS
-    if unknown:
-        raise ConfigError(f"disk: unknown keys {sorted(unknown)}; allowed: {sorted(KEYS)}")
     path = raw.get("path")
     if not isinstance(path, str) or not path.startswith("/"):
         raise ConfigError(f"disk.path: must be an absolute path, got {shown(path)}")
     capacity = raw.get("capacity_gib")
     if isinstance(capacity, bool) or not isinstance(capacity, int | float) or not 0 < capacity <= 1 << 20:
         raise ConfigError(f"disk.capacity_gib: must be a positive number (per cache group), got {shown(capacity)}")
-    bounded = {}
-    for key, default, top in (("queue_blocks", 256, 65536), ("workers", 4, 64)):
-        value = raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-            raise ConfigError(f"disk.{key}: must be an integer in [1, {top}], got {shown(value)}")
-        bounded[key] = value
+    queue_blocks, workers = bounded("disk", raw, "queue_blocks", 256, 65536), bounded("disk", raw, "workers", 4, 64)
     # Validation changes nothing: the directory is made when the tier starts; here its nearest
     # existing ancestor must be a directory this user may write in.
     existing = Path(path)
@@ -61,5 +53,5 @@ def parse(raw) -> DiskSettings | None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"disk.path: {shown(path)} cannot be made or written by this user "
                           f"({existing} is not a writable directory)")
-    return DiskSettings(path, int(capacity * (1 << 30)), bounded["queue_blocks"], bounded["workers"],
+    return DiskSettings(path, int(capacity * (1 << 30)), queue_blocks, workers,
                         load_in_background=True)  # the daemon serves (and answers health) while it loads

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvxfer.errors import ConfigError
+from kvxfer.tiers.sections import bounded, mapping
 from kvxfer.validate import shown
 
 KEYS = frozenset({"url", "endpoint", "region", "allow_http", "timeout_ms", "workers", "max_inflight",
@@ -46,23 +47,13 @@ class ObjectSettings:
         return bucket, prefix.strip("/")
 
 
-def _bounded(raw: dict, key: str, default: int, top: int, low: int = 1) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
-        raise ConfigError(f"object.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
-    return value
-
 
 def parse(raw) -> ObjectSettings | None:
     """The ``object`` section. The bucket is asked once here (a HEAD, read-only), so that a missing
     bucket or refused credentials stop the start (and ``serve --check``) in one line."""
+    raw = mapping("object", raw, KEYS, "with a url (s3://bucket/prefix)")
     if raw is None:
         return None
-    if not isinstance(raw, dict):
-        raise ConfigError("object: must be a mapping with a url (s3://bucket/prefix)")
-    unknown = set(raw) - KEYS
-    if unknown:
-        raise ConfigError(f"object: unknown keys {sorted(unknown)}; allowed: {sorted(KEYS)}")
     url = raw.get("url")
     scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else ""
     if scheme not in SCHEMES or not url.split("://", 1)[1].split("/", 1)[0] or len(url) > 1024:
@@ -96,9 +87,9 @@ def parse(raw) -> ObjectSettings | None:
         raise ConfigError(f"object.max_gib: a number of GiB, 0 for no bound, got {shown(max_gib)}")
     settings = ObjectSettings(
         url, text["endpoint"], text["region"], raw.get("allow_http", False),
-        _bounded(raw, "timeout_ms", 2000, 60_000) / 1000, _bounded(raw, "workers", 16, 256),
-        _bounded(raw, "max_inflight", 256, 65536), raw.get("write_through", False), secret,
-        int(max_gib * (1 << 30)), _bounded(raw, "negative_cache_ms", 1000, 600_000, 0) / 1000)
+        bounded("object", raw, "timeout_ms", 2000, 60_000) / 1000, bounded("object", raw, "workers", 16, 256),
+        bounded("object", raw, "max_inflight", 256, 65536), raw.get("write_through", False), secret,
+        int(max_gib * (1 << 30)), bounded("object", raw, "negative_cache_ms", 1000, 600_000, 0) / 1000)
     from kvxfer.tiers.object.client import check_reachable  # (the client library: only when configured)
 
     check_reachable(settings)

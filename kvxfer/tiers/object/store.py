@@ -38,7 +38,7 @@ from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.object.client import FAILURES, MISSING, object_name, open_store
 from kvxfer.tiers.object.settings import ObjectSettings
 from kvxfer.tiers.record import MAX_HEADER, DiskCorrupt, header, sealed, unpack
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored, to_send
 
 ABSENT_KEYS = 65536  # names the negative cache remembers at most
 
@@ -153,12 +153,8 @@ class ObjectTier:
         # flight before removing: it either comes after a put (and removes what it wrote) or before the
         # decision (and the write is dropped). A deleted key never comes back.
         with self.tombstones.publishing:
-            alive = [s for s in batch if self.tombstones.alive(s.namespace, s.key, s.seq)]
-            self.events.add("deleted_while_queued", len(batch) - len(alive))
+            alive = to_send(batch, self.tombstones, self.breaker.allows(), self.events)
             if not alive:
-                return
-            if not self.breaker.allows():
-                self.events.add("stores_dropped", len(alive))
                 return
             names = [self.name(s.namespace, s.key) for s in alive]
             with self._settled:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvxfer.errors import ConfigError
+from kvxfer.tiers.sections import bounded, mapping
 from kvxfer.validate import shown
 
 KEYS = frozenset({"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
@@ -45,13 +46,9 @@ class RemoteSettings:
 
 def parse(raw) -> RemoteSettings | None:
     """The ``remote`` section: Redis or Redis Cluster, the password from a file (never in the config)."""
+    raw = mapping("remote", raw, KEYS, "with a url")
     if raw is None:
         return None
-    if not isinstance(raw, dict):
-        raise ConfigError("remote: must be a mapping with a url")
-    unknown = set(raw) - KEYS
-    if unknown:
-        raise ConfigError(f"remote: unknown keys {sorted(unknown)}; allowed: {sorted(KEYS)}")
     url = raw.get("url")
     scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else ""
     if scheme not in SCHEMES:
@@ -73,13 +70,9 @@ def parse(raw) -> RemoteSettings | None:
     secret = Path(text["secret_file"]).read_bytes().strip() if text["secret_file"] else b""
     if text["secret_file"] and len(secret) < 16:
         raise ConfigError("remote.secret_file: at least 16 bytes (the key that authenticates every value)")
-    timeout = raw.get("timeout_ms", 200)
-    inflight = raw.get("max_inflight", 256)
+    timeout = bounded("remote", raw, "timeout_ms", 200, 60_000)
+    inflight = bounded("remote", raw, "max_inflight", 256, 65536)
     write_through = raw.get("write_through", False)
-    if isinstance(timeout, bool) or not isinstance(timeout, int) or not 1 <= timeout <= 60_000:
-        raise ConfigError(f"remote.timeout_ms: an integer in [1, 60000], got {shown(timeout)}")
-    if isinstance(inflight, bool) or not isinstance(inflight, int) or not 1 <= inflight <= 65536:
-        raise ConfigError(f"remote.max_inflight: an integer in [1, 65536], got {shown(inflight)}")
     if not isinstance(write_through, bool):
         raise ConfigError(f"remote.write_through: true or false, got {shown(write_through)}")
     return RemoteSettings(url, text["username"], password, text["tls_ca"], text["tls_cert"], text["tls_key"],

@@ -33,7 +33,7 @@ from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.tiers.remote.watch import RemovalWatch
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored, to_send
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.breaker import Breaker
@@ -102,12 +102,8 @@ class RemoteStore:
         # Decided and sent under ``publishing``: a Delete of a key either comes after the SET (and
         # removes it) or before the decision (and the write is dropped): a deleted key never returns.
         with self.tombstones.publishing:
-            alive = [s for s in batch if self.tombstones.alive(s.namespace, s.key, s.seq)]
-            self.events.add("deleted_while_queued", len(batch) - len(alive))
+            alive = to_send(batch, self.tombstones, self.breaker.allows(), self.events)
             if not alive:
-                return
-            if not self.breaker.allows():
-                self.events.add("stores_dropped", len(alive))
                 return
             try:
                 self._send(alive)

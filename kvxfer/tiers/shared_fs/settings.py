@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvxfer.errors import ConfigError
+from kvxfer.tiers.sections import bounded
 from kvxfer.validate import shown
 
 KEYS = frozenset({"path", "timeout_ms", "workers", "max_inflight"})
@@ -37,16 +38,12 @@ def parse(raw) -> SharedFsSettings | None:
     path = raw.get("path")
     if not isinstance(path, str) or not path.startswith("/"):
         raise ConfigError(f"shared_fs.path: must be an absolute path, got {shown(path)}")
-    bounded = {}
-    for key, default, top in (("timeout_ms", 2000, 60_000), ("workers", 8, 64), ("max_inflight", 256, 65536)):
-        value = raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-            raise ConfigError(f"shared_fs.{key}: must be an integer in [1, {top}], got {shown(value)}")
-        bounded[key] = value
+    limits = (("timeout_ms", 2000, 60_000), ("workers", 8, 64), ("max_inflight", 256, 65536))
+    numbers = {key: bounded("shared_fs", raw, key, default, top) for key, default, top in limits}
     answer: list[bool] = []  # asked on a thread: a stalled mount must not hang the start (the tier then misses)
     probe = threading.Thread(target=lambda: answer.append(Path(path).is_dir()), daemon=True)
     probe.start()
-    probe.join(bounded["timeout_ms"] / 1000)
+    probe.join(numbers["timeout_ms"] / 1000)
     if answer == [False]:
         raise ConfigError(f"shared_fs.path: {shown(path)} is not a directory (is the shared filesystem mounted?)")
-    return SharedFsSettings(path, bounded["timeout_ms"] / 1000, bounded["workers"], bounded["max_inflight"])
+    return SharedFsSettings(path, numbers["timeout_ms"] / 1000, numbers["workers"], numbers["max_inflight"])
