@@ -2,11 +2,15 @@
 two nodes sharing a bucket, forged, truncated and foreign objects, a stalled server, refused starts, a warm
 restart from the bucket (issue 49)."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
+import yaml
 
 from kvxfer import Client
 from kvxfer.bench import launch
@@ -17,6 +21,7 @@ from kvxfer.tiers.object.client import object_name
 from kvxfer.tiers.object.settings import ObjectSettings
 from kvxfer.tiers.object.store import ObjectTier
 from kvxfer.tiers.record import MAC_BYTES
+from tests.conftest import ROOT
 from tests.e2e.conftest import SMALL_POOL
 from kvxfer.bench.s3_server import S3Server
 from tests.e2e.test_remote import offload, restore
@@ -156,12 +161,18 @@ def test_a_start_the_bucket_would_refuse_is_refused_in_one_line(s3, tmp_path, ca
     section = {"url": f"s3://{s3.bucket}/p", "endpoint": s3.endpoint, "allow_http": True, "timeout_ms": 1000,
                **extra}
     daemon = launch.spawn({"pools": [SMALL_POOL], "object": section}, wait=False, env=env)
+    config = tmp_path / "check.yaml"
+    config.write_text(yaml.safe_dump({"pools": [SMALL_POOL], "object": section}))
+    check = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--check", "--config", str(config)],
+                           env={**os.environ, **env}, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    why = {"missing bucket": "does not exist", "wrong credentials": "credentials were refused",
+           "no server": "did not answer"}[case]
     try:
         assert daemon.proc.wait(60) != 0
         log = daemon.log_text()
-        assert "object" in log and "Traceback" not in log
-        assert {"missing bucket": "does not exist", "wrong credentials": "credentials were refused",
-                "no server": "did not answer"}[case] in log
+        assert "object" in log and "Traceback" not in log and why in log
+        assert check.returncode != 0 and why in check.stderr + check.stdout  # serve --check says it too
+        assert "Traceback" not in check.stderr
     finally:
         daemon.cleanup()
 
