@@ -347,3 +347,21 @@ def test_a_lookup_ends_by_the_request_s_deadline_even_when_the_tier_s_timeout_is
     finally:
         tier.close()
         proxy.close()
+
+
+def test_another_format_s_object_under_a_name_is_a_miss_and_left_alone(s3, monkeypatch):
+    """Daemons whose blocks differ (another geometry, or the checksum format of before) share a bucket: neither
+    serves nor deletes the other's objects."""
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    settings = ObjectSettings(f"s3://{s3.bucket}/formats", s3.endpoint, allow_http=True)
+    theirs, ours = ObjectTier(settings, "g", b"x" * 32, 4096), ObjectTier(settings, "g", b"f" * 32, 4096)
+    try:
+        theirs.stage("ns", [(b"k", *_block(7))])
+        assert theirs.flush(30)
+        fetch = ours.fetch("ns", [b"k"])
+        assert fetch.keys == [] and ours.stats().events.get("corrupt", 0) == 0
+        assert theirs.contains("ns", [b"k"]) == [True]  # still there for those it belongs to
+    finally:
+        theirs.close()
+        ours.close()
