@@ -338,6 +338,11 @@ class Client:
 
     def _error(self, exc: grpc.RpcError) -> KvxferError:
         if exc.code() is grpc.StatusCode.UNAVAILABLE:  # gRPC's own text names sockets and subchannels
+            details = (exc.details() or "").lower()
+            if any(word in details for word in ("ssl", "tls", "handshake", "certificate")):
+                return error_for_code("UNAVAILABLE")(
+                    f"the TLS handshake with {self._target} failed: a daemon answers, but its certificate is not "
+                    "signed by the CA given (root_certificates, --ca) or does not carry the name or address dialled")
             return error_for_code("UNAVAILABLE")(f"no daemon answers at {self._target} (is it running, and is "
                                                  "that its socket?)")
         return error_for_code(exc.code().name)(exc.details() or exc.code().name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import ssl
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -240,6 +241,15 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
                             peering=peering_section(raw.get("peering"))))
 
 
+def check_key_pair(cert: str, key: str) -> None:
+    """The certificate and its key load, and belong together (else the listener would fail at bind, later)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"tls_cert, tls_key: {cert} and {key} are not a certificate and its private key "
+                          f"({exc.reason or exc})") from None
+
+
 def validate(config: Config) -> Config:
     """Cross-field rules; returns the config unchanged when they hold."""
     if config.log_level.lower() not in {"debug", "info", "warning", "error"}:
@@ -297,6 +307,8 @@ def validate(config: Config) -> Config:
         value = getattr(config, name)
         if value and not Path(value).is_file():
             raise ConfigError(f"{name}: {value} is not a readable file")
+    if config.tls_cert and config.tls_key:
+        check_key_pair(config.tls_cert, config.tls_key)
     if config.peering is not None and not config.listen:
         raise ConfigError("peering: needs listen (the TLS listener with a token its peers call)")
     if config.peering is not None and not config.peering.tls_cert:  # its identity to peers: the listener's

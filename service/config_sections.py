@@ -6,6 +6,8 @@ The parser takes the raw YAML value, validates every key, and changes nothing on
 
 from __future__ import annotations
 
+import importlib
+
 from kvxfer.errors import ConfigError
 from kvxfer.events.settings import ENDPOINT_RE, EventSettings
 from kvxfer.validate import shown
@@ -28,6 +30,12 @@ def events(raw) -> EventSettings:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
             raise ConfigError(f"events.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
         values[key] = value
+    if raw.get("publish"):
+        try:  # what the publisher needs, imported now: a missing package fails the start in one line
+            importlib.import_module("zmq")
+            importlib.import_module("msgspec")
+        except ImportError as exc:
+            raise ConfigError(f"events.publish: needs {exc.name} (pip install 'kvxfer[events]')") from None
     for key in ("publish", "replay"):
         value = raw.get(key, "")
         if not isinstance(value, str) or (value and not ENDPOINT_RE.fullmatch(value)):

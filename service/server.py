@@ -117,6 +117,34 @@ def claim_socket(path: str) -> None:
     log.warning("removed a stale socket file", extra={"socket": path})
 
 
+def _add_port(add, address: str) -> None:
+    """gRPC's add_*_port, its failure in one line naming the cause (gRPC raises a RuntimeError that names none)."""
+    try:
+        if add():
+            return
+    except RuntimeError:
+        pass
+    raise FailedPrecondition(f"cannot listen on {address}: {_why_not(address)}")
+
+
+def _why_not(address: str) -> str:
+    """Why a TCP address cannot be bound, asked of the kernel directly."""
+    if address.startswith("unix:"):
+        return "the socket path cannot be bound (its directory missing or not writable?)"
+    host, _, port = address.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as exc:
+        return f"the host does not resolve ({exc})"
+    family, kind, proto, _, where = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(where)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return "gRPC could not bind it"
+
+
 class Daemon:
     """A started server and the pools it serves. Build, ``start`` and ``stop`` inside one event loop."""
 
@@ -170,8 +198,7 @@ class Daemon:
     def _listen(self) -> None:
         c = self.config
         if c.socket:
-            if not self.server.add_insecure_port(f"unix:{c.socket}"):
-                raise FailedPrecondition(f"cannot listen on unix:{c.socket}")
+            _add_port(lambda: self.server.add_insecure_port(f"unix:{c.socket}"), f"unix:{c.socket}")
             gid = resolve_group(c.socket_group or None)
             os.chmod(c.socket, c.socket_mode)
             if gid >= 0:
@@ -183,8 +210,7 @@ class Daemon:
             client_ca = Path(c.peering.tls_client_ca).read_bytes() if c.peering is not None else None
             creds = grpc.ssl_server_credentials([(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())],
                                                 root_certificates=client_ca, require_client_auth=client_ca is not None)
-            if not self.server.add_secure_port(c.listen, creds):
-                raise FailedPrecondition(f"cannot listen on {c.listen}")
+            _add_port(lambda: self.server.add_secure_port(c.listen, creds), c.listen)
             self.addresses.append(c.listen)
         if c.events.publish:
             from kvxfer.events.publisher import ZMQError, ZmqPublisher  # (pyzmq: only when publishing)

@@ -352,3 +352,12 @@ def test_peering_renders_the_daemons_peers_with_the_fleets_ca_and_token(tmp_path
     assert loaded.peering.peers[0].address == "10.0.0.7:7070" and loaded.peering.name  # the pod's name
     with pytest.raises(Exception, match="tcp|enabled"):
         render({"kvxfer": {"peering": {"enabled": True}}})  # peering needs the TLS listener
+
+
+def test_a_cpu_vllm_engine_is_not_told_a_layout_its_backend_refuses():
+    """Issue 50: the chart set VLLM_KV_CACHE_LAYOUT=BLHNC for every vLLM engine; vLLM's CPU backend accepts
+    only LBHNC (its resolver raised ValueError). A GPU engine still gets BLHNC."""
+    cpu = pod_of(render(CASES["CPU engine, no GPU"]))["containers"][0]
+    assert "VLLM_KV_CACHE_LAYOUT" not in {e["name"] for e in cpu.get("env", [])}
+    gpu = pod_of(render(CASES["GPU, device plugin"]))["containers"][0]
+    assert {"name": "VLLM_KV_CACHE_LAYOUT", "value": "BLHNC"} in gpu["env"]

@@ -182,3 +182,34 @@ def test_the_start_up_log_names_each_pools_copy_engine(make_daemon):
     daemon = make_daemon({"copy_threads": 3})
     ready = [json.loads(line) for line in daemon.log_text().splitlines() if '"pool ready"' in line]
     assert [r["copy_engine"] for r in ready] == ["CpuCopyEngine (C loop, 3 threads)"]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is installed by .ci/run")
+def test_health_checks_a_tls_daemon_and_tells_a_tls_failure_from_an_absent_daemon(make_daemon, tmp_path):
+    """Issue 50: ``kvxfer health`` had no ``--ca`` nor ``--token-file``, and a certificate the client does not
+    trust read as "no daemon answers"."""
+    def cert(name: str) -> Path:
+        path = tmp_path / f"{name}.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / name),
+                        "-out", str(path), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                        "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+        return path
+
+    served, stranger, token = cert("served"), cert("stranger"), tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    port = _free_port()
+    make_daemon({"listen": f"127.0.0.1:{port}", "tls_cert": str(served), "tls_key": str(tmp_path / "served"),
+                 "token_file": str(token)})
+
+    def health(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, "-m", "service.cli", "health", "--timeout", "10", *args], env=python_env(),
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    ok = health("--target", f"127.0.0.1:{port}", "--ca", str(served), "--token-file", str(token))
+    assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
+    untrusted = health("--target", f"127.0.0.1:{port}", "--ca", str(stranger), "--token-file", str(token))
+    assert untrusted.returncode == 1 and "TLS handshake" in untrusted.stderr, untrusted.stderr
+    absent = health("--target", f"127.0.0.1:{_free_port()}", "--ca", str(served), "--token-file", str(token))
+    assert absent.returncode == 1 and "no daemon answers" in absent.stderr, absent.stderr
+    for result in (ok, untrusted, absent):
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 1

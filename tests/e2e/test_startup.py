@@ -133,3 +133,57 @@ def test_a_registration_whose_host_tier_cannot_fit_is_refused(make_daemon):
         client.register_pool("eng", spec, Layout.parse("BLHNC"), PoolHandle(Medium.SHM, str(engine)),
                              host_capacity_mib=4)
         assert client.health() == "SERVING"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cert(directory: Path, name: str) -> tuple[Path, Path]:
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.parametrize("case", ["another certificate's key", "swapped"])
+def test_a_certificate_and_a_key_that_do_not_match_are_refused_by_check_in_one_line(tmp_path, case):
+    """Issue 50: they passed ``serve --check``, then ``serve`` died in a 40-line traceback at bind."""
+    (cert, key), (_, other_key) = _cert(tmp_path, "a"), _cert(tmp_path, "b")
+    token = tmp_path / "token"
+    token.write_text("a-token\n")
+    pair = {"another certificate's key": (cert, other_key), "swapped": (key, cert)}[case]
+    config = {"listen": f"127.0.0.1:{_free_port()}", "tls_cert": str(pair[0]), "tls_key": str(pair[1]),
+              "token_file": str(token)}
+    for flags in (("--check",), ()):
+        one_line(serve(tmp_path, *flags, config=config), 2, "tls_cert, tls_key", "not a certificate and its")
+
+
+def test_a_busy_listen_port_is_one_line_naming_the_cause(tmp_path):
+    cert, key = _cert(tmp_path, "a")
+    token = tmp_path / "token"
+    token.write_text("a-token\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        config = {"listen": f"127.0.0.1:{busy.getsockname()[1]}", "tls_cert": str(cert), "tls_key": str(key),
+                  "token_file": str(token)}
+        proc = serve(tmp_path, "--log-level", "error", config=config)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "cannot listen on 127.0.0.1:" in proc.stderr and "Address already in use" in proc.stderr
+
+
+def test_publishing_events_without_pyzmq_is_refused_by_check(tmp_path):
+    """Issue 50: a plain wheel passed ``--check`` with ``events.publish`` set, then ``serve`` failed on zmq."""
+    blocker = tmp_path / "no_zmq"
+    blocker.mkdir()
+    (blocker / "zmq.py").write_text("raise ImportError('No module named zmq', name='zmq')\n")  # as if absent
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "metrics_listen": "",
+                                    "events": {"publish": "tcp://127.0.0.1:5599"}}))
+    env = {**python_env(), "PYTHONPATH": f"{blocker}:{python_env().get('PYTHONPATH', '')}"}
+    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--check", "--config", str(path)], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    one_line(proc, 2, "events.publish: needs zmq", "kvxfer[events]")
