@@ -343,7 +343,9 @@ def test_peering_renders_the_daemons_peers_with_the_fleets_ca_and_token(tmp_path
     from service import config as service_config  # the daemon takes what the chart renders
     for name in ("tls_cert", "tls_key", "token_file"):
         config[name] = str(tmp_path / name)
-        (tmp_path / name).write_text("t0ken\n")
+    (tmp_path / "token_file").write_text("t0ken\n")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", config["tls_key"], "-out",
+                    config["tls_cert"], "-days", "1", "-subj", "/CN=decode-1"], check=True, capture_output=True)
     config["peering"]["peers"][0].update(tls_ca=config["tls_cert"], token_file=config["token_file"])
     config["peering"]["tls_client_ca"] = config["tls_cert"]  # (mutual TLS: the fleet's CA checks callers too)
     path = tmp_path / "kvxfer.yaml"
@@ -361,3 +363,14 @@ def test_a_cpu_vllm_engine_is_not_told_a_layout_its_backend_refuses():
     assert "VLLM_KV_CACHE_LAYOUT" not in {e["name"] for e in cpu.get("env", [])}
     gpu = pod_of(render(CASES["GPU, device plugin"]))["containers"][0]
     assert {"name": "VLLM_KV_CACHE_LAYOUT", "value": "BLHNC"} in gpu["env"]
+
+
+@pytest.mark.parametrize("listen", ["[::]:9411", "0.0.0.0:9412"])
+def test_the_metrics_port_is_the_one_after_the_last_colon(listen):
+    """Issue 50: ``metrics_listen: "[::]:9400"`` rendered ``containerPort: 0`` and a Service port 0."""
+    objects = render({"kvxfer": {"config": {"metrics_listen": listen}}})
+    port = int(listen.rsplit(":", 1)[1])
+    sidecar = pod_of(objects)["initContainers"][0]
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in sidecar["ports"]
+    services = [s for s in by_kind(objects, "Service") if any(p.get("name") == "metrics" for p in s["spec"]["ports"])]
+    assert services and all(p["port"] == port for s in services for p in s["spec"]["ports"] if p["name"] == "metrics")

@@ -1,5 +1,7 @@
 """The ``peering`` section: every value checked, each mistake one precise message."""
 
+import subprocess
+
 import pytest
 
 from service import config as cfg
@@ -8,10 +10,11 @@ from kvxfer.errors import ConfigError
 
 @pytest.fixture
 def files(tmp_path):
-    ca, token = tmp_path / "ca.pem", tmp_path / "token"
-    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    ca, key, token = tmp_path / "ca.pem", tmp_path / "key.pem", tmp_path / "token"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(ca),
+                    "-days", "1", "-subj", "/CN=a"], check=True, capture_output=True)  # (the listener's pair is checked)
     token.write_text("t0ken\n")
-    return {"tls_cert": str(ca), "tls_key": str(ca), "token_file": str(token), "ca": str(ca), "token": str(token)}
+    return {"tls_cert": str(ca), "tls_key": str(key), "token_file": str(token), "ca": str(ca), "token": str(token)}
 
 
 def _load(tmp_path, files, peering, client_ca=True):

@@ -27,6 +27,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s/kvxfer.sock" .Values.kvxfer.socketDir -}}
 {{- end -}}
 
+{{- /* The port of metrics_listen: after its last ":" (an IPv6 host such as [::] has its own) */}}
+{{- define "kvxfer.metricsPort" -}}
+{{- regexReplaceAll "^.*:" .Values.kvxfer.config.metrics_listen "" | int -}}
+{{- end -}}
+
 {{- define "kvxfer.secretName" -}}
 {{- printf "%s-secret" (include "kvxfer.fullname" .) -}}
 {{- end -}}

@@ -18,7 +18,7 @@ exec:
   restartPolicy: Always
   args: ["serve", "--config", "/etc/kvxfer/config/kvxfer.yaml"]
   ports:
-    - {name: metrics, containerPort: {{ (split ":" .Values.kvxfer.config.metrics_listen)._1 | int }}, protocol: TCP}
+    - {name: metrics, containerPort: {{ include "kvxfer.metricsPort" . }}, protocol: TCP}
     {{- if .Values.kvxfer.tcp.enabled }}
     - {name: grpc-tls, containerPort: {{ .Values.kvxfer.tcp.port }}, protocol: TCP}
     {{- end }}
