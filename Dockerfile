@@ -57,7 +57,7 @@ USER 1000:2000
 # The config (a ConfigMap), the socket directory (an emptyDir shared with the engine) and the run-time
 # cache (Triton's kernels and launcher; the root filesystem is read-only in the chart).
 VOLUME ["/etc/kvxfer", "/run/kvxfer", "/var/cache/kvxfer"]
-EXPOSE 9400
+EXPOSE 9470
 ENTRYPOINT ["kvxfer"]
 CMD ["serve", "--config", "/etc/kvxfer/config/kvxfer.yaml"]
 

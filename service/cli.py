@@ -33,7 +33,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="YAML config file (docs/configuration.md; example: docs/kvxfer.example.yaml)")
     p.add_argument("--socket", help="Unix socket path (default /tmp/kvxfer.sock)")
     p.add_argument("--listen", help="HOST:PORT for TCP; needs TLS and a token in the config")
-    p.add_argument("--metrics-listen", help="HOST:PORT of /metrics (default 127.0.0.1:9400; '' turns it off)")
+    p.add_argument("--metrics-listen", help="HOST:PORT of /metrics (default 127.0.0.1:9470; '' turns it off)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")
     pools = p.add_argument_group("every configured pool (the embedded default pool when the config has none)")
     pools.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto: cuda:0 when a GPU is usable)")

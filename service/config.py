@@ -47,7 +47,8 @@ class Config:
     socket_mode: int = 0o660
     socket_group: str = ""
     listen: str = ""  # HOST:PORT; needs tls_cert, tls_key and a token
-    metrics_listen: str = "127.0.0.1:9400"  # HOST:PORT of /metrics (Prometheus); "" turns it off
+    # HOST:PORT of /metrics (Prometheus); "" turns it off. Not 9400: dcgm-exporter has it on every GPU node.
+    metrics_listen: str = "127.0.0.1:9470"
     tls_cert: str = ""
     tls_key: str = ""
     token_file: str = ""

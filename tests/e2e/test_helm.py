@@ -374,3 +374,11 @@ def test_the_metrics_port_is_the_one_after_the_last_colon(listen):
     assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in sidecar["ports"]
     services = [s for s in by_kind(objects, "Service") if any(p.get("name") == "metrics" for p in s["spec"]["ports"])]
     assert services and all(p["port"] == port for s in services for p in s["spec"]["ports"] if p["name"] == "metrics")
+
+
+def test_the_default_metrics_port_is_not_dcgm_exporter_s():
+    """Issue 50: 9400 is NVIDIA dcgm-exporter's port, which runs on every GPU node (host network)."""
+    from service import config as service_config
+
+    for listen in (service_config.Config().metrics_listen, rendered_config(render({}))["metrics_listen"]):
+        assert int(listen.rsplit(":", 1)[1]) not in (9400, 9100, 9090, 8000, 8080)  # dcgm, node, Prometheus, engines
