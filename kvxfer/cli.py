@@ -14,10 +14,13 @@ import os
 import sys
 from collections.abc import Callable
 
+from typing import TYPE_CHECKING
+
 from kvxfer.errors import InvalidArgument, KvxferError
-from kvxfer.geometry.layout import DTYPES, PRESETS, KVSpec, Layout, PoolLayout, parse_dtype
-from kvxfer.geometry.sharding import Sharding, stored_format
-from kvxfer.transfer.plan import shard_pieces
+from kvxfer.geometry.names import DTYPE_NAMES, PRESET_NAMES
+
+if TYPE_CHECKING:
+    from kvxfer.geometry.layout import KVSpec
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
@@ -29,19 +32,25 @@ def add_spec_arguments(parser: argparse.ArgumentParser, defaults: dict | None = 
     parser.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per block (N)")
     parser.add_argument("--heads", type=int, default=d["heads"], help="KV heads (H)")
     parser.add_argument("--head-size", type=int, default=d["head_size"], help="elements per head vector (D)")
-    parser.add_argument("--dtype", default=d["dtype"], choices=sorted(DTYPES), help="element type")
+    parser.add_argument("--dtype", default=d["dtype"], choices=sorted(DTYPE_NAMES), help="element type")
     parser.add_argument("--kv-parts", type=int, default=2, choices=(1, 2),
                         help="2: K and V; 1: one latent vector a token (MLA: --heads 1 --head-size 576)")
     parser.add_argument("--layout", default=d["layout"],
-                        help=f"a preset ({', '.join(PRESETS)}) or axes like L,KV,B,N,H,D")
+                        help=f"a preset ({', '.join(PRESET_NAMES)}) or axes like L,KV,B,N,H,D")
 
 
 def spec_from_args(args: argparse.Namespace) -> KVSpec:
+    from kvxfer.geometry.layout import KVSpec, parse_dtype  # (torch: only when a command runs)
+
     return KVSpec(args.layers, args.blocks, args.block_size, args.heads, args.head_size, parse_dtype(args.dtype),
                   args.kv_parts)
 
 
 def _layout_command(args: argparse.Namespace) -> int:
+    from kvxfer.geometry.layout import Layout, PoolLayout
+    from kvxfer.geometry.sharding import Sharding, stored_format
+    from kvxfer.transfer.plan import shard_pieces
+
     spec, sharding = spec_from_args(args), None
     if args.tp_size > 1 or args.tp_rank:  # --heads is the model's: the pool is the rank's share
         sharding = Sharding("layout", args.tp_rank, args.tp_size, spec.num_kv_heads)

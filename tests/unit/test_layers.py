@@ -162,3 +162,12 @@ def test_the_library_s_packages_import_each_other_without_a_cycle():
 
     for package in sorted(graph):
         visit(package, ())
+
+
+def test_the_torch_free_names_of_dtypes_and_presets_are_the_geometry_s():
+    """``kvxfer.geometry.names`` lists them for command lines' help without importing torch."""
+    from kvxfer.geometry.layout import DTYPES, PRESETS
+    from kvxfer.geometry.names import DTYPE_NAMES, PRESET_NAMES
+
+    assert list(DTYPE_NAMES) == list(DTYPES) and list(PRESET_NAMES) == list(PRESETS)
+    assert "torch" not in _loaded_after("import kvxfer.geometry.names")
