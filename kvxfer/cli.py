@@ -171,10 +171,20 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
                  "kvxfer.events_cli")]
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvxfer")
+    except PackageNotFoundError:  # (run from a checkout that was never installed)
+        return "unknown (not installed)"
+
+
 def build_parser(commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,
                  benches: list[tuple[str, str, str]] | None = None) -> argparse.ArgumentParser:
     """The ``kvxfer`` parser: the library's tools, plus ``commands`` and ``benches`` (the daemon's)."""
     parser = argparse.ArgumentParser(prog="kvxfer", description="KV-cache offload and transfer daemon and tools")
+    parser.add_argument("--version", action="version", version=f"kvxfer {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in [*COMMANDS, *(commands or []), bench_parser(BENCHES + (benches or []))]:
         register(sub)

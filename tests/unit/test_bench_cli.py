@@ -75,3 +75,14 @@ def test_bench_scale_smoke(tmp_path, capsys):
     (result,) = json.loads(out.read_text())
     assert result["blocks"] == 20000 and result["fragmented_1024_ms"] > 0 and result["stats_us"] > 0
     assert "fragmented, shuffled / ordered" in capsys.readouterr().out
+
+
+def test_kvxfer_version_prints_the_installed_version():
+    import subprocess
+    from importlib.metadata import version
+
+    from tests.conftest import PYTHON, ROOT, python_env
+
+    out = subprocess.run([PYTHON, "-m", "service.cli", "--version"], env=python_env(), cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"kvxfer {version('kvxfer')}"

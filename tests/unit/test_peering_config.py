@@ -11,8 +11,9 @@ from kvxfer.errors import ConfigError
 @pytest.fixture
 def files(tmp_path):
     ca, key, token = tmp_path / "ca.pem", tmp_path / "key.pem", tmp_path / "token"
+    # (the listener's certificate and key are checked to belong together: a real pair)
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(ca),
-                    "-days", "1", "-subj", "/CN=a"], check=True, capture_output=True)  # (the listener's pair is checked)
+                    "-days", "1", "-subj", "/CN=a"], check=True, capture_output=True)
     token.write_text("t0ken\n")
     return {"tls_cert": str(ca), "tls_key": str(key), "token_file": str(token), "ca": str(ca), "token": str(token)}
 
