@@ -16,6 +16,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     if not args.check:
         return server.serve(cfg)
     cfg = preflight.check(cfg)
+    for line in config.unknown_variables():
+        print(f"warning: {line}")
     for p in cfg.pools:
         print(f"pool {p.id}: {p.device}, {p.layout.name}, {p.spec.num_blocks} blocks of {p.spec.block_bytes} bytes, "
               f"host tier {p.host_capacity_mib} MiB, cache group {p.cache_group or p.id}")

@@ -151,6 +151,22 @@ def _unknown(names: set[str], known: list[str], where: str) -> ConfigError:
     return ConfigError(f"{where}unknown settings [{', '.join(hints)}]; docs/configuration.md lists every key")
 
 
+#: KVXFER_* variables the library reads that are not settings.
+OTHER_VARIABLES = ("KVXFER_NATIVE", "KVXFER_LMCACHE_PYTHON", "KVXFER_DEVCHECK_SITE")
+
+
+def unknown_variables(env: dict[str, str] | None = None) -> list[str]:
+    """A line for each KVXFER_* variable that nothing reads (a misspelt one is otherwise ignored in silence)."""
+    env = os.environ if env is None else env
+    known = [_ENV_PREFIX + name.upper() for name in _SCALARS] + list(OTHER_VARIABLES)
+    lines = []
+    for name in sorted(k for k in env if k.startswith(_ENV_PREFIX) and k not in known):
+        near = difflib.get_close_matches(name, known, n=1)
+        lines.append(f"environment variable {name} names no setting and is ignored"
+                     + (f" (did you mean {near[0]}?)" if near else ""))
+    return lines
+
+
 def _pool(raw: dict, index: int) -> PoolConfig:
     where = f"pools[{index}]"
     if not isinstance(raw, dict):

@@ -40,7 +40,7 @@ from kvxfer.serving.registry import PoolRegistry
 from kvxfer.memory.shm import resolve_group
 from kvxfer.v1 import kvxfer_pb2 as pb
 from service import logs, preflight
-from service.config import Config
+from service.config import Config, unknown_variables
 from service.fdsocket import DescriptorSocket
 from service.metrics import Metrics
 from service.peer_servicer import PeerServicer, peer_handlers
@@ -304,4 +304,6 @@ async def _serve(config: Config) -> int:
 def serve(config: Config) -> int:
     """Run until SIGTERM or SIGINT; returns the exit code."""
     logs.setup(config.log_level, config.log_format)
+    for line in unknown_variables():
+        log.warning(line)
     return asyncio.run(_serve(preflight.check(config)))

@@ -187,3 +187,16 @@ def test_publishing_events_without_pyzmq_is_refused_by_check(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--check", "--config", str(path)], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     one_line(proc, 2, "events.publish: needs zmq", "kvxfer[events]")
+
+
+def test_a_misspelt_kvxfer_variable_is_warned_about_with_the_name_meant(tmp_path):
+    """Issue 50: ``KVXFER_METRIC_LISTEN`` (for ``KVXFER_METRICS_LISTEN``) was ignored in silence."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "metrics_listen": ""}))
+    env = {**python_env(), "KVXFER_METRIC_LISTEN": "127.0.0.1:9999", "KVXFER_NATIVE": "1"}
+    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--check", "--config", str(path)], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: environment variable KVXFER_METRIC_LISTEN names no setting and is ignored "
+                        "(did you mean KVXFER_METRICS_LISTEN?)"]
