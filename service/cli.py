@@ -9,7 +9,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     from service import config, preflight, server  # the daemon's dependencies load only for `serve`
 
     overrides = {"socket": args.socket, "listen": args.listen, "metrics_listen": args.metrics_listen,
-                 "log_level": args.log_level, "allow_overcommit": args.allow_overcommit or None}
+                 "log_level": args.log_level, "log_format": args.log_format,
+                 "allow_overcommit": args.allow_overcommit or None}
     pool_overrides = {"device": args.device, "layout": args.layout, "num_blocks": args.num_blocks,
                       "host_capacity_mib": args.host_capacity_mib}
     cfg = config.load(args.config, overrides=overrides, pool_overrides=pool_overrides)
@@ -37,6 +38,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", help="HOST:PORT for TCP; needs TLS and a token in the config")
     p.add_argument("--metrics-listen", help="HOST:PORT of /metrics (default 127.0.0.1:9470; '' turns it off)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")
+    p.add_argument("--log-format", help="json (one object a line, for log pipelines; the default) or text")
     pools = p.add_argument_group("every configured pool (the embedded default pool when the config has none)")
     pools.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto: cuda:0 when a GPU is usable)")
     pools.add_argument("--layout", help="the pool's layout, e.g. BLHNC or LBHNC (default BLHNC)")

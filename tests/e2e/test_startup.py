@@ -200,3 +200,22 @@ def test_a_misspelt_kvxfer_variable_is_warned_about_with_the_name_meant(tmp_path
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
     assert warnings == ["warning: environment variable KVXFER_METRIC_LISTEN names no setting and is ignored "
                         "(did you mean KVXFER_METRICS_LISTEN?)"]
+
+
+def test_log_format_from_the_flag(tmp_path):
+    """Issue 50: ``--log-format`` (json, one object a line, or text) as a flag, like ``--log-level``."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "metrics_listen": ""}))
+    proc = subprocess.Popen([PYTHON, "-m", "service.cli", "serve", "--config", str(path), "--log-format", "text"],
+                            env=python_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:  # (ends with the daemon; the hang guard is pytest's timeout)
+            lines.append(line)
+            if "listening" in line:
+                break
+        assert lines and not any(line.startswith("{") for line in lines) and " info kvxfer.server: listening" in line
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    one_line(serve(tmp_path, "--log-format", "xml", "--check"), 2, "log_format", "xml")
