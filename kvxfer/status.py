@@ -19,7 +19,7 @@ from pathlib import Path
 from kvxfer.tables import format_table
 from kvxfer.client import Client
 from kvxfer.errors import InvalidArgument, KvxferError
-from kvxfer.records import PoolStats, TransferStats
+from kvxfer.records import PoolStats, TierKind, TierStats, TransferStats
 
 MIB = 1 << 20
 
@@ -32,6 +32,12 @@ class Rate:
     blocks: int
     throughput: float  # bytes per second of wall time
     bandwidth: float | None  # bytes per second of copy time; None when nothing moved
+
+
+def dropped(tier: TierStats) -> int:
+    """Blocks sent down to a lower tier that never reached it (a full queue, a failing medium, an index loading)."""
+    return sum(n for event, n in tier.events.items()
+               if event.startswith("demotions_dropped") or event == "stores_dropped")
 
 
 def rate(before: TransferStats, after: TransferStats, interval: float) -> Rate:
@@ -67,6 +73,7 @@ def render(before: list[PoolStats], after: list[PoolStats], interval: float) -> 
             row = [s.cache_group, t.tier.value, t.capacity_blocks, t.used_blocks, t.pinned_blocks,
                    f"{t.used_blocks * t.slot_bytes / MIB:.1f} / {t.capacity_blocks * t.slot_bytes / MIB:.1f}",
                    t.evictions] if t.has_occupancy else [s.cache_group, t.tier.value, "-", "-", "-", "-", "-"]
+            row.append(dropped(t) if t.tier is not TierKind.HOST else "-")
             if t.degraded:
                 row[1] += " (degraded)"
             if t.loading:
@@ -76,8 +83,8 @@ def render(before: list[PoolStats], after: list[PoolStats], interval: float) -> 
     return "\n\n".join([
         format_table(["pool", "cache group", "hit ratio", "offload MiB/s (wall / moving)",
                       "restore MiB/s (wall / moving)", "jobs q/r/u", "failed blocks"], pools),
-        format_table(["cache group", "tier", "capacity", "used", "pinned", "MiB used / capacity", "evictions"],
-                     tiers)])
+        format_table(["cache group", "tier", "capacity", "used", "pinned", "MiB used / capacity", "evictions",
+                      "dropped"], tiers)])
 
 
 def as_json(before: list[PoolStats], after: list[PoolStats], interval: float) -> str:
