@@ -231,10 +231,12 @@ def test_monitoring_objects_carry_the_repositorys_files_and_switch_off():
     assert json.loads(dashboard["data"]["kvxfer-dashboard.json"]) == json.loads(
         (CHART / "files" / "kvxfer-dashboard.json").read_text())
     (monitor,) = by_kind(objects, "ServiceMonitor")
-    (service,) = by_kind(objects, "Service")
+    (service,) = [s for s in by_kind(objects, "Service") if s["metadata"]["name"].endswith("-metrics")]
     assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"] == "metrics"
-    quiet = {o["kind"] for o in render(CASES["monitoring off"])}
-    assert not quiet & {"ServiceMonitor", "PrometheusRule", "Service"} and "Deployment" in quiet
+    quiet = render(CASES["monitoring off"])
+    assert not {o["kind"] for o in quiet} & {"ServiceMonitor", "PrometheusRule"} and "Deployment" in \
+        {o["kind"] for o in quiet}
+    assert [s["metadata"]["name"] for s in by_kind(quiet, "Service")] == ["demo-kvxfer-engine"]  # the engine's own
 
 
 def test_the_sidecar_only_render_is_what_an_engine_chart_includes():
@@ -382,3 +384,20 @@ def test_the_default_metrics_port_is_not_dcgm_exporter_s():
 
     for listen in (service_config.Config().metrics_listen, rendered_config(render({}))["metrics_listen"]):
         assert int(listen.rsplit(":", 1)[1]) not in (9400, 9100, 9090, 8000, 8080)  # dcgm, node, Prometheus, engines
+
+
+def test_the_engine_gets_a_service_probes_and_numeric_arguments():
+    """Issue 50: no Service for the engine's port, no engine probes, ``--set engine.args={--tensor-parallel-size,2}``
+    refused ("got number"), and a ClusterIP events Service that reached one publisher at random."""
+    objects = render({"engine": {"args": ["--tensor-parallel-size", 2, "--gpu-memory-utilization", 0.85]},
+                      "kvxfer": {"events": {"enabled": True}}})
+    engine = pod_of(objects)["containers"][0]
+    assert engine["args"][-4:] == ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.85"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    services = {s["metadata"]["name"]: s["spec"] for s in by_kind(objects, "Service")}
+    assert services["demo-kvxfer-engine"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http",
+                                                      "protocol": "TCP"}]
+    assert services["demo-kvxfer-kv-events"]["clusterIP"] == "None"
+    sidecar_only = render({"engine": {"enabled": False}})
+    assert "demo-kvxfer-engine" not in {s["metadata"]["name"] for s in by_kind(sidecar_only, "Service")}
