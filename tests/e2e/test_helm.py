@@ -141,7 +141,7 @@ def test_an_sglang_engine_gets_kvxfer_as_its_hicache_storage_backend():
     assert line[-2:] == ["--hicache-mem-layout", "page_first"]
     extra = json.loads(line[line.index("--hicache-storage-backend-extra-config") + 1])
     assert extra["allocator"] == "shm" and extra["class_name"] == "KvxferStore"  # the daemon reads pages in place
-    assert "env" not in engine  # vLLM's layout variable is vLLM's
+    assert "VLLM_KV_CACHE_LAYOUT" not in {e["name"] for e in engine.get("env", [])}  # vLLM's variable is vLLM's
     eight = {**SGLANG, "kvxfer": {"registeredPools": 8}}  # TP=8: two pools and a cache group a rank
     config = rendered_config(render(eight))
     assert config["max_pools"] == 17 and config["max_cache_groups"] == 9
@@ -401,3 +401,16 @@ def test_the_engine_gets_a_service_probes_and_numeric_arguments():
     assert services["demo-kvxfer-kv-events"]["clusterIP"] == "None"
     sidecar_only = render({"engine": {"enabled": False}})
     assert "demo-kvxfer-engine" not in {s["metadata"]["name"] for s in by_kind(sidecar_only, "Service")}
+
+
+def test_the_engine_keeps_its_model_on_a_volume():
+    """Issue 50: no model cache volume: every restarted engine container downloaded its model again."""
+    pod = pod_of(render({}))
+    engine = pod["containers"][0]
+    assert {"name": "HF_HOME", "value": "/models"} in engine["env"]
+    assert {"name": "model-cache", "mountPath": "/models"} in engine["volumeMounts"]
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "64Gi"}} in pod["volumes"]
+    claim = pod_of(render({"engine": {"modelCache": {"volume": {"persistentVolumeClaim": {"claimName": "m"}}}}}))
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "m"}} in claim["volumes"]
+    none = pod_of(render({"engine": {"modelCache": {"mountPath": ""}}}))
+    assert "model-cache" not in {v["name"] for v in none["volumes"]}
