@@ -80,7 +80,9 @@ def pod_of(objects: list[dict]) -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_every_rendered_manifest_is_valid_kubernetes(case):
     skipped = set()
-    for obj in render(CASES[case]):
+    values = CASES[case] if case == "monitoring off" else {**CASES[case], "monitoring": {
+        **CASES[case].get("monitoring", {}), "assumeOperator": True}}  # (as on a cluster with the operator)
+    for obj in render(values):
         if obj["kind"] in CRD_KINDS:
             skipped.add(obj["kind"])
             continue
@@ -223,7 +225,7 @@ def test_tcp_uses_tls_and_a_token_from_secrets():
 
 
 def test_monitoring_objects_carry_the_repositorys_files_and_switch_off():
-    objects = render({})
+    objects = render({"monitoring": {"assumeOperator": True}})
     (rule,) = by_kind(objects, "PrometheusRule")
     assert rule["spec"] == yaml.safe_load((CHART / "files" / "kvxfer-alerts.yaml").read_text())
     (dashboard,) = [o for o in by_kind(objects, "ConfigMap") if o["metadata"]["name"].endswith("-dashboard")]
@@ -414,3 +416,13 @@ def test_the_engine_keeps_its_model_on_a_volume():
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "m"}} in claim["volumes"]
     none = pod_of(render({"engine": {"modelCache": {"mountPath": ""}}}))
     assert "model-cache" not in {v["name"] for v in none["volumes"]}
+
+
+def test_servicemonitor_and_prometheusrule_wait_for_the_operator_s_api():
+    """Issue 50: rendered by default with no ``.Capabilities`` check, they failed the install on a cluster without
+    the Prometheus Operator. Here (no cluster: the API is not listed) they are left out; the dashboard is not."""
+    kinds = {o["kind"] for o in render({})}
+    assert not kinds & {"ServiceMonitor", "PrometheusRule"} and "Deployment" in kinds
+    assert any(o["metadata"]["name"].endswith("-dashboard") for o in by_kind(render({}), "ConfigMap"))
+    assumed = {o["kind"] for o in render({"monitoring": {"assumeOperator": True}})}
+    assert {"ServiceMonitor", "PrometheusRule"} <= assumed

@@ -32,6 +32,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- regexReplaceAll "^.*:" .Values.kvxfer.config.metrics_listen "" | int -}}
 {{- end -}}
 
+{{- /* "true" where the Prometheus Operator's API is there (or is said to be): else ServiceMonitor and
+PrometheusRule are left out, and the install does not fail on a cluster without the operator */}}
+{{- define "kvxfer.hasOperator" -}}
+{{- if or .Values.monitoring.assumeOperator (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{- define "kvxfer.secretName" -}}
 {{- printf "%s-secret" (include "kvxfer.fullname" .) -}}
 {{- end -}}
