@@ -46,6 +46,9 @@ def spec_from_args(args: argparse.Namespace) -> KVSpec:
                   args.kv_parts)
 
 
+SHOWN_BLOCKS = 16  # blocks ``kvxfer layout`` prints unless --all (``--blocks 4096`` printed 7.4 MB)
+
+
 def _layout_command(args: argparse.Namespace) -> int:
     from kvxfer.geometry.layout import Layout, PoolLayout
     from kvxfer.geometry.sharding import Sharding, stored_format
@@ -72,14 +75,17 @@ def _layout_command(args: argparse.Namespace) -> int:
     print("byte strides: " + ", ".join(f"s_{axis}={stride}" for axis, stride in info["strides"].items()))
     print(f"pool {info['nbytes']} B, block {info['block_bytes']} B over all layers, "
           f"{info['runs_per_block']} run(s) per block")
-    blocks = range(len(info["block_runs"]))
+    shown = len(info["block_runs"]) if args.all else min(len(info["block_runs"]), SHOWN_BLOCKS)
+    blocks = range(shown)
     print("\npage offset(layer, block) in bytes")
     print("layer " + "".join(f"{'P' + str(b):>10}" for b in blocks))
     for layer, row in enumerate(info["page_offsets"]):
-        print(f"{layer:>5} " + "".join(f"{offset:>10}" for offset in row))
+        print(f"{layer:>5} " + "".join(f"{offset:>10}" for offset in row[:shown]))
     print("\nblock runs [offset, end)")
-    for block, runs in enumerate(info["block_runs"]):
+    for block, runs in enumerate(info["block_runs"][:shown]):
         print(f"P{block}: " + " ".join(f"[{o},{o + n})" for o, n in runs))
+    if shown < len(info["block_runs"]):
+        print(f"... the first {shown} of {len(info['block_runs'])} blocks (every block: --all, or --json)")
     if sharding is not None:
         c = info["canonical"]
         print(f"\nrank {c['tp_rank']} of {c['tp_size']} holds heads [{c['heads'][0]}, {c['heads'][1]}) of the model's "
@@ -95,6 +101,7 @@ def _layout_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (--heads: the model's KV heads)")
     p.add_argument("--tp-rank", type=int, default=0, help="the rank whose pool and canonical pieces to print")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--all", action="store_true", help=f"print every block (else the first {SHOWN_BLOCKS})")
     p.set_defaults(func=_layout_command)
 
 

@@ -111,3 +111,13 @@ def test_cli_bad_input(capsys):
     assert cli.main(["layout", "--layout", "nope"]) == 2
     assert "unknown layout" in capsys.readouterr().err
     assert cli.main(["layout", "--blocks", "1"]) == 2
+
+
+def test_the_layout_table_of_a_large_pool_is_capped_unless_all_is_asked(capsys):
+    """Issue 50: ``kvxfer layout --blocks 4096`` printed 7.4 MB."""
+    assert cli.main(["layout", "--blocks", "4096", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert len(out) < 4096 and "the first 16 of 4096 blocks" in out and "P16:" not in out
+    assert cli.main(["layout", "--blocks", "20", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "P19:" in out and "the first" not in out
