@@ -171,3 +171,16 @@ def test_the_torch_free_names_of_dtypes_and_presets_are_the_geometry_s():
 
     assert list(DTYPE_NAMES) == list(DTYPES) and list(PRESET_NAMES) == list(PRESETS)
     assert "torch" not in _loaded_after("import kvxfer.geometry.names")
+
+
+def test_the_kvxfer_program_builds_its_command_line_without_the_optional_packages():
+    """The container image has no boto3 (and a plain wheel no obstore, NIXL, pyzmq): ``kvxfer serve`` failed to
+    start once a benchmark module imported boto3 at its top."""
+    code = ("import sys, json\n"
+            "for name in ('obstore', 'boto3', 'botocore', 'nixl', 'nixl_cu13', 'zmq', 'msgspec', 'matplotlib'):\n"
+            "    sys.modules[name] = None  # an import of it raises ImportError\n"
+            "import service.cli\n"
+            "service.cli.parser()\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('obstore', 'boto3')))))")
+    out = subprocess.run([PYTHON, "-c", code], env=python_env(), cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
