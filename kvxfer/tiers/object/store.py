@@ -184,14 +184,17 @@ class ObjectTier:
         self._account([self.name(s.namespace, s.key) for s in written])
 
     def _account(self, names: list[str]) -> None:
-        """Remember what this daemon wrote; past ``max_bytes``, delete its oldest."""
+        """Remember what this daemon wrote (only with ``max_bytes``: else nothing, so that memory stays bounded);
+        past ``max_bytes``, delete its oldest."""
+        if not self.settings.max_bytes:
+            return
         size = self.slot_bytes + MAX_HEADER
         with self._written_lock:
             for name in names:
+                self._written_bytes += size - self._written.pop(name, 0)  # (a name written again counts once)
                 self._written[name] = size
-                self._written_bytes += size
             oldest: list[str] = []
-            while self.settings.max_bytes and self._written_bytes > self.settings.max_bytes and self._written:
+            while self._written_bytes > self.settings.max_bytes and self._written:
                 name, nbytes = self._written.popitem(last=False)
                 self._written_bytes -= nbytes
                 oldest.append(name)

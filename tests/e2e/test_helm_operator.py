@@ -1,0 +1,75 @@
+"""The chart as an operator meets it (issue 50): the engine's Service, probes, model volume and arguments,
+the metrics port, and the monitoring objects that need the Prometheus Operator. Rendered and linted with
+Helm's own SDK, as in ``test_helm.py``."""
+
+import pytest
+
+from tests.e2e.test_helm import CASES, by_kind, pod_of, render, rendered_config
+
+
+def test_a_cpu_vllm_engine_is_not_told_a_layout_its_backend_refuses():
+    """Issue 50: the chart set VLLM_KV_CACHE_LAYOUT=BLHNC for every vLLM engine; vLLM's CPU backend accepts
+    only LBHNC (its resolver raised ValueError). A GPU engine still gets BLHNC."""
+    cpu = pod_of(render(CASES["CPU engine, no GPU"]))["containers"][0]
+    assert "VLLM_KV_CACHE_LAYOUT" not in {e["name"] for e in cpu.get("env", [])}
+    gpu = pod_of(render(CASES["GPU, device plugin"]))["containers"][0]
+    assert {"name": "VLLM_KV_CACHE_LAYOUT", "value": "BLHNC"} in gpu["env"]
+
+
+@pytest.mark.parametrize("listen", ["[::]:9411", "0.0.0.0:9412"])
+def test_the_metrics_port_is_the_one_after_the_last_colon(listen):
+    """Issue 50: ``metrics_listen: "[::]:9400"`` rendered ``containerPort: 0`` and a Service port 0."""
+    objects = render({"kvxfer": {"config": {"metrics_listen": listen}}})
+    port = int(listen.rsplit(":", 1)[1])
+    sidecar = pod_of(objects)["initContainers"][0]
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in sidecar["ports"]
+    services = [s for s in by_kind(objects, "Service") if any(p.get("name") == "metrics" for p in s["spec"]["ports"])]
+    assert services and all(p["port"] == port for s in services for p in s["spec"]["ports"] if p["name"] == "metrics")
+
+
+def test_the_default_metrics_port_is_not_dcgm_exporter_s():
+    """Issue 50: 9400 is NVIDIA dcgm-exporter's port, which runs on every GPU node (host network)."""
+    from service import config as service_config
+
+    for listen in (service_config.Config().metrics_listen, rendered_config(render({}))["metrics_listen"]):
+        assert int(listen.rsplit(":", 1)[1]) not in (9400, 9100, 9090, 8000, 8080)  # dcgm, node, Prometheus, engines
+
+
+def test_the_engine_gets_a_service_probes_and_numeric_arguments():
+    """Issue 50: no Service for the engine's port, no engine probes, ``--set engine.args={--tensor-parallel-size,2}``
+    refused ("got number"), and a ClusterIP events Service that reached one publisher at random."""
+    objects = render({"engine": {"args": ["--tensor-parallel-size", 2, "--gpu-memory-utilization", 0.85]},
+                      "kvxfer": {"events": {"enabled": True}}})
+    engine = pod_of(objects)["containers"][0]
+    assert engine["args"][-4:] == ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.85"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    services = {s["metadata"]["name"]: s["spec"] for s in by_kind(objects, "Service")}
+    assert services["demo-kvxfer-engine"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http",
+                                                      "protocol": "TCP"}]
+    assert services["demo-kvxfer-kv-events"]["clusterIP"] == "None"
+    sidecar_only = render({"engine": {"enabled": False}})
+    assert "demo-kvxfer-engine" not in {s["metadata"]["name"] for s in by_kind(sidecar_only, "Service")}
+
+
+def test_the_engine_keeps_its_model_on_a_volume():
+    """Issue 50: no model cache volume: every restarted engine container downloaded its model again."""
+    pod = pod_of(render({}))
+    engine = pod["containers"][0]
+    assert {"name": "HF_HOME", "value": "/models"} in engine["env"]
+    assert {"name": "model-cache", "mountPath": "/models"} in engine["volumeMounts"]
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "64Gi"}} in pod["volumes"]
+    claim = pod_of(render({"engine": {"modelCache": {"volume": {"persistentVolumeClaim": {"claimName": "m"}}}}}))
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "m"}} in claim["volumes"]
+    none = pod_of(render({"engine": {"modelCache": {"mountPath": ""}}}))
+    assert "model-cache" not in {v["name"] for v in none["volumes"]}
+
+
+def test_servicemonitor_and_prometheusrule_wait_for_the_operator_s_api():
+    """Issue 50: rendered by default with no ``.Capabilities`` check, they failed the install on a cluster without
+    the Prometheus Operator. Here (no cluster: the API is not listed) they are left out; the dashboard is not."""
+    kinds = {o["kind"] for o in render({})}
+    assert not kinds & {"ServiceMonitor", "PrometheusRule"} and "Deployment" in kinds
+    assert any(o["metadata"]["name"].endswith("-dashboard") for o in by_kind(render({}), "ConfigMap"))
+    assumed = {o["kind"] for o in render({"monitoring": {"assumeOperator": True}})}
+    assert {"ServiceMonitor", "PrometheusRule"} <= assumed
