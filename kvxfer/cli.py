@@ -105,6 +105,33 @@ def _layout_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_layout_command)
 
 
+class _BenchHelp(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's text as written, and every option's default."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """A subcommand whose module (``add_arguments``, ``run``, its docstring) is imported only when the
+    command line names it: ``kvxfer --help`` lists every tool without importing torch through them."""
+
+    name: str
+    help: str
+    module: str
+    formatter: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter
+
+    def register(self, sub: argparse._SubParsersAction, load: bool) -> None:
+        if not load:
+            sub.add_parser(self.name, help=self.help)
+            return
+        module = importlib.import_module(self.module)
+        p = sub.add_parser(self.name, help=self.help, description=module.__doc__, formatter_class=self.formatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+
+
+#: A subcommand defined in place (it imports nothing heavy to build its parser).
+Command = Callable[[argparse._SubParsersAction], None]
+
 #: ``kvxfer bench NAME``: (name, module, help); each module has ``add_arguments`` and ``run``.
 BENCHES: list[tuple[str, str, str]] = [
     ("store", "kvxfer.bench.store", "offload/restore throughput of the store core"),
@@ -128,54 +155,13 @@ BENCHES: list[tuple[str, str, str]] = [
 ]
 
 
-class _BenchHelp(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module's text as written, and every option's default."""
-
-
-def bench_parser(benches: list[tuple[str, str, str]]) -> Callable[[argparse._SubParsersAction], None]:
-    """A COMMANDS entry adding ``bench`` with one subcommand per benchmark module."""
-
-    def register(sub: argparse._SubParsersAction) -> None:
-        p = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the same run")
-        subs = p.add_subparsers(dest="bench", required=True)
-        for name, module_name, text in benches:
-            module = importlib.import_module(module_name)
-            b = subs.add_parser(name, help=text, description=module.__doc__, formatter_class=_BenchHelp)
-            module.add_arguments(b)
-            b.set_defaults(func=module.run)
-
-    return register
-
-
-#: Each entry adds one subcommand to the parser; later tools append here.
-def _devcheck_parser(sub: argparse._SubParsersAction) -> None:
-    from kvxfer.devcheck import __main__ as devcheck
-
-    p = sub.add_parser("devcheck", help="on a GPU machine: check the GPU path (exit 3 without a GPU)",
-                       description=devcheck.__doc__)
-    devcheck.add_arguments(p)
-    p.set_defaults(func=devcheck.run)
-
-
-def _client_tool(name: str, text: str, module_name: str = "") -> Callable[[argparse._SubParsersAction], None]:
-    """A COMMANDS entry for a tool module (``kvxfer.<name>`` unless named) that talks to a daemon."""
-
-    def register(sub: argparse._SubParsersAction) -> None:
-        module = importlib.import_module(module_name or f"kvxfer.{name}")
-        p = sub.add_parser(name, help=text, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
-
-    return register
-
-
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _layout_parser, _devcheck_parser,
-    _client_tool("status", "the daemon at a glance: pools, tiers, hit ratio, bandwidth, jobs"),
-    _client_tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)"),
-    _client_tool("events", "the tiers' KV events, a line a batch (--follow: like kubectl get --watch)",
-                 "kvxfer.events_cli")]
+#: The library's tools; ``kvxfer bench`` is added after them.
+COMMANDS: list[Command | Tool] = [
+    _layout_parser,
+    Tool("devcheck", "on a GPU machine: check the GPU path (exit 3 without a GPU)", "kvxfer.devcheck.__main__"),
+    Tool("status", "the daemon at a glance: pools, tiers, hit ratio, bandwidth, jobs", "kvxfer.status"),
+    Tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)", "kvxfer.health"),
+    Tool("events", "the tiers' KV events, a line a batch (--follow: like kubectl get --watch)", "kvxfer.events_cli")]
 
 
 def _version() -> str:
@@ -187,21 +173,38 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser(commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,
-                 benches: list[tuple[str, str, str]] | None = None) -> argparse.ArgumentParser:
-    """The ``kvxfer`` parser: the library's tools, plus ``commands`` and ``benches`` (the daemon's)."""
+def build_parser(commands: list[Command | Tool] | None = None, benches: list[tuple[str, str, str]] | None = None,
+                 argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvxfer`` parser: the library's tools, plus ``commands`` and ``benches`` (the daemon's).
+
+    With ``argv``, only the tool it names is loaded whole (the others are listed by name and help);
+    without, every tool is (the docs' check parses every documented command)."""
+    words = [word for word in argv or [] if not word.startswith("-")]
+    chosen = words[:2] if argv is not None else None
+
+    def wanted(*path: str) -> bool:
+        return chosen is None or chosen[:len(path)] == list(path)
+
     parser = argparse.ArgumentParser(prog="kvxfer", description="KV-cache offload and transfer daemon and tools")
     parser.add_argument("--version", action="version", version=f"kvxfer {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for register in [*COMMANDS, *(commands or []), bench_parser(BENCHES + (benches or []))]:
-        register(sub)
+    for command in [*COMMANDS, *(commands or [])]:
+        if isinstance(command, Tool):
+            command.register(sub, wanted(command.name))
+        else:
+            command(sub)
+    bench = sub.add_parser("bench", help="benchmarks, each beside a baseline measured in the same run")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, module, text in BENCHES + (benches or []):
+        Tool(name, text, module, _BenchHelp).register(bench_sub, wanted("bench", name))
     return parser
 
 
-def main(argv: list[str] | None = None, commands: list[Callable[[argparse._SubParsersAction], None]] | None = None,
+def main(argv: list[str] | None = None, commands: list[Command | Tool] | None = None,
          benches: list[tuple[str, str, str]] | None = None) -> int:
     """Parse and run one subcommand; a bad input is one line on stderr and exit 2."""
-    args = build_parser(commands, benches).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(commands, benches, argv).parse_args(argv)
     try:
         return args.func(args)
     except InvalidArgument as exc:  # bad input or configuration

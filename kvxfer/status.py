@@ -15,11 +15,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvxfer.tables import format_table
-from kvxfer.client import Client
 from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.records import PoolStats, TierKind, TierStats, TransferStats
+
+if TYPE_CHECKING:
+    from kvxfer.client import Client
 
 MIB = 1 << 20
 
@@ -105,6 +108,8 @@ def as_json(before: list[PoolStats], after: list[PoolStats], interval: float) ->
 def connect(args: argparse.Namespace, timeout: float = 5.0) -> Client:
     """A client for a tool's ``--target``, ``--token-file`` and ``--ca``; InvalidArgument (exit 2, one
     line) naming a file that cannot be read."""
+    from kvxfer.client import Client  # (torch: only when a command runs, not for --help)
+
     try:
         token = Path(args.token_file).read_text().strip() if args.token_file else None
         ca = Path(args.ca).read_bytes() if args.ca else None

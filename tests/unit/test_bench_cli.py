@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from service import cli
 
 
@@ -86,3 +88,37 @@ def test_kvxfer_version_prints_the_installed_version():
     out = subprocess.run([PYTHON, "-m", "service.cli", "--version"], env=python_env(), cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == f"kvxfer {version('kvxfer')}"
+
+
+HELP_WITHOUT_TORCH = """
+import sys
+from service import cli
+try:
+    cli.main(sys.argv[1:])
+except SystemExit:
+    pass
+print("torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["status", "--help"], ["events", "--help"],
+                                  ["serve", "--help"]], ids=" ".join)
+def test_help_does_not_import_torch(argv):
+    """`kvxfer --help` took torch's import time (1.6 s here) through the tools' and benches' modules."""
+    import subprocess
+
+    from tests.conftest import PYTHON, ROOT, python_env
+
+    out = subprocess.run([PYTHON, "-c", HELP_WITHOUT_TORCH, *argv], env=python_env(), cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: kvxfer" in out.stdout and out.stdout.splitlines()[-1] == "False"
+
+
+def test_a_tool_chosen_is_loaded_whole():
+    from kvxfer import cli
+
+    args = cli.build_parser(argv=["bench", "checksum", "--mib", "4"]).parse_args(["bench", "checksum", "--mib", "4"])
+    assert args.mib == 4 and callable(args.func)
+    with pytest.raises(SystemExit):  # the others are listed, not loaded: their options are unknown
+        cli.build_parser(argv=["bench", "checksum"]).parse_args(["bench", "disk", "--mib", "4"])
