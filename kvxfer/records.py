@@ -102,7 +102,7 @@ class TierStats:
     evictions: int
     slot_bytes: int
     degraded: bool = False  # an I/O error: the tier skips what fails and the host path goes on
-    events: dict[str, int] = field(default_factory=dict)  # lower tiers: demoted, promoted, corrupt, ...
+    events: dict[str, int] = field(default_factory=dict)  # refaults; lower tiers: demoted, promoted, corrupt, ...
     loading: bool = False  # its index is still being loaded at start: it holds nothing for lookups yet
 
     @property

@@ -75,7 +75,8 @@ def render(before: list[PoolStats], after: list[PoolStats], interval: float) -> 
         for t in s.tiers:
             row = [s.cache_group, t.tier.value, t.capacity_blocks, t.used_blocks, t.pinned_blocks,
                    f"{t.used_blocks * t.slot_bytes / MIB:.1f} / {t.capacity_blocks * t.slot_bytes / MIB:.1f}",
-                   t.evictions] if t.has_occupancy else [s.cache_group, t.tier.value, "-", "-", "-", "-", "-"]
+                   t.evictions, t.events.get("refaults", 0)] if t.has_occupancy else [s.cache_group, t.tier.value,
+                                                                                      *["-"] * 6]
             row.append(dropped(t) if t.tier is not TierKind.HOST else "-")
             if t.degraded:
                 row[1] += " (degraded)"
@@ -87,7 +88,7 @@ def render(before: list[PoolStats], after: list[PoolStats], interval: float) -> 
         format_table(["pool", "cache group", "hit ratio", "offload MiB/s (wall / moving)",
                       "restore MiB/s (wall / moving)", "jobs q/r/u", "failed blocks"], pools),
         format_table(["cache group", "tier", "capacity", "used", "pinned", "MiB used / capacity", "evictions",
-                      "dropped"], tiers)])
+                      "refaults", "dropped"], tiers)])
 
 
 def as_json(before: list[PoolStats], after: list[PoolStats], interval: float) -> str:

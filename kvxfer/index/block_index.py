@@ -27,6 +27,7 @@ from kvxfer.events.hub import TierEvents
 from kvxfer.events.records import EngineBlocks, Reason, described, format_code
 from kvxfer.index.entries import Entry, Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import EvictionPolicy, lru
+from kvxfer.index.refaults import Refaults
 from kvxfer.index.keytable import KeyTable
 from kvxfer.slots import SlotAllocator, int_array, slot_array
 from kvxfer.records import Outcome, TierKind
@@ -57,6 +58,7 @@ class BlockIndex:
         self._events = events
         self._lock = threading.Lock()
         self._evictions = 0
+        self._refaults = Refaults(capacity)
         self._ready_count = self._pinned_count = 0  # kept as entries change: Stats reads them in O(1)
         self._pin_runs: np.ndarray | None = None  # per slot: how many times its pins rose from 0 (if tracked)
 
@@ -67,10 +69,12 @@ class BlockIndex:
             found = self._keys.find(namespace, keys)
             new = np.flatnonzero(found < 0)
             if len(new) == len(keys):  # the usual case: every key new
+                self._refaults.stored(namespace, keys)
                 slots, evicted = self._reserve(len(keys))
             else:
                 # Keys of this batch that are stored already become most recent and may
                 # not be evicted to make room for the batch's new keys.
+                self._refaults.stored(namespace, [keys[i] for i in new.tolist()])
                 held = found[found >= 0]
                 held = held[self._state[held] == READY]
                 self._pin(held, 1)
@@ -258,7 +262,7 @@ class BlockIndex:
     def stats(self) -> IndexStats:
         with self._lock:
             return IndexStats(self.tier, self._slots.capacity, self._slots.used, self._ready_count,
-                              self._pinned_count, self._evictions)
+                              self._pinned_count, self._evictions, self._refaults.count)
 
     # -- internals (lock held) -------------------------------------------------
     def _set_state(self, at, state: int) -> None:
@@ -313,6 +317,8 @@ class BlockIndex:
         ids = [int(owners[0])] if owners.size and (owners == owners[0]).all() else np.unique(owners).tolist()
         names = {ns: self._keys.name(ns) for ns in ids}  # now: removing the keys may release these ids
         evicted = Evicted(self.tier, at, names, owners, self._keys.keys_of(at), self._checksum[at], self._format[at])
+        self._refaults.evicted([names[ids[0]]] if len(ids) == 1 else [names[o] for o in owners.tolist()],
+                               evicted.keys)
         if self._events is not None:
             self._announce(at, Reason.EVICTED)
         self._keys.remove(at)

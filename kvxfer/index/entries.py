@@ -83,3 +83,4 @@ class IndexStats:
     ready: int
     pinned: int
     evictions: int
+    refaults: int = 0  # keys stored again soon after their eviction (kvxfer.index.refaults)

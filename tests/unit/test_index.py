@@ -163,7 +163,7 @@ def test_a_namespace_costs_nothing_once_its_blocks_are_gone():
     grown = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert len(index._keys._ids) == len(index._keys._names) == len(index._keys._counts) <= 4
-    assert grown < 20_000  # bytes, for 20,000 namespaces (450 B each before)
+    assert grown < 25_000  # bytes, for 20,000 namespaces (450 B each before; a constant 2 KB or so now)
     evicted = index.prepare_store("last", [b"a", b"b", b"c", b"d"]).evicted
     assert {v.namespace for v in evicted} <= {f"ns{i}" for i in range(20_990, 21_000)}  # names as they were
 

@@ -274,7 +274,7 @@ class DiskStore:
     def stats(self) -> TierStats:
         i = self.index.stats()
         return TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.tier.file_bytes,
-                         self.degraded, self.events.snapshot(), self.loading)
+                         self.degraded, {**self.events.snapshot(), "refaults": i.refaults}, self.loading)
 
     def _degrade(self, what: str, exc: OSError) -> None:
         if not self.degraded:
