@@ -16,7 +16,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-vllm test-sglang serve bench bench-lmcache proto devcheck devcheck-wheels wheel clean
+.PHONY: install test test-vllm test-sglang serve bench bench-lmcache proto chart-schema devcheck devcheck-wheels wheel clean
 
 # (Re)install when the project's metadata or its C copy loop changes; torch is pinned to the local
 # CPU build.
@@ -98,6 +98,10 @@ wheel: $(STAMP)
 # Regenerate kvxfer/v1 from protos/ (committed; tests/unit/test_proto_current.py checks it).
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/kvxfer/v1/kvxfer.proto
+
+# The chart's schema for kvxfer.config from the daemon's own keys (a test fails while it is stale).
+chart-schema: $(STAMP)
+	$(PY) -m service.chart_schema
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis *.egg-info

@@ -67,6 +67,7 @@ class Config:
     max_lease_s: float = 600.0
     allow_register: bool = True
     registered_host_capacity_mib: int = 512
+    registered_ranks: int = 1  # engine ranks expected to register: --check and start count their host tiers
     checksum_on_device: bool = True
     copy_threads: int = 2
     gpu_copy_deadline_s: float = 30.0
@@ -295,6 +296,11 @@ def validate(config: Config) -> Config:
         raise ConfigError("cache_group_retention_s: must be >= 0")
     if not 0 < config.default_lease_s <= config.max_lease_s:
         raise ConfigError("default_lease_s: must be > 0 and at most max_lease_s")
+    if not 0 <= config.registered_ranks <= config.max_cache_groups:
+        raise ConfigError(f"registered_ranks: must be 0-{config.max_cache_groups} (max_cache_groups): each rank "
+                          "that registers its KV memory gets a cache group of its own")
+    if config.registered_ranks and not config.allow_register:
+        raise ConfigError("registered_ranks: set with allow_register false (nothing can register; set it to 0)")
     if len(config.pools) > config.max_pools:
         raise ConfigError(f"pools: {len(config.pools)} configured, max_pools is {config.max_pools}")
     if config.grace_period_s < 0:

@@ -23,14 +23,16 @@ class MemoryNeed:
     pools: int  # the daemon's own CPU pools (sealed memfds; GPU pools live on the device)
     host_tiers: int  # one per cache group, sized by the group's first pool
     staging: int  # each lower tier's write queue, per cache group (disk, shared filesystem, Redis)
+    registered: int = 0  # the host tiers of the engine ranks expected to register (registered_ranks)
 
     @property
     def total(self) -> int:
-        return self.pools + self.host_tiers + self.staging
+        return self.pools + self.host_tiers + self.staging + self.registered
 
     def describe(self) -> str:
         return (f"{room.gib(self.total)} (CPU pools {room.gib(self.pools)}, host tiers {room.gib(self.host_tiers)}, "
-                f"lower-tier staging {room.gib(self.staging)})")
+                f"lower-tier staging {room.gib(self.staging)}, registered pools' host tiers "
+                f"{room.gib(self.registered)})")
 
 
 def resolve_devices(config: Config) -> Config:
@@ -55,7 +57,8 @@ def memory_need(config: Config) -> MemoryNeed:
             groups[p.cache_group or p.id] = p.spec.block_bytes
             tiers += capacity_blocks(p.host_capacity_mib, p.spec.block_bytes) * p.spec.block_bytes
     queued = staged_blocks(config.tiers)
-    return MemoryNeed(pools, tiers, queued * sum(groups.values()))
+    registered = config.registered_ranks * config.registered_host_capacity_mib << 20 if config.allow_register else 0
+    return MemoryNeed(pools, tiers, queued * sum(groups.values()), registered)
 
 
 def check(config: Config, measured: room.Room | None = None) -> Config:
@@ -65,7 +68,8 @@ def check(config: Config, measured: room.Room | None = None) -> Config:
     measured = room.measure() if measured is None else measured
     if not config.allow_overcommit and need.total > measured.usable:
         raise ResourceExhausted(f"memory: this configuration needs {need.describe()}; {measured.describe()}; "
-                                "lower spec.num_blocks or host_capacity_mib, or pass --allow-overcommit")
+                                "lower spec.num_blocks, host_capacity_mib or registered_host_capacity_mib, or pass "
+                                "--allow-overcommit")
     return config
 
 

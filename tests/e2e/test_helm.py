@@ -257,6 +257,9 @@ def test_the_sidecar_only_render_is_what_an_engine_chart_includes():
     ({"engine": {"replicas": -1}}, "/engine/replicas"),
     ({"gpu": {"mode": "none"}}, "value must be one of 'dra', 'devicePlugin'"),  # a CUDA vLLM without a GPU
     ({"engine": {"device": "cpu"}}, "value must be 'none'"),  # a CPU engine holding a GPU
+    # Issue 50: a key the daemon does not read (else CrashLoopBackOff), at the top and in a section
+    ({"kvxfer": {"config": {"max_pool": 3}}}, "additional properties 'max_pool' not allowed"),
+    ({"kvxfer": {"config": {"disk": {"path": "/d", "capacity_gb": 1}}}}, "additional properties 'capacity_gb'"),
 ])
 def test_a_wrong_value_fails_lint_with_a_clear_message(values, message):
     lint = helm.lint(str(CHART), values, strict=True)

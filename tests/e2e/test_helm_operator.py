@@ -2,7 +2,10 @@
 the metrics port, and the monitoring objects that need the Prometheus Operator. Rendered and linted with
 Helm's own SDK, as in ``test_helm.py``."""
 
+import json
+
 import pytest
+import yaml
 
 from tests.e2e.test_helm import CASES, by_kind, pod_of, render, rendered_config
 
@@ -73,3 +76,46 @@ def test_servicemonitor_and_prometheusrule_wait_for_the_operator_s_api():
     assert any(o["metadata"]["name"].endswith("-dashboard") for o in by_kind(render({}), "ConfigMap"))
     assumed = {o["kind"] for o in render({"monitoring": {"assumeOperator": True}})}
     assert {"ServiceMonitor", "PrometheusRule"} <= assumed
+
+
+def test_the_schema_names_exactly_the_daemons_config_keys():
+    from service import chart_schema
+
+    assert chart_schema.main(["--check"]) == 0, "values.schema.json is stale: make chart-schema"
+    config = json.loads(chart_schema.SCHEMA.read_text())["properties"]["kvxfer"]["properties"]["config"]
+    keys = chart_schema.daemon_keys()
+    assert set(config["properties"]) == set(keys) and config["additionalProperties"] is False
+    for section, fields in keys.items():
+        if fields is not None and "not" not in config["properties"][section]:
+            assert set(config["properties"][section]["properties"]) == fields, section
+
+
+@pytest.mark.parametrize("case", ["CPU engine, no GPU", "GPU, device plugin", "SGLang engine"])
+def test_the_sidecars_memory_is_derived_from_what_the_daemon_will_hold(case, tmp_path):
+    """Issue 50: the offload tier (registered_host_capacity_mib, per registering rank) did not move the sidecar's
+    memory limit; 64 GiB of it passed --check on a 20 GiB host. The derived request and limit are what the daemon's
+    own memory check counts for the rendered config, plus the process."""
+    from service import config as service_config, preflight
+
+    values = {**CASES[case]}
+    values["kvxfer"] = {**values.get("kvxfer", {}), "registeredPools": 4,
+                        "config": {**values.get("kvxfer", {}).get("config", {}),
+                                   "registered_host_capacity_mib": 8192}}
+    objects = render(values)
+    config = rendered_config(objects)
+    assert config["registered_ranks"] == 4
+    config.update(socket=str(tmp_path / "k.sock"), socket_group="")
+    config = {k: v for k, v in config.items() if k not in ("tls_cert", "tls_key", "token_file", "listen")}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    need = preflight.memory_need(service_config.load(str(tmp_path / "c.yaml"), env={}))
+    assert need.registered == 4 * 8192 << 20
+    resources = pod_of(objects)["initContainers"][0]["resources"]
+    limit = int(resources["limits"]["memory"].removesuffix("Mi"))
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    assert 0 <= limit - (1536 + (need.total - need.staging) / 2**20) < len(config["pools"]) + 1  # MiB rounded up
+
+
+def test_memory_given_for_the_sidecar_is_kept():
+    given = {"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "90Gi"}}
+    resources = pod_of(render({"kvxfer": {"resources": given}}))["initContainers"][0]["resources"]
+    assert resources == given

@@ -66,14 +66,31 @@ def test_the_need_counts_cpu_pools_one_host_tier_a_group_and_disk_queues(tmp_pat
     need = preflight.memory_need(cfg)
     block = cfg.pools[0].spec.block_bytes
     tier = (512 << 20) // block * block
-    assert (need.pools, need.host_tiers, need.staging) == (2 * 1024 * block, tier, 100 * block)
+    assert (need.pools, need.host_tiers, need.staging, need.registered) == (2 * 1024 * block, tier, 100 * block,
+                                                                            512 << 20)
     tight = room.Room(available=need.total - 1, cgroup_limit=None)
-    figures = "CPU pools 384 MiB, host tiers 512 MiB, lower-tier staging 19 MiB"
+    figures = ("CPU pools 384 MiB, host tiers 512 MiB, lower-tier staging 19 MiB, registered pools' host tiers "
+               "512 MiB")
     with pytest.raises(ResourceExhausted, match=f"{figures}.*--allow-overcommit"):
         preflight.check(cfg, tight)
     assert preflight.check(service_config.load(str(tmp_path / "c.yaml"), env={},
                                                overrides={"allow_overcommit": True}), tight).pools[0].device == "cpu"
     assert not (tmp_path / "d").exists()  # validation changed nothing: the disk tier makes its directory
+
+
+def test_the_registered_pools_host_tiers_count_too(tmp_path):
+    """Issue 50: 64 GiB of registered host tiers passed --check on a 20 GiB host."""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"),
+                                                     "registered_host_capacity_mib": 16 << 10, "registered_ranks": 4}))
+    cfg = service_config.load(str(tmp_path / "c.yaml"), env={})
+    assert preflight.memory_need(cfg).registered == 64 << 30
+    with pytest.raises(ResourceExhausted, match="registered pools' host tiers 64.0 GiB.*registered_host_capacity_mib"):
+        preflight.check(cfg, room.Room(available=20 << 30, cgroup_limit=None))
+    for bad in ({"registered_ranks": -1}, {"registered_ranks": 9}, {"registered_ranks": 2, "allow_register": False}):
+        with pytest.raises(service_config.ConfigError, match="registered_ranks"):
+            service_config.load(None, env={}, overrides=bad)
+    quiet = service_config.load(None, env={}, overrides={"registered_ranks": 0, "allow_register": False})
+    assert preflight.memory_need(quiet).registered == 0
 
 
 def test_a_configuration_larger_than_the_machine_is_refused_in_one_line_before_allocating(tmp_path):
@@ -122,7 +139,8 @@ def test_flags_set_every_configured_pool(tmp_path):
 
 def test_a_registration_whose_host_tier_cannot_fit_is_refused(make_daemon):
     """A registered pool's host tier is checked when it is made: RESOURCE_EXHAUSTED, and the daemon serves on."""
-    daemon = make_daemon({"registered_host_capacity_mib": 1 << 20})  # a TiB a registration may ask for
+    # A TiB a registration may ask for; none is expected at start (registered_ranks 0: --check counts none)
+    daemon = make_daemon({"registered_host_capacity_mib": 1 << 20, "registered_ranks": 0})
     spec = KVSpec(2, 16, 4, 2, 8, torch.float16)
     engine = daemon.shm_dir / "engine"
     engine.write_bytes(bytes(spec.nbytes))

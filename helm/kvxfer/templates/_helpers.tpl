@@ -50,16 +50,20 @@ true
 {{- $_ := set $c "socket" (include "kvxfer.socketPath" .) -}}
 {{- $_ := set $c "socket_mode" "0660" -}}
 {{- $_ := set $c "socket_group" (toString .Values.kvxfer.fsGroup) -}}
-{{- if and .Values.engine.enabled (eq .Values.engine.kind "sglang") -}}
-{{- /* Each SGLang rank registers two pools (its host pool, a staging area) in a cache group of its own. */ -}}
 {{- $ranks := int .Values.kvxfer.registeredPools -}}
 {{- $own := len (default (list) $c.pools) -}}
+{{- $allowed := or (not (hasKey $c "allow_register")) $c.allow_register -}}
+{{- if not (hasKey $c "registered_ranks") -}}
+{{- /* The memory check at start counts these ranks' host tiers (docs/configuration.md). */ -}}
+{{- $_ := set $c "registered_ranks" (ternary $ranks 0 $allowed) -}}
+{{- end -}}
+{{- /* Each rank's pool gets a cache group; each SGLang rank registers two pools (its host pool, a staging area). */ -}}
+{{- $perRank := ternary 2 1 (and .Values.engine.enabled (eq .Values.engine.kind "sglang")) -}}
 {{- if not (hasKey $c "max_pools") -}}
-{{- $_ := set $c "max_pools" (max 8 (add (mul 2 $ranks) $own)) -}}
+{{- $_ := set $c "max_pools" (max 8 (add (mul $perRank $ranks) $own)) -}}
 {{- end -}}
 {{- if not (hasKey $c "max_cache_groups") -}}
 {{- $_ := set $c "max_cache_groups" (max 8 (add $ranks $own)) -}}
-{{- end -}}
 {{- end -}}
 {{- if .Values.kvxfer.tcp.enabled -}}
 {{- $_ := set $c "listen" (printf "0.0.0.0:%d" (int .Values.kvxfer.tcp.port)) -}}
@@ -104,6 +108,24 @@ true
 {{- end -}}
 {{- $registered := int (default 512 .Values.kvxfer.config.registered_host_capacity_mib) -}}
 {{- $total = add $total (mul $registered (int .Values.kvxfer.registeredPools)) -}}
+{{- $total -}}
+{{- end -}}
+
+{{/* MiB of the sidecar's memory: its own CPU pools and every host tier (the registered ranks' too),
+     all anonymous memory or memfds charged to its cgroup, plus the process itself (docs/configuration.md). */}}
+{{- define "kvxfer.memoryMiB" -}}
+{{- $sizes := dict "float16" 2 "bfloat16" 2 "float32" 4 "float8_e4m3fn" 1 "float8_e5m2" 1 "int8" 1 "uint8" 1 -}}
+{{- $c := fromYaml (include "kvxfer.config" .) -}}
+{{- $total := int .Values.kvxfer.processMemoryMiB -}}
+{{- range $c.pools -}}
+{{- $s := .spec -}}
+{{- if or (eq (toString .device) "cpu") (and (eq $.Values.gpu.mode "none") (not .device)) -}}
+{{- $bytes := mul $s.num_layers $s.num_blocks $s.block_size $s.num_kv_heads $s.head_size (default 2 $s.kv_parts) (get $sizes $s.dtype) -}}
+{{- $total = add $total (div (add $bytes 1048575) 1048576) -}}
+{{- end -}}
+{{- $total = add $total (int (ceil (default 512 .host_capacity_mib))) -}}
+{{- end -}}
+{{- $total = add $total (mul (int (default 512 $c.registered_host_capacity_mib)) (int $c.registered_ranks)) -}}
 {{- $total -}}
 {{- end -}}
 

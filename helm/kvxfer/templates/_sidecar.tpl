@@ -50,7 +50,16 @@ exec:
     {{- include "kvxfer.probe" . | nindent 4 }}
     {{- toYaml .Values.kvxfer.livenessProbe | nindent 4 }}
   resources:
-    {{- toYaml .Values.kvxfer.resources | nindent 4 }}
+    {{- $res := deepCopy .Values.kvxfer.resources -}}
+    {{- $memory := printf "%sMi" (include "kvxfer.memoryMiB" .) -}}
+    {{- range $part := list "requests" "limits" -}}
+    {{- $given := default dict (get $res $part) -}}
+    {{- if not (hasKey $given "memory") -}}
+    {{- $_ := set $given "memory" $memory -}}
+    {{- end -}}
+    {{- $_ := set $res $part $given -}}
+    {{- end -}}
+    {{- toYaml $res | nindent 4 }}
     {{- include "kvxfer.draClaims" . | nindent 4 }}
   securityContext:
     runAsNonRoot: true
