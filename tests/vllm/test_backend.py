@@ -129,6 +129,21 @@ def test_a_daemon_killed_mid_run_costs_hits_never_requests(daemon, make_engine):
         restarted.cleanup()
 
 
+def test_the_scheduler_logs_the_namespace_kvxfer_events_takes(daemon, make_engine, caplog, capsys):
+    """Issue 50: ``kvxfer events --namespace`` needs the engine's namespace, which nothing said."""
+    from kvxfer import cli
+
+    caplog.set_level(logging.INFO, logger="kvxfer.vllm")
+    engine = make_engine(daemon.config["socket"])
+    run_alone(engine, "A", PROMPT)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvxfer.vllm" and "--namespace" in r.getMessage()]
+    command = line.rsplit("watch them with: kvxfer ", 1)[1].split()
+    capsys.readouterr()
+    assert cli.main([*command, "--target", daemon.target, "--timeout", "1"]) == 0
+    rows = [row.split() for row in capsys.readouterr().out.splitlines()[1:]]
+    assert sum(int(row[6]) for row in rows if row[2] == "stored") == 4  # the prompt's four blocks, in that namespace
+
+
 def test_no_daemon_at_start_then_one_arrives(tmp_path, make_engine, caplog):
     caplog.set_level(logging.WARNING, logger="kvxfer.vllm")
     socket = str(tmp_path / "late.sock")

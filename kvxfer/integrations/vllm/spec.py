@@ -73,6 +73,10 @@ class KvxferOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
                           role="scheduler")
+        shared = self.names.namespace(None)
+        log.info("kvxfer: this engine's blocks are stored in namespace %s (a request with a cache_salt: %s:<its "
+                 "digest>), cache group %s; watch them with: kvxfer events --namespace %s", shared,
+                 shared.rsplit(":", 1)[0], self.names.cache_group(self.rank), shared)
         return KvxferManager(link, self.names, self.settings.forget_on_reset)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
