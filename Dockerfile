@@ -12,12 +12,16 @@ ARG VARIANT=cpu
 FROM python:3.11-slim-bookworm AS base-cpu
 # Where torch comes from (a mirror or a local index may replace it: the CI image test does).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# NIXL's CUDA 13 wheel (pyproject's peering extra) runs on CPU nodes too.
 ENV TORCH_INDEX_URL=${TORCH_INDEX_URL} \
+    NIXL_WHEEL=nixl-cu13 \
     BUILD_PACKAGES="gcc libc6-dev" \
     RUNTIME_PACKAGES=""
 
+# One CUDA major for the base, torch and NIXL (a CUDA 12.8 torch beside nixl-cu13 was a mismatch).
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+    NIXL_WHEEL=nixl-cu12 \
     BUILD_PACKAGES="" \
     RUNTIME_PACKAGES="gcc libc6-dev python3-dev"
 # hadolint ignore=DL3008
@@ -29,6 +33,7 @@ RUN apt-get update \
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS kvxfer
 ARG TORCH_VERSION=2.13.0
+ARG NIXL_VERSION=1.5.1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvxfer ./kvxfer
@@ -41,7 +46,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} ${RUNTIME_PACKAGES} \
  && python3 -m venv /opt/kvxfer \
  && /opt/kvxfer/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
- && /opt/kvxfer/bin/pip install --no-cache-dir "/src[events,peering,object]" \
+ && /opt/kvxfer/bin/pip install --no-cache-dir "/src[events,object]" "${NIXL_WHEEL}==${NIXL_VERSION}" \
  && if [ -n "${BUILD_PACKAGES}" ]; then apt-get purge -y --auto-remove ${BUILD_PACKAGES}; fi \
  && rm -rf /src /var/lib/apt/lists/* \
  && groupadd --gid 2000 kvxfer \
