@@ -27,6 +27,7 @@ Failures (DESIGN.md section 14):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -139,6 +140,8 @@ class CudaCopyEngine(CopyEngine):
         measured one by default). ``shard``: (canonical layout, first head): the pool is a tensor-
         parallel rank's, and its blocks are its heads' pieces of the canonical blocks in the slots (DMA
         descriptors, one a piece; hashed on the host once every rank's pieces are in)."""
+        if pool is not None:  # the Triton kernels import here (about a second), not in a copy
+            importlib.import_module("kvxfer.transfer.gpu_kernels")
         if hash_threads < 1:
             raise Internal(f"a copy engine needs at least one hash thread, got {hash_threads}")
         slot_bytes = shard[0].block_bytes if shard is not None else layout.block_bytes

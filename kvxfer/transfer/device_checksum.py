@@ -5,7 +5,7 @@ program per piece, so that the pieces of one block are hashed at once.
 XXH3 splits inputs over 240 bytes into 64-byte stripes folded into eight 64-bit
 lanes, with a scramble every 1,024 bytes; only the final merge of the eight lanes
 needs 128-bit products. So one Triton program per span does the stripes (32-bit
-products and shifts only) and the host merges its eight lanes (Python integers).
+products and shifts only; ``kvxfer.transfer.gpu_kernels``) and the host merges its eight lanes.
 Spans of at most 240 bytes are hashed on the host with the ``xxhash`` package.
 Either way the value is exactly ``xxhash.xxh3_64_intdigest`` of the same bytes: the
 tests check it under Triton's interpreter, every length class, on every CI run.
@@ -17,8 +17,6 @@ import functools
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 import xxhash
 
 from kvxfer.geometry.checksum import PIECE_BYTES, combine_rows
@@ -44,103 +42,6 @@ P64_1, P64_2, P64_3, P64_4, P64_5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x1
 INIT_LANES = [P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1]
 MIDSIZE_MAX = 240
 NUM_WARPS = 4  # per program (one span); measured by kvxfer devcheck
-
-
-@triton.jit
-def _byte_words(ptr, offsets):
-    """Little-endian 64-bit words from bytes at ``ptr + offsets`` (any alignment, any shape)."""
-    k = tl.arange(0, 8)
-    raw = tl.load(ptr + offsets[:, :, None] + k[None, None, :]).to(tl.uint64)
-    return tl.sum(raw << (k[None, None, :] * 8).to(tl.uint64), axis=2)
-
-
-@triton.jit
-def _stripe_words(ptr, offset, stripes, lane_order, end, ALIGNED: tl.constexpr):
-    """[stripes, 8] words of consecutive 64-byte stripes from byte ``offset``, word
-    ``lane_order[i]`` of each stripe in column i; 0 for words from ``end`` on (not read).
-    ALIGNED: ``ptr`` is a uint64 pointer and ``offset`` a multiple of 8 (one load per word);
-    else byte loads."""
-    offsets = offset + stripes[:, None] * 64 + lane_order[None, :] * 8
-    if ALIGNED:
-        return tl.load(ptr + offsets // 8, mask=offsets < end, other=0).to(tl.uint64, bitcast=True)
-    k = tl.arange(0, 8)
-    at = offsets[:, :, None] + k[None, None, :]
-    raw = tl.load(ptr + at, mask=at < end, other=0).to(tl.uint64)
-    return tl.sum(raw << (k[None, None, :] * 8).to(tl.uint64), axis=2)
-
-
-@triton.jit
-def _accumulate(lanes, data, swapped, keys, live):
-    """XXH3's accumulate of a stripe per row of ``data`` (rows where ``live``), summed into the
-    eight lanes at once: the lanes only ever add, so the order does not matter.
-    ``swapped``: the same stripes with words i ^ 1 in column i (acc[i] += data[i ^ 1])."""
-    key = data ^ keys
-    contribution = swapped + (key & 0xFFFFFFFF) * (key >> 32)
-    return lanes + tl.sum(tl.where(live[:, None], contribution, 0).to(tl.uint64), axis=0)
-
-
-@triton.jit
-def _block(lanes, data, swapped, keys, scramble, live):
-    """One whole 1 KiB block (16 stripes) then the scramble; unchanged lanes where not ``live``."""
-    s = tl.arange(0, 16)
-    acc = _accumulate(lanes, data, swapped, keys, s >= 0)
-    acc ^= acc >> 47
-    acc ^= scramble
-    acc *= 0x9E3779B1
-    return tl.where(live, acc, lanes)
-
-
-@triton.jit
-def _xxh3_lanes_kernel(data_ptr, spans_ptr, init_ptr, secret_ptr, out_ptr, ALIGNED: tl.constexpr):
-    """The eight lanes of XXH3's long path for one span (> 240 bytes) per program.
-
-    The blocks' loads are software-pipelined: the scramble makes each 1 KiB block wait for the
-    one before, but their *loads* do not depend on it, so each step issues the loads of the next
-    four blocks before folding the four it loaded one step earlier: four blocks' memory latency
-    is paid once, and behind arithmetic."""
-    span = tl.program_id(0)
-    start = tl.load(spans_ptr + 2 * span)
-    length = tl.load(spans_ptr + 2 * span + 1)
-    i = tl.arange(0, 8)
-    s = tl.arange(0, 16)
-    j = i ^ 1
-    lanes = tl.load(init_ptr + i).to(tl.uint64, bitcast=True)
-    keys = _byte_words(secret_ptr, s[:, None] * 8 + i[None, :] * 8)  # stripe s uses the secret from s * 8
-    scramble = tl.sum(_byte_words(secret_ptr, 128 + i[None, :] * 8), axis=0)  # the secret's last 64 bytes
-    full_blocks = (length - 1) // 1024
-    blocks_end = start + full_blocks * 1024  # the whole blocks' words lie before it
-    d0 = _stripe_words(data_ptr, start, s, i, blocks_end, ALIGNED)
-    w0 = _stripe_words(data_ptr, start, s, j, blocks_end, ALIGNED)
-    d1 = _stripe_words(data_ptr, start + 1024, s, i, blocks_end, ALIGNED)
-    w1 = _stripe_words(data_ptr, start + 1024, s, j, blocks_end, ALIGNED)
-    d2 = _stripe_words(data_ptr, start + 2048, s, i, blocks_end, ALIGNED)
-    w2 = _stripe_words(data_ptr, start + 2048, s, j, blocks_end, ALIGNED)
-    d3 = _stripe_words(data_ptr, start + 3072, s, i, blocks_end, ALIGNED)
-    w3 = _stripe_words(data_ptr, start + 3072, s, j, blocks_end, ALIGNED)
-    for g in range(0, full_blocks, 4):
-        at = start + (g + 4) * 1024  # the next four blocks' loads, in flight while these four are folded
-        n0 = _stripe_words(data_ptr, at, s, i, blocks_end, ALIGNED)
-        m0 = _stripe_words(data_ptr, at, s, j, blocks_end, ALIGNED)
-        n1 = _stripe_words(data_ptr, at + 1024, s, i, blocks_end, ALIGNED)
-        m1 = _stripe_words(data_ptr, at + 1024, s, j, blocks_end, ALIGNED)
-        n2 = _stripe_words(data_ptr, at + 2048, s, i, blocks_end, ALIGNED)
-        m2 = _stripe_words(data_ptr, at + 2048, s, j, blocks_end, ALIGNED)
-        n3 = _stripe_words(data_ptr, at + 3072, s, i, blocks_end, ALIGNED)
-        m3 = _stripe_words(data_ptr, at + 3072, s, j, blocks_end, ALIGNED)
-        lanes = _block(lanes, d0, w0, keys, scramble, g < full_blocks)
-        lanes = _block(lanes, d1, w1, keys, scramble, g + 1 < full_blocks)
-        lanes = _block(lanes, d2, w2, keys, scramble, g + 2 < full_blocks)
-        lanes = _block(lanes, d3, w3, keys, scramble, g + 3 < full_blocks)
-        d0, w0, d1, w1, d2, w2, d3, w3 = n0, m0, n1, m1, n2, m2, n3, m3
-    tail = ((length - 1) - full_blocks * 1024) // 64  # whole stripes of the last, partial block
-    tail_end = blocks_end + tail * 64  # nothing past the span is read: it may end where the memory does
-    lanes = _accumulate(lanes, _stripe_words(data_ptr, blocks_end, s, i, tail_end, ALIGNED),
-                        _stripe_words(data_ptr, blocks_end, s, j, tail_end, ALIGNED), keys, s < tail)
-    last = _byte_words(secret_ptr, 121 + i[None, :] * 8)  # the last stripe's secret: 7 bytes before its end
-    end = start + length
-    lanes = _accumulate(lanes, _stripe_words(data_ptr, end - 64, s * 0, i, end, ALIGNED),
-                        _stripe_words(data_ptr, end - 64, s * 0, j, end, ALIGNED), last, s == 0)
-    tl.store(out_ptr + span * 8 + i, lanes)
 
 
 def _fold(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -220,9 +121,11 @@ def lanes(data: torch.Tensor, spans: np.ndarray, num_warps: int = NUM_WARPS) -> 
     aligned = data.data_ptr() % 8 == 0 and not (spans % 8).any()
     words = data[:data.numel() // 8 * 8].view(torch.int64) if aligned else data
     out = torch.empty((len(spans), 8), dtype=torch.int64, device=data.device)
+    from kvxfer.transfer.gpu_kernels import xxh3_lanes_kernel  # (triton: only where a GPU path runs)
+
     init, secret = constants(data.device)
-    _xxh3_lanes_kernel[(len(spans),)](words, upload(spans, data.device), init, secret, out, ALIGNED=aligned,
-                                      num_warps=num_warps)
+    xxh3_lanes_kernel[(len(spans),)](words, upload(spans, data.device), init, secret, out, ALIGNED=aligned,
+                                     num_warps=num_warps)
     return out
 
 

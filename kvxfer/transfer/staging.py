@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 from kvxfer.geometry.layout import Axis, PoolLayout
 from kvxfer.memory.cuda_driver import Driver
@@ -82,24 +80,6 @@ class Pieces:
         return cls(src, dst, length, layout.strides[Axis.B], layout.block_bytes, (rows, places, size))
 
 
-@triton.jit
-def _pieces_kernel(pool_ptr, staging_ptr, blocks_ptr, src_ptr, dst_ptr, piece_units, pieces_per_block, block_units,
-                   row_units, TO_STAGING: tl.constexpr, TILE: tl.constexpr):
-    """Program (i * pieces_per_block + o, t): tile t of piece o of the i-th block, between the pool (at
-    src[o] + block * block_units) and staging row i (at i * row_units + dst[o])."""
-    pair = tl.program_id(0).to(tl.int64)
-    i, o = pair // pieces_per_block, pair % pieces_per_block
-    block = tl.load(blocks_ptr + i).to(tl.int64)
-    pool_start = tl.load(src_ptr + o).to(tl.int64) + block * block_units
-    staging_start = i * row_units + tl.load(dst_ptr + o).to(tl.int64)
-    idx = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    mask = idx < piece_units
-    if TO_STAGING:
-        tl.store(staging_ptr + staging_start + idx, tl.load(pool_ptr + pool_start + idx, mask=mask), mask=mask)
-    else:
-        tl.store(pool_ptr + pool_start + idx, tl.load(staging_ptr + staging_start + idx, mask=mask), mask=mask)
-
-
 def _unit(pieces: Pieces, pool: torch.Tensor, staging: torch.Tensor) -> int:
     """8 (words) when every piece and offset is word-aligned (one load per word), else 1 (bytes)."""
     values = [pieces.length, pieces.block_stride, pieces.row, pool.data_ptr(), staging.data_ptr()]
@@ -118,14 +98,16 @@ def move_pieces(pieces: Pieces, offsets: dict[int, tuple[torch.Tensor, torch.Ten
     n = blocks.numel()
     if n == 0:
         return
+    from kvxfer.transfer.gpu_kernels import pieces_kernel  # (triton: only where a GPU path runs)
+
     unit = _unit(pieces, pool, staging)
     piece_units = pieces.length // unit
-    tile = min(TILE, triton.next_power_of_2(piece_units))
-    grid = (n * len(pieces.src), triton.cdiv(piece_units, tile))
+    tile = min(TILE, 1 << (piece_units - 1).bit_length())  # a power of two: Triton's arange needs one
+    grid = (n * len(pieces.src), -(-piece_units // tile))
     src, dst = offsets[unit]
-    _pieces_kernel[grid](_as_units(pool, unit), _as_units(staging, unit), blocks, src, dst, piece_units,
-                         len(pieces.src), pieces.block_stride // unit, pieces.row // unit, TO_STAGING=to_staging,
-                         TILE=tile)
+    pieces_kernel[grid](_as_units(pool, unit), _as_units(staging, unit), blocks, src, dst, piece_units,
+                        len(pieces.src), pieces.block_stride // unit, pieces.row // unit, TO_STAGING=to_staging,
+                        TILE=tile)
 
 
 def upload(pieces: Pieces, device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
