@@ -75,9 +75,10 @@ def peering(raw) -> PeeringSettings | None:
         raise ConfigError(f"peering.peers: a list of at most {MAX_PEERS} peers")
     parsed = tuple(_peer(i, p) for i, p in enumerate(peers))
     names = [p.name for p in parsed]
-    if len(set(names)) != len(names) or name in names:
-        raise ConfigError("peering.peers: names must be distinct and differ from peering.name")
-    return PeeringSettings(name, parsed, **ucx, **numbers)
+    if len(set(names)) != len(names):
+        raise ConfigError("peering.peers: names must be distinct")
+    # One list for a whole fleet (the chart's StatefulSet shares one config): each daemon skips its own entry.
+    return PeeringSettings(name, tuple(p for p in parsed if p.name != name), **ucx, **numbers)
 
 
 def _peer(i: int, raw) -> PeerAddress:

@@ -23,7 +23,8 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a test depe
 CHART = ROOT / "helm" / "kvxfer"
 KUBERNETES = "1.34.0"  # DRA (resource.k8s.io/v1) is GA from 1.34
 #: Kinds kubernetes-validate has no schema for (the Prometheus Operator's CRDs): skipped, by name.
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+MONITORING_KINDS = {"ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = MONITORING_KINDS | {"Certificate"}  # (and cert-manager's)
 TLS = {"tcp": {"enabled": True, "tlsCert": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
                "tlsKey": "-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n"},
        "token": {"value": "0123456789abcdef0123"}}
@@ -43,6 +44,9 @@ CASES = {
     "sidecar only (engine's own chart)": {"engine": {"enabled": False}},
     "SGLang engine": SGLANG,
     "peering over NIXL": {"kvxfer": PEERING},
+    "peering, certificates by cert-manager": {"engine": {"replicas": 3}, "kvxfer": {
+        **PEERING, "tcp": {"enabled": True}, "peering": {**PEERING["peering"], "certManager": {
+            "issuerRef": {"name": "fleet-ca", "kind": "ClusterIssuer"}}}}},
     "disk and remote tiers": {"kvxfer": {
         "config": {"disk": {"path": "/var/lib/kvxfer", "capacity_gib": 50},
                    "remote": {"url": "rediss://redis:6380/0", "username": "kvxfer",
@@ -73,7 +77,7 @@ def rendered_config(objects: list[dict]) -> dict:
 
 
 def pod_of(objects: list[dict]) -> dict:
-    (deployment,) = by_kind(objects, "Deployment")
+    (deployment,) = by_kind(objects, "Deployment") + by_kind(objects, "StatefulSet")  # (peering: a StatefulSet)
     return deployment["spec"]["template"]["spec"]
 
 
@@ -88,7 +92,8 @@ def test_every_rendered_manifest_is_valid_kubernetes(case):
             continue
         kubernetes_validate.validate(obj, KUBERNETES, strict=True)
     monitoring = case != "monitoring off"
-    assert skipped == (CRD_KINDS if monitoring else set())
+    certificate = case == "peering, certificates by cert-manager"
+    assert skipped == (MONITORING_KINDS if monitoring else set()) | ({"Certificate"} if certificate else set())
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "sidecar only (engine's own chart)"])
@@ -344,20 +349,23 @@ def test_kv_events_get_their_ports_a_service_and_the_daemons_config(tmp_path):
 def test_peering_renders_the_daemons_peers_with_the_fleets_ca_and_token(tmp_path):
     objects = render({"kvxfer": {**PEERING}})
     config = rendered_config(objects)
+    files = {"tls_ca": "/etc/kvxfer/tls/ca.crt", "token_file": "/etc/kvxfer/token/token"}
     assert config["peering"] == {"name": "", "ucx_tls": "tcp", "tls_client_ca": "/etc/kvxfer/tls/ca.crt",
-                                 "peers": [{"name": "decode-0", "address": "10.0.0.7:7070",
-                                            "tls_ca": "/etc/kvxfer/tls/ca.crt", "token_file": "/etc/kvxfer/token/token"}]}
+                                 "peers": [{"name": "demo-kvxfer-0", "server_name": "demo-kvxfer-0",
+                                            "address": "demo-kvxfer-0.demo-kvxfer-peers.serving.svc:7070", **files},
+                                           {"name": "decode-0", "address": "10.0.0.7:7070", **files}]}
     from service import config as service_config  # the daemon takes what the chart renders
     for name in ("tls_cert", "tls_key", "token_file"):
         config[name] = str(tmp_path / name)
     (tmp_path / "token_file").write_text("t0ken\n")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", config["tls_key"], "-out",
                     config["tls_cert"], "-days", "1", "-subj", "/CN=decode-1"], check=True, capture_output=True)
-    config["peering"]["peers"][0].update(tls_ca=config["tls_cert"], token_file=config["token_file"])
+    for peer in config["peering"]["peers"]:
+        peer.update(tls_ca=config["tls_cert"], token_file=config["token_file"])
     config["peering"]["tls_client_ca"] = config["tls_cert"]  # (mutual TLS: the fleet's CA checks callers too)
     path = tmp_path / "kvxfer.yaml"
     path.write_text(yaml.safe_dump({**config, "socket": str(tmp_path / "k.sock"), "socket_group": ""}))
     loaded = service_config.load(str(path))
-    assert loaded.peering.peers[0].address == "10.0.0.7:7070" and loaded.peering.name  # the pod's name
+    assert loaded.peering.peers[-1].address == "10.0.0.7:7070" and loaded.peering.name  # the pod's name
     with pytest.raises(Exception, match="tcp|enabled"):
         render({"kvxfer": {"peering": {"enabled": True}}})  # peering needs the TLS listener

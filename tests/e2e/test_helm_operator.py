@@ -119,3 +119,54 @@ def test_memory_given_for_the_sidecar_is_kept():
     given = {"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "90Gi"}}
     resources = pod_of(render({"kvxfer": {"resources": given}}))["initContainers"][0]["resources"]
     assert resources == given
+
+
+def test_peers_get_stable_names_dns_addresses_and_one_certificate():
+    """Issue 50: peering through the chart could not work: peer names defaulted to random pod names, no Service
+    exposed the TLS port, and peers were addressed by pod IPs that change."""
+    from tests.e2e.test_helm import PEERING
+
+    objects = render(CASES["peering, certificates by cert-manager"])
+    (workload,) = by_kind(objects, "StatefulSet")
+    assert not by_kind(objects, "Deployment") and workload["spec"]["replicas"] == 3
+    (headless,) = [s for s in by_kind(objects, "Service") if s["metadata"]["name"] == workload["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    sidecar = pod_of(objects)["initContainers"][0]
+    (port,) = [p for p in sidecar["ports"] if p["name"] == headless["spec"]["ports"][0]["targetPort"]]
+    assert port["containerPort"] == headless["spec"]["ports"][0]["port"] == 7070
+    pods = [f"demo-kvxfer-{i}" for i in range(3)]
+    peers = rendered_config(objects)["peering"]["peers"]
+    assert [(p["name"], p["address"], p.get("server_name")) for p in peers] == [
+        *((pod, f"{pod}.demo-kvxfer-peers.serving.svc:7070", pod) for pod in pods), ("decode-0", "10.0.0.7:7070", None)]
+    (certificate,) = by_kind(objects, "Certificate")
+    assert set(certificate["spec"]["dnsNames"]) == {*pods, *(f"{p}.demo-kvxfer-peers.serving.svc" for p in pods)}
+    assert set(certificate["spec"]["usages"]) == {"server auth", "client auth"}
+    tls = [v for v in pod_of(objects)["volumes"] if v.get("secret", {}).get("secretName") == "demo-kvxfer-peers-tls"]
+    assert tls and not [s for s in by_kind(objects, "Secret") if s["type"] == "kubernetes.io/tls"]
+    plain = render({"kvxfer": PEERING})  # a certificate brought inline: no Certificate, still a StatefulSet
+    assert by_kind(plain, "StatefulSet") and not by_kind(plain, "Certificate")
+    assert by_kind(render({}), "Deployment") and not by_kind(render({}), "StatefulSet")
+
+
+def test_every_replica_loads_the_shared_peer_list_and_skips_itself(tmp_path):
+    import subprocess
+
+    from service import config as service_config
+
+    config = rendered_config(render(CASES["peering, certificates by cert-manager"]))
+    for name in ("tls_cert", "tls_key", "token_file"):
+        config[name] = str(tmp_path / name)
+    (tmp_path / "token_file").write_text("t0ken\n")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-keyout", config["tls_key"], "-out", config["tls_cert"], "-days", "1", "-subj", "/CN=demo-kvxfer",
+                    "-addext", "subjectAltName=DNS:demo-kvxfer-0,DNS:demo-kvxfer-1,DNS:demo-kvxfer-2"],
+                   check=True, capture_output=True)
+    for peer in config["peering"]["peers"]:
+        peer.update(tls_ca=config["tls_cert"], token_file=config["token_file"])
+    config["peering"]["tls_client_ca"] = config["tls_cert"]
+    for pod in range(3):  # the pod's name is its hostname: given here, as each replica would find it
+        config["peering"]["name"] = f"demo-kvxfer-{pod}"
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({**config, "socket": str(tmp_path / "k.sock"),
+                                                         "socket_group": ""}))
+        peers = service_config.load(str(tmp_path / "c.yaml"), env={}).peering.peers
+        assert [p.name for p in peers] == [f"demo-kvxfer-{i}" for i in range(3) if i != pod] + ["decode-0"]

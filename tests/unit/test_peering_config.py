@@ -66,7 +66,6 @@ BAD = {
     "peer missing keys": ({"name": "a", "peers": [{"name": "b"}]}, "peering.peers[0]: a mapping of"),
     "peer bad address": ({"name": "a", "peers": ["ADDR"]}, "peering.peers[0].address: HOST:PORT"),
     "duplicate names": ({"name": "a", "peers": ["P", "P"]}, "names must be distinct"),
-    "itself": ({"name": "b", "peers": ["P"]}, "differ from peering.name"),
 }
 
 
@@ -79,6 +78,14 @@ def test_bad_values_are_refused_with_the_setting_named(tmp_path, files, case):
     with pytest.raises(ConfigError) as err:
         _load(tmp_path, files, raw)
     assert message in str(err.value)
+
+
+def test_one_peer_list_serves_a_whole_fleet_each_daemon_skipping_itself(tmp_path, files):
+    """Issue 50: the chart's StatefulSet gives every replica one config listing them all."""
+    fleet = [_peer(files, name=f"kv-{i}", address=f"kv-{i}.kv-peers.ns.svc:7070") for i in range(3)]
+    for i in range(3):
+        loaded = _load(tmp_path, files, {"name": f"kv-{i}", "peers": fleet})
+        assert [p.name for p in loaded.peering.peers] == [f"kv-{j}" for j in range(3) if j != i]
 
 
 def test_a_peer_address_token_and_ca_are_checked(tmp_path, files):

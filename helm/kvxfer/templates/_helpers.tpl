@@ -40,6 +40,35 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/* Peering: the StatefulSet's pods, by name (stable), and the headless Service that gives each a DNS name. */}}
+{{- define "kvxfer.peerPods" -}}
+{{- $pods := list -}}
+{{- range $i := until (int .Values.engine.replicas) -}}
+{{- $pods = append $pods (printf "%s-%d" (include "kvxfer.fullname" $) $i) -}}
+{{- end -}}
+{{- toYaml $pods -}}
+{{- end -}}
+
+{{- define "kvxfer.peersService" -}}
+{{- printf "%s-peers" (include "kvxfer.fullname" .) -}}
+{{- end -}}
+
+{{- define "kvxfer.peering" -}}
+{{- and .Values.kvxfer.peering.enabled .Values.engine.enabled -}}
+{{- end -}}
+
+{{/* The TCP listener's TLS Secret: given, issued by cert-manager for the peers, or made from inline PEM. */}}
+{{- define "kvxfer.tlsSecretName" -}}
+{{- $k := .Values.kvxfer -}}
+{{- if $k.tcp.existingTlsSecret -}}
+{{- $k.tcp.existingTlsSecret -}}
+{{- else if and $k.peering.enabled $k.peering.certManager.issuerRef.name -}}
+{{- printf "%s-peers-tls" (include "kvxfer.fullname" .) -}}
+{{- else -}}
+{{- printf "%s-tls" (include "kvxfer.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "kvxfer.secretName" -}}
 {{- printf "%s-secret" (include "kvxfer.fullname" .) -}}
 {{- end -}}
@@ -83,6 +112,10 @@ true
 {{- $p := .Values.kvxfer.peering -}}
 {{- $ca := printf "/etc/kvxfer/tls/%s" $p.caKey -}}
 {{- $peers := list -}}
+{{- $own := ternary (include "kvxfer.peerPods" . | fromYamlArray) (list) (eq (include "kvxfer.peering" .) "true") -}}
+{{- range $pod := $own -}}
+{{- $peers = append $peers (dict "name" $pod "address" (printf "%s.%s.%s.svc:%d" $pod (include "kvxfer.peersService" $) $.Release.Namespace (int $.Values.kvxfer.tcp.port)) "server_name" $pod "tls_ca" $ca "token_file" "/etc/kvxfer/token/token") -}}
+{{- end -}}
 {{- range $p.peers -}}
 {{- $peers = append $peers (dict "name" .name "address" .address "tls_ca" $ca "token_file" "/etc/kvxfer/token/token") -}}
 {{- end -}}

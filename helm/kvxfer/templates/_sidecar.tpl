@@ -101,7 +101,7 @@ exec:
 {{- if .Values.kvxfer.tcp.enabled }}
 - name: kvxfer-tls
   secret:
-    secretName: {{ .Values.kvxfer.tcp.existingTlsSecret | default (printf "%s-tls" (include "kvxfer.fullname" .)) }}
+    secretName: {{ include "kvxfer.tlsSecretName" . }}
 {{- end }}
 {{- if or .Values.kvxfer.tcp.enabled .Values.kvxfer.token.existingSecret .Values.kvxfer.token.value }}
 - name: kvxfer-token
