@@ -16,13 +16,15 @@ import sys
 from pathlib import Path
 
 from kvxfer.tiers.registry import LOWER_TIERS
+from kvxfer.tiers.sections import RENAMED
 from service import config, config_peering, config_sections
 
 SCHEMA = Path(__file__).resolve().parents[1] / "helm" / "kvxfer" / "values.schema.json"
 
 
 def daemon_keys() -> dict[str, set[str] | None]:
-    """Each top-level key the daemon reads, with its section's keys (None: a scalar or the pools' list)."""
+    """Each top-level key the daemon reads, with its section's keys (None: a scalar or the pools' list); a
+    renamed key (``kvxfer.tiers.sections.RENAMED``) is read still, so the schema takes it too."""
     keys: dict[str, set[str] | None] = {name: None for name in config._SCALARS}
     keys["pools"] = None  # (its items are described in full by the schema already)
     keys["events"] = set(config_sections.EVENTS_KEYS)
@@ -30,6 +32,8 @@ def daemon_keys() -> dict[str, set[str] | None]:
     for row in LOWER_TIERS:
         if row.parse is not None:
             keys[row.section] = set(row.keys)
+    for section, old in RENAMED:
+        keys[section] = {*keys[section], old}
     return keys
 
 
@@ -43,7 +47,8 @@ def updated(schema: dict) -> dict:
         if section is not None and "not" not in entry:
             fields = entry.setdefault("properties", {})
             for name in sorted(section - set(fields)):
-                fields[name] = {}
+                fields[name] = next(({"description": f"renamed {new} (in MiB): read as it"}
+                                     for (where, old), (new, _) in RENAMED.items() if (where, old) == (key, name)), {})
             entry["properties"] = dict(sorted(fields.items()))
             entry["additionalProperties"] = False
     unknown = set(properties) - set(daemon_keys())

@@ -22,6 +22,7 @@ from kvxfer.events.settings import EventSettings
 from kvxfer.peering.settings import PeeringSettings
 from kvxfer.errors import ConfigError
 from kvxfer.tiers.registry import LOWER_TIERS
+from kvxfer.tiers.sections import RENAMED
 from service import config_sections as sections
 from service.config_peering import peering as peering_section
 from kvxfer.serving.registry import Limits
@@ -166,6 +167,19 @@ def unknown_variables(env: dict[str, str] | None = None) -> list[str]:
         lines.append(f"environment variable {name} names no setting and is ignored"
                      + (f" (did you mean {near[0]}?)" if near else ""))
     return lines
+
+
+def renamed_keys(path: str | None) -> list[str]:
+    """A line for each renamed key the config file gives (read as its new key: ``tiers.sections.RENAMED``)."""
+    if not path:
+        return []
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError):  # (load has said why already)
+        return []
+    return [f"{section}.{old} is renamed {section}.{new} (every size is in MiB): read as {new}; rename it"
+            for (section, old), (new, _) in RENAMED.items()
+            if isinstance(raw, dict) and isinstance(raw.get(section), dict) and old in raw[section]]
 
 
 def _pool(raw: dict, index: int) -> PoolConfig:

@@ -10,20 +10,23 @@ import importlib
 
 from kvxfer.errors import ConfigError
 from kvxfer.events.settings import ENDPOINT_RE, EventSettings
+from kvxfer.tiers.sections import RENAMED, mib, renamed
 from kvxfer.validate import shown
 
-EVENTS_KEYS = {"replay_keys", "linger_ms", "max_subscribers", "publish", "replay", "topic", "replay_bytes", "hwm",
-               "int_block_hashes", "replay_batches", "replay_mib"}
+EVENTS_KEYS = {"replay_keys", "linger_ms", "max_subscribers", "publish", "replay", "topic", "publish_replay_mib",
+               "hwm", "int_block_hashes", "replay_batches", "replay_mib"}
 
 
 def events(raw) -> EventSettings:
     """The ``events`` section: the replay buffer of WatchEvents, and the optional vLLM-format publisher."""
     if raw is None:
         return EventSettings()
-    if not isinstance(raw, dict) or set(raw) - EVENTS_KEYS:
+    if not isinstance(raw, dict) or set(raw) - EVENTS_KEYS - {old for where, old in RENAMED if where == "events"}:
         raise ConfigError(f"events: must be a mapping of {sorted(EVENTS_KEYS)}")
-    values = {}
-    for key, low, top in (("replay_keys", 1, 1 << 26), ("replay_bytes", 1, 1 << 34), ("hwm", 1, 1 << 24),
+    raw = renamed("events", raw)
+    values = {"replay_bytes": max(1, mib("events", raw, "publish_replay_mib", EventSettings.replay_bytes / (1 << 20),
+                                         1 << 14))}
+    for key, low, top in (("replay_keys", 1, 1 << 26), ("hwm", 1, 1 << 24),
                           ("replay_batches", 1, 1 << 20), ("replay_mib", 1, 1 << 16),
                           ("linger_ms", 0, 1000), ("max_subscribers", 1, 1 << 16)):
         value = raw.get(key, getattr(EventSettings, key))

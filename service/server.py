@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import stat
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -301,9 +302,10 @@ async def _serve(config: Config) -> int:
     return exit_code
 
 
-def serve(config: Config) -> int:
-    """Run until SIGTERM or SIGINT; returns the exit code."""
+def serve(config: Config, warnings: Sequence[str] = ()) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit code. ``warnings``: what loading the config found to
+    say (renamed keys), logged first."""
     logs.setup(config.log_level, config.log_format)
-    for line in unknown_variables():
+    for line in [*unknown_variables(), *warnings]:
         log.warning(line)
     return asyncio.run(_serve(preflight.check(config)))

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     progress.step(f"plain: {baseline:.0f} blocks/s durable, one file each")
     with tempfile.TemporaryDirectory(dir=args.dir) as disk:
         daemon = launch.spawn({"pools": [{**DEFAULT_POOL, "device": "cpu", "host_capacity_mib": args.host_mib}],
-                               "disk": {"path": disk, "capacity_gib": args.disk_gib}, "log_level": "warning"})
+                               "disk": {"path": disk, "capacity_mib": args.disk_gib * 1024}, "log_level": "warning"})
         try:  # nothing between spawn and this try: the daemon must never outlive the benchmark
             progress.step(f"daemon serving on {daemon.target}")
             ctx = multiprocessing.get_context("spawn")

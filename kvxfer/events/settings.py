@@ -20,7 +20,7 @@ class EventSettings:
     publish: str = ""  # a ZeroMQ PUB endpoint to bind ("tcp://*:5557", "ipc:///run/kvxfer/events"); "": none
     replay: str = ""  # a ROUTER endpoint for vLLM's replay requests; "": none
     topic: str = ""
-    replay_bytes: int = 64 << 20  # payload bytes of past batches the ROUTER can replay
+    replay_bytes: int = 64 << 20  # payload bytes of past batches the ROUTER can replay (publish_replay_mib)
     replay_batches: int = 4096  # past batches it can replay; also the most messages queued for one replay client
     hwm: int = 100_000  # the PUB socket's high-water mark (messages queued for a slow subscriber)
     int_block_hashes: bool = False  # block hashes as vLLM's 64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)

@@ -9,16 +9,49 @@ from kvxfer.errors import ConfigError
 from kvxfer.validate import shown
 
 
+#: One unit style: every size a setting gives is in MiB (``_mib``). Keys that gave GiB or bytes are read
+#: still, as the new key (``renamed``), and named in a warning at start (``service.config.renamed_keys``):
+#: (section, old key) -> (new key, MiB per unit of the old).
+RENAMED: dict[tuple[str, str], tuple[str, float]] = {
+    ("disk", "capacity_gib"): ("capacity_mib", 1024),
+    ("object", "max_gib"): ("max_mib", 1024),
+    ("events", "replay_bytes"): ("publish_replay_mib", 1 / (1 << 20)),
+}
+
+
+def renamed(section: str, raw: dict) -> dict:
+    """``raw`` with the section's renamed keys given as their new keys, in MiB."""
+    for (where, old), (new, factor) in RENAMED.items():
+        if where != section or old not in raw:
+            continue
+        value = raw[old]
+        if new in raw:
+            raise ConfigError(f"{section}.{old}: renamed {new}; give only {new}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{section}.{old} (renamed {new}, in MiB): must be a number, got {shown(value)}")
+        raw = {**{k: v for k, v in raw.items() if k != old}, new: value * factor}
+    return raw
+
+
 def mapping(section: str, raw, keys: frozenset[str], shape: str) -> dict | None:
-    """``raw`` as the section's mapping (None: the section is absent); ``shape`` says what it must hold."""
+    """``raw`` as the section's mapping (None: the section is absent), renamed keys as their new ones;
+    ``shape`` says what it must hold."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"{section}: must be a mapping {shape}")
-    unknown = set(raw) - keys
+    unknown = set(raw) - keys - {old for where, old in RENAMED if where == section}
     if unknown:
         raise ConfigError(f"{section}: unknown keys {sorted(unknown)}; allowed: {sorted(keys)}")
-    return raw
+    return renamed(section, raw)
+
+
+def mib(section: str, raw: dict, key: str, default: float, top: float, low: float = 0.0) -> int:
+    """A size key in MiB (a number: 0.5 is 512 KiB) in (low, top], its default when absent; in bytes."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low < value <= top:
+        raise ConfigError(f"{section}.{key}: a number of MiB in ({low:g}, {top:g}], got {shown(value)}")
+    return int(value * (1 << 20))
 
 
 def bounded(section: str, raw: dict, key: str, default: int, top: int, low: int = 1) -> int:

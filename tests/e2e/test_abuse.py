@@ -267,7 +267,7 @@ def test_an_idle_groups_blocks_are_written_down_and_an_engine_back_later_finds_t
     """A group whose pools are gone is released after its idle time (cache_group_retention_s): its host tier is
     written down to disk first, so an engine that comes back after it still finds its blocks (warm from disk)."""
     daemon = make_daemon({"cache_group_retention_s": 0.5, "registered_host_capacity_mib": 8,
-                          "disk": {"path": str(tmp_path / "disk"), "capacity_gib": 0.05}})
+                          "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 51.2}})
     with Client(daemon.target, "idle") as client:
         fd = shm.create_sealed("engine", SPEC.nbytes)
         pool = Pool.from_fd(client.register_pool("eng", SPEC, Layout.parse("BLHNC"), PoolHandle(Medium.SHM), fd=fd,

@@ -24,7 +24,7 @@ BLOCKS = range(1, SMALL_POOL["spec"]["num_blocks"])
 def daemon_config(disk_path, **disk) -> dict:
     # A host tier of 32 blocks of 16 KiB, so that most offloads push older blocks down to disk.
     return {"grace_period_s": 10, "log_level": "info", "pools": [{**SMALL_POOL, "host_capacity_mib": 0.5}],
-            "disk": {"path": str(disk_path), "capacity_gib": 0.01, **disk}}
+            "disk": {"path": str(disk_path), "capacity_mib": 10.24, **disk}}
 
 
 def pattern(key: bytes, nbytes: int) -> torch.Tensor:
@@ -189,7 +189,7 @@ def test_a_full_device_is_evicted_into_and_the_daemon_goes_on(tmp_path):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        daemon = launch.spawn(daemon_config(mount, capacity_gib=0.01))  # a quota ten times the device
+        daemon = launch.spawn(daemon_config(mount, capacity_mib=10.24))  # a quota ten times the device
         try:
             writer = Writer(daemon, b"full-")
             writer.offload(300)

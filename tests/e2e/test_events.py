@@ -25,7 +25,7 @@ BLOCKS = range(1, SMALL_POOL["spec"]["num_blocks"])
 def config(tmp_path, metrics_port=None, **events):
     return {"log_level": "info", **({"metrics_listen": f"127.0.0.1:{metrics_port}"} if metrics_port else {}),
             "pools": [{**SMALL_POOL, "host_capacity_mib": 0.25}],  # 16 blocks: offloads evict to disk
-            "disk": {"path": str(tmp_path / "disk"), "capacity_gib": 0.01}, "events": events}
+            "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 10.24}, "events": events}
 
 
 class Watcher:

@@ -48,7 +48,7 @@ CASES = {
         **PEERING, "tcp": {"enabled": True}, "peering": {**PEERING["peering"], "certManager": {
             "issuerRef": {"name": "fleet-ca", "kind": "ClusterIssuer"}}}}},
     "disk and remote tiers": {"kvxfer": {
-        "config": {"disk": {"path": "/var/lib/kvxfer", "capacity_gib": 50},
+        "config": {"disk": {"path": "/var/lib/kvxfer", "capacity_mib": 51200},
                    "remote": {"url": "rediss://redis:6380/0", "username": "kvxfer",
                               "password_file": "/etc/kvxfer/redis/password", "tls_ca": "/etc/kvxfer/redis/ca.crt"}},
         "extraVolumes": [{"name": "kv-disk", "persistentVolumeClaim": {"claimName": "kvxfer-disk"}},

@@ -133,7 +133,7 @@ def test_prometheus_scrapes_it_and_every_panel_and_alert_returns_data(make_daemo
     port, web = free_port(), free_port()
     # (a disk tier: the load's evictions go down into it, for the lower tiers' panel)
     daemon = make_daemon({"metrics_listen": f"127.0.0.1:{port}",
-                          "disk": {"path": str(tmp_path / "disk"), "capacity_gib": 0.05}})
+                          "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 51.2}})
     workdir = Path(tempfile.mkdtemp(prefix="kxprom"))
     (workdir / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

@@ -17,7 +17,7 @@ MLA_POOL = {"id": "mla", "device": "cpu", "layout": "BLHNC", "host_capacity_mib"
 
 
 def test_an_mla_pool_offloads_and_restores_bit_exact_through_disk(tmp_path):
-    daemon = launch.spawn({"pools": [MLA_POOL], "disk": {"path": str(tmp_path / "disk"), "capacity_gib": 0.01}})
+    daemon = launch.spawn({"pools": [MLA_POOL], "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 10.24}})
     try:
         with Client(daemon.target, namespace="deepseek", timeout=10) as client:
             pool = client.map_pool()

@@ -123,7 +123,7 @@ def snapshot(target: str) -> set[tuple[str, TierKind, bytes]]:
 def config(home: Path, name: str) -> dict:
     return {"socket": str(home / f"{name}.sock"), "grace_period_s": 30, "log_level": "info", "pools": [SMALL_POOL],
             "registered_host_capacity_mib": 1, "cache_group_retention_s": 3600,
-            "disk": {"path": str(home / f"{name}-disk"), "capacity_gib": 0.05}}
+            "disk": {"path": str(home / f"{name}-disk"), "capacity_mib": 51.2}}
 
 
 def stored_everywhere(results: list[dict]) -> bool:

@@ -60,7 +60,7 @@ def test_the_room_is_the_smaller_of_memavailable_and_the_cgroups(tmp_path):
 def test_the_need_counts_cpu_pools_one_host_tier_a_group_and_disk_queues(tmp_path):
     pool = {"id": "a", "device": "cpu", "spec": {"num_blocks": 1024}, "host_capacity_mib": 512}
     raw = {"pools": [pool, {**pool, "id": "b", "cache_group": "a"}], "disk": {"path": str(tmp_path / "d"),
-                                                                             "capacity_gib": 1, "queue_blocks": 100}}
+                                                                             "capacity_mib": 1024, "queue_blocks": 100}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), **raw}))
     cfg = service_config.load(str(tmp_path / "c.yaml"), env={})
     need = preflight.memory_need(cfg)
@@ -122,7 +122,7 @@ def test_a_busy_metrics_port_fails_before_the_pools_are_allocated(tmp_path):
 def test_check_prints_what_would_be_served_and_changes_nothing(tmp_path):
     disk = tmp_path / "var" / "kvxfer"
     proc = serve(tmp_path, "--check", "--device", "cpu", "--layout", "LBHNC", "--num-blocks", "64",
-                 "--host-capacity-mib", "16", config={"disk": {"path": str(disk), "capacity_gib": 1}})
+                 "--host-capacity-mib", "16", config={"disk": {"path": str(disk), "capacity_mib": 1024}})
     assert proc.returncode == 0, proc.stderr
     assert "pool rank0: cpu, LBHNC, 64 blocks of 196608 bytes, host tier 16.0 MiB" in proc.stdout
     assert "configuration OK" in proc.stdout

@@ -26,7 +26,7 @@ POOLS = [{**SMALL_POOL, "host_capacity_mib": 0.5}, {**SMALL_POOL, "id": "rank1",
 
 def _disk_daemon(path: Path) -> launch.DaemonProcess:
     return launch.spawn({"grace_period_s": 10, "log_level": "info", "pools": POOLS,
-                         "disk": {"path": str(path), "capacity_gib": 0.01}})
+                         "disk": {"path": str(path), "capacity_mib": 10.24}})
 
 
 def _written_down(disk: Path, prefix: bytes) -> dict:

@@ -66,8 +66,8 @@ def replay(endpoint: str, start: int) -> list[tuple[int, KVEventBatch | None]]:
 
 def test_vllm_decodes_every_event_with_its_own_hashes_in_order(make_engine, tmp_path):
     publish, router = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    daemon = launch.spawn({**DAEMON, "events": {"publish": publish, "replay": router, "replay_bytes": 4096},
-                           "disk": {"path": str(tmp_path / "disk"), "capacity_gib": 0.05}})
+    daemon = launch.spawn({**DAEMON, "events": {"publish": publish, "replay": router, "publish_replay_mib": 4096 / (1 << 20)},
+                           "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 51.2}})
     subscriber = Subscriber(publish)
     try:
         time.sleep(0.3)  # a SUB socket misses what is published before it is connected

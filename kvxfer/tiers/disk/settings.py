@@ -14,7 +14,7 @@ from kvxfer.errors import ConfigError
 from kvxfer.tiers.sections import bounded, mapping
 from kvxfer.validate import shown
 
-KEYS = frozenset({"path", "capacity_gib", "queue_blocks", "workers"})
+KEYS = frozenset({"path", "capacity_mib", "queue_blocks", "workers"})
 
 
 @dataclass(frozen=True)
@@ -34,16 +34,17 @@ class DiskSettings:
 
 
 def parse(raw) -> DiskSettings | None:
-    """The ``disk`` section: one directory per cache group under ``path``, ``capacity_gib`` each."""
-    raw = mapping("disk", raw, KEYS, "with path and capacity_gib")
+    """The ``disk`` section: one directory per cache group under ``path``, ``capacity_mib`` each."""
+    raw = mapping("disk", raw, KEYS, "with path and capacity_mib")
     if raw is None:
         return None
     path = raw.get("path")
     if not isinstance(path, str) or not path.startswith("/"):
         raise ConfigError(f"disk.path: must be an absolute path, got {shown(path)}")
-    capacity = raw.get("capacity_gib")
-    if isinstance(capacity, bool) or not isinstance(capacity, int | float) or not 0 < capacity <= 1 << 20:
-        raise ConfigError(f"disk.capacity_gib: must be a positive number (per cache group), got {shown(capacity)}")
+    capacity = raw.get("capacity_mib")
+    if isinstance(capacity, bool) or not isinstance(capacity, int | float) or not 0 < capacity <= 1 << 30:
+        raise ConfigError(f"disk.capacity_mib: must be a positive number of MiB (per cache group), got "
+                          f"{shown(capacity)}")
     queue_blocks, workers = bounded("disk", raw, "queue_blocks", 256, 65536), bounded("disk", raw, "workers", 4, 64)
     # Validation changes nothing: the directory is made when the tier starts; here its nearest
     # existing ancestor must be a directory this user may write in.
@@ -53,5 +54,5 @@ def parse(raw) -> DiskSettings | None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"disk.path: {shown(path)} cannot be made or written by this user "
                           f"({existing} is not a writable directory)")
-    return DiskSettings(path, int(capacity * (1 << 30)), queue_blocks, workers,
+    return DiskSettings(path, int(capacity * (1 << 20)), queue_blocks, workers,
                         load_in_background=True)  # the daemon serves (and answers health) while it loads

@@ -15,7 +15,7 @@ from kvxfer.tiers.sections import bounded, mapping
 from kvxfer.validate import shown
 
 KEYS = frozenset({"url", "endpoint", "region", "allow_http", "timeout_ms", "workers", "max_inflight",
-                  "write_through", "secret_file", "max_gib", "negative_cache_ms"})
+                  "write_through", "secret_file", "max_mib", "negative_cache_ms"})
 SCHEMES = ("s3", "gs", "az", "abfs")
 
 
@@ -82,14 +82,14 @@ def parse(raw) -> ObjectSettings | None:
         secret = Path(text["secret_file"]).read_bytes().strip()
         if len(secret) < 16:
             raise ConfigError("object.secret_file: at least 16 bytes (the key that authenticates every object)")
-    max_gib = raw.get("max_gib", 0)
-    if isinstance(max_gib, bool) or not isinstance(max_gib, int | float) or not 0 <= max_gib <= 1 << 30:
-        raise ConfigError(f"object.max_gib: a number of GiB, 0 for no bound, got {shown(max_gib)}")
+    max_mib = raw.get("max_mib", 0)
+    if isinstance(max_mib, bool) or not isinstance(max_mib, int | float) or not 0 <= max_mib <= 1 << 40:
+        raise ConfigError(f"object.max_mib: a number of MiB, 0 for no bound, got {shown(max_mib)}")
     settings = ObjectSettings(
         url, text["endpoint"], text["region"], raw.get("allow_http", False),
         bounded("object", raw, "timeout_ms", 2000, 60_000) / 1000, bounded("object", raw, "workers", 16, 256),
         bounded("object", raw, "max_inflight", 256, 65536), raw.get("write_through", False), secret,
-        int(max_gib * (1 << 30)), bounded("object", raw, "negative_cache_ms", 1000, 600_000, 0) / 1000)
+        int(max_mib * (1 << 20)), bounded("object", raw, "negative_cache_ms", 1000, 600_000, 0) / 1000)
     from kvxfer.tiers.object.client import check_reachable  # (the client library: only when configured)
 
     check_reachable(settings)
