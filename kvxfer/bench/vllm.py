@@ -122,23 +122,26 @@ def run(args: argparse.Namespace) -> int:
             rows_checksums(buffer.numpy())
             copy_hash = time.perf_counter() - t0
             rows.append((lookup, share, loaded, restore, copy, copy_hash))
-            progress.step(f"rep {rep}: loaded in {loaded * 1e3:.1f} ms, plain copy {copy * 1e3:.1f} ms")
+            progress.step(f"rep {rep}: loaded in {loaded * 1e3:.1f} ms (the daemon's restore {restore * 1e3:.1f} ms), "
+                          f"plain copy {copy * 1e3:.1f} ms")
         nbytes = args.blocks * block
         lookup, share, loaded, restore, copy, copy_hash = (statistics.median(col) for col in zip(*rows))
         table = [["kvxfer backend: scheduled -> loaded", loaded * 1e3, nbytes / loaded / GB, 1.0],
                  ["  of which the daemon's restore", restore * 1e3, nbytes / restore / GB, loaded / restore],
                  ["plain gather copy, same bytes", copy * 1e3, nbytes / copy / GB, loaded / copy],
                  ["copy + checksum, same bytes", copy_hash * 1e3, nbytes / copy_hash / GB, loaded / copy_hash]]
+        slowest = max(row[2] for row in rows)
         print(f"{args.blocks} blocks of {human_bytes(block)} ({nbytes / (1 << 20):.0f} MiB), "
               f"median of {args.reps}; the Lookup step before: {lookup * 1e3:.1f} ms, of which the backend "
-              f"(its lookup calls and the Lookup RPC) {share * 1e3:.2f} ms")
+              f"(its lookup calls and the Lookup RPC) {share * 1e3:.2f} ms; the slowest repetition "
+              f"{slowest * 1e3:.1f} ms, {slowest / loaded:.2f}x the median")
         print(format_table(["path", "ms", "GB/s", "kvxfer time / this"], table,
                            {"kvxfer time / this": "scheduled-to-loaded time / this row's: above 1, the row is faster"}))
         print("vLLM's CPU offloading backend: not run here (its worker needs CUDA or XPU KV tensors)")
         if args.json:
             print(json.dumps({"blocks": args.blocks, "block_bytes": block, "lookup_s": lookup, "lookup_backend_s": share,
                               "loaded_s": loaded, "restore_s": restore,
-                              "copy_s": copy, "copy_hash_s": copy_hash}))
+                              "copy_s": copy, "copy_hash_s": copy_hash, "slowest_loaded_s": slowest}))
     finally:
         engine.close()
         daemon.cleanup()
