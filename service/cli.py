@@ -14,11 +14,10 @@ def _serve_command(args: argparse.Namespace) -> int:
     pool_overrides = {"device": args.device, "layout": args.layout, "num_blocks": args.num_blocks,
                       "host_capacity_mib": args.host_capacity_mib}
     cfg = config.load(args.config, overrides=overrides, pool_overrides=pool_overrides)
-    warnings = config.renamed_keys(args.config)
     if not args.check:
-        return server.serve(cfg, warnings)
+        return server.serve(cfg)
     cfg = preflight.check(cfg)
-    for line in [*config.unknown_variables(), *warnings]:
+    for line in [*config.unknown_variables(), *cfg.notes]:
         print(f"warning: {line}")
     for p in cfg.pools:
         print(f"pool {p.id}: {p.device}, {p.layout.name}, {p.spec.num_blocks} blocks of {p.spec.block_bytes} bytes, "

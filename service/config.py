@@ -81,6 +81,7 @@ class Config:
     tiers: dict[str, object] = field(default_factory=dict)
     events: EventSettings = field(default_factory=EventSettings)  # KV events: replay buffer, publisher
     peering: PeeringSettings | None = None  # other nodes' daemons, read over NIXL; absent: none
+    notes: tuple[str, ...] = ()  # warnings loading found (renamed keys): serve --check prints them, serve logs them
 
     @property
     def limits(self) -> Limits:
@@ -103,7 +104,7 @@ class Config:
 
 
 _SECTIONS = ("pools", "events", "peering")  # and each lower tier's (``_sections``)
-_SCALARS = {f.name: f for f in fields(Config) if f.name not in (*_SECTIONS, "tiers")}
+_SCALARS = {f.name: f for f in fields(Config) if f.name not in (*_SECTIONS, "tiers", "notes")}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 _ENV_PREFIX = "KVXFER_"
@@ -169,17 +170,11 @@ def unknown_variables(env: dict[str, str] | None = None) -> list[str]:
     return lines
 
 
-def renamed_keys(path: str | None) -> list[str]:
-    """A line for each renamed key the config file gives (read as its new key: ``tiers.sections.RENAMED``)."""
-    if not path:
-        return []
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError):  # (load has said why already)
-        return []
-    return [f"{section}.{old} is renamed {section}.{new} (every size is in MiB): read as {new}; rename it"
-            for (section, old), (new, _) in RENAMED.items()
-            if isinstance(raw, dict) and isinstance(raw.get(section), dict) and old in raw[section]]
+def _renamed_keys(raw: dict) -> tuple[str, ...]:
+    """A line for each renamed key the file gives (read as its new key: ``tiers.sections.RENAMED``)."""
+    return tuple(f"{section}.{old} is renamed {section}.{new} (every size is in MiB): read as {new}; rename it"
+                 for (section, old), (new, _) in RENAMED.items()
+                 if isinstance(raw.get(section), dict) and old in raw[section])
 
 
 def _pool(raw: dict, index: int) -> PoolConfig:
@@ -253,6 +248,8 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
             raw[name] = value
             sources[name] = f"flag --{name.replace('_', '-')}"
     values = {name: _coerce(name, raw[name], sources[name]) for name in _SCALARS if name in raw}
+    if values.get("registered_ranks") and values.get("allow_register") is False:  # (only as given: 1 is the default)
+        raise ConfigError("registered_ranks: set with allow_register false (nothing can register; set it to 0)")
     pools_raw = raw.get("pools")
     if pools_raw is None:
         pools_raw = [{}]
@@ -270,7 +267,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     tiers = {row.section: row.parse(raw.get(row.section)) for row in LOWER_TIERS if row.parse is not None}
     return validate(replace(Config(), **values, pools=pools, tiers={k: v for k, v in tiers.items() if v is not None},
                             events=sections.events(raw.get("events")),
-                            peering=peering_section(raw.get("peering"))))
+                            peering=peering_section(raw.get("peering")), notes=_renamed_keys(raw)))
 
 
 def check_key_pair(cert: str, key: str) -> None:
@@ -313,8 +310,6 @@ def validate(config: Config) -> Config:
     if not 0 <= config.registered_ranks <= config.max_cache_groups:
         raise ConfigError(f"registered_ranks: must be 0-{config.max_cache_groups} (max_cache_groups): each rank "
                           "that registers its KV memory gets a cache group of its own")
-    if config.registered_ranks and not config.allow_register:
-        raise ConfigError("registered_ranks: set with allow_register false (nothing can register; set it to 0)")
     if len(config.pools) > config.max_pools:
         raise ConfigError(f"pools: {len(config.pools)} configured, max_pools is {config.max_pools}")
     if config.grace_period_s < 0:

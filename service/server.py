@@ -22,7 +22,6 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -302,10 +301,9 @@ async def _serve(config: Config) -> int:
     return exit_code
 
 
-def serve(config: Config, warnings: Sequence[str] = ()) -> int:
-    """Run until SIGTERM or SIGINT; returns the exit code. ``warnings``: what loading the config found to
-    say (renamed keys), logged first."""
+def serve(config: Config) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit code."""
     logs.setup(config.log_level, config.log_format)
-    for line in [*unknown_variables(), *warnings]:
+    for line in [*unknown_variables(), *config.notes]:
         log.warning(line)
     return asyncio.run(_serve(preflight.check(config)))

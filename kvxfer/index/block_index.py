@@ -74,7 +74,8 @@ class BlockIndex:
             else:
                 # Keys of this batch that are stored already become most recent and may
                 # not be evicted to make room for the batch's new keys.
-                self._refaults.stored(namespace, [keys[i] for i in new.tolist()])
+                if self._refaults.remembers:  # (the new keys' list only where it is looked up)
+                    self._refaults.stored(namespace, [keys[i] for i in new.tolist()])
                 held = found[found >= 0]
                 held = held[self._state[held] == READY]
                 self._pin(held, 1)

@@ -46,9 +46,14 @@ class Refaults:
         if len(self._current) >= self.window:  # a new generation; the oldest is forgotten
             self._previous, self._current = self._current, set()
 
+    @property
+    def remembers(self) -> bool:
+        """Whether any eviction is remembered (else a store has nothing to look up)."""
+        return bool(self._current or self._previous)
+
     def stored(self, namespace: str, keys: Sequence[bytes]) -> None:
         """``keys`` were not in the tier and are stored now."""
-        if not self._current and not self._previous:  # nothing evicted yet: the usual case costs nothing
+        if not self.remembers:  # nothing evicted yet: the usual case costs nothing
             return
         hashes = set(_hashes(namespace, keys))
         for generation in (self._current, self._previous):

@@ -91,6 +91,9 @@ def test_the_registered_pools_host_tiers_count_too(tmp_path):
             service_config.load(None, env={}, overrides=bad)
     quiet = service_config.load(None, env={}, overrides={"registered_ranks": 0, "allow_register": False})
     assert preflight.memory_need(quiet).registered == 0
+    # allow_register false alone (registered_ranks left at its default): loaded, nothing counted for registrations
+    closed = service_config.load(None, env={}, overrides={"allow_register": False})
+    assert closed.registered_ranks == 1 and preflight.memory_need(closed).registered == 0
 
 
 def test_a_configuration_larger_than_the_machine_is_refused_in_one_line_before_allocating(tmp_path):

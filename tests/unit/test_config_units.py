@@ -21,7 +21,8 @@ def test_every_size_key_the_daemon_reads_is_in_mib():
 def _load(tmp_path, raw: dict):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), **raw}))
-    return service_config.load(str(path), env={}), service_config.renamed_keys(str(path))
+    config = service_config.load(str(path), env={})
+    return config, list(config.notes)
 
 
 def test_renamed_keys_are_read_as_their_new_keys_with_a_warning(tmp_path):
