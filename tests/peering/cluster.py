@@ -20,17 +20,22 @@ def make_tls(where: Path) -> Tls:
 
 
 def start_cluster(names: list[str], tls: Tls, transport: str = "shm", **kwargs) -> dict[str, DaemonProcess]:
+    """The daemons, each told the others' addresses before any starts: their ports are picked free, and one
+    taken meanwhile by another process of a busy machine ("Address already in use") means new ports, again."""
     pools = {name: SMALL_POOL for name in names} | kwargs.pop("pools", {})
-    configs = peering_configs(names, tls, transport, pools, **kwargs)
-    started: dict[str, DaemonProcess] = {}
-    try:
-        for name in names:
-            started[name] = start_daemon(configs[name])
-    except BaseException:
-        for d in started.values():
-            d.cleanup()
-        raise
-    return started
+    for attempt in range(3):
+        configs = peering_configs(names, tls, transport, pools, **kwargs)
+        started: dict[str, DaemonProcess] = {}
+        try:
+            for name in names:
+                started[name] = start_daemon(configs[name])
+            return started
+        except BaseException as exc:
+            for d in started.values():
+                d.cleanup()
+            if attempt == 2 or not (isinstance(exc, RuntimeError) and "Address already in use" in str(exc)):
+                raise
+    raise AssertionError("unreachable")
 
 
 def client(daemon: DaemonProcess, namespace: str = "peers", **kwargs) -> Client:
