@@ -7,7 +7,9 @@ it while the client is slow. A client that falls behind the buffer, or names a p
 daemon no longer holds (or another daemon's stream), is told ``resync``, never shown a gap.
 A subscriber costs no memory of its own: the buffer is the hub's. Each event is serialized once
 for every subscriber (``Encoded``), and a response is those bytes joined: a hundred subscribers
-cost a hundred joins, not a hundred encodings.
+cost a hundred joins, not a hundred encodings. A subscriber's responses go out at its own phase of
+each ``linger`` period (``flush_phase``): a hundred subscribers woken by one event send across the
+period, not in one burst that holds the event loop from every other RPC.
 
 Both show a caller only the cache groups it may see: the daemon's own, those registered with
 ``share_events``, and those of the registered pools it names with their registration tokens.
@@ -37,6 +39,7 @@ from kvxfer.wire import TIER_TO_PB
 
 MAX_WATCHED = 16  # namespaces one call names
 BATCH_EVENTS = 256  # events a response carries at most
+GOLDEN = 0.6180339887498949  # phases n * GOLDEN mod 1 stay evenly spread however many subscribers join
 IDLE_S = 5.0  # a watch with nothing new for it says where it stands this often
 SNAPSHOT_KEYS = 4096  # keys a Snapshot response carries at most
 
@@ -71,6 +74,11 @@ def _varint(n: int) -> bytes:
 _EVENTS_TAG = bytes([2 << 3 | 2])  # field 2 (events), length-delimited
 
 
+def flush_phase(ordinal: int, linger: float) -> float:
+    """Seconds into each ``linger`` period at which the ``ordinal``-th subscriber's responses go out."""
+    return (ordinal * GOLDEN) % 1.0 * linger
+
+
 def serialize(response: bytes) -> bytes:
     """WatchEvents' response serializer: its responses are serialized already."""
     return response
@@ -87,11 +95,13 @@ def watched(names) -> frozenset[str]:
 
 
 async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest, scopes: frozenset[int],
-                linger: float = 0.05, idle_s: float = IDLE_S, clock=None) -> AsyncIterator[bytes]:
+                linger: float = 0.05, idle_s: float = IDLE_S, clock=None, sleep=asyncio.sleep
+                ) -> AsyncIterator[bytes]:
     """``scopes``: the event scopes the caller may see (``PoolRegistry.event_scopes``). ``linger``: seconds a
     response waits for more events (fewer, larger responses: a hundred subscribers of a busy daemon cost
-    it a hundred sends every ``linger``, not a hundred an event). ``idle_s``: a watch with nothing for it
-    says where the stream stands at least this often (``clock``: the loop's, unless given)."""
+    it a hundred sends every ``linger``, not a hundred an event), until this subscriber's phase of the period.
+    ``idle_s``: a watch with nothing for it says where the stream stands at least this often (``clock``: the
+    loop's unless given, and ``sleep`` waits on it)."""
     namespaces = watched(request.namespaces)
     last, stream = hub.last_sequence, hub.stream_id
     foreign = bool(request.stream_id) and request.stream_id != stream  # a position in another daemon's stream
@@ -100,6 +110,8 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
     if hub.subscribers >= hub.max_subscribers:
         raise ResourceExhausted(f"{hub.subscribers} WatchEvents streams are open; at most {hub.max_subscribers}")
     hub.subscribers += 1
+    phase = flush_phase(hub.joined, linger) if linger else 0.0
+    hub.joined += 1
     try:
         after = last if request.from_sequence == 0 else request.from_sequence - 1
         if foreign:
@@ -118,7 +130,7 @@ async def watch(hub: EventHub, encoded: Encoded, request: pb.WatchEventsRequest,
                 yield pb.WatchEventsResponse(stream_id=stream, next_sequence=after + 1).SerializeToString()
                 continue
             if len(events) < BATCH_EVENTS and linger:  # a few more arrive meanwhile: one response, not many
-                await asyncio.sleep(linger)
+                await sleep((phase - clock()) % linger)  # (at most ``linger``: the wait it always was, bounded)
                 more, lost = hub.read(events[-1].sequence, BATCH_EVENTS - len(events))
                 if not lost:  # (else the next read says resync: a response never spans a gap)
                     events += more

@@ -48,6 +48,7 @@ class EventHub:
         self._arrived = threading.Condition(self._lock)
         self.emitted = self.dropped = 0  # events; dropped: out of the buffer (late readers resync)
         self.subscribers = 0  # WatchEvents streams open now
+        self.joined = 0  # WatchEvents streams ever opened (each one's ordinal sets its phase)
         self.counts: Counter[str] = Counter()  # the publisher's: published_batches, replays, publisher_resyncs
         self.closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
