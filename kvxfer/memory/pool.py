@@ -9,6 +9,7 @@ the same bytes and build the same per-layer views.
 from __future__ import annotations
 
 import enum
+import mmap
 import os
 import secrets
 import signal
@@ -32,6 +33,7 @@ class Access(enum.Enum):
 
     MAPPED = "mapped"  # through this process's mapping
     FILE = "file"  # pread/pwrite on its descriptor: a file shrunk under us fails a copy, never faults
+    GUARDED = "guarded"  # mapped, its file shrinkable: copied only by the C loop, which survives the SIGBUS
 
 @dataclass(frozen=True)
 class PoolHandle:
@@ -77,10 +79,11 @@ class Pool:
 
     def __init__(self, descriptor: PoolDescriptor, storage: torch.Tensor | None,
                  owned_file: shm.OwnedFile | None = None, fd: int | None = None,
-                 cuda_device: int | None = None) -> None:
+                 cuda_device: int | None = None, guarded: bool = False) -> None:
         """``storage``: the mapped bytes, or None for a pool reached through ``fd`` only
         (``Access.FILE``). ``fd`` is held (and closed at ``close``) when given. ``cuda_device``:
-        this process's index of the GPU a CUDA pool lives on."""
+        this process's index of the GPU a CUDA pool lives on. ``guarded``: the mapped file may shrink
+        under us (``Access.GUARDED``)."""
         self._cuda_device = cuda_device
         self.descriptor = descriptor
         self.layout = descriptor.pool_layout
@@ -90,7 +93,7 @@ class Pool:
             raise InvalidArgument("a pool needs its storage or its descriptor")
         self.storage: torch.Tensor | None = storage
         self.fd = fd
-        self.access = Access.MAPPED if storage is not None else Access.FILE
+        self.access = Access.FILE if storage is None else Access.GUARDED if guarded else Access.MAPPED
         self._owned_file = owned_file
         # Runs at close(), at garbage collection and at interpreter exit (exceptions included).
         self._finalizer = weakref.finalize(self, _release, owned_file, fd)
@@ -155,11 +158,13 @@ class Pool:
         return cls(descriptor, storage)
 
     @classmethod
-    def from_fd(cls, descriptor: PoolDescriptor, fd: int, *, mapped: bool = True) -> Pool:
+    def from_fd(cls, descriptor: PoolDescriptor, fd: int, *, mapped: bool = True, guarded: bool = False) -> Pool:
         """A pool over an open descriptor, which the pool then holds.
 
         ``mapped=False`` never maps it: copies go through the descriptor (``Access.FILE``),
         so a file shrunk by someone else fails a copy instead of faulting this process.
+        ``guarded``: map it, but only the C loop's guarded copies may touch it (``Access.GUARDED``):
+        a file shrunk by someone else fails those copies, and the pool for good.
         """
         nbytes, offset = descriptor.pool_layout.nbytes, descriptor.handle.offset
         if not mapped:
@@ -168,7 +173,15 @@ class Pool:
                 raise InvalidArgument(f"the pool's file holds {size} bytes; [{offset}, {offset + nbytes}) does not "
                                       "fit")
             return cls(descriptor, None, fd=fd)
-        return cls(descriptor, shm.map_fd(fd, nbytes, offset), fd=fd)
+        return cls(descriptor, shm.map_fd(fd, nbytes, offset), fd=fd, guarded=guarded)
+
+    def mapping(self) -> tuple[int, int]:
+        """(address, length) of this process's whole mapping of the pool's file (page-aligned; it starts
+        at the file's start, ``offset`` bytes before the pool)."""
+        storage = self._live_storage()
+        offset = self.descriptor.handle.offset
+        length = offset + self.layout.nbytes
+        return storage.data_ptr() - offset, -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
 
     @property
     def is_cuda(self) -> bool:

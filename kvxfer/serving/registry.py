@@ -41,6 +41,7 @@ from kvxfer.memory import cuda_mem, room
 from kvxfer.tiers.host import capacity_blocks
 from kvxfer.tiers.registry import lower_tiers as make_lower_tiers
 from kvxfer.memory.shm import size_sealed
+from kvxfer.transfer import native
 from kvxfer.validate import check_pool_id, shown
 
 if TYPE_CHECKING:
@@ -192,9 +193,12 @@ class PoolRegistry:
         if handoff.fd < 0:
             raise InvalidArgument("a shared-memory pool needs its descriptor handed over")
         check_path_names(handle.path, handoff.dev, handoff.ino)
-        # A sealed memfd cannot shrink: map it and copy at memory speed. Any other file
-        # may be shrunk under us: reach it through its descriptor only (no SIGBUS).
-        return Pool.from_fd(descriptor, handoff.fd, mapped=size_sealed(handoff.fd)), capacity
+        # A sealed memfd cannot shrink: map it and copy at memory speed. Any other file may be shrunk
+        # under us: map it for the C loop's guarded copies, which survive the SIGBUS (docs/architecture.md),
+        # or, where that loop is not built, reach it through its descriptor only.
+        sealed = size_sealed(handoff.fd)
+        guarded = not sealed and native.load() is not None
+        return Pool.from_fd(descriptor, handoff.fd, mapped=sealed or guarded, guarded=guarded), capacity
 
     def unregister(self, ref: PoolRef, token: bytes, drain_timeout: float = 10.0) -> int:
         """Stop serving a registered pool: its queued jobs get ``drain_timeout`` to finish, the

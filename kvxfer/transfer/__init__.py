@@ -22,6 +22,10 @@ def _mapped(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, 
     return CpuCopyEngine(pool.storage, pool.layout, host, threads)
 
 
+def _guarded(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, deadline_s: float) -> CopyEngine:
+    return CpuCopyEngine(pool.storage, pool.layout, host, threads, mapping=pool.mapping())
+
+
 def _through_fd(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, deadline_s: float) -> CopyEngine:
     return FdCopyEngine(pool.fd, pool.descriptor.handle.offset, pool.layout, host)
 
@@ -36,6 +40,8 @@ def _cuda(pool: Pool, host: HostTier, checksum_on_device: bool, threads: int, de
 ENGINES: dict[tuple[Medium, Access, TierKind], Callable[[Pool, HostTier, bool, int, float], CopyEngine]] = {
     (Medium.SHM, Access.MAPPED, TierKind.HOST): _mapped,
     (Medium.MEMFD, Access.MAPPED, TierKind.HOST): _mapped,
+    (Medium.SHM, Access.GUARDED, TierKind.HOST): _guarded,
+    (Medium.MEMFD, Access.GUARDED, TierKind.HOST): _guarded,
     (Medium.SHM, Access.FILE, TierKind.HOST): _through_fd,
     (Medium.MEMFD, Access.FILE, TierKind.HOST): _through_fd,
     (Medium.CUDA, Access.MAPPED, TierKind.HOST): _cuda,

@@ -19,11 +19,18 @@
  * A batch of zero rows per block only hashes (a GPU's DMA engine copied the bytes); a batch
  * with no `hashed` array only copies (a tensor-parallel rank's pieces of a block that is
  * hashed whole once every rank's pieces are in).
+ *
+ * A guarded call (kvx_copy_hash_guarded) moves blocks of a pool mapped from a file its owner may
+ * shrink. Each thread names the guard it copies under in a thread-local before it touches the
+ * pool; a SIGBUS on the guarded range (the file shrunk) marks the guard broken, then maps anonymous
+ * memory over the whole range, so the faulting copy re-runs on zeros and ends; the call reports -3.
+ * The mark comes first: a thread that reads the zeros has already seen it when its call ends.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,6 +57,7 @@ typedef struct {
     hash_fn hash;
     int64_t piece_bytes;          /* the checksum's pieces */
     atomic_int *failed;           /* set by a step that found no memory for its pieces' hashes */
+    kvx_guard_t *guard;           /* the pool's range, when its file may shrink (else NULL) */
 } job_t;
 
 /* The ticket: generation (24 bits) | steps (20 bits) | next step (20 bits). A thread
@@ -117,7 +125,60 @@ static void copy_hash_pieces(const job_t *j, int64_t b, uint64_t *pieces) {
     j->sums[b] = j->hash(pieces, (size_t)count * sizeof(uint64_t));
 }
 
+/* The guard the calling thread copies under now (NULL: none). initial-exec: reading it in the
+ * signal handler never allocates (a dynamic TLS block may be allocated on first touch). */
+static __thread kvx_guard_t *guarding __attribute__((tls_model("initial-exec")));
+static struct sigaction chained; /* SIGBUS's handler before ours */
+
+static void on_sigbus(int sig, siginfo_t *info, void *context) {
+    kvx_guard_t *g = guarding;
+    const uint8_t *at = (const uint8_t *)info->si_addr;
+    if (g != NULL && info->si_code > 0 && at >= g->base && at < g->base + g->len) {
+        __atomic_store_n(&g->broken, 1, __ATOMIC_SEQ_CST); /* before any thread can read the zeros */
+        if (mmap(g->base, (size_t)g->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_ANONYMOUS, -1, 0)
+            != MAP_FAILED)
+            return; /* the faulting access runs again, on anonymous memory */
+    }
+    if (chained.sa_flags & SA_SIGINFO) {
+        chained.sa_sigaction(sig, info, context);
+    } else if (chained.sa_handler == SIG_DFL || chained.sa_handler == SIG_IGN) {
+        signal(sig, SIG_DFL); /* the access faults again and the process ends as it would have */
+    } else {
+        chained.sa_handler(sig);
+    }
+}
+
+static int install_result = -1;
+static pthread_once_t install_once = PTHREAD_ONCE_INIT;
+static void install(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    install_result = sigaction(SIGBUS, &sa, &chained);
+}
+
+int kvx_guard_install(void) {
+    pthread_once(&install_once, install);
+    return install_result;
+}
+
+static void do_step_unguarded(const job_t *j, int64_t step);
+
 static void do_step(const job_t *j, int64_t step) {
+    if (j->guard == NULL) {
+        do_step_unguarded(j, step);
+        return;
+    }
+    guarding = j->guard;
+    atomic_signal_fence(memory_order_seq_cst); /* named before the first access, cleared after the last */
+    do_step_unguarded(j, step);
+    atomic_signal_fence(memory_order_seq_cst);
+    guarding = NULL;
+}
+
+static void do_step_unguarded(const job_t *j, int64_t step) {
     int64_t b0 = step * j->step_blocks, b1 = b0 + j->step_blocks;
     if (b1 > j->blocks)
         b1 = j->blocks;
@@ -196,29 +257,54 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
                   const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
                   const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
                   int64_t step_blocks, hash_fn hash, int64_t piece_bytes, int threads) {
+    return kvx_copy_hash_guarded(dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
+                                 span_bytes, sums, blocks, step_blocks, hash, piece_bytes, threads, NULL);
+}
+
+static int broken(const kvx_guard_t *guard) {
+    return guard != NULL && __atomic_load_n(&guard->broken, __ATOMIC_SEQ_CST);
+}
+
+static int run_batch(const job_t *mine, uint64_t steps, int threads);
+
+int kvx_copy_hash_guarded(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
+                          const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
+                          const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
+                          int64_t step_blocks, hash_fn hash, int64_t piece_bytes, int threads,
+                          kvx_guard_t *guard) {
     if (blocks <= 0)
         return 0;
+    if (broken(guard))
+        return -3;
     if (step_blocks < 1 || (blocks + step_blocks - 1) / step_blocks > (int64_t)FIELD || piece_bytes < 1)
         return -1;
     const uint64_t steps = (uint64_t)((blocks + step_blocks - 1) / step_blocks);
     atomic_int failed = 0;
     const job_t mine = {dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
-                        span_bytes, sums, blocks, step_blocks, hash, piece_bytes, &failed};
+                        span_bytes, sums, blocks, step_blocks, hash, piece_bytes, &failed, guard};
+    const int code = run_batch(&mine, steps, threads);
+    return broken(guard) ? -3 : code;
+}
+
+static int run_batch(const job_t *mine, uint64_t steps, int threads) {
+    atomic_int *failed = mine->failed;
     if (threads <= 1 || steps == 1) { /* nothing to share: no helper is woken, no lock taken */
         for (uint64_t s = 0; s < steps; s++)
-            do_step(&mine, (int64_t)s);
-        return atomic_load(&failed) ? -2 : 0;
+            do_step(mine, (int64_t)s);
+        return atomic_load(failed) ? -2 : 0;
     }
     pthread_once(&once, register_fork_handler);
     pthread_mutex_lock(&call_mu);
-    job = mine;
+    job = *mine;
     atomic_store(&steps_done, 0);
     pthread_mutex_lock(&wake_mu);
     if (helpers < threads - 1 && helpers < MAX_HELPERS) {
-        /* Helpers block every signal (they inherit this mask): signals go to the process's
-         * own threads, never interrupt a copy. */
+        /* Helpers block every signal but SIGBUS (they inherit this mask): signals go to the process's
+         * own threads, never interrupt a copy. A fault's SIGBUS goes to the thread that faulted, and
+         * the kernel kills the process if that thread blocks it: a guarded copy needs it. */
         sigset_t all, previous;
         sigfillset(&all);
+        sigdelset(&all, SIGBUS);
         pthread_sigmask(SIG_SETMASK, &all, &previous);
         while (helpers < threads - 1 && helpers < MAX_HELPERS) {
             pthread_t tid;
@@ -244,5 +330,5 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
             sched_yield();
     }
     pthread_mutex_unlock(&call_mu);
-    return atomic_load(&failed) ? -2 : 0;
+    return atomic_load(failed) ? -2 : 0;
 }

@@ -21,4 +21,27 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
                   const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
                   int64_t step_blocks, hash_fn hash, int64_t piece_bytes, int threads);
 
+/* A pool this process maps from a file its owner may shrink (a memfd without seals): [base, base + len),
+ * page-aligned, the whole mapping. A copy that faults on it (SIGBUS: the file was shrunk) sets `broken`,
+ * maps anonymous memory over the range (libwayland's wl_shm does the same for a client's buffer) and
+ * carries on; the call then returns -3, as does every later call on it. */
+typedef struct {
+    uint8_t *base;
+    int64_t len;
+    int broken; /* read and written atomically */
+} kvx_guard_t;
+
+/* Install the SIGBUS handler that guarded copies need (once; a fault anywhere else goes to the handler
+ * installed before it, or to the default action). 0, or -1 if sigaction failed. */
+__attribute__((visibility("default")))
+int kvx_guard_install(void);
+
+/* kvx_copy_hash whose reads and writes of `guard`'s range are guarded (`guard` NULL: unguarded). */
+__attribute__((visibility("default")))
+int kvx_copy_hash_guarded(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
+                          const int64_t *src_rows, int64_t rows_per_block, const uint8_t *hashed,
+                          const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
+                          int64_t step_blocks, hash_fn hash, int64_t piece_bytes, int threads,
+                          kvx_guard_t *guard);
+
 #endif

@@ -19,6 +19,7 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,8 @@ from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
 from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 
+log = logging.getLogger(__name__)
+
 #: Bytes copied before they are hashed: small enough to stay in a core's L2 (1 MiB here).
 #: The numpy path takes larger steps (each costs GIL hand-offs between its threads); the C
 #: loop's steps are cheap, and smaller ones keep its threads evenly busy on short requests.
@@ -47,8 +50,10 @@ class CpuCopyEngine(CopyEngine):
     the checksum of each block as copied (``hashes_copies``)."""
 
     def __init__(self, storage: torch.Tensor, layout: PoolLayout, host: HostTier, threads: int = 2,
-                 use_native: bool = True) -> None:
-        """``use_native``: run batches in the C loop where it is built (False: the numpy path)."""
+                 use_native: bool = True, mapping: tuple[int, int] | None = None) -> None:
+        """``use_native``: run batches in the C loop where it is built (False: the numpy path).
+        ``mapping``: (address, length) of the pool's whole mapping when its file may shrink under us:
+        every access is then a guarded call of the C loop (``native.Guard``)."""
         if threads < 1:
             raise Internal(f"a copy engine needs at least one thread, got {threads}")
         if host.slot_bytes != layout.block_bytes:
@@ -66,6 +71,12 @@ class CpuCopyEngine(CopyEngine):
         self._layout = layout
         self._threads = threads
         self._steps = _Steps(threads) if self._native is None else None
+        self._guard: native.Guard | None = None
+        self._shrunk_logged = False
+        if mapping is not None:
+            if self._native is None:
+                raise Internal("a pool whose file may shrink is copied by the C loop only, which is not loaded")
+            self._guard = self._native.guard(*mapping)
 
     @property
     def native(self) -> bool:
@@ -73,7 +84,8 @@ class CpuCopyEngine(CopyEngine):
         return self._native is not None
 
     def describe(self) -> str:
-        return f"{type(self).__name__} ({'C loop' if self.native else 'numpy'}, {self._threads} threads)"
+        guarded = ", guarded" if self._guard is not None else ""
+        return f"{type(self).__name__} ({'C loop' if self.native else 'numpy'}{guarded}, {self._threads} threads)"
 
     @property
     def descriptors_per_block(self) -> int:
@@ -95,6 +107,11 @@ class CpuCopyEngine(CopyEngine):
         if self._native is not None:
             try:
                 return CompletedHandle(checksums=self._native_copy(batch.direction, blocks, slots))
+            except native.PoolShrunk as exc:
+                if not self._shrunk_logged:
+                    self._shrunk_logged = True
+                    log.warning("%s", exc)
+                return CompletedHandle(exc)
             except Internal as exc:
                 return CompletedHandle(exc)
         move = self._to_host if batch.direction is Direction.TO_HOST else self._to_pool
@@ -107,6 +124,12 @@ class CpuCopyEngine(CopyEngine):
         return CompletedHandle(checksums=sums)
 
     def pool_checksums(self, blocks: list[int]) -> list[int]:
+        if self._guard is not None:  # read by the C loop only: gathered into a scratch copy, guarded
+            rows = self._pool_rows_of(np.asarray(blocks, dtype=np.int64))
+            scratch = np.empty((len(rows), self._pool_rows.shape[1]), dtype=np.uint8)
+            self._native.copy_rows(scratch, self._pool_rows, np.arange(len(rows), dtype=np.int64), rows,
+                                   self._step * self._outer, self._threads, self._guard)
+            return rows_checksums(scratch.reshape(len(blocks), -1))
         if self._pool_blocks is not None:
             return rows_checksums(self._pool_blocks[b] for b in blocks)
         data = self._pool_rows.reshape(-1)
@@ -117,10 +140,10 @@ class CpuCopyEngine(CopyEngine):
         pool_rows, tier_rows = self._pool_rows_of(blocks), self._tier_rows_of(slots)
         if direction is Direction.TO_HOST:
             return self._native.copy_hash(self._host_rows, self._pool_rows, tier_rows, pool_rows, self._slots, slots,
-                                          self._step, self._threads)
+                                          self._step, self._threads, self._guard)
         hashed, spans = (self._pool_blocks, blocks) if self._pool_blocks is not None else (self._slots, slots)
         return self._native.copy_hash(self._pool_rows, self._host_rows, pool_rows, tier_rows, hashed, spans,
-                                      self._step, self._threads)
+                                      self._step, self._threads, self._guard)
 
     def _to_host(self, blocks: np.ndarray, slots: np.ndarray) -> list[int]:
         """Gather one step into its slots; the checksum of each slot's new bytes."""

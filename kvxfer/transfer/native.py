@@ -35,25 +35,51 @@ _HASH_SYMBOLS = ("XXH3_64bits_dispatch", "XXH3_64bits")  # fastest first (dispat
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class Guard(ctypes.Structure):
+    """A pool mapped from a file its owner may shrink (``kvx_guard_t``): the whole mapping's range. A copy
+    that faults on it breaks it for good (its mapping is anonymous memory from then on); every guarded call
+    on it then raises ``PoolShrunk``."""
+
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_int64), ("broken", ctypes.c_int)]
+
+    @property
+    def is_broken(self) -> bool:
+        return bool(self.broken)
+
+
+class PoolShrunk(Internal):
+    """A guarded copy found its pool's file shrunk: the pool's mapping is gone."""
+
+
 class NativeCopier:
     """``copy_hash``: one batch of row copies plus one XXH3-64 per block, without the GIL."""
 
     def __init__(self, library: ctypes.CDLL, hash_address: int, piece_bytes: int = PIECE_BYTES) -> None:
         """``piece_bytes``: the checksum's pieces (another size only in tests of the loop itself)."""
-        self._call = library.kvx_copy_hash
+        self._call = library.kvx_copy_hash_guarded
         self._call.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64,
-                               ctypes.c_int]
+                               ctypes.c_int, ctypes.POINTER(Guard)]
         self._call.restype = ctypes.c_int
+        self._install = library.kvx_guard_install
+        self._install.restype = ctypes.c_int
         self._hash, self._piece = hash_address, piece_bytes
 
+    def guard(self, base: int, length: int) -> Guard:
+        """A guard over the mapping [base, base + length) (page-aligned), the SIGBUS handler installed."""
+        if self._install() != 0:
+            raise Internal("native copy: could not install the SIGBUS handler of guarded copies")
+        return Guard(base, length, 0)
+
     def copy_hash(self, dst: np.ndarray, src: np.ndarray, dst_rows: np.ndarray, src_rows: np.ndarray,
-                  hashed: np.ndarray, hashed_spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
+                  hashed: np.ndarray, hashed_spans: np.ndarray, step_blocks: int, threads: int,
+                  guard: Guard | None = None) -> list[int]:
         """Copy ``src[src_rows[r]]`` to ``dst[dst_rows[r]]`` for every r (a block is ``len(src_rows) //
         len(hashed_spans)`` consecutive rows) and return the checksum of ``hashed[hashed_spans[b]]``
         for each block b, hashed as it is copied. That span must be the block's rows, in order, on
         one side of the copy (a tier slot, or a pool block of one row): a block over a piece is
         hashed from them piece by piece. Every array is C-contiguous; the row indices must be in
-        range (they are trusted: the caller checks bounds)."""
+        range (they are trusted: the caller checks bounds). ``guard``: the pool's, when its file may
+        shrink (raises ``PoolShrunk`` if it did)."""
         blocks = len(hashed_spans)
         if not blocks:
             return []
@@ -66,11 +92,11 @@ class NativeCopier:
         sums = np.empty(blocks, dtype=np.uint64)
         _check(self._call(_address(dst), _address(src), dst.shape[1], _address(dst_rows), _address(src_rows),
                           rows_per_block, _address(hashed), _address(hashed_spans), hashed.shape[1], _address(sums),
-                          blocks, step_blocks, self._hash, self._piece, threads), f"a batch of {blocks} blocks")
+                          blocks, step_blocks, self._hash, self._piece, threads, guard), f"a batch of {blocks} blocks")
         return sums.tolist()
 
     def copy_rows(self, dst: np.ndarray, src: np.ndarray, dst_rows: np.ndarray, src_rows: np.ndarray,
-                  step_rows: int, threads: int) -> None:
+                  step_rows: int, threads: int, guard: Guard | None = None) -> None:
         """Copy ``src[src_rows[r]]`` to ``dst[dst_rows[r]]`` for every r, nothing hashed, in steps of
         ``step_rows`` rows on up to ``threads`` threads (the row indices are trusted)."""
         if not len(src_rows):
@@ -80,10 +106,11 @@ class NativeCopier:
                 or {dst_rows.dtype, src_rows.dtype} != {np.dtype(np.int64)}):
             raise Internal("native copy: arrays of mismatched shapes, types or strides")
         _check(self._call(_address(dst), _address(src), dst.shape[1], _address(dst_rows), _address(src_rows), 1, None,
-                          None, 0, None, len(src_rows), step_rows, self._hash, self._piece, threads),
+                          None, 0, None, len(src_rows), step_rows, self._hash, self._piece, threads, guard),
                f"{len(src_rows)} rows")
 
-    def hash_spans(self, hashed: np.ndarray, spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
+    def hash_spans(self, hashed: np.ndarray, spans: np.ndarray, step_blocks: int, threads: int,
+                   guard: Guard | None = None) -> list[int]:
         """The checksum of each row ``hashed[spans[b]]``, on up to ``threads`` threads, nothing copied
         (the tier copies a GPU's DMA engine wrote). ``spans`` must be in range (trusted)."""
         if not len(spans):
@@ -92,7 +119,7 @@ class NativeCopier:
             raise Internal("native hash: arrays of mismatched types or strides")
         sums = np.empty(len(spans), dtype=np.uint64)
         _check(self._call(None, None, 0, None, None, 0, _address(hashed), _address(spans), hashed.shape[1],
-                          _address(sums), len(spans), step_blocks, self._hash, self._piece, threads),
+                          _address(sums), len(spans), step_blocks, self._hash, self._piece, threads, guard),
                f"{len(spans)} spans")
         return sums.tolist()
 
@@ -100,6 +127,9 @@ class NativeCopier:
 def _check(code: int, what: str) -> None:
     if code == -2:
         raise Internal(f"native copy: no memory for the checksums of {what}")
+    if code == -3:
+        raise PoolShrunk(f"the pool's file was shrunk by its owner (found copying {what}); its mapping is "
+                         "gone: register the pool again")
     if code != 0:
         raise Internal(f"native copy refused {what}")
 
