@@ -1,6 +1,7 @@
 """kvxfer's KV events as vLLM 0.33's own subscriber code reads them: over a real ZeroMQ socket, decoded
 by vLLM's msgspec decoder (``KVEventBatch``), in order with no gap, naming blocks by the hashes
-vLLM's scheduler computed; a replay from a position the publisher no longer holds starts with
+vLLM's scheduler computed, each with its tokens and parent (vLLM's own hash of them is the block's);
+a replay from a position the publisher no longer holds starts with
 ``AllBlocksCleared`` (never a silent gap)."""
 
 import time
@@ -8,6 +9,8 @@ import time
 import msgspec
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
 from kvxfer import Client
 from kvxfer.bench import launch
@@ -79,6 +82,18 @@ def test_vllm_decodes_every_event_with_its_own_hashes_in_order(make_engine, tmp_
         assert [h for e in stored for h in e.block_hashes] == expected
         assert {(e.medium, e.group_idx, e.ownership, e.locality) for e in stored} == {("CPU", 0, "kvxfer", "LOCAL")}
         assert all(isinstance(h, bytes) and len(h) == 32 for h in expected)
+        # Self-describing (a router, as llm-d's indexer, recomputes each key from tokens and parent): vLLM's own
+        # hash of each block's tokens chained from the event's parent is the block's hash.
+        hash_fn = get_hash_fn_by_name(engine.config.cache_config.prefix_caching_hash_algo)
+        size = engine.config.cache_config.block_size
+        for e in stored:
+            assert e.block_size == size and len(e.token_ids) == size * len(e.block_hashes)
+            parent = e.parent_block_hash
+            for i, h in enumerate(e.block_hashes):
+                assert hash_block_tokens(hash_fn, parent, e.token_ids[i * size:(i + 1) * size]) == h
+                parent = h
+        assert stored[0].parent_block_hash is None  # the prompt's first block starts the chain
+        assert [t for e in stored for t in e.token_ids] == list(PROMPT[:4 * size])
 
         # Corrupt the last block in the host tier: the restore finds it, drops it, and says so.
         last_block = engine.block_bytes(engine.block_tables["A"][3:4]).contiguous().numpy().tobytes()

@@ -148,5 +148,6 @@ class KvxferConnector(OffloadingConnector):
         manager = self.scheduler.manager
         assert isinstance(manager, KvxferManager)
         manager.set_tenant(request.request_id, request.cache_salt)
+        manager.track(request)
         super().on_new_request(request)
 

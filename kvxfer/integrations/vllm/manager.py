@@ -12,10 +12,12 @@ evicted meanwhile fails per block and vLLM recomputes it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import Any
 
 from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingManager, OffloadKey, PrepareStoreOutput,
-                                     ReqContext, RequestOffloadingContext, ScheduleEndContext)
+                                     ReqContext, RequestOffloadingContext, ScheduleEndContext,
+                                     get_offload_block_hash)
 
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.link import DaemonLink, LinkDown
@@ -25,11 +27,18 @@ log = logging.getLogger("kvxfer.vllm")
 
 
 class KvxferBlocks(LoadStoreSpec):
-    """Blocks at the daemon: their keys, inside the request's namespace."""
+    """Blocks at the daemon: their keys, inside the request's namespace. A store also says what a router
+    needs to recompute each key's block hash (``describe``): the blocks' tokens in order (``block_size`` a
+    key) and the hash of the block before the first (empty for a request's first block); no tokens: not
+    known."""
 
-    def __init__(self, keys: list[OffloadKey], namespace: str) -> None:
+    def __init__(self, keys: list[OffloadKey], namespace: str, token_ids: Sequence[int] = (),
+                 parent: bytes = b"", block_size: int = 0) -> None:
         self.keys = keys
         self.namespace = namespace
+        self.token_ids = token_ids
+        self.parent = parent
+        self.block_size = block_size
 
     def __repr__(self) -> str:
         return f"KvxferBlocks({len(self.keys)} keys in {self.namespace})"
@@ -47,12 +56,17 @@ class KvxferManager(OffloadingManager):
         self.generation = 0
         self._pool_ids = names.pool_ids()
         self._salts: dict[str, str | None] = {}  # req id -> cache_salt (set by the connector)
+        self._requests: dict[str, Any] = {}  # req id -> vLLM's Request (its tokens and block hashes)
         self._answers: dict[str, dict[OffloadKey, bool]] = {}  # req id -> key -> present
         self._asked: dict[str, dict[OffloadKey, None]] = {}  # req id -> keys to look up this step, in order
         self.lookups = 0
 
     def set_tenant(self, req_id: str, cache_salt: str | None) -> None:
         self._salts[req_id] = cache_salt
+
+    def track(self, request: Any) -> None:
+        """Keep a new request's tokens and block hashes at hand until it finishes (``describe``)."""
+        self._requests[request.request_id] = request
 
     def namespace(self, req_context: ReqContext) -> str:
         return self._names.namespace(self._salts.get(req_context.req_id), self.generation)
@@ -99,14 +113,15 @@ class KvxferManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         # The daemon evicts on its own and skips keys it holds already (ALREADY_PRESENT).
         keys = list(keys)
-        return PrepareStoreOutput(keys_to_store=keys, store_spec=KvxferBlocks(keys, self.namespace(req_context)),
-                                  evicted_keys=[])
+        spec = describe(keys, self._requests.get(req_context.req_id), req_context, self._names.spec.block_size,
+                        self.namespace(req_context))
+        return PrepareStoreOutput(keys_to_store=keys, store_spec=spec, evicted_keys=[])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        for table in (self._salts, self._answers, self._asked):
+        for table in (self._salts, self._answers, self._asked, self._requests):
             table.pop(req_context.req_id, None)
 
     def reset_cache(self) -> None:
@@ -116,3 +131,27 @@ class KvxferManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self._link.close()
+
+
+def describe(keys: list[OffloadKey], request: Any, req_context: ReqContext, block_size: int,
+             namespace: str) -> KvxferBlocks:
+    """The blocks to store, with their tokens and parent hash where the request says them: each key the
+    hash of the request's block at its position (``block_size`` tokens a hash), the keys consecutive blocks.
+    Otherwise (hashes of finer blocks than the stored ones, gaps) the keys alone: an event never claims
+    tokens that are not the block's."""
+    if request is None or not keys:
+        return KvxferBlocks(keys, namespace)
+    ends = [req_context.get_offload_key_position(key) for key in keys]
+    if any(end is None or end % block_size for end in ends):
+        return KvxferBlocks(keys, namespace)
+    first = ends[0] // block_size - 1
+    hashes = request.block_hashes
+    if (first < 0 or first + len(keys) > len(hashes) or ends != list(range(ends[0], ends[0] + block_size * len(keys),
+                                                                          block_size))
+            or any(get_offload_block_hash(k) != hashes[first + i] for i, k in enumerate(keys))):
+        return KvxferBlocks(keys, namespace)
+    tokens = request.all_token_ids[first * block_size:(first + len(keys)) * block_size]
+    if len(tokens) != block_size * len(keys):
+        return KvxferBlocks(keys, namespace)
+    parent = bytes(hashes[first - 1]) if first else b""
+    return KvxferBlocks(keys, namespace, list(tokens), parent, block_size)

@@ -96,6 +96,14 @@ FENCE_NAMESPACE = "kvxfer-fence"
 FENCE_KEY = b"kvxfer-fence"  # never stored: its restore finds nothing and writes nothing
 
 
+def described(blocks: KvxferBlocks) -> EngineBlocks:
+    """What the store's events say of its blocks: vLLM keys, and their tokens and parent where the scheduler
+    knew them (a router recomputes each block hash from those)."""
+    if not blocks.token_ids:
+        return VLLM_KEYS
+    return EngineBlocks(KeyFormat.VLLM, tuple(blocks.keys), blocks.parent, blocks.block_size, tuple(blocks.token_ids))
+
+
 class KvxferWorker(OffloadingWorker):
     """Submits this rank's transfers to the daemon and reports them as vLLM expects."""
 
@@ -126,7 +134,7 @@ class KvxferWorker(OffloadingWorker):
         self._submit(job, lambda c: c.submit_offload(list(zip(blocks, dst_spec.keys)), pool_id=self._pool_id,
                                                      namespace=dst_spec.namespace, lease_s=self._lease_s,
                                                      cuda_event=job.event, deadline=job.deadline,
-                                                     engine=VLLM_KEYS))
+                                                     engine=described(dst_spec)))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
