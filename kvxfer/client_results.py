@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvxfer.errors import DeadlineExceeded, InvalidArgument, KvxferError, ResourceExhausted, Unavailable
 from kvxfer.records import Outcome, TransferResult
 
-SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT})
+SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_ADMITTED})  # (declined: not a failure)
 #: Which status a failed batch reports, worst first.
 FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL"),
                   (Outcome.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),

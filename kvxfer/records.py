@@ -30,6 +30,7 @@ class Outcome(enum.Enum):
     FAILED = "failed"  # the copy itself failed; nothing was stored / do not read the block
     CANCELLED = "cancelled"  # the job's lease ran out (or its pool went away) before this block was done
     DEADLINE_EXCEEDED = "deadline_exceeded"  # the GPU copy did not finish in time; nothing stored / do not read
+    NOT_ADMITTED = "not_admitted"  # offload: admission declined the new block (not a failure); nothing stored
 
 
 class TierKind(enum.Enum):

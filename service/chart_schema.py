@@ -28,6 +28,7 @@ def daemon_keys() -> dict[str, set[str] | None]:
     keys: dict[str, set[str] | None] = {name: None for name in config._SCALARS}
     keys["pools"] = None  # (its items are described in full by the schema already)
     keys["events"] = set(config_sections.EVENTS_KEYS)
+    keys["admission"] = set(config_sections.ADMISSION_KEYS)
     keys["peering"] = set(config_peering.PEERING_KEYS)
     for row in LOWER_TIERS:
         if row.parse is not None:

@@ -1,4 +1,4 @@
-"""The config file's ``events`` section. (Each lower tier's section is parsed by its own module:
+"""The config file's ``events`` and ``admission`` sections. (Each lower tier's section is parsed by its own module:
 ``kvxfer.tiers.registry.LOWER_TIERS``; ``peering`` by ``service.config_peering``.)
 
 The parser takes the raw YAML value, validates every key, and changes nothing on the machine.
@@ -10,9 +10,11 @@ import importlib
 
 from kvxfer.errors import ConfigError
 from kvxfer.events.settings import ENDPOINT_RE, EventSettings
+from kvxfer.index.admission import AdmissionSettings
 from kvxfer.tiers.sections import RENAMED, mib, renamed
 from kvxfer.validate import shown
 
+ADMISSION_KEYS = {"store_threshold", "max_blocks_per_request", "tracked_keys"}
 EVENTS_KEYS = {"replay_keys", "linger_ms", "max_subscribers", "publish", "replay", "topic", "publish_replay_mib",
                "hwm", "int_block_hashes", "replay_batches", "replay_mib"}
 
@@ -56,3 +58,19 @@ def events(raw) -> EventSettings:
     if not isinstance(int_hashes, bool):
         raise ConfigError(f"events.int_block_hashes: true or false, got {shown(int_hashes)}")
     return EventSettings(topic=topic, int_block_hashes=int_hashes, **values)
+
+
+def admission(raw) -> AdmissionSettings:
+    """The ``admission`` section: which new blocks engines' offloads store (``kvxfer.index.admission``)."""
+    if raw is None:
+        return AdmissionSettings()
+    if not isinstance(raw, dict) or set(raw) - ADMISSION_KEYS:
+        raise ConfigError(f"admission: must be a mapping of {sorted(ADMISSION_KEYS)}")
+    values = {}
+    for key, low, top in (("store_threshold", 0, 1 << 20), ("max_blocks_per_request", 0, 1 << 20),
+                          ("tracked_keys", 1, 1 << 22)):
+        value = raw.get(key, getattr(AdmissionSettings, key))
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+            raise ConfigError(f"admission.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
+        values[key] = value
+    return AdmissionSettings(**values)

@@ -14,7 +14,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -26,6 +26,7 @@ from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.checksum import FORMAT as CHECKSUM_FORMAT
 from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.geometry.sharding import Manifest
+from kvxfer.index.admission import Admission, AdmissionSettings
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.assembly import Assembly, Verified
@@ -84,11 +85,13 @@ class CacheGroup:
 
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
                  lower: LowerTierFactory | None = None, kv_events: EventHub | ScopedEvents | None = None,
-                 manifest: Manifest | None = None, reservations: Reservations | None = None) -> None:
+                 manifest: Manifest | None = None, reservations: Reservations | None = None,
+                 admission: AdmissionSettings | None = None) -> None:
         """``lower``: makes the group's lower tiers, top down (``kvxfer.tiers.registry.lower_tiers``).
         ``kv_events``: where every tier of the group announces blocks becoming restorable and going.
         ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
-        ``reservations``: peers' pushes into this group, which the local engine's stores come before."""
+        ``reservations``: peers' pushes into this group, which the local engine's stores come before.
+        ``admission``: which new blocks engines' offloads store (``kvxfer.index.admission``; none: all)."""
         self.name = name
         self.event_scope = kv_events.scope if kv_events is not None else 0  # who sees its events (EventHub.scoped)
         self.format = BlockFormat.of(layout, manifest)
@@ -102,6 +105,7 @@ class CacheGroup:
         # Held from a batch's slot reservation until the blocks it evicted are copied out of
         # their slots (demotion): no other batch may write those slots before.
         self.store_lock = threading.Lock()
+        self.admission = Admission(admission) if admission is not None and admission.active else None
         self._promoting = InFlight()  # keys being promoted: restores of one key at once share one promotion
         self._reservations = reservations
         #: what the group's lower tiers are told of it
@@ -174,16 +178,23 @@ class CacheGroup:
         disk's): a Snapshot lists them all."""
         return [self.index] + [t.index for t in self.lower_tiers if t.index is not None]
 
-    def prepare_store(self, namespace: str, keys: list[bytes], engine: bool = True) -> Plan:
+    def prepare_store(self, namespace: str, keys: list[bytes], engine: bool = True, admit: bool = False) -> Plan:
         """Host slots for new keys; the blocks evicted to make room go to the lower tiers. ``engine``: the local
-        engine stores them, which comes first: a peer's reservation of the same keys gives them up."""
+        engine stores them, which comes first: a peer's reservation of the same keys gives them up. ``admit``:
+        the group's admission rules decide which new keys are stored (the others: NOT_ADMITTED)."""
         with self.store_lock:
             if engine and self._reservations is not None:
                 self._reservations.yield_to_engine(self, namespace, keys)
-            plan = self.index.prepare_store(namespace, keys)
+            admitted = None
+            if admit and self.admission is not None:
+                admitted = self.admission.admit(namespace, keys, self.index.contains(namespace, keys))
+                if all(admitted):
+                    admitted = None
+            plan = self.index.prepare_store(namespace, keys if admitted is None else
+                                            [k for k, ok in zip(keys, admitted) if ok])
             if plan.evicted:
                 self._demote(plan.evicted)
-            return plan
+            return plan if admitted is None else _widened(plan, admitted)
 
     def _demote(self, victims: Evicted) -> None:
         """(store lock held) Copy evicted blocks out of their host slots before those are reused."""
@@ -243,10 +254,16 @@ class CacheGroup:
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         return self.index.delete(namespace, keys) + sum(t.delete(namespace, keys) for t in self.lower_tiers)
 
+    def _declined(self) -> dict[str, int]:
+        """New blocks admission declined, by rule (none without admission)."""
+        a = self.admission
+        return {} if a is None else {"declined_store_threshold": a.declined_threshold,
+                                     "declined_request_cap": a.declined_cap}
+
     def tier_stats(self) -> list[TierStats]:
         i = self.index.stats()
         host = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes,
-                         events={"refaults": i.refaults})
+                         events={"refaults": i.refaults, **self._declined()})
         return [host] + [t.stats() for t in self.lower_tiers]
 
     def demote_all(self, timeout: float) -> int:
@@ -292,3 +309,12 @@ class CacheGroup:
         if fmt != self.format:
             raise FailedPrecondition(f"cache group {self.name!r} holds blocks of {self.format}; a pool of {fmt} "
                                      "cannot join it (use another cache group)")
+
+
+def _widened(plan: Plan, admitted: list[bool]) -> Plan:
+    """A plan for the admitted keys, as one for the whole batch: the others NOT_ADMITTED."""
+    at = [i for i, ok in enumerate(admitted) if ok]
+    outcomes = [Outcome.NOT_ADMITTED] * len(admitted)
+    for j, outcome in enumerate(plan.outcomes):
+        outcomes[at[j]] = outcome
+    return replace(plan, outcomes=outcomes, positions=[at[p] for p in plan.positions])

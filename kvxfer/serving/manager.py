@@ -120,7 +120,7 @@ class PoolManager:
         return self.run(TransferBatch.restore(namespace, pairs, self.num_blocks), cancelled)
 
     def _offload(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
-        plan = self.group.prepare_store(batch.namespace, batch.keys)
+        plan = self.group.prepare_store(batch.namespace, batch.keys, admit=True)
         slots = plan.slots
         checksums: list[int | None] = [None] * len(slots)
         moved, seconds = 0, 0.0

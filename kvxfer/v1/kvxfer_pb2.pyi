@@ -30,6 +30,7 @@ class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_STATUS_FAILED: _ClassVar[BlockStatus]
     BLOCK_STATUS_CANCELLED: _ClassVar[BlockStatus]
     BLOCK_STATUS_DEADLINE_EXCEEDED: _ClassVar[BlockStatus]
+    BLOCK_STATUS_NOT_ADMITTED: _ClassVar[BlockStatus]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +72,7 @@ BLOCK_STATUS_RESOURCE_EXHAUSTED: BlockStatus
 BLOCK_STATUS_FAILED: BlockStatus
 BLOCK_STATUS_CANCELLED: BlockStatus
 BLOCK_STATUS_DEADLINE_EXCEEDED: BlockStatus
+BLOCK_STATUS_NOT_ADMITTED: BlockStatus
 TIER_UNSPECIFIED: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
