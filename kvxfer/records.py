@@ -137,3 +137,4 @@ class PoolStats:
     outcomes: dict[str, int] = field(default_factory=dict)  # per Outcome value: "done", "data_loss", ...
     jobs: JobStats = JobStats()
     lookups: LookupStats = LookupStats()
+    block_tokens: int = 0  # tokens a block holds: a tier's capacity in tokens is capacity_blocks x this

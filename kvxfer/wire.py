@@ -89,7 +89,7 @@ def pool_stats_to_pb(s: PoolStats) -> pb.PoolStats:
         offloaded=_transfer_stats(s.offloaded), restored=_transfer_stats(s.restored), outcomes=s.outcomes,
         jobs=pb.JobStats(queued=s.jobs.queued, running=s.jobs.running, unclaimed=s.jobs.unclaimed,
                          completed=s.jobs.completed, cancelled=s.jobs.cancelled, expired=s.jobs.expired),
-        lookup_keys=s.lookups.keys, lookup_hits=s.lookups.hits,
+        lookup_keys=s.lookups.keys, lookup_hits=s.lookups.hits, block_tokens=s.block_tokens,
     )
 
 
@@ -102,7 +102,7 @@ def pool_stats_from_pb(m: pb.PoolStats) -> PoolStats:
         TransferStats(m.offloaded.blocks, m.offloaded.bytes, m.offloaded.seconds),
         TransferStats(m.restored.blocks, m.restored.bytes, m.restored.seconds), dict(m.outcomes),
         JobStats(j.queued, j.running, j.unclaimed, j.completed, j.cancelled, j.expired),
-        LookupStats(m.lookup_keys, m.lookup_hits))
+        LookupStats(m.lookup_keys, m.lookup_hits), m.block_tokens)
 
 
 def handle_from_pb(msg: pb.PoolHandle) -> PoolHandle:

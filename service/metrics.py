@@ -177,6 +177,10 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
     families = {name: GaugeMetricFamily(f"kvxfer_tier_{name}_blocks", text, labels=labels) for name, text in (
         ("capacity", "Blocks the tier can hold."), ("used", "Tier slots holding a block or being written."),
         ("ready", "Blocks a restore can read."), ("pinned", "Blocks held by transfers in flight."))}
+    tokens = {name: GaugeMetricFamily(f"kvxfer_tier_{name}_tokens", text, labels=labels) for name, text in (
+        ("capacity", "Tokens of KV the tier can hold (capacity in blocks x tokens a block): what a router that "
+                     "scores this node's offloaded prefixes needs, read here instead of typed by hand."),
+        ("ready", "Tokens of KV a restore can read now."))}
     slot = GaugeMetricFamily("kvxfer_tier_slot_bytes", "Bytes of one tier slot (one block; on disk, its header "
                              "included).", labels=labels)
     evictions = CounterMetricFamily("kvxfer_tier_evictions", "Blocks evicted to make room.", labels=labels)
@@ -198,13 +202,16 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
                 for name, value in (("capacity", t.capacity_blocks), ("used", t.used_blocks),
                                     ("ready", t.ready_blocks), ("pinned", t.pinned_blocks)):
                     families[name].add_metric(values, value)
+                if s.block_tokens:
+                    tokens["capacity"].add_metric(values, t.capacity_blocks * s.block_tokens)
+                    tokens["ready"].add_metric(values, t.ready_blocks * s.block_tokens)
                 evictions.add_metric(values, t.evictions)
             slot.add_metric(values, t.slot_bytes)
             degraded.add_metric(values, int(t.degraded))
             loading.add_metric(values, int(t.loading))
             for event, n in sorted(t.events.items()):
                 events.add_metric([*values, event], n)
-    yield from (*families.values(), slot, evictions, degraded, loading, events)
+    yield from (*families.values(), *tokens.values(), slot, evictions, degraded, loading, events)
 
 
 def _jobs(stats: list[PoolStats]) -> Iterator[Metric]:

@@ -31,4 +31,5 @@ class ServedPool:
     def stats(self) -> PoolStats:
         store = self.manager.stats()
         return PoolStats(self.descriptor.pool_id, self.descriptor.epoch, self.cache_group, store.tiers,
-                         store.offloaded, store.restored, store.outcomes, self.jobs.stats(), store.lookups)
+                         store.offloaded, store.restored, store.outcomes, self.jobs.stats(), store.lookups,
+                         self.descriptor.spec.block_size)

@@ -352,7 +352,7 @@ class TransferStats(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "epoch", "tiers", "offloaded", "restored", "outcomes", "jobs", "cache_group", "lookup_keys", "lookup_hits")
+    __slots__ = ("pool_id", "epoch", "tiers", "offloaded", "restored", "outcomes", "jobs", "cache_group", "lookup_keys", "lookup_hits", "block_tokens")
     class OutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,7 @@ class PoolStats(_message.Message):
     CACHE_GROUP_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_KEYS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -380,7 +381,8 @@ class PoolStats(_message.Message):
     cache_group: str
     lookup_keys: int
     lookup_hits: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offloaded: _Optional[_Union[TransferStats, _Mapping]] = ..., restored: _Optional[_Union[TransferStats, _Mapping]] = ..., outcomes: _Optional[_Mapping[str, int]] = ..., jobs: _Optional[_Union[JobStats, _Mapping]] = ..., cache_group: _Optional[str] = ..., lookup_keys: _Optional[int] = ..., lookup_hits: _Optional[int] = ...) -> None: ...
+    block_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., offloaded: _Optional[_Union[TransferStats, _Mapping]] = ..., restored: _Optional[_Union[TransferStats, _Mapping]] = ..., outcomes: _Optional[_Mapping[str, int]] = ..., jobs: _Optional[_Union[JobStats, _Mapping]] = ..., cache_group: _Optional[str] = ..., lookup_keys: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class JobStats(_message.Message):
     __slots__ = ("queued", "running", "unclaimed", "completed", "cancelled", "expired")
