@@ -27,6 +27,7 @@ def daemon_keys() -> dict[str, set[str] | None]:
     renamed key (``kvxfer.tiers.sections.RENAMED``) is read still, so the schema takes it too."""
     keys: dict[str, set[str] | None] = {name: None for name in config._SCALARS}
     keys["pools"] = None  # (its items are described in full by the schema already)
+    keys["tenants"] = None  # (a list: the daemon validates its items)
     keys["events"] = set(config_sections.EVENTS_KEYS)
     keys["admission"] = set(config_sections.ADMISSION_KEYS)
     keys["peering"] = set(config_peering.PEERING_KEYS)

@@ -20,6 +20,7 @@ from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
 from kvxfer.events.settings import EventSettings
 from kvxfer.index.admission import AdmissionSettings
+from kvxfer.index.tenancy import Tenant, parse as parse_tenants
 from kvxfer.peering.settings import PeeringSettings
 from kvxfer.errors import ConfigError
 from kvxfer.tiers.registry import LOWER_TIERS
@@ -82,6 +83,7 @@ class Config:
     tiers: dict[str, object] = field(default_factory=dict)
     events: EventSettings = field(default_factory=EventSettings)  # KV events: replay buffer, publisher
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)  # which new blocks offloads store
+    tenants: tuple[Tenant, ...] = ()  # guaranteed shares of every host tier (kvxfer.index.tenancy)
     peering: PeeringSettings | None = None  # other nodes' daemons, read over NIXL; absent: none
     notes: tuple[str, ...] = ()  # warnings loading found (renamed keys): serve --check prints them, serve logs them
 
@@ -105,7 +107,7 @@ class Config:
         return Path(self.token_file).read_text().strip()
 
 
-_SECTIONS = ("pools", "events", "admission", "peering")  # and each lower tier's (``_sections``)
+_SECTIONS = ("pools", "events", "admission", "tenants", "peering")  # and each lower tier's (``_sections``)
 _SCALARS = {f.name: f for f in fields(Config) if f.name not in (*_SECTIONS, "tiers", "notes")}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -270,6 +272,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     return validate(replace(Config(), **values, pools=pools, tiers={k: v for k, v in tiers.items() if v is not None},
                             events=sections.events(raw.get("events")),
                             admission=sections.admission(raw.get("admission")),
+                            tenants=parse_tenants(raw.get("tenants")),
                             peering=peering_section(raw.get("peering")), notes=_renamed_keys(raw)))
 
 

@@ -73,6 +73,7 @@ class DaemonCollector(Collector):
         yield from _transfers(stats)
         yield from _outcomes_and_lookups(stats)
         yield from _tiers(stats)
+        yield from _tenants(stats)
         yield from _jobs(stats)
         limit = GaugeMetricFamily("kvxfer_jobs_max_queued", "Jobs a pool holds queued or uncollected at most "
                                   "(max_queued_jobs): beyond it submissions are refused.", labels=["pool"])
@@ -212,6 +213,30 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
             for event, n in sorted(t.events.items()):
                 events.add_metric([*values, event], n)
     yield from (*families.values(), *tokens.values(), slot, evictions, degraded, loading, events)
+
+
+def _tenants(stats: list[PoolStats]) -> Iterator[Metric]:
+    """Each configured tenant's part of each group's host tier (labels: configured tenants and "other" only)."""
+    labels = ["cache_group", "tenant"]
+    blocks = GaugeMetricFamily("kvxfer_tenant_blocks", "Host-tier slots holding the tenant's blocks.", labels=labels)
+    guaranteed = GaugeMetricFamily("kvxfer_tenant_guaranteed_blocks", "Host-tier blocks no other tenant's store "
+                                   "may take below (its share).", labels=labels)
+    evictions = CounterMetricFamily("kvxfer_tenant_evictions", "The tenant's blocks evicted from the host tier.",
+                                    labels=labels)
+    hits = CounterMetricFamily("kvxfer_tenant_hits", "The tenant's blocks loaded from the host tier.", labels=labels)
+    seen = set()
+    for s in stats:
+        host = next((t for t in s.tiers if t.tenants), None)
+        if host is None or s.cache_group in seen:
+            continue
+        seen.add(s.cache_group)
+        for t in host.tenants:
+            values = [s.cache_group, t.name]
+            blocks.add_metric(values, t.blocks)
+            guaranteed.add_metric(values, t.guaranteed)
+            evictions.add_metric(values, t.evictions)
+            hits.add_metric(values, t.hits)
+    yield from (blocks, guaranteed, evictions, hits)
 
 
 def _jobs(stats: list[PoolStats]) -> Iterator[Metric]:

@@ -160,7 +160,7 @@ class Daemon:
                                   events.replay_mib << 20)
         self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events,  # empty until listening
                                      (lambda groups: Peering(config.peering, groups)) if config.peering else None,
-                                     config.tiers, config.admission)
+                                     config.tiers, config.admission, config.tenants)
         self.peering: Peering | None = self.registry.peering
         self.publisher: ZmqPublisher | None = None
         self.metrics_server: WSGIServer | None = None

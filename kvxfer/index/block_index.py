@@ -28,6 +28,7 @@ from kvxfer.events.records import EngineBlocks, Reason, described, format_code
 from kvxfer.index.entries import Entry, Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import EvictionPolicy, lru
 from kvxfer.index.refaults import Refaults
+from kvxfer.index.tenancy import Tenancy, Tenant
 from kvxfer.index.keytable import KeyTable
 from kvxfer.slots import SlotAllocator, int_array, slot_array
 from kvxfer.records import Outcome, TierKind
@@ -43,9 +44,10 @@ class BlockIndex:
     """The index of one tier. Thread-safe."""
 
     def __init__(self, tier: TierKind, slots: SlotAllocator | int, policy: EvictionPolicy | None = None,
-                 events: TierEvents | None = None) -> None:
+                 events: TierEvents | None = None, tenants: Sequence[Tenant] = ()) -> None:
         """``slots``: the tier's free-slot bookkeeping (``Tier.slots``), or a capacity for one of its own;
-        ``events``: where to announce entries published and removed (under the lock, as they change)."""
+        ``events``: where to announce entries published and removed (under the lock, as they change);
+        ``tenants``: their guaranteed shares of the tier (``kvxfer.index.tenancy``)."""
         self.tier = tier
         self._slots = slots if isinstance(slots, SlotAllocator) else SlotAllocator(slots)
         capacity = self._slots.capacity
@@ -59,6 +61,7 @@ class BlockIndex:
         self._lock = threading.Lock()
         self._evictions = 0
         self._refaults = Refaults(capacity)
+        self._tenancy = Tenancy(tenants, capacity) if tenants else None
         self._ready_count = self._pinned_count = 0  # kept as entries change: Stats reads them in O(1)
         self._pin_runs: np.ndarray | None = None  # per slot: how many times its pins rose from 0 (if tracked)
 
@@ -68,9 +71,10 @@ class BlockIndex:
         with self._lock:
             found = self._keys.find(namespace, keys)
             new = np.flatnonzero(found < 0)
+            tenant = self._tenancy.of(namespace) if self._tenancy is not None else 0
             if len(new) == len(keys):  # the usual case: every key new
                 self._refaults.stored(namespace, keys)
-                slots, evicted = self._reserve(len(keys))
+                slots, evicted = self._reserve(len(keys), tenant)
             else:
                 # Keys of this batch that are stored already become most recent and may
                 # not be evicted to make room for the batch's new keys.
@@ -80,7 +84,7 @@ class BlockIndex:
                 held = held[self._state[held] == READY]
                 self._pin(held, 1)
                 try:
-                    slots, evicted = self._reserve(len(new))
+                    slots, evicted = self._reserve(len(new), tenant)
                 finally:
                     self._pin(held, -1)
                     self._policy.used(held)
@@ -97,6 +101,8 @@ class BlockIndex:
             if not self._keys.insert_new(namespace, stored, at):  # (absent above; eviction adds none)
                 raise Internal("a key appeared in the index during its own store")
             self._set_state(at, PENDING)
+            if self._tenancy is not None:
+                self._tenancy.assign(at, tenant)
             self._pin(at, 1)  # reserved slots were free: unpinned
             return Plan(outcomes, slots, positions, evicted=evicted)
 
@@ -139,6 +145,8 @@ class BlockIndex:
             found, hit = self._ready(namespace, keys)
             positions = np.flatnonzero(hit)
             at = found[positions]
+            if self._tenancy is not None:
+                self._tenancy.hit(namespace, len(positions))
             self._pin(at, 1)  # distinct keys, so distinct slots
             codes = np.where(hit, _DONE, _NOT_FOUND).astype(np.int8)
             return Plan(_outcomes(codes), at.tolist(), positions.tolist(), self._checksum[at].tolist(),
@@ -165,6 +173,8 @@ class BlockIndex:
             if not self._keys.insert_new(namespace, [key], at):
                 return False
             self._set_state(at, READY)
+            if self._tenancy is not None:
+                self._tenancy.assign(at, self._tenancy.of(namespace))
             self._checksum[slot] = checksum
             self._format[slot] = key_format
             self._policy.used(at)
@@ -263,7 +273,8 @@ class BlockIndex:
     def stats(self) -> IndexStats:
         with self._lock:
             return IndexStats(self.tier, self._slots.capacity, self._slots.used, self._ready_count,
-                              self._pinned_count, self._evictions, self._refaults.count)
+                              self._pinned_count, self._evictions, self._refaults.count,
+                              tuple(self._tenancy.stats()) if self._tenancy is not None else ())
 
     # -- internals (lock held) -------------------------------------------------
     def _set_state(self, at, state: int) -> None:
@@ -304,15 +315,18 @@ class BlockIndex:
     def _evictable(self, slots: np.ndarray) -> np.ndarray:
         return (self._state[slots] == READY) & (self._pins[slots] == 0)
 
-    def _reserve(self, n: int) -> tuple[list[int], Evicted]:
-        """Up to n free slots, evicting what the policy names as needed."""
+    def _reserve(self, n: int, tenant: int = 0) -> tuple[list[int], Evicted]:
+        """Up to n free slots, evicting what the policy names as needed (what ``tenant``'s store may take)."""
         short = n - self._slots.free
-        evicted = self._take_victims(short) if short > 0 else Evicted(self.tier)
+        evicted = self._take_victims(short, tenant) if short > 0 else Evicted(self.tier)
         return self._slots.allocate(min(n, self._slots.free)) or [], evicted
 
-    def _take_victims(self, n: int) -> Evicted:
+    def _take_victims(self, n: int, tenant: int = 0) -> Evicted:
         """Remove up to n entries the policy names and free their slots (whose bytes stay until reused)."""
-        at = self._policy.victims(n, self._evictable)  # (out of the policy's order now)
+        t = self._tenancy
+        at = self._policy.victims(n, self._evictable if t is None else t.victims_for(tenant, self._evictable))
+        if t is not None:
+            t.release(at, evicted=True)
         self._evictions += len(at)
         owners = self._keys.owner_ids(at)
         ids = [int(owners[0])] if owners.size and (owners == owners[0]).all() else np.unique(owners).tolist()
@@ -360,6 +374,8 @@ class BlockIndex:
         """(``at`` distinct)"""
         done = at[(self._state[at] == DROPPED) & (self._pins[at] == 0)]
         if done.size:
+            if self._tenancy is not None:
+                self._tenancy.release(done)
             self._state[done] = FREE
             self._slots.release_many(done)
 

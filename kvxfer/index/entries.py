@@ -84,3 +84,4 @@ class IndexStats:
     pinned: int
     evictions: int
     refaults: int = 0  # keys stored again soon after their eviction (kvxfer.index.refaults)
+    tenants: tuple = ()  # each configured tenant's TenantStats, "other" first (kvxfer.index.tenancy)

@@ -28,6 +28,7 @@ from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.geometry.sharding import Manifest
 from kvxfer.index.admission import Admission, AdmissionSettings
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
+from kvxfer.index.tenancy import Tenant
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.serving.assembly import Assembly, Verified
 from kvxfer.serving.promotion import InFlight, promote
@@ -86,12 +87,13 @@ class CacheGroup:
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
                  lower: LowerTierFactory | None = None, kv_events: EventHub | ScopedEvents | None = None,
                  manifest: Manifest | None = None, reservations: Reservations | None = None,
-                 admission: AdmissionSettings | None = None) -> None:
+                 admission: AdmissionSettings | None = None, tenants: Sequence[Tenant] = ()) -> None:
         """``lower``: makes the group's lower tiers, top down (``kvxfer.tiers.registry.lower_tiers``).
         ``kv_events``: where every tier of the group announces blocks becoming restorable and going.
         ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
         ``reservations``: peers' pushes into this group, which the local engine's stores come before.
-        ``admission``: which new blocks engines' offloads store (``kvxfer.index.admission``; none: all)."""
+        ``admission``: which new blocks engines' offloads store (``kvxfer.index.admission``; none: all).
+        ``tenants``: their guaranteed shares of the host tier (``kvxfer.index.tenancy``)."""
         self.name = name
         self.event_scope = kv_events.scope if kv_events is not None else 0  # who sees its events (EventHub.scoped)
         self.format = BlockFormat.of(layout, manifest)
@@ -99,7 +101,7 @@ class CacheGroup:
         self.verified = Verified(capacity_blocks) if manifest is not None else None  # ranks verify a block once
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
         self.index = BlockIndex(self.host.kind, self.host.slots,
-                                events=kv_events.tier(self.host.kind, name) if kv_events else None)
+                                events=kv_events.tier(self.host.kind, name) if kv_events else None, tenants=tenants)
         if self.verified is not None:
             self.index.track_pin_runs()
         # Held from a batch's slot reservation until the blocks it evicted are copied out of
@@ -263,7 +265,7 @@ class CacheGroup:
     def tier_stats(self) -> list[TierStats]:
         i = self.index.stats()
         host = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes,
-                         events={"refaults": i.refaults, **self._declined()})
+                         events={"refaults": i.refaults, **self._declined()}, tenants=i.tenants)
         return [host] + [t.stats() for t in self.lower_tiers]
 
     def demote_all(self, timeout: float) -> int:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvxfer.events.hub import EventHub
 from kvxfer.index.admission import AdmissionSettings
+from kvxfer.index.tenancy import Tenant
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
 from kvxfer.serving.group import CacheGroup
@@ -57,13 +58,16 @@ class PoolRegistry:
     def __init__(self, limits: Limits = Limits(), observer: TransferObserver | None = None,
                  kv_events: EventHub | None = None,
                  peering: Callable[[Callable[[], list[CacheGroup]]], Peering] | None = None,
-                 lower_tiers: Mapping[str, object] | None = None, admission: AdmissionSettings | None = None) -> None:
+                 lower_tiers: Mapping[str, object] | None = None, admission: AdmissionSettings | None = None,
+                 tenants: Sequence[Tenant] = ()) -> None:
         """``peering``: makes the daemon's peering from the groups peers may reach (``peer_groups``); each
         group made here then has the peers as a lower tier. ``lower_tiers``: every group's other lower
         tiers, settings by config section (``kvxfer.tiers.registry``). ``admission``: every group's rules for
-        the new blocks engines offload (``kvxfer.index.admission``)."""
+        the new blocks engines offload (``kvxfer.index.admission``). ``tenants``: their shares of every group's
+        host tier (``kvxfer.index.tenancy``)."""
         self.limits = limits
         self.admission = admission
+        self.tenants = tuple(tenants)
         self.observer = observer  # told of every transfer of every pool (the daemon's metrics)
         self.kv_events = kv_events  # where the groups' tiers announce their blocks (WatchEvents)
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
@@ -108,7 +112,7 @@ class PoolRegistry:
                                               kv_events=self.kv_events.scoped(private=not sharing.events)
                                               if self.kv_events is not None else None, manifest=manifest,
                                               reservations=self.peering.leases if self.peering else None,
-                                              admission=self.admission),
+                                              admission=self.admission, tenants=self.tenants),
                                        owner, sharing)
                 # PoolManager refuses a pool whose block format differs from the group's.
                 manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,

@@ -1,0 +1,152 @@
+"""Tenants' shares of a tier: another tenant's traffic never pushes a tenant below its guarantee.
+
+A tenant is named in the config by its ``cache_salt`` (the engines put a digest of it in the
+namespace: ``vllm:<model>:<digest>``, ``sglang:<model>:<digest>``) or by a namespace prefix, with
+a ``share`` of every host tier. Namespaces that match no tenant are ``other`` (no guarantee).
+
+The tier keeps one eviction order; a tenant's blocks leave in that order, so each tenant's are
+evicted least recently used first among themselves. When a store needs room, the victims may be
+the storing tenant's own blocks, and any other tenant's only while it holds more than its
+guarantee: the part above it is borrowed (a share unused is lent to the others) and is taken back
+first. A store that finds no such victim gets RESOURCE_EXHAUSTED for the blocks that did not fit,
+as in a tier full of pinned blocks. Bookkeeping only: slots and counts, never bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxfer.errors import ConfigError
+from kvxfer.integrations.identity import digest
+from kvxfer.validate import shown
+
+OTHER = "other"  # namespaces no tenant names
+MAX_TENANTS = 16
+NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?")
+ENGINES = ("vllm", "sglang")  # backends whose namespaces carry the cache_salt's digest third
+_MEMO = 4096  # namespaces whose tenant is remembered
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One entry of the ``tenants`` config list."""
+
+    name: str
+    share: float  # of every host tier, guaranteed
+    cache_salt: str = ""
+    namespace_prefix: str = ""
+
+    def matches(self, namespace: str) -> bool:
+        if self.namespace_prefix:
+            return namespace.startswith(self.namespace_prefix)
+        parts = namespace.split(":", 3)
+        return len(parts) >= 3 and parts[0] in ENGINES and parts[2] == digest(self.cache_salt)
+
+
+def parse(raw) -> tuple[Tenant, ...]:
+    """The ``tenants`` config list: each {name, share, and cache_salt or namespace_prefix}."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_TENANTS:
+        raise ConfigError(f"tenants: a list of at most {MAX_TENANTS} tenants")
+    tenants = []
+    for i, t in enumerate(raw):
+        where = f"tenants[{i}]"
+        if not isinstance(t, dict) or set(t) - {"name", "share", "cache_salt", "namespace_prefix"}:
+            raise ConfigError(f"{where}: a mapping of name, share, and cache_salt or namespace_prefix")
+        name, share = t.get("name"), t.get("share")
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name == OTHER:
+            raise ConfigError(f"{where}.name: 1-32 of a-z, 0-9 and -, not {OTHER!r}, got {shown(name)}")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(f"{where}.share: a share of the tier in (0, 1], got {shown(share)}")
+        salt, prefix = t.get("cache_salt", ""), t.get("namespace_prefix", "")
+        if not isinstance(salt, str) or not isinstance(prefix, str) or bool(salt) == bool(prefix) \
+                or len(salt) > 1024 or len(prefix) > 256:
+            raise ConfigError(f"{where}: give one of cache_salt (up to 1024 characters) or namespace_prefix "
+                              "(up to 256)")
+        tenants.append(Tenant(name, float(share), salt, prefix))
+    if len({t.name for t in tenants}) != len(tenants):
+        raise ConfigError("tenants: names must be unique")
+    if sum(t.share for t in tenants) > 1 + 1e-9:
+        raise ConfigError(f"tenants: shares add up to {sum(t.share for t in tenants):g}; at most 1")
+    return tuple(tenants)
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's figures in one tier."""
+
+    name: str
+    blocks: int  # slots holding its blocks (being written included)
+    guaranteed: int  # blocks no other tenant's store may take below
+    evictions: int
+    hits: int  # blocks loaded from the tier
+
+
+class Tenancy:
+    """Which tenant holds each slot of one tier, and the victims a tenant's store may take. Used under the
+    index's lock."""
+
+    def __init__(self, tenants: Sequence[Tenant], capacity: int) -> None:
+        self.tenants = tuple(tenants)
+        self.names = [OTHER] + [t.name for t in self.tenants]
+        self.guarantee = np.array([0] + [int(t.share * capacity) for t in self.tenants], dtype=np.int64)
+        self.of_slot = np.zeros(capacity, dtype=np.uint8)
+        self.blocks = np.zeros(len(self.names), dtype=np.int64)
+        self.evictions = np.zeros(len(self.names), dtype=np.int64)
+        self.hits = np.zeros(len(self.names), dtype=np.int64)
+        self._memo: dict[str, int] = {}
+
+    def of(self, namespace: str) -> int:
+        """The tenant of a namespace (0: other)."""
+        found = self._memo.get(namespace)
+        if found is None:
+            found = next((i + 1 for i, t in enumerate(self.tenants) if t.matches(namespace)), 0)
+            if len(self._memo) >= _MEMO:
+                self._memo.clear()
+            self._memo[namespace] = found
+        return found
+
+    def assign(self, slots: np.ndarray, tenant: int) -> None:
+        """Slots now hold this tenant's blocks."""
+        self.of_slot[slots] = tenant
+        self.blocks[tenant] += len(slots)
+
+    def release(self, slots: np.ndarray, evicted: bool = False) -> None:
+        """Slots freed (``evicted``: to make room)."""
+        counts = np.bincount(self.of_slot[slots], minlength=len(self.names))
+        self.blocks -= counts
+        if evicted:
+            self.evictions += counts
+
+    def hit(self, namespace: str, n: int) -> None:
+        self.hits[self.of(namespace)] += n
+
+    def victims_for(self, tenant: int, evictable):
+        """``evictable`` narrowed for a store of ``tenant``: its own blocks, and another tenant's only down to
+        its guarantee. Called on candidates in eviction order, each once (the policy's contract)."""
+        budget = np.maximum(self.blocks - self.guarantee, 0)
+        budget[tenant] = np.iinfo(np.int64).max
+
+        def allowed(slots: np.ndarray) -> np.ndarray:
+            mask = evictable(slots)
+            owners = self.of_slot[slots]
+            for t in np.unique(owners[mask]).tolist():
+                at = np.flatnonzero(mask & (owners == t))
+                take = int(min(budget[t], len(at)))
+                mask[at[take:]] = False
+                budget[t] -= take
+            return mask
+
+        return allowed
+
+    def stats(self) -> list[TenantStats]:
+        return [TenantStats(name, int(self.blocks[i]), int(self.guarantee[i]), int(self.evictions[i]),
+                            int(self.hits[i])) for i, name in enumerate(self.names)]
+
+
+__all__ = ["OTHER", "Tenancy", "Tenant", "TenantStats", "parse"]
