@@ -20,7 +20,7 @@ from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
 from kvxfer.events.settings import EventSettings
 from kvxfer.index.admission import AdmissionSettings
-from kvxfer.index.tenancy import Tenant, parse as parse_tenants
+from kvxfer.index.tenancy import Tenant
 from kvxfer.peering.settings import PeeringSettings
 from kvxfer.errors import ConfigError
 from kvxfer.tiers.registry import LOWER_TIERS
@@ -272,7 +272,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     return validate(replace(Config(), **values, pools=pools, tiers={k: v for k, v in tiers.items() if v is not None},
                             events=sections.events(raw.get("events")),
                             admission=sections.admission(raw.get("admission")),
-                            tenants=parse_tenants(raw.get("tenants")),
+                            tenants=sections.tenants(raw.get("tenants")),
                             peering=peering_section(raw.get("peering")), notes=_renamed_keys(raw)))
 
 

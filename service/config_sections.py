@@ -1,4 +1,4 @@
-"""The config file's ``events`` and ``admission`` sections. (Each lower tier's section is parsed by its own module:
+"""The config file's ``events``, ``admission`` and ``tenants`` sections. (Each lower tier's section is parsed by its own module:
 ``kvxfer.tiers.registry.LOWER_TIERS``; ``peering`` by ``service.config_peering``.)
 
 The parser takes the raw YAML value, validates every key, and changes nothing on the machine.
@@ -11,6 +11,7 @@ import importlib
 from kvxfer.errors import ConfigError
 from kvxfer.events.settings import ENDPOINT_RE, EventSettings
 from kvxfer.index.admission import AdmissionSettings
+from kvxfer.index.tenancy import MAX_TENANTS, NAME_RE, OTHER, Tenant
 from kvxfer.tiers.sections import RENAMED, mib, renamed
 from kvxfer.validate import shown
 
@@ -74,3 +75,32 @@ def admission(raw) -> AdmissionSettings:
             raise ConfigError(f"admission.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
         values[key] = value
     return AdmissionSettings(**values)
+
+
+def tenants(raw) -> tuple[Tenant, ...]:
+    """The ``tenants`` config list: each {name, share, and cache_salt or namespace_prefix}."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_TENANTS:
+        raise ConfigError(f"tenants: a list of at most {MAX_TENANTS} tenants")
+    tenants = []
+    for i, t in enumerate(raw):
+        where = f"tenants[{i}]"
+        if not isinstance(t, dict) or set(t) - {"name", "share", "cache_salt", "namespace_prefix"}:
+            raise ConfigError(f"{where}: a mapping of name, share, and cache_salt or namespace_prefix")
+        name, share = t.get("name"), t.get("share")
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name == OTHER:
+            raise ConfigError(f"{where}.name: 1-32 of a-z, 0-9 and -, not {OTHER!r}, got {shown(name)}")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(f"{where}.share: a share of the tier in (0, 1], got {shown(share)}")
+        salt, prefix = t.get("cache_salt", ""), t.get("namespace_prefix", "")
+        if not isinstance(salt, str) or not isinstance(prefix, str) or bool(salt) == bool(prefix) \
+                or len(salt) > 1024 or len(prefix) > 256:
+            raise ConfigError(f"{where}: give one of cache_salt (up to 1024 characters) or namespace_prefix "
+                              "(up to 256)")
+        tenants.append(Tenant(name, float(share), salt, prefix))
+    if len({t.name for t in tenants}) != len(tenants):
+        raise ConfigError("tenants: names must be unique")
+    if sum(t.share for t in tenants) > 1 + 1e-9:
+        raise ConfigError(f"tenants: shares add up to {sum(t.share for t in tenants):g}; at most 1")
+    return tuple(tenants)

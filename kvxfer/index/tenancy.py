@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.errors import ConfigError
 from kvxfer.integrations.identity import digest
-from kvxfer.validate import shown
 
 OTHER = "other"  # namespaces no tenant names
 MAX_TENANTS = 16
@@ -45,35 +43,6 @@ class Tenant:
             return namespace.startswith(self.namespace_prefix)
         parts = namespace.split(":", 3)
         return len(parts) >= 3 and parts[0] in ENGINES and parts[2] == digest(self.cache_salt)
-
-
-def parse(raw) -> tuple[Tenant, ...]:
-    """The ``tenants`` config list: each {name, share, and cache_salt or namespace_prefix}."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or len(raw) > MAX_TENANTS:
-        raise ConfigError(f"tenants: a list of at most {MAX_TENANTS} tenants")
-    tenants = []
-    for i, t in enumerate(raw):
-        where = f"tenants[{i}]"
-        if not isinstance(t, dict) or set(t) - {"name", "share", "cache_salt", "namespace_prefix"}:
-            raise ConfigError(f"{where}: a mapping of name, share, and cache_salt or namespace_prefix")
-        name, share = t.get("name"), t.get("share")
-        if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name == OTHER:
-            raise ConfigError(f"{where}.name: 1-32 of a-z, 0-9 and -, not {OTHER!r}, got {shown(name)}")
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise ConfigError(f"{where}.share: a share of the tier in (0, 1], got {shown(share)}")
-        salt, prefix = t.get("cache_salt", ""), t.get("namespace_prefix", "")
-        if not isinstance(salt, str) or not isinstance(prefix, str) or bool(salt) == bool(prefix) \
-                or len(salt) > 1024 or len(prefix) > 256:
-            raise ConfigError(f"{where}: give one of cache_salt (up to 1024 characters) or namespace_prefix "
-                              "(up to 256)")
-        tenants.append(Tenant(name, float(share), salt, prefix))
-    if len({t.name for t in tenants}) != len(tenants):
-        raise ConfigError("tenants: names must be unique")
-    if sum(t.share for t in tenants) > 1 + 1e-9:
-        raise ConfigError(f"tenants: shares add up to {sum(t.share for t in tenants):g}; at most 1")
-    return tuple(tenants)
 
 
 @dataclass(frozen=True)
@@ -149,4 +118,4 @@ class Tenancy:
                             int(self.hits[i])) for i, name in enumerate(self.names)]
 
 
-__all__ = ["OTHER", "Tenancy", "Tenant", "TenantStats", "parse"]
+__all__ = ["MAX_TENANTS", "NAME_RE", "OTHER", "Tenancy", "Tenant", "TenantStats"]

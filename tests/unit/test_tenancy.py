@@ -9,10 +9,10 @@ from hypothesis import given, settings, strategies as st
 
 from kvxfer.errors import ConfigError
 from kvxfer.index.block_index import BlockIndex
-from kvxfer.index.tenancy import Tenant, Tenancy, parse
+from kvxfer.index.tenancy import Tenant, Tenancy
 from kvxfer.integrations.identity import digest
 from kvxfer.records import Outcome, TierKind
-from service import config as service_config
+from service import config as service_config, config_sections
 
 TENANTS = (Tenant("a", 0.5, namespace_prefix="a/"), Tenant("b", 0.25, namespace_prefix="b/"))
 NAMESPACE = {0: "c/x", 1: "a/x", 2: "b/x"}  # tenant -> a namespace of it (0: other)
@@ -107,5 +107,6 @@ def test_bad_tenants_are_refused_at_load(tmp_path, raw, message):
 
 
 def test_a_good_list_parses():
-    assert parse([{"name": "team-a", "share": 0.5, "cache_salt": "x"}]) == (Tenant("team-a", 0.5, cache_salt="x"),)
+    assert config_sections.tenants([{"name": "team-a", "share": 0.5, "cache_salt": "x"}]) == (
+        Tenant("team-a", 0.5, cache_salt="x"),)
     assert np.isclose(sum(t.share for t in TENANTS), 0.75)
