@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from kvxfer.errors import Internal
+from kvxfer.errors import FailedPrecondition, Internal
 from kvxfer.events.hub import TierEvents
 from kvxfer.events.records import EngineBlocks, Reason, described, format_code
 from kvxfer.index.entries import Entry, Evicted, IndexStats, Plan, Victim
@@ -62,6 +62,9 @@ class BlockIndex:
         self._evictions = 0
         self._refaults = Refaults(capacity)
         self._tenancy = Tenancy(tenants, capacity) if tenants else None
+        if tenants and not self._policy.keeps_passed_over:
+            raise FailedPrecondition("tenants' shares need the C use order (kvxfer/_use_order.c), which is not "
+                                     "built here: install with a C compiler")
         self._ready_count = self._pinned_count = 0  # kept as entries change: Stats reads them in O(1)
         self._pin_runs: np.ndarray | None = None  # per slot: how many times its pins rose from 0 (if tracked)
 

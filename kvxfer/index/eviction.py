@@ -17,6 +17,7 @@ import numpy as np
 
 from kvxfer.fastpath import USE_ORDER
 
+MAX_CHUNK = 1 << 16  # slots ``LinkedLRU.victims`` reads from its order at once, at most
 #: Given slots, whether each may be evicted now (complete and unpinned).
 Evictable = Callable[[np.ndarray], np.ndarray]
 
@@ -39,6 +40,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def ordered(self, slots: np.ndarray) -> np.ndarray:
         """``slots`` in eviction order, the next victim first."""
+
+    @property
+    def keeps_passed_over(self) -> bool:
+        """Whether a slot ``victims`` passed over (not evictable then) keeps its place. Tenants' shares need
+        it: a block a share protects is passed over, yet must stay in the order."""
+        return True
 
 
 def lru(capacity: int) -> EvictionPolicy:
@@ -67,9 +74,9 @@ class LinkedLRU(EvictionPolicy):
             self._order.discard(np.ascontiguousarray(slots, dtype=np.int64))
 
     def victims(self, n: int, evictable: Evictable) -> np.ndarray:
-        chosen, after = [], -1
+        chosen, after, size = [], -1, max(2 * n, 256)
         while n > 0:
-            chunk = np.empty(max(2 * n, 256), dtype=np.int64)
+            chunk = np.empty(size, dtype=np.int64)
             chunk = chunk[:self._order.peek(after, chunk)]
             if not chunk.size:
                 break
@@ -77,6 +84,7 @@ class LinkedLRU(EvictionPolicy):
             chosen.append(picked)
             n -= len(picked)
             after = int(chunk[-1])
+            size = min(2 * size, MAX_CHUNK)  # (long runs passed over, as a tenant's protected share: fewer calls)
         victims = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
         self.forget(victims)
         return victims
@@ -161,6 +169,10 @@ class QueueLRU(EvictionPolicy):
 
     def ordered(self, slots: np.ndarray) -> np.ndarray:
         return slots[np.argsort(self._stamp[slots], kind="stable")]
+
+    @property
+    def keeps_passed_over(self) -> bool:
+        return False  # consumed with the queue: a pinned slot comes back when unpinned, a protected one would not
 
     def _start_copy(self, room: int) -> None:
         """Begin copying the current uses into a queue with room for them and as many more."""

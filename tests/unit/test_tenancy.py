@@ -7,8 +7,9 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from kvxfer.errors import ConfigError
+from kvxfer.errors import ConfigError, FailedPrecondition
 from kvxfer.index.block_index import BlockIndex
+from kvxfer.index.eviction import QueueLRU
 from kvxfer.index.tenancy import Tenant, Tenancy
 from kvxfer.integrations.identity import digest
 from kvxfer.records import Outcome, TierKind
@@ -79,6 +80,23 @@ def test_no_store_pushes_another_tenant_below_its_guarantee_and_counts_stay_exac
         else:
             index.delete(ns, [b"k%d" % i for i in range(max(0, serial - n), serial)])
         assert sum(blocks(index).values()) == index.stats().used
+
+
+def test_shares_refuse_an_order_that_drops_what_it_passes_over():
+    # QueueLRU (the Python twin, where the C order is not built) consumes passed-over slots with its queue:
+    # a protected block would leave the order for good.
+    with pytest.raises(FailedPrecondition, match="C use order"):
+        BlockIndex(TierKind.HOST, 8, QueueLRU(8), tenants=TENANTS)
+
+
+def test_a_store_passes_over_a_long_protected_run():
+    index = BlockIndex(TierKind.HOST, 5000, tenants=(Tenant("a", 0.9, namespace_prefix="a/"),))
+    store(index, 2, [b"o%d" % i for i in range(500)])  # the oldest: other's
+    store(index, 1, [b"a%d" % i for i in range(4500)])  # then a's whole share
+    out = store(index, 2, [b"p%d" % i for i in range(600)])  # other's own 500, past a's 4,500, then no more
+    assert out == [Outcome.DONE] * 500 + [Outcome.RESOURCE_EXHAUSTED] * 100
+    assert blocks(index) == {"other": 500, "a": 4500}
+    assert index.contains("b/x", [b"o0", b"p0", b"p499", b"p500"]) == [False, True, True, False]
 
 
 def test_a_cache_salt_names_the_engines_namespaces():
