@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class AdmissionSettings:
@@ -49,6 +51,14 @@ class Admission:
         """For each key, whether the offload may store it: held keys always (nothing is stored for them), new
         keys as the two rules say. Counts this offer of every new key."""
         s = self.settings
+        if s.store_threshold <= 1:  # the cap alone: no offers to count, no loop over keys
+            admitted = np.asarray(present, dtype=bool)
+            over = np.flatnonzero(~admitted)[s.max_blocks_per_request:]
+            admitted[~admitted] = True
+            admitted[over] = False
+            with self._lock:
+                self.declined_cap += len(over)
+            return admitted.tolist()
         admitted = list(present)
         new = 0
         with self._lock:

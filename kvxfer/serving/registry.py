@@ -202,7 +202,7 @@ class PoolRegistry:
             raise InvalidArgument("a shared-memory pool needs its descriptor handed over")
         check_path_names(handle.path, handoff.dev, handoff.ino)
         # A sealed memfd cannot shrink: map it and copy at memory speed. Any other file may be shrunk
-        # under us: map it for the C loop's guarded copies, which survive the SIGBUS (docs/architecture.md),
+        # under us: map it for the C loop's guarded copies, which survive the SIGBUS (docs/design.md),
         # or, where that loop is not built, reach it through its descriptor only.
         sealed = size_sealed(handoff.fd)
         guarded = not sealed and native.load() is not None

@@ -42,10 +42,6 @@ class Guard(ctypes.Structure):
 
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_int64), ("broken", ctypes.c_int)]
 
-    @property
-    def is_broken(self) -> bool:
-        return bool(self.broken)
-
 
 class PoolShrunk(Internal):
     """A guarded copy found its pool's file shrunk: the pool's mapping is gone."""
@@ -109,8 +105,7 @@ class NativeCopier:
                           None, 0, None, len(src_rows), step_rows, self._hash, self._piece, threads, guard),
                f"{len(src_rows)} rows")
 
-    def hash_spans(self, hashed: np.ndarray, spans: np.ndarray, step_blocks: int, threads: int,
-                   guard: Guard | None = None) -> list[int]:
+    def hash_spans(self, hashed: np.ndarray, spans: np.ndarray, step_blocks: int, threads: int) -> list[int]:
         """The checksum of each row ``hashed[spans[b]]``, on up to ``threads`` threads, nothing copied
         (the tier copies a GPU's DMA engine wrote). ``spans`` must be in range (trusted)."""
         if not len(spans):
@@ -119,7 +114,7 @@ class NativeCopier:
             raise Internal("native hash: arrays of mismatched types or strides")
         sums = np.empty(len(spans), dtype=np.uint64)
         _check(self._call(None, None, 0, None, None, 0, _address(hashed), _address(spans), hashed.shape[1],
-                          _address(sums), len(spans), step_blocks, self._hash, self._piece, threads, guard),
+                          _address(sums), len(spans), step_blocks, self._hash, self._piece, threads, None),
                f"{len(spans)} spans")
         return sums.tolist()
 
