@@ -18,7 +18,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer import fdpass, wire
-from kvxfer.client_results import DROPPABLE, SUCCESS, BlockFailures, FinishedJobs, failures, monotonic_ns
+from kvxfer.client_results import (DROPPABLE, SUCCESS, BlockFailures, FinishedJobs, PendingJobs, failures, finished,
+                                   monotonic_ns)
 from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError, error_for_code
 from kvxfer.events.client import EventBatch, SnapshotBatch, event_batches, snapshot_batches
 from kvxfer.events.records import EngineBlocks, KeyFormat
@@ -33,6 +34,8 @@ from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.records import LookupResult, Medium, PoolStats, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+
+
 
 class Client:
     """A connection to one daemon. ``target`` is ``unix:/path/to.sock`` or ``host:port`` (TLS; with
@@ -200,10 +203,18 @@ class Client:
         """
         request = pb.WaitJobsRequest(pool=self._ref(pool_id), client_id=self.client_id, job_ids=list(job_ids),
                                      timeout_ms=int(wait_s * 1000), wait_all=wait_all)
-        response = self._call(self._stub.WaitJobs, request, timeout or self.timeout + wait_s)
-        return FinishedJobs({j.job_id: TransferResult([wire.STATUS_TO_OUTCOME[s] for s in j.statuses], j.bytes,
-                                                      j.seconds) for j in response.finished},
-                            response.unknown_job_ids)
+        return finished(self._call(self._stub.WaitJobs, request, timeout or self.timeout + wait_s))
+
+    def wait_jobs_async(self, job_ids: Sequence[int] = (), *, wait_s: float = 0.0, wait_all: bool = False,
+                        pool_id: str | None = None, timeout: float | None = None) -> PendingJobs:
+        """``wait_jobs`` without waiting for its answer: the call is sent and this returns at once. The
+        daemon answers as soon as a job finishes, so an engine that asks ``done()`` each step learns of a
+        finished job within a step, and spends no round trip on steps where none finished."""
+        request = pb.WaitJobsRequest(pool=self._ref(pool_id), client_id=self.client_id, job_ids=list(job_ids),
+                                     timeout_ms=int(wait_s * 1000), wait_all=wait_all)
+        future = self._stub.WaitJobs.future(request, timeout=timeout or self.timeout + wait_s,
+                                            metadata=self._metadata)
+        return PendingJobs(future, self, self._error)
 
     # -- registered pools ----------------------------------------------------------
     def register_pool(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, *,

@@ -1,12 +1,17 @@
 """What the client's calls return besides their results: the outcomes that count as success, the
-exception a partly failed batch raises, ``wait_jobs``' answer, and the wire's deadline clock."""
+exception a partly failed batch raises, ``wait_jobs``' answer (and the call in flight of ``wait_jobs_async``),
+and the wire's deadline clock."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from kvxfer.errors import DeadlineExceeded, InvalidArgument, KvxferError, ResourceExhausted, Unavailable
+import grpc
+
+from kvxfer import wire
+from kvxfer.errors import DeadlineExceeded, InvalidArgument, KvxferError, ResourceExhausted, Unavailable, error_for_code
 from kvxfer.records import Outcome, TransferResult
+from kvxfer.v1 import kvxfer_pb2 as pb
 
 SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_ADMITTED})  # (declined: not a failure)
 #: Which status a failed batch reports, worst first.
@@ -43,6 +48,46 @@ class FinishedJobs(dict):
         self.unknown: list[int] = list(unknown)
 
 
+def finished(response: pb.WaitJobsResponse) -> FinishedJobs:
+    return FinishedJobs({j.job_id: TransferResult([wire.STATUS_TO_OUTCOME[s] for s in j.statuses], j.bytes,
+                                                  j.seconds) for j in response.finished},
+                        response.unknown_job_ids)
+
+
+class PendingJobs:
+    """A WaitJobs in flight (``Client.wait_jobs_async``): ``done()`` never blocks."""
+
+    def __init__(self, future: grpc.Future, session: object, to_error: Callable[[grpc.RpcError], KvxferError]) -> None:
+        self._future = future
+        self.session = session  # the Client that sent it: closing it cancels the call
+        self._to_error = to_error
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until answered (True) or ``timeout`` seconds passed (False)."""
+        try:
+            self._future.exception(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return False
+        except grpc.FutureCancelledError:
+            pass
+        return True
+
+    def result(self) -> FinishedJobs:
+        """The answer, or the call's ``KvxferError`` (blocks until answered)."""
+        try:
+            return finished(self._future.result())
+        except grpc.RpcError as exc:
+            raise self._to_error(exc) from None
+        except grpc.FutureCancelledError:
+            raise error_for_code("CANCELLED")("the wait was cancelled (its session closed)") from None
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
+
 #: Errors after which a best-effort offload is dropped instead of raised: the daemon is
 #: down, slow or full. A dropped offload costs a cache hit later, never correctness.
 DROPPABLE = (Unavailable, DeadlineExceeded, ResourceExhausted)
@@ -56,4 +101,4 @@ def failures(result: TransferResult) -> None:
         raise BlockFailures(f"{failed} of {len(result.outcomes)} blocks failed", result.outcomes, code)
 
 
-__all__ = ["DROPPABLE", "SUCCESS", "BlockFailures", "FinishedJobs", "failures", "monotonic_ns"]
+__all__ = ["DROPPABLE", "SUCCESS", "BlockFailures", "FinishedJobs", "PendingJobs", "failures", "finished", "monotonic_ns"]

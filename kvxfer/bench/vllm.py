@@ -22,7 +22,9 @@ import json
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from kvxfer.bench.common import GB, Progress, human_bytes
@@ -57,9 +59,11 @@ def _restore_seconds(engine) -> float:
     return worker._link.client.stats(names.pool_id(0))[0].restored.seconds
 
 
-def _load_once(engine, prompt: list[int], tag: str, backend: _Timed) -> tuple[float, float, float, float]:
+def _load_once(engine, prompt: list[int], tag: str, backend: _Timed,
+               schedule: _Timed) -> tuple[float, float, float, float, float]:
     """Store ``prompt``, forget it locally, then time the load of all its blocks: (lookup step s, the
-    backend's share of it s, scheduled -> loaded s, the daemon's restore s)."""
+    backend's share of it s, scheduled -> loaded s, the daemon's restore s, vLLM's schedule() in the step
+    that schedules the load s)."""
     engine.add(f"{tag}-store", prompt)
     engine.run({f"{tag}-store"})
     engine.reset_prefix_cache()
@@ -71,17 +75,39 @@ def _load_once(engine, prompt: list[int], tag: str, backend: _Timed) -> tuple[fl
     restored = _restore_seconds(engine)
     start = None
     while True:
-        step_start = time.perf_counter()
+        step_start, schedule.seconds = time.perf_counter(), 0.0
         report = engine.step()
         if req in report.external_hits:
-            start = step_start
+            start, scheduling = step_start, schedule.seconds
             if report.external_hits[req] != len(prompt):
                 raise SystemExit(f"expected a hit of {len(prompt)} tokens, got {report.external_hits[req]}")
         if req in report.loaded:
             loaded = time.perf_counter() - start
             break
     engine.run({req})
-    return lookup, share, loaded, _restore_seconds(engine) - restored
+    return lookup, share, loaded, _restore_seconds(engine) - restored, scheduling
+
+
+def _busy_step_cost(engine, blocks: int, polls: int = 200) -> float:
+    """The median time of the worker's ``get_finished`` in steps that run a forward pass while a store of
+    ``blocks`` blocks is in flight (what every decoding step pays for the backend while transfers run)."""
+    from kvxfer.integrations.vllm.manager import KvxferBlocks  # vLLM's own types: imported where vLLM is
+
+    worker = engine.worker.spec.worker
+    keys = [b"busy-%d" % i for i in range(blocks)]
+    worker.idle_step = False
+    worker.submit_store(1 << 30, SimpleNamespace(block_ids=np.arange(1, blocks + 1)), KvxferBlocks(keys, "busy"))
+    costs = []
+    while len(costs) < polls:
+        t0 = time.perf_counter()
+        done = worker.get_finished()
+        costs.append(time.perf_counter() - t0)
+        if done:
+            worker.submit_store(1 << 30, SimpleNamespace(block_ids=np.arange(1, blocks + 1)),
+                                KvxferBlocks(keys, "busy"))
+    worker.wait({1 << 30})
+    worker.get_finished()
+    return statistics.median(costs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,10 +136,11 @@ def run(args: argparse.Namespace) -> int:
         src = torch.randperm(args.blocks + 63, generator=gen)[:args.blocks].add(1)  # scattered, like vLLM's
         buffer = torch.empty(args.blocks, block, dtype=torch.uint8)
         backend = _Timed(engine.scheduler.connector.connector_scheduler.manager, ["lookup", "on_schedule_end"])
+        schedule = _Timed(engine.scheduler, ["schedule"])
         rows = []
         for rep in range(args.reps):
             prompt = [1000 + rep] + torch.randint(3, 999, (args.blocks * 16 - 1,), generator=gen).tolist()
-            lookup, share, loaded, restore = _load_once(engine, prompt, f"r{rep}", backend)
+            lookup, share, loaded, restore, scheduling = _load_once(engine, prompt, f"r{rep}", backend, schedule)
             t0 = time.perf_counter()
             torch.index_select(flat, 0, src, out=buffer)  # the same bytes, gathered by a plain copy
             copy = time.perf_counter() - t0
@@ -121,12 +148,15 @@ def run(args: argparse.Namespace) -> int:
             torch.index_select(flat, 0, src, out=buffer)
             rows_checksums(buffer.numpy())
             copy_hash = time.perf_counter() - t0
-            rows.append((lookup, share, loaded, restore, copy, copy_hash))
+            rows.append((lookup, share, loaded, restore, copy, copy_hash, scheduling))
             progress.step(f"rep {rep}: loaded in {loaded * 1e3:.1f} ms (the daemon's restore {restore * 1e3:.1f} ms), "
                           f"plain copy {copy * 1e3:.1f} ms")
         nbytes = args.blocks * block
-        lookup, share, loaded, restore, copy, copy_hash = (statistics.median(col) for col in zip(*rows))
+        lookup, share, loaded, restore, copy, copy_hash, scheduling = (statistics.median(col) for col in zip(*rows))
+        busy = _busy_step_cost(engine, min(args.blocks, 256))
         table = [["kvxfer backend: scheduled -> loaded", loaded * 1e3, nbytes / loaded / GB, 1.0],
+                 ["  of which vLLM's schedule() of the load", scheduling * 1e3, nbytes / scheduling / GB,
+                  loaded / scheduling],
                  ["  of which the daemon's restore", restore * 1e3, nbytes / restore / GB, loaded / restore],
                  ["plain gather copy, same bytes", copy * 1e3, nbytes / copy / GB, loaded / copy],
                  ["copy + checksum, same bytes", copy_hash * 1e3, nbytes / copy_hash / GB, loaded / copy_hash]]
@@ -137,10 +167,13 @@ def run(args: argparse.Namespace) -> int:
               f"{slowest * 1e3:.1f} ms, {slowest / loaded:.2f}x the median")
         print(format_table(["path", "ms", "GB/s", "kvxfer time / this"], table,
                            {"kvxfer time / this": "scheduled-to-loaded time / this row's: above 1, the row is faster"}))
+        print(f"a step with a forward pass, a store of {min(args.blocks, 256)} blocks in flight: the backend's "
+              f"get_finished took {busy * 1e6:.0f} us (median)")
         print("vLLM's CPU offloading backend: not run here (its worker needs CUDA or XPU KV tensors)")
         if args.json:
             print(json.dumps({"blocks": args.blocks, "block_bytes": block, "lookup_s": lookup, "lookup_backend_s": share,
-                              "loaded_s": loaded, "restore_s": restore,
+                              "loaded_s": loaded, "restore_s": restore, "schedule_s": scheduling,
+                              "busy_get_finished_s": busy,
                               "copy_s": copy, "copy_hash_s": copy_hash, "slowest_loaded_s": slowest}))
     finally:
         engine.close()

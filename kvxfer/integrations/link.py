@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvxfer.client import Client
+from kvxfer.client_results import FinishedJobs, PendingJobs
 from kvxfer.errors import DeadlineExceeded, FailedPrecondition, KvxferError, NotFound, Unavailable
 
 T = TypeVar("T")
@@ -86,10 +87,27 @@ class DaemonLink:
         except DeadlineExceeded as exc:
             self._down(LinkState.SLOW, exc)
             raise LinkDown(False, unsure=True, cause=self._cause) from None
+        self._served()
+        return result
+
+    def collect(self, pending: PendingJobs) -> FinishedJobs:
+        """The answer of a WaitJobs sent earlier (``Client.wait_jobs_async``), with its errors read as
+        ``call``'s are; asked even while the link rests, so that no finished job's report is dropped."""
+        try:
+            result = pending.result()
+        except GONE as exc:
+            self._down(LinkState.GONE, exc, client=pending.session)
+            raise LinkDown(True, cause=self._cause) from None
+        except DeadlineExceeded as exc:
+            self._down(LinkState.SLOW, exc)
+            raise LinkDown(False, unsure=True, cause=self._cause) from None
+        self._served()
+        return result
+
+    def _served(self) -> None:
         if self.state is not LinkState.UP:
             self.log.warning("kvxfer %s: daemon at %s is serving; offloading on", self.role, self.target)
             self.state = LinkState.UP
-        return result
 
     def _connect(self) -> Client:
         """A new session: a fresh Client, and ``on_connect`` (registration) run on it."""

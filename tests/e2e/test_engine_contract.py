@@ -55,6 +55,21 @@ def test_async_jobs_complete_out_of_sight_and_are_reported_once(make_daemon):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_wait_in_flight_is_answered_when_a_job_submitted_after_it_finishes(make_daemon):
+    """wait_jobs_async: the engine sends one WaitJobs and reads it when done, with no call per step."""
+    daemon = make_daemon()
+    with Client(daemon.target, "inflight") as client:
+        pending = client.wait_jobs_async(wait_s=30)
+        assert not pending.done()  # held by the daemon: nothing has finished
+        job = client.submit_offload([(3, b"a"), (4, b"b")])
+        assert pending.wait(timeout=20)  # answered when the job finished, long before its 30 s
+        assert pending.result()[job].outcomes == [DONE, DONE]
+        assert client.wait_jobs([job], wait_s=0).unknown == [job]  # reported once
+        refused = client.wait_jobs_async(range(1, 10_000))  # over the daemon's limit of job ids
+        with pytest.raises(InvalidArgument, match="job ids"):  # the call's error, mapped as a blocking call's is
+            refused.result()
+
+
 def test_a_synchronous_request_waits_for_the_jobs_before_it(make_daemon):
     pool = {**SMALL_POOL, "spec": {**SMALL_POOL["spec"], "num_layers": 32, "head_size": 128},
             "host_capacity_mib": 200}  # 1 MiB blocks: jobs that take a while

@@ -2,6 +2,7 @@
 their job ends; every job carries a deadline, and no wait outlasts it."""
 
 import gc
+import threading
 import time
 import weakref
 from types import SimpleNamespace
@@ -31,9 +32,13 @@ class RecordingDaemon:
         self.offloads: list[weakref.ref | None] = []
         self.deadlines: list[float] = []
         self.finished: dict[int, TransferResult] = {}
+        self.polls = 0  # WaitJobs calls sent
 
     def call(self, fn):
         return fn(self)
+
+    def collect(self, pending: "Answer") -> FinishedJobs:
+        return pending.result()
 
     def submit_offload(self, pairs, cuda_event=None, deadline=None, **kwargs) -> int:
         self.offloads.append(weakref.ref(cuda_event) if cuda_event is not None else None)  # the daemon holds none
@@ -46,10 +51,39 @@ class RecordingDaemon:
         return len(self.offloads)
 
     def wait_jobs(self, job_ids=(), wait_s=0.0, **kwargs) -> FinishedJobs:
-        done, self.finished = self.finished, {}
-        if not done:
-            time.sleep(wait_s)  # a daemon that answers nothing in time
+        self.polls += 1
+        return Answer(self, wait_s).result(block=True)
+
+    def wait_jobs_async(self, job_ids=(), wait_s=0.0, **kwargs) -> "Answer":
+        self.polls += 1
+        return Answer(self, wait_s)
+
+
+class Answer:
+    """A WaitJobs in flight at the RecordingDaemon: answered once a job is finished, or empty after its wait."""
+
+    session = None  # the RecordingDaemon's client
+
+    def __init__(self, daemon: RecordingDaemon, wait_s: float) -> None:
+        self._daemon, self._until = daemon, time.monotonic() + wait_s
+
+    def done(self) -> bool:
+        return bool(self._daemon.finished) or time.monotonic() >= self._until
+
+    def wait(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while not self.done() and time.monotonic() < end:
+            time.sleep(0.001)
+        return self.done()
+
+    def result(self, block: bool = False) -> FinishedJobs:
+        if block:
+            self.wait(self._until - time.monotonic())
+        done, self._daemon.finished = self._daemon.finished, {}
         return FinishedJobs(done)
+
+    def cancel(self) -> None:
+        pass
 
 
 def _recorder(made: list[weakref.ref]):
@@ -133,3 +167,29 @@ def test_get_finished_gives_up_on_an_asynchronous_job_at_its_deadline(monkeypatc
     assert worker.get_finished() == []
     gc.collect()
     assert made[0]() is None
+
+
+def test_steps_send_no_rpc_while_a_job_runs_and_learn_of_it_in_the_next_step():
+    daemon = RecordingDaemon()
+    worker = KvxferWorker(daemon, "pool0", lease_s=5, deadline_s=5, ready_event=no_event)
+    _store(worker, 1, [1, 2])
+    for _ in range(50):  # decoding steps while the store runs: one WaitJobs in flight, none sent per step
+        assert worker.get_finished() == []
+    assert daemon.polls == 1
+    daemon.finished = {1: TransferResult([Outcome.DONE] * 2)}
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    worker.get_finished()
+    assert daemon.polls == 1  # nothing in flight: no poll either
+
+
+def test_a_step_without_a_forward_pass_waits_for_the_answer_and_a_busy_step_does_not():
+    daemon = RecordingDaemon()
+    worker = KvxferWorker(daemon, "pool0", lease_s=5, deadline_s=30, ready_event=no_event, idle_wait_s=20.0)
+    _load(worker, 1, [3])
+    finish = threading.Timer(0.05, lambda: daemon.finished.update({1: TransferResult([Outcome.DONE])}))
+    worker.idle_step = False
+    assert worker.get_finished() == []  # returns at once: the forward pass of others goes on
+    finish.start()
+    worker.idle_step = True  # every request waits on transfers: waiting costs no one anything
+    assert [r.job_id for r in worker.get_finished()] == [1]  # within the one call, long before idle_wait_s
+    finish.join()

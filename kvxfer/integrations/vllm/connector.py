@@ -21,11 +21,13 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVQuantMode, MLAAttentionSpec
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
 
 from kvxfer.errors import KvxferError
@@ -140,6 +142,17 @@ class KvxferConnector(OffloadingConnector):
         if self.connector_worker is None or self._vllm_config.device_config.device_type != "cpu":
             return None  # on a GPU the daemon opens vLLM's own allocation through CUDA IPC
         return self.spec.allocation
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        # A step that runs no forward pass (every request waits on transfers): the workers may wait a moment
+        # for the daemon's answer instead of returning to an engine loop that would only spin.
+        meta.kvxfer_idle = scheduler_output.total_num_scheduled_tokens == 0
+        return meta
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.spec.idle_step(getattr(connector_metadata, "kvxfer_idle", False))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.spec.take_load_errors()

@@ -39,6 +39,7 @@ class Settings:
     retry_s: float = 2.0  # after a failure, no call to the daemon for this long
     lease_s: float = 30.0  # the daemon cancels a job whose engine went silent this long
     deadline_s: float = 5.0  # a transfer moves its blocks within this long, or fails (loads are recomputed)
+    idle_wait_s: float = 0.002  # a step that runs no forward pass waits this long for a transfer to finish
     cache_group: str = ""  # prefix of the cache groups; engines that share it share a host tier
     model_id: str = ""  # the weights' identity (default: from their bytes, or the hub name and revision)
     forget_on_reset: bool = False  # reset_prefix_cache (a weight update in place) stops serving older blocks
@@ -95,7 +96,8 @@ class KvxferOffloadingSpec(OffloadingSpec):
                  self.rank, self.names.spec.num_blocks, expected.block_bytes, self.names.layout.spelled, pool_id)
         ready = cuda_ready_event(kv.device) if kv.device.type == "cuda" else no_event
         self.worker = KvxferWorker(link, pool_id, lease_s=self.settings.lease_s,
-                                    deadline_s=self.settings.deadline_s, ready_event=ready)
+                                    deadline_s=self.settings.deadline_s, ready_event=ready,
+                                    idle_wait_s=self.settings.idle_wait_s)
         try:
             link.call(lambda client: None)  # register now if the daemon is up; later otherwise
         except LinkDown:  # vLLM starts anyway and registers when the daemon is there (the link said why)
@@ -103,6 +105,11 @@ class KvxferOffloadingSpec(OffloadingSpec):
         except KvxferError as exc:
             log.warning("kvxfer: rank %d not registered yet: %s", self.rank, exc)
         return self.worker
+
+    def idle_step(self, idle: bool) -> None:
+        """Whether the step under way runs a forward pass (the scheduler's metadata says)."""
+        if self.worker is not None:
+            self.worker.idle_step = idle
 
     def take_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

@@ -4,8 +4,10 @@ A store is an Offload job and a load a Restore job (``wait=False``). On a GPU ea
 carries an interprocess event recorded on vLLM's current stream behind the forward pass
 that writes its blocks: the daemon copies once it has completed (with asynchronous
 scheduling the pass may still be running when the store is submitted). ``get_finished``
-collects them with one non-blocking WaitJobs. vLLM's connector treats every job as a
-success, so failures are reported the way vLLM recomputes them: a load's blocks that
+collects them from one WaitJobs kept in flight while jobs are: the daemon answers it when one
+finishes, so a step reads the answer if it has come and sends no RPC of its own. vLLM's
+connector treats every job as a success, so failures are reported the way vLLM recomputes
+them: a load's blocks that
 did not come back DONE (NOT_FOUND, DATA_LOSS, FAILED, CANCELLED) are returned by
 ``take_load_errors`` and vLLM recomputes exactly those blocks. A store the daemon
 refused or lost is simply not there later (a future miss).
@@ -39,6 +41,7 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvxfer.client import SUCCESS, Client, CudaEvent, EngineBlocks, KeyFormat
+from kvxfer.client_results import PendingJobs
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.manager import KvxferBlocks
@@ -59,6 +62,9 @@ class Direction(enum.Enum):
 #: How long after a job's deadline a copy the daemon started just before it may still land (one
 #: chunk: milliseconds; this allows for a loaded host).
 LANDING_S = 0.5
+#: How long one WaitJobs waits at the daemon for a job of this worker to finish (it answers at once when one
+#: does); far below any lease, which every WaitJobs renews.
+POLL_S = 0.5
 
 
 @dataclass
@@ -108,9 +114,13 @@ class KvxferWorker(OffloadingWorker):
     """Submits this rank's transfers to the daemon and reports them as vLLM expects."""
 
     def __init__(self, link: DaemonLink, pool_id: str, *, lease_s: float, deadline_s: float,
-                 ready_event: Callable[[], CudaEvent] = no_event) -> None:
+                 ready_event: Callable[[], CudaEvent] = no_event, idle_wait_s: float = 0.0) -> None:
         """``deadline_s``: how long after its submission a job may move its blocks (then it fails).
-        ``ready_event``: makes the event each store's copy waits for (``cuda_ready_event`` for a GPU pool)."""
+        ``ready_event``: makes the event each store's copy waits for (``cuda_ready_event`` for a GPU pool).
+        ``idle_wait_s``: how long ``get_finished`` waits for the daemon's answer in a step that runs no forward
+        pass (``idle_step``: every request waits on transfers, and the engine would only spin)."""
+        self._idle_wait_s = idle_wait_s
+        self.idle_step = False  # set by the connector each step, from the scheduler's metadata
         self._link = link
         self._ready_event = ready_event
         self._pool_id = pool_id
@@ -119,6 +129,7 @@ class KvxferWorker(OffloadingWorker):
         self._running: dict[int, _Job] = {}  # the daemon's job id -> the job
         self._uncertain: list[_Job] = []  # submissions that timed out, oldest first
         self._fence: int | None = None  # the daemon's id of the fence settling them
+        self._poll: PendingJobs | None = None  # the WaitJobs in flight
         self._strays: dict[int, list[Outcome]] = {}  # results of ids we never learnt (uncertain jobs that ran)
         self._finished: list[TransferResult] = []
         self._load_errors: set[int] = set()
@@ -163,8 +174,8 @@ class KvxferWorker(OffloadingWorker):
 
     # -- collecting ----------------------------------------------------------------
     def get_finished(self) -> list[TransferResult]:
-        if self._running or self._uncertain:
-            self._collect(wait_s=0.0)
+        if self._running or self._uncertain or self._poll is not None:
+            self._collect(block_s=self._idle_wait_s if self.idle_step else 0.0)
             self._give_up(time.monotonic())
         finished, self._finished = self._finished, []
         return finished
@@ -173,15 +184,12 @@ class KvxferWorker(OffloadingWorker):
         """Until the named jobs finished (vLLM is about to reuse their blocks, or a forward pass reads
         them), the daemon is gone, or their deadlines passed (then they fail: vLLM recomputes)."""
         while True:
-            pending = [(daemon_id, job) for daemon_id, job in self._running.items()
+            pending = [job for job in [*self._running.values(), *self._uncertain]
                        if job.job_id in job_ids and not job.ended]
-            pending += [(None, job) for job in self._uncertain if job.job_id in job_ids and not job.ended]
             now = time.monotonic()
-            if not pending or now >= max(job.give_up_at for _, job in pending):
+            if not pending or now >= max(job.give_up_at for job in pending):
                 break
-            unsure = any(daemon_id is None for daemon_id, _ in pending)
-            left = max(job.give_up_at for _, job in pending) - now
-            self._collect(None if unsure else [d for d, _ in pending], wait_s=min(1.0, left), budget_s=left)
+            self._collect(block_s=min(1.0, max(job.give_up_at for job in pending) - now))
         self._give_up(time.monotonic(), job_ids)
 
     def _give_up(self, now: float, job_ids: set[int] | None = None) -> None:
@@ -197,24 +205,48 @@ class KvxferWorker(OffloadingWorker):
                         "at %s; their blocks count as failed (loads are recomputed)", len(late), self._deadline_s,
                         self._link.target)
 
-    def _collect(self, daemon_ids: list[int] | None = None, wait_s: float = 0.0, budget_s: float | None = None) -> None:
-        """One WaitJobs: the named jobs (all of them), or any finished job of this worker; the
-        call takes at most ``budget_s`` (default: the link's timeout, plus ``wait_s``)."""
+    def _collect(self, block_s: float = 0.0) -> None:
+        """Take the answer of the WaitJobs in flight if it has come (waiting up to ``block_s`` for it), and
+        keep one in flight while jobs are: the daemon answers it the moment one of this worker's jobs
+        finishes, so a step learns of it without a round trip of its own, and a step where none finished
+        costs no RPC at all."""
         if self._uncertain and self._fence is None:
             self._submit_fence()
-        timeout = None if budget_s is None else max(0.01, min(self._link.timeout_s + wait_s, budget_s))
+        if self._poll is None and not self._send_poll(block_s):
+            return
+        poll = self._poll
+        if not poll.wait(block_s):
+            return
+        self._poll = None
+        self._take(poll)
+        if self._running or self._uncertain:
+            self._send_poll(0.0)  # the next one at once: the daemon holds it until a job finishes
+
+    def _send_poll(self, block_s: float) -> bool:
         try:
-            finished = self._link.call(lambda c: c.wait_jobs(daemon_ids or (), wait_s=wait_s, timeout=timeout,
-                                                             wait_all=bool(daemon_ids), pool_id=self._pool_id))
+            self._poll = self._link.call(lambda c: c.wait_jobs_async(wait_s=POLL_S, pool_id=self._pool_id))
+            return True
         except LinkDown as down:
             if down.gone:  # nothing of that daemon can touch the pool any more: every job ends, failed
                 self._settle_all_failed()
-            elif daemon_ids or self._uncertain:
-                time.sleep(min(wait_s, self._link.retry_s))  # slow: the caller tries again, no busy loop
-            return
         except KvxferError as exc:  # a refusal of the poll itself: the jobs stay in flight, asked again
             log.warning("kvxfer: WaitJobs refused: %s", exc)
-            time.sleep(min(wait_s, self._link.retry_s))
+        time.sleep(min(block_s, self._link.retry_s))  # a blocking wait tries again later: no busy loop
+        return False
+
+    def _take(self, poll: PendingJobs) -> None:
+        """A WaitJobs' answer: the jobs it reports end (a poll sent on a session that has ended since is
+        dropped: that session's end settled its jobs)."""
+        if poll.session is not self._link.client:
+            return
+        try:
+            finished = self._link.collect(poll)
+        except LinkDown as down:
+            if down.gone:
+                self._settle_all_failed()
+            return
+        except KvxferError as exc:
+            log.warning("kvxfer: WaitJobs refused: %s", exc)
             return
         for daemon_id, result in finished.items():
             if daemon_id in self._running:
@@ -282,4 +314,7 @@ class KvxferWorker(OffloadingWorker):
                 client.unregister_pool(self._pool_id, drain_s=1.0)
             except (LinkDown, KvxferError) as exc:
                 log.warning("kvxfer: could not unregister pool %s: %s", self._pool_id, exc)
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
         self._link.close()
