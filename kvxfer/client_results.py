@@ -101,4 +101,5 @@ def failures(result: TransferResult) -> None:
         raise BlockFailures(f"{failed} of {len(result.outcomes)} blocks failed", result.outcomes, code)
 
 
-__all__ = ["DROPPABLE", "SUCCESS", "BlockFailures", "FinishedJobs", "PendingJobs", "failures", "finished", "monotonic_ns"]
+__all__ = ["DROPPABLE", "SUCCESS", "BlockFailures", "FinishedJobs", "PendingJobs", "failures", "finished",
+           "monotonic_ns"]

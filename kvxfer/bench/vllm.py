@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
               f"get_finished took {busy * 1e6:.0f} us (median)")
         print("vLLM's CPU offloading backend: not run here (its worker needs CUDA or XPU KV tensors)")
         if args.json:
-            print(json.dumps({"blocks": args.blocks, "block_bytes": block, "lookup_s": lookup, "lookup_backend_s": share,
+            print(json.dumps({"blocks": args.blocks, "block_bytes": block, "lookup_s": lookup,
+                              "lookup_backend_s": share,
                               "loaded_s": loaded, "restore_s": restore, "schedule_s": scheduling,
                               "busy_get_finished_s": busy,
                               "copy_s": copy, "copy_hash_s": copy_hash, "slowest_loaded_s": slowest}))
