@@ -22,7 +22,7 @@ from kvxfer.client_results import (DROPPABLE, SUCCESS, BlockFailures, FinishedJo
                                    monotonic_ns)
 from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError, error_for_code
 from kvxfer.events.client import EventBatch, SnapshotBatch, event_batches, snapshot_batches
-from kvxfer.events.records import EngineBlocks, KeyFormat
+from kvxfer.events.records import EngineBlocks, ExtraKeys, KeyFormat
 from kvxfer.events.wire import engine_to_pb
 from kvxfer.geometry.keys import block_keys
 from kvxfer.geometry.layout import Axis, KVSpec, Layout, PoolLayout, dtype_name
@@ -389,6 +389,6 @@ class Client:
 
 #: The engine side's vocabulary: what an engine integration needs besides the client (``kvxfer.integrations``
 #: imports nothing else of the library but records, errors and validation).
-__all__ = ["SUCCESS", "Axis", "BlockFailures", "Client", "CudaEvent", "EngineBlocks", "FinishedJobs", "KVSpec",
-           "KeyFormat", "Layout", "PoolHandle", "PoolLayout", "Sharding", "create_sealed", "dtype_name",
+__all__ = ["SUCCESS", "Axis", "BlockFailures", "Client", "CudaEvent", "EngineBlocks", "ExtraKeys", "FinishedJobs",
+           "KVSpec", "KeyFormat", "Layout", "PoolHandle", "PoolLayout", "Sharding", "create_sealed", "dtype_name",
            "event_handle", "map_fd"]

@@ -154,7 +154,8 @@ KEY_BYTES = 40  # a bytes object's own cost beyond its contents
 
 def event_bytes(event: TierEvent) -> int:
     """What one buffered event holds in memory, near enough to bound the buffer by."""
-    return EVENT_BYTES + len(event.namespace) + sum(map(len, event.keys)) + KEY_BYTES * len(event.keys)
+    engine = event.engine.nbytes() if event.engine is not None else 0  # (an offload's, counted with each event)
+    return EVENT_BYTES + len(event.namespace) + sum(map(len, event.keys)) + KEY_BYTES * len(event.keys) + engine
 
 
 class ScopedEvents:

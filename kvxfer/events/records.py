@@ -32,6 +32,12 @@ class KeyFormat(enum.Enum):
     VLLM = "vllm"  # vLLM's OffloadKey: the block hash, then the KV cache group index (4 bytes, big-endian)
 
 
+#: What besides its tokens entered one block's hash, as vLLM's events publish it (untagged): LoRA names and
+#: cache salts (str), (media identifier, offset in the block) pairs, prompt-embedding digests (bytes).
+ExtraKeys = tuple[str | bytes | tuple[str, int], ...]
+VALUE_BYTES = 64  # a Python str, bytes or tuple's own cost beyond its contents, about
+
+
 @dataclass(frozen=True)
 class EngineBlocks:
     """What the engine said of an offload's blocks, for the events that announce them."""
@@ -41,6 +47,26 @@ class EngineBlocks:
     parent_block_hash: bytes = b""  # the hash of the block before keys[0] (empty: none, a first block)
     block_size: int = 0  # tokens a block
     token_ids: Sequence[int] = ()  # block_size tokens a key, in request order (empty: not given)
+    lora_name: str = ""  # the LoRA adapter the blocks were computed with (empty: none)
+    lora_id: int = 0  # its id in the engine (0: none)
+    extra_keys: tuple[ExtraKeys, ...] = ()  # one a key, in request order (empty: not given)
+
+    def extras_of(self, key: bytes) -> ExtraKeys | None:
+        """What besides tokens entered one block's hash (None: not given)."""
+        if not self.extra_keys:
+            return None
+        i = self._positions().get(key)
+        return None if i is None else self.extra_keys[i]
+
+    def nbytes(self) -> int:
+        """What the description holds in memory beyond the keys, near enough to bound a buffer by."""
+        cached = self.__dict__.get("_nbytes")
+        if cached is None:
+            tokens = self.token_ids.nbytes if hasattr(self.token_ids, "nbytes") else 28 * len(self.token_ids)
+            extras = sum(VALUE_BYTES + len(v if not isinstance(v, tuple) else v[0]) for b in self.extra_keys for v in b)
+            cached = tokens + extras + VALUE_BYTES * len(self.extra_keys) + len(self.lora_name)
+            object.__setattr__(self, "_nbytes", cached)
+        return cached
 
     def tokens_of(self, key: bytes) -> list[int]:
         """The tokens of one of the offload's blocks (empty when not given)."""
@@ -98,5 +124,5 @@ def engine_hash(key: bytes, key_format: KeyFormat) -> tuple[bytes, int | None]:
     return key, None
 
 
-__all__ = ["EngineBlocks", "EventKind", "KEY_FORMATS", "KeyFormat", "Reason", "TierEvent", "described", "engine_hash",
-           "format_code"]
+__all__ = ["EngineBlocks", "EventKind", "ExtraKeys", "KEY_FORMATS", "KeyFormat", "Reason", "TierEvent", "described",
+           "engine_hash", "format_code"]

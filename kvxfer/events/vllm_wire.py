@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from kvxfer.events.records import EventKind, KeyFormat, TierEvent, engine_hash
+from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat, TierEvent, engine_hash
 from kvxfer.records import TierKind
 
 MEDIUM = {TierKind.HOST: "CPU", TierKind.DISK: "DISK", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "SHARED_FS",
@@ -115,12 +115,21 @@ class VllmEncoder:
             if engine is not None:
                 before = engine.parent_of(keys[0])
                 parent = engine.parent_block_hash or None if before is None else engine_hash(before, key_format)[0]
-            out.append(BlockStored(hashes, None if parent is None else self._hash(parent), tokens, block_size, None,
-                                   medium, None, group_idx=group, locality=locality, ownership=OWNERSHIP))
+            lora, extras = (engine.lora_name or None, _extras(engine, keys)) if engine is not None else (None, None)
+            out.append(BlockStored(hashes, None if parent is None else self._hash(parent), tokens, block_size,
+                                   engine.lora_id or None if engine is not None else None, medium, lora, extras,
+                                   group_idx=group, locality=locality, ownership=OWNERSHIP))
         return out
 
     def _hash(self, block_hash: bytes) -> bytes | int:
         return int.from_bytes(block_hash, "big") & ((1 << 64) - 1) if self._int_hashes else block_hash
+
+
+def _extras(engine: EngineBlocks, keys: tuple[bytes, ...] | list[bytes]) -> list[tuple[Any, ...] | None] | None:
+    """vLLM's per-block extra keys of these blocks (None for a block with none; None: not given)."""
+    if not engine.extra_keys:
+        return None
+    return [tuple(extras) or None for extras in (engine.extras_of(k) or () for k in keys)]
 
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch", "VllmEncoder"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat, Reason, TierEvent, engine_hash
+from kvxfer.events.records import EngineBlocks, EventKind, ExtraKeys, KeyFormat, Reason, TierEvent, engine_hash
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire import PB_TO_TIER, TIER_TO_PB
 
@@ -23,12 +23,36 @@ def engine_from_pb(msg: pb.EngineBlocks) -> EngineBlocks:
     key_format = PB_TO_FORMAT.get(msg.key_format)
     if key_format is None:
         raise InvalidArgument(f"unknown key_format {msg.key_format}")
-    return EngineBlocks(key_format, (), msg.parent_block_hash, msg.block_size, msg.token_ids)
+    return EngineBlocks(key_format, (), msg.parent_block_hash, msg.block_size, msg.token_ids, msg.lora_name,
+                        msg.lora_id, tuple(_extras_from_pb(block) for block in msg.extra_keys))
 
 
 def engine_to_pb(engine: EngineBlocks) -> pb.EngineBlocks:
     return pb.EngineBlocks(key_format=FORMAT_TO_PB[engine.key_format], parent_block_hash=engine.parent_block_hash,
-                           block_size=engine.block_size, token_ids=[int(t) for t in engine.token_ids])
+                           block_size=engine.block_size, token_ids=[int(t) for t in engine.token_ids],
+                           lora_name=engine.lora_name, lora_id=engine.lora_id,
+                           extra_keys=[_extras_to_pb(block) for block in engine.extra_keys])
+
+
+def _extras_from_pb(block: pb.BlockExtraKeys) -> ExtraKeys:
+    return tuple(_EXTRA_FROM_PB[key.WhichOneof("value") or "text"](key) for key in block.keys)
+
+
+#: One extra key from the wire, by the field its oneof holds (none set: an empty text, refused by the batch's checks).
+_EXTRA_FROM_PB = {"text": lambda key: key.text, "digest": lambda key: key.digest,
+                  "media": lambda key: (key.media.identifier, key.media.offset)}
+
+
+def _extras_to_pb(extras: ExtraKeys) -> pb.BlockExtraKeys:
+    out = pb.BlockExtraKeys()
+    for value in extras:
+        if isinstance(value, str):
+            out.keys.add(text=value)
+        elif isinstance(value, bytes):
+            out.keys.add(digest=value)
+        else:
+            out.keys.add(media=pb.MediaOffset(identifier=value[0], offset=value[1]))
+    return out
 
 
 def event_to_pb(event: TierEvent) -> pb.KVEvent:
@@ -40,8 +64,10 @@ def event_to_pb(event: TierEvent) -> pb.KVEvent:
         tokens = [t for key in event.keys for t in engine.tokens_of(key)] if len(engine.token_ids) else []
         before = engine.parent_of(event.keys[0]) if event.keys else None
         parent = engine.parent_block_hash if before is None else engine_hash(before, engine.key_format)[0]
+        extras = [_extras_to_pb(engine.extras_of(key) or ()) for key in event.keys] if engine.extra_keys else []
         msg.engine.CopyFrom(pb.EngineBlocks(key_format=FORMAT_TO_PB[engine.key_format], parent_block_hash=parent,
-                                            block_size=engine.block_size, token_ids=tokens))
+                                            block_size=engine.block_size, token_ids=tokens, lora_name=engine.lora_name,
+                                            lora_id=engine.lora_id, extra_keys=extras))
     return msg
 
 
@@ -49,7 +75,9 @@ def event_from_pb(msg: pb.KVEvent) -> TierEvent:
     engine = None
     if msg.HasField("engine"):
         engine = EngineBlocks(PB_TO_FORMAT.get(msg.engine.key_format, KeyFormat.OPAQUE), tuple(msg.keys),
-                              msg.engine.parent_block_hash, msg.engine.block_size, tuple(msg.engine.token_ids))
+                              msg.engine.parent_block_hash, msg.engine.block_size, tuple(msg.engine.token_ids),
+                              msg.engine.lora_name, msg.engine.lora_id,
+                              tuple(_extras_from_pb(block) for block in msg.engine.extra_keys))
     return TierEvent(msg.sequence, msg.timestamp, PB_TO_KIND[msg.kind], PB_TO_TIER[msg.tier], msg.cache_group,
                      msg.namespace, tuple(msg.keys), PB_TO_REASON.get(msg.reason), engine)
 

@@ -225,16 +225,46 @@ class OffloadRequest(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., cuda_event_handle: _Optional[bytes] = ..., pool_deadline_ns: _Optional[int] = ..., engine: _Optional[_Union[EngineBlocks, _Mapping]] = ...) -> None: ...
 
 class EngineBlocks(_message.Message):
-    __slots__ = ("key_format", "parent_block_hash", "block_size", "token_ids")
+    __slots__ = ("key_format", "parent_block_hash", "block_size", "token_ids", "lora_name", "lora_id", "extra_keys")
     KEY_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     key_format: KeyFormat
     parent_block_hash: bytes
     block_size: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, key_format: _Optional[_Union[KeyFormat, str]] = ..., parent_block_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_name: str
+    lora_id: int
+    extra_keys: _containers.RepeatedCompositeFieldContainer[BlockExtraKeys]
+    def __init__(self, key_format: _Optional[_Union[KeyFormat, str]] = ..., parent_block_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., extra_keys: _Optional[_Iterable[_Union[BlockExtraKeys, _Mapping]]] = ...) -> None: ...
+
+class BlockExtraKeys(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[ExtraKey]
+    def __init__(self, keys: _Optional[_Iterable[_Union[ExtraKey, _Mapping]]] = ...) -> None: ...
+
+class ExtraKey(_message.Message):
+    __slots__ = ("text", "media", "digest")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    media: MediaOffset
+    digest: bytes
+    def __init__(self, text: _Optional[str] = ..., media: _Optional[_Union[MediaOffset, _Mapping]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class MediaOffset(_message.Message):
+    __slots__ = ("identifier", "offset")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset: int
+    def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("pool", "namespace", "keys", "slots", "wait", "lease_ms", "client_id", "pool_deadline_ns", "peer")

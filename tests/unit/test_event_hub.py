@@ -4,6 +4,7 @@ index that emits them (stored once published, removed before a slot is reused, t
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 
 import kvxfer.index.eviction as eviction
@@ -11,7 +12,8 @@ import kvxfer.index.keytable as keytable
 from kvxfer.errors import InvalidArgument
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat, Reason
-from kvxfer.events.wire import event_from_pb, event_to_pb
+from kvxfer.events.vllm_wire import VllmEncoder
+from kvxfer.events.wire import engine_from_pb, engine_to_pb, event_from_pb, event_to_pb
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.records import TierKind
 from kvxfer.serving.batch import TransferBatch, TransferKind
@@ -88,6 +90,13 @@ def test_the_buffer_is_bounded_by_bytes_whatever_the_namespaces_and_keys():
     events, gap = hub.read(0, 10_000)
     assert gap and sum(event_bytes(e) for e in events) <= 64 << 10 and hub.dropped == 2000 - len(events)
     assert events[-1].namespace.startswith("invented-1999-")
+    # ... and by what the offloads said of their blocks: tokens and extra keys a client may make large.
+    engine = EngineBlocks(KeyFormat.VLLM, block_size=4096, token_ids=np.zeros(4096, np.uint32), lora_name="l",
+                          extra_keys=(("s" * 1024,) * 60,))
+    for i in range(100):
+        hub.emit(EventKind.STORED, TierKind.HOST, "g", "ns", [b"k%d" % i], engine=engine)
+    events, _ = hub.read(0, 10_000)
+    assert event_bytes(events[0]) > 64 << 10 and [e.keys for e in events] == [(b"k99",)]  # the newest alone
 
 
 def test_async_and_thread_waiters_wake_on_an_event_from_another_thread():
@@ -124,6 +133,32 @@ def test_an_offload_description_travels_with_the_blocks_it_stored():
             TransferBatch.build(TransferKind.OFFLOAD, "ns", [1, 2, 3], keys, 10, engine=bad)
     with pytest.raises(InvalidArgument):
         TransferBatch.build(TransferKind.RESTORE, "ns", [1, 2, 3], keys, 10, engine=EngineBlocks())
+
+
+def test_extra_keys_and_lora_travel_per_block_and_a_malformed_one_is_refused():
+    keys = [b"h%d" % i + b"\0\0\0\1" for i in range(3)]
+    extras = (("tenant", ("img-1", -3), b"\x01" * 32), (), (("img-1", 13),))
+    engine = EngineBlocks(KeyFormat.VLLM, block_size=2, token_ids=[1, 2, 3, 4, 5, 6], lora_name="sql", lora_id=7,
+                          extra_keys=extras)
+    batch = TransferBatch.build(TransferKind.OFFLOAD, "ns", [1, 2, 3], keys, 10, engine=engine_from_pb(
+        engine_to_pb(engine)))  # through the request's wire form, as the daemon receives it
+    assert batch.engine.extra_keys == extras and (batch.engine.lora_name, batch.engine.lora_id) == ("sql", 7)
+    hub, index = index_with_events()
+    store(index, [keys[0]])  # held already: the event names the other two, with their own extra keys
+    plan = index.prepare_store("ns", keys)
+    index.complete_store(plan.slots, [1] * len(plan.slots), batch.engine)
+    event = event_from_pb(event_to_pb(hub.read(1, 10)[0][0]))
+    assert [event.engine.extras_of(k) for k in event.keys] == [(), (("img-1", 13),)]
+    assert event.engine.lora_name == "sql" and event.engine.lora_id == 7
+    published = VllmEncoder().convert(hub.read(1, 10)[0][0])[0]  # vLLM's BlockStored, as its own publisher fills it
+    assert (published.lora_name, published.lora_id, published.extra_keys) == ("sql", 7, [None, (("img-1", 13),)])
+    for bad in (dict(extra_keys=((),)), dict(extra_keys=(("",), (), ())), dict(extra_keys=((b"",), (), ())),
+                dict(extra_keys=((1,), (), ())), dict(extra_keys=((("m", "0"),), (), ())),
+                dict(extra_keys=(("x" * 1025,), (), ())), dict(extra_keys=((b"d" * 65,), (), ())),
+                dict(lora_name="a\nb"), dict(lora_id=-1), dict(lora_id=True),
+                dict(extra_keys=(("t",) * 30_000, ("t",) * 30_000, ("t",) * 30_000))):
+        with pytest.raises(InvalidArgument):
+            TransferBatch.build(TransferKind.OFFLOAD, "ns", [1, 2, 3], keys, 10, engine=EngineBlocks(**bad))
 
 
 def test_namespace_keys_lists_complete_entries_of_one_namespace(native):

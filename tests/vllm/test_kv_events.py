@@ -94,6 +94,26 @@ def test_vllm_decodes_every_event_with_its_own_hashes_in_order(make_engine, tmp_
                 parent = h
         assert stored[0].parent_block_hash is None  # the prompt's first block starts the chain
         assert [t for e in stored for t in e.token_ids] == list(PROMPT[:4 * size])
+        assert all(e.extra_keys in (None, [None] * len(e.block_hashes)) and e.lora_name is None for e in stored)
+
+        # A tenant's request: its cache_salt entered its first block's hash, and the events say so as vLLM's own
+        # do (untagged, on that block), so that a router tags it and recomputes every hash.
+        other = PROMPT[::-1]  # other bytes too: the corruption below must find its block once
+        salted = {h: None for h in (key[:-4] for key in engine.offload_keys(other, cache_salt="tenant-a")[:4])}
+        run_alone(engine, "S", other, cache_salt="tenant-a")
+        events = subscriber.until(lambda ev: salted.keys() <= {h for e in ev if isinstance(e, BlockStored)
+                                                               for h in e.block_hashes})
+        mine = [e for e in events if isinstance(e, BlockStored) and set(e.block_hashes) <= salted.keys()]
+        extras = [x for e in mine for x in e.extra_keys]
+        assert extras == [("tenant-a",), None, None, None]
+        parent = None
+        for e in mine:
+            assert e.parent_block_hash == parent or parent is None
+            parent = e.parent_block_hash
+            for i, h in enumerate(e.block_hashes):
+                tagged = (("cache_salt", e.extra_keys[i][0]),) if e.extra_keys[i] else None
+                assert hash_block_tokens(hash_fn, parent, e.token_ids[i * size:(i + 1) * size], tagged) == h
+                parent = h
 
         # Corrupt the last block in the host tier: the restore finds it, drops it, and says so.
         last_block = engine.block_bytes(engine.block_tables["A"][3:4]).contiguous().numpy().tobytes()

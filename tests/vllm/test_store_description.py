@@ -41,3 +41,14 @@ def test_anything_else_carries_the_keys_alone():
     for keys, req_ in ((gap, req), (unknown, req), (wrong, req), (keys_at(req, context, [0]), None)):
         spec = describe(keys, req_, context, SIZE, "ns")
         assert (spec.keys, spec.token_ids, spec.parent, spec.block_size) == (keys, (), b"", 0)
+
+
+def test_a_salted_request_says_its_salt_on_its_first_block_as_vllm_publishes_it():
+    req, context = request(), ReqContext("r")
+    req.cache_salt, req.lora_request, req.mm_features, req.prompt_embeds = "alice", None, None, None
+    first = describe(keys_at(req, context, [0, 1]), req, context, SIZE, "ns")
+    assert first.extra_keys == (("alice",), ()) and (first.lora_name, first.lora_id) == ("", 0)
+    later = describe(keys_at(req, context, [2, 3]), req, context, SIZE, "ns")
+    assert later.extra_keys == ((), ())
+    req.cache_salt = None
+    assert describe(keys_at(req, context, [0]), req, context, SIZE, "ns").extra_keys == ()  # nothing entered the hash

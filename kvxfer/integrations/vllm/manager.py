@@ -18,7 +18,9 @@ from typing import Any
 from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingManager, OffloadKey, PrepareStoreOutput,
                                      ReqContext, RequestOffloadingContext, ScheduleEndContext,
                                      get_offload_block_hash)
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
+from kvxfer.client import ExtraKeys
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.naming import EngineNames
@@ -33,12 +35,16 @@ class KvxferBlocks(LoadStoreSpec):
     known."""
 
     def __init__(self, keys: list[OffloadKey], namespace: str, token_ids: Sequence[int] = (),
-                 parent: bytes = b"", block_size: int = 0) -> None:
+                 parent: bytes = b"", block_size: int = 0, extra_keys: tuple[ExtraKeys, ...] = (),
+                 lora_name: str = "", lora_id: int = 0) -> None:
         self.keys = keys
         self.namespace = namespace
         self.token_ids = token_ids
         self.parent = parent
         self.block_size = block_size
+        self.extra_keys = extra_keys  # one a key, as vLLM's events publish them (empty: none in any)
+        self.lora_name = lora_name
+        self.lora_id = lora_id
 
     def __repr__(self) -> str:
         return f"KvxferBlocks({len(self.keys)} keys in {self.namespace})"
@@ -154,4 +160,20 @@ def describe(keys: list[OffloadKey], request: Any, req_context: ReqContext, bloc
     if len(tokens) != block_size * len(keys):
         return KvxferBlocks(keys, namespace)
     parent = bytes(hashes[first - 1]) if first else b""
-    return KvxferBlocks(keys, namespace, list(tokens), parent, block_size)
+    lora = getattr(request, "lora_request", None)
+    return KvxferBlocks(keys, namespace, list(tokens), parent, block_size,
+                        extra_keys(request, first, len(keys), block_size), lora.lora_name if lora else "",
+                        lora.lora_int_id if lora else 0)
+
+
+def extra_keys(request: Any, first: int, count: int, block_size: int) -> tuple[ExtraKeys, ...]:
+    """What besides tokens entered the hashes of blocks ``first`` .. ``first + count - 1`` (LoRA, media, cache_salt,
+    prompt embeddings), one tuple a block, as vLLM's own BlockStored events publish it; empty when nothing did."""
+    if not (getattr(request, "lora_request", None) or getattr(request, "cache_salt", None)
+            or getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None):
+        return ()
+    tagged, media = [], 0
+    for i in range(first, first + count):
+        keys, media = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, media)
+        tagged.append(keys)
+    return tuple(tuple(block) if block else () for block in to_event_extra_keys(tagged))

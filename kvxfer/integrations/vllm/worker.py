@@ -107,7 +107,8 @@ def described(blocks: KvxferBlocks) -> EngineBlocks:
     knew them (a router recomputes each block hash from those)."""
     if not blocks.token_ids:
         return VLLM_KEYS
-    return EngineBlocks(KeyFormat.VLLM, tuple(blocks.keys), blocks.parent, blocks.block_size, tuple(blocks.token_ids))
+    return EngineBlocks(KeyFormat.VLLM, tuple(blocks.keys), blocks.parent, blocks.block_size, tuple(blocks.token_ids),
+                        blocks.lora_name, blocks.lora_id, blocks.extra_keys)
 
 
 class KvxferWorker(OffloadingWorker):
