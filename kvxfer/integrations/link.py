@@ -81,12 +81,8 @@ class DaemonLink:
                     connecting = False
                 client = self._client
             result = fn(client)
-        except GONE as exc:
-            self._down(LinkState.GONE, exc, settling=not connecting, client=client if not connecting else None)
-            raise LinkDown(True, cause=self._cause) from None
-        except DeadlineExceeded as exc:
-            self._down(LinkState.SLOW, exc)
-            raise LinkDown(False, unsure=True, cause=self._cause) from None
+        except (*GONE, DeadlineExceeded) as exc:
+            raise self._failed(exc, settling=not connecting, client=None if connecting else client) from None
         self._served()
         return result
 
@@ -95,14 +91,18 @@ class DaemonLink:
         ``call``'s are; asked even while the link rests, so that no finished job's report is dropped."""
         try:
             result = pending.result()
-        except GONE as exc:
-            self._down(LinkState.GONE, exc, client=pending.session)
-            raise LinkDown(True, cause=self._cause) from None
-        except DeadlineExceeded as exc:
-            self._down(LinkState.SLOW, exc)
-            raise LinkDown(False, unsure=True, cause=self._cause) from None
+        except (*GONE, DeadlineExceeded) as exc:
+            raise self._failed(exc, settling=False, client=pending.session) from None
         self._served()
         return result
+
+    def _failed(self, exc: KvxferError, settling: bool, client: Client | None) -> LinkDown:
+        """The link after a call that failed for want of a daemon (gone, or too slow), and what to raise."""
+        if isinstance(exc, DeadlineExceeded):
+            self._down(LinkState.SLOW, exc)
+            return LinkDown(False, unsure=True, cause=self._cause)
+        self._down(LinkState.GONE, exc, settling=settling, client=client)
+        return LinkDown(True, cause=self._cause)
 
     def _served(self) -> None:
         if self.state is not LinkState.UP:
