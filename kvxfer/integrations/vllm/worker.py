@@ -7,10 +7,9 @@ scheduling the pass may still be running when the store is submitted). ``get_fin
 collects them from one WaitJobs kept in flight while jobs are: the daemon answers it when one
 finishes, so a step reads the answer if it has come and sends no RPC of its own. vLLM's
 connector treats every job as a success, so failures are reported the way vLLM recomputes
-them: a load's blocks that
-did not come back DONE (NOT_FOUND, DATA_LOSS, FAILED, CANCELLED) are returned by
-``take_load_errors`` and vLLM recomputes exactly those blocks. A store the daemon
-refused or lost is simply not there later (a future miss).
+them: a load's blocks that did not come back DONE (NOT_FOUND, DATA_LOSS, FAILED, CANCELLED)
+are returned by ``take_load_errors`` and vLLM recomputes exactly those blocks. A store the
+daemon refused or lost is simply not there later (a future miss).
 
 A job is reported finished when the daemon says so, when the daemon is gone (its
 process exited or restarted: nothing of it can touch the pool any more), or when its
