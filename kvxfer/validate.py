@@ -19,6 +19,9 @@ from kvxfer.records import NULL_BLOCK
 
 MAX_KEY_BYTES = 256
 MAX_BATCH_BLOCKS = 65536
+MAX_EVENT_EXTRAS = 1 << 16  # extra keys one offload may describe, all blocks together
+MAX_EXTRA_CHARS = 1024  # a LoRA name, cache salt or media identifier, at most
+MAX_DIGEST_BYTES = 64  # a prompt-embedding digest, at most
 SHOWN_CHARS = 48
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}")
 # Pool ids and cache group names (a group's disk tier is a directory of that name: never . or ..).
@@ -101,3 +104,43 @@ def check_blocks(blocks: Sequence[int], num_blocks: int, limit: int = MAX_BATCH_
     seen[at] = True
     if np.count_nonzero(seen) != len(blocks):
         raise InvalidArgument("duplicate slots in one request")
+
+
+def checked_extra_keys(extra_keys: Sequence, count: int, lora_name: str = "", lora_id: int = 0) -> tuple[tuple, ...]:
+    """An offload's per-block extra keys (one entry a key of ``count``, or none) and its LoRA adapter, as the
+    daemon takes them: each value a printable text, a (media identifier, 64-bit offset) pair or a digest.
+    The engine side checks with this too, so that it never sends what the daemon would refuse."""
+    _check_text(lora_name, "lora_name", empty=True)
+    if type(lora_id) is not int or not 0 <= lora_id < 1 << 32:
+        raise InvalidArgument(f"lora_id is a 32-bit unsigned int, got {shown(lora_id)}")
+    if not isinstance(extra_keys, (tuple, list)) or not all(isinstance(b, (tuple, list)) for b in extra_keys):
+        raise InvalidArgument("extra_keys is a sequence of one tuple of values a key")
+    if extra_keys and len(extra_keys) != count:
+        raise InvalidArgument(f"extra_keys has {len(extra_keys)} entries; one a key ({count}) or none")
+    if sum(map(len, extra_keys)) > MAX_EVENT_EXTRAS:
+        raise InvalidArgument(f"extra_keys holds more than {MAX_EVENT_EXTRAS} values")
+    for block in extra_keys:
+        for value in block:
+            _check_extra(value)
+    return tuple(tuple(block) for block in extra_keys)
+
+
+def _check_extra(value: object) -> None:
+    """One extra key of a block: a text, a (media identifier, offset) pair or a digest."""
+    if isinstance(value, str):
+        _check_text(value, "an extra key")
+    elif isinstance(value, bytes):
+        if not 0 < len(value) <= MAX_DIGEST_BYTES:
+            raise InvalidArgument(f"an extra key's digest is {len(value)} bytes; 1 to {MAX_DIGEST_BYTES}")
+    elif isinstance(value, tuple) and len(value) == 2 and type(value[1]) is int:
+        _check_text(value[0], "a media identifier")
+        if not -(1 << 63) <= value[1] < 1 << 63:
+            raise InvalidArgument(f"a media offset is a 64-bit int, got {value[1]}")
+    else:
+        raise InvalidArgument("an extra key is a text, a (media identifier, offset) pair or a digest; "
+                              f"got {type(value).__name__}")
+
+
+def _check_text(value: object, name: str, empty: bool = False) -> None:
+    if not isinstance(value, str) or len(value) > MAX_EXTRA_CHARS or not value.isprintable() or not (value or empty):
+        raise InvalidArgument(f"{name} is a printable string of {0 if empty else 1} to {MAX_EXTRA_CHARS} characters")

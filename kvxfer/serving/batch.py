@@ -17,13 +17,11 @@ import numpy as np
 from kvxfer.errors import InvalidArgument
 from kvxfer.events.records import EngineBlocks, KeyFormat
 from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES
-from kvxfer.validate import MAX_BATCH_BLOCKS, MAX_KEY_BYTES, check_blocks, check_namespace, checked_keys
+from kvxfer.validate import (MAX_BATCH_BLOCKS, MAX_KEY_BYTES, check_blocks, check_namespace, checked_extra_keys,
+                             checked_keys)
 
 MAX_BLOCK_TOKENS = 1 << 12  # an engine's block of tokens, at most
 MAX_EVENT_TOKENS = 1 << 20  # token ids one offload may describe
-MAX_EVENT_EXTRAS = 1 << 16  # extra keys one offload may describe, all blocks together
-MAX_EXTRA_CHARS = 1024  # a LoRA name, cache salt or media identifier, at most
-MAX_DIGEST_BYTES = 64  # a prompt-embedding digest, at most
 
 
 class TransferKind(enum.Enum):
@@ -98,40 +96,9 @@ def _checked_engine(kind: TransferKind, engine: EngineBlocks, keys: list[bytes])
         raise InvalidArgument("token_ids are 32-bit unsigned ints")
     if not isinstance(engine.key_format, KeyFormat):
         raise InvalidArgument(f"key_format must be a KeyFormat, got {type(engine.key_format).__name__}")
-    _check_text(engine.lora_name, "lora_name", empty=True)
-    if type(engine.lora_id) is not int or not 0 <= engine.lora_id < 1 << 32:
-        raise InvalidArgument(f"lora_id is a 32-bit unsigned int, got {engine.lora_id!r}")
-    extras = tuple(tuple(block) for block in engine.extra_keys)
-    if extras and len(extras) != len(keys):
-        raise InvalidArgument(f"extra_keys has {len(extras)} entries; one a key ({len(keys)}) or none")
-    if sum(map(len, extras)) > MAX_EVENT_EXTRAS:
-        raise InvalidArgument(f"extra_keys holds more than {MAX_EVENT_EXTRAS} values")
-    for block in extras:
-        for value in block:
-            _check_extra(value)
+    extras = checked_extra_keys(engine.extra_keys, len(keys), engine.lora_name, engine.lora_id)
     return EngineBlocks(engine.key_format, tuple(keys), bytes(engine.parent_block_hash), engine.block_size,
                         tokens.astype(np.uint32), engine.lora_name, engine.lora_id, extras)
-
-
-def _check_extra(value: object) -> None:
-    """One extra key of a block: a text, a (media identifier, offset) pair or a digest."""
-    if isinstance(value, str):
-        _check_text(value, "an extra key")
-    elif isinstance(value, bytes):
-        if not 0 < len(value) <= MAX_DIGEST_BYTES:
-            raise InvalidArgument(f"an extra key's digest is {len(value)} bytes; 1 to {MAX_DIGEST_BYTES}")
-    elif isinstance(value, tuple) and len(value) == 2 and type(value[1]) is int:
-        _check_text(value[0], "a media identifier")
-        if not -(1 << 63) <= value[1] < 1 << 63:
-            raise InvalidArgument(f"a media offset is a 64-bit int, got {value[1]}")
-    else:
-        raise InvalidArgument("an extra key is a text, a (media identifier, offset) pair or a digest; "
-                              f"got {type(value).__name__}")
-
-
-def _check_text(value: object, name: str, empty: bool = False) -> None:
-    if not isinstance(value, str) or len(value) > MAX_EXTRA_CHARS or not value.isprintable() or not (value or empty):
-        raise InvalidArgument(f"{name} is a printable string of {0 if empty else 1} to {MAX_EXTRA_CHARS} characters")
 
 
 def _columns(pairs: Sequence[tuple]) -> tuple[list, list]:

@@ -155,7 +155,8 @@ def test_extra_keys_and_lora_travel_per_block_and_a_malformed_one_is_refused():
     for bad in (dict(extra_keys=((),)), dict(extra_keys=(("",), (), ())), dict(extra_keys=((b"",), (), ())),
                 dict(extra_keys=((1,), (), ())), dict(extra_keys=((("m", "0"),), (), ())),
                 dict(extra_keys=(("x" * 1025,), (), ())), dict(extra_keys=((b"d" * 65,), (), ())),
-                dict(lora_name="a\nb"), dict(lora_id=-1), dict(lora_id=True),
+                dict(lora_name="a\nb"), dict(lora_id=-1), dict(lora_id=True), dict(extra_keys=5),
+                dict(extra_keys=(5, (), ())),
                 dict(extra_keys=(("t",) * 30_000, ("t",) * 30_000, ("t",) * 30_000))):
         with pytest.raises(InvalidArgument):
             TransferBatch.build(TransferKind.OFFLOAD, "ns", [1, 2, 3], keys, 10, engine=EngineBlocks(**bad))

@@ -52,3 +52,10 @@ def test_a_salted_request_says_its_salt_on_its_first_block_as_vllm_publishes_it(
     assert later.extra_keys == ((), ())
     req.cache_salt = None
     assert describe(keys_at(req, context, [0]), req, context, SIZE, "ns").extra_keys == ()  # nothing entered the hash
+
+
+def test_extra_keys_the_daemon_would_refuse_cost_the_tokens_not_the_store():
+    req, context = request(), ReqContext("r")
+    req.cache_salt, req.lora_request, req.mm_features, req.prompt_embeds = "s" * 2000, None, None, None
+    spec = describe(keys_at(req, context, [0, 1]), req, context, SIZE, "ns")
+    assert (spec.token_ids, spec.extra_keys, spec.parent, spec.block_size) == ((), (), b"", 0) and len(spec.keys) == 2

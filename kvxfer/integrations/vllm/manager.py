@@ -21,9 +21,10 @@ from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingMana
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
 from kvxfer.client import ExtraKeys
-from kvxfer.errors import KvxferError
+from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.integrations.link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.naming import EngineNames
+from kvxfer.validate import checked_extra_keys
 
 log = logging.getLogger("kvxfer.vllm")
 
@@ -161,9 +162,14 @@ def describe(keys: list[OffloadKey], request: Any, req_context: ReqContext, bloc
         return KvxferBlocks(keys, namespace)
     parent = bytes(hashes[first - 1]) if first else b""
     lora = getattr(request, "lora_request", None)
-    return KvxferBlocks(keys, namespace, list(tokens), parent, block_size,
-                        extra_keys(request, first, len(keys), block_size), lora.lora_name if lora else "",
-                        lora.lora_int_id if lora else 0)
+    extras, lora_name, lora_id = extra_keys(request, first, len(keys), block_size), "", 0
+    if lora:
+        lora_name, lora_id = lora.lora_name, lora.lora_int_id
+    try:  # the daemon's own check: values it would refuse (a salt over 1,024 characters) cost the tokens, not the store
+        checked_extra_keys(extras, len(keys), lora_name, lora_id)
+    except InvalidArgument:
+        return KvxferBlocks(keys, namespace)
+    return KvxferBlocks(keys, namespace, list(tokens), parent, block_size, extras, lora_name, lora_id)
 
 
 def extra_keys(request: Any, first: int, count: int, block_size: int) -> tuple[ExtraKeys, ...]:
