@@ -14,8 +14,7 @@ import ctypes
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 from kvxfer.errors import PermissionDenied
 from kvxfer.peering.agent import XferResult
@@ -96,14 +95,6 @@ class FakeAgent:
 
     def unhold(self) -> None:
         self.held -= 1
-
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        self.hold()
-        try:
-            yield
-        finally:
-            self.unhold()
 
     def read(self, peer: str, pairs: Sequence[tuple[int, int]], nbytes: int, deadline: float) -> XferResult:
         return self._transfer(peer, pairs, nbytes, deadline, into_local=True)

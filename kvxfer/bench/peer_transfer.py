@@ -119,17 +119,19 @@ def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
                 dst = torch.empty(batch * block_bytes, dtype=torch.uint8)
                 nbytes = batch * block_bytes
                 for way, fn, where, peer, direction in WAYS:
-                    whole, copy = [], []
+                    whole, copy, seconds = [], [], []
                     fn(a, b, keys[:batch])  # connects and warms up: not counted
                     before = _scrape(ports[where], peer, direction)  # not inside a timed request: its work lingers
                     for rep in range(args.reps):
                         chosen = keys[(rep * batch) % (args.blocks - batch + 1):][:batch]
-                        whole.append(nbytes / fn(a, b, chosen) / GB)
+                        seconds.append(fn(a, b, chosen))
+                        whole.append(nbytes / seconds[-1] / GB)
                         copy.append(nbytes / _cold_copy(ring, dst, rep) / GB)
                     after = _scrape(ports[where], peer, direction)
                     nixl = (after[0] - before[0]) / max(after[1] - before[1], 1e-9) / GB  # over the repetitions
                     rows.append({"transport": transport, "way": way, "batch": batch, "bytes": nbytes,
                                  "whole_gbps": statistics.median(whole), "nixl_gbps": nixl,
+                                 "whole_ms": statistics.median(seconds) * 1e3,
                                  "memcpy_gbps": statistics.median(copy),
                                  "whole_vs_memcpy": statistics.median(r / c for r, c in zip(whole, copy)),
                                  "nixl_vs_memcpy": nixl / statistics.median(copy)})
@@ -151,12 +153,14 @@ def run(args: argparse.Namespace) -> int:
         tls = self_signed(Path(where), TOKEN)
         rows = [row for t in args.transports for row in _transport(args, t, tls, progress)]
     block = _block_bytes(DEFAULT_POOL["spec"])
-    print(format_table(["transport", "way", "blocks", "bytes", "whole GB/s", "NIXL GB/s", "memcpy GB/s",
+    print(format_table(["transport", "way", "blocks", "bytes", "whole ms", "whole GB/s", "NIXL GB/s", "memcpy GB/s",
                         "whole / memcpy", "NIXL / memcpy"],
-                       [[r["transport"], r["way"], r["batch"], human_bytes(r["bytes"]), r["whole_gbps"], r["nixl_gbps"],
+                       [[r["transport"], r["way"], r["batch"], human_bytes(r["bytes"]), r["whole_ms"], r["whole_gbps"],
+                         r["nixl_gbps"],
                          r["memcpy_gbps"], r["whole_vs_memcpy"], r["nixl_vs_memcpy"]] for r in rows],
                        {"pull": f"B's Restore of blocks only A holds ({human_bytes(block)} each): lease, NIXL READ, "
                                 "checksums, publication, the copy into B's pool",
+                        "whole ms": "the median request's milliseconds (of --reps)",
                         "push": "A's Push into B: reservation, NIXL WRITE, commit (B checksums and publishes)",
                         "NIXL": "the transfer alone, as the daemon that made it measured it (its peer metrics)",
                         "memcpy": "a plain copy of the same bytes in this process, interleaved (the baseline)"}))

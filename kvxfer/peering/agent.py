@@ -6,7 +6,9 @@ Three rules shape it:
   connection information it is sent names no memory at all.
 - No busy-polling thread: NIXL's own progress thread spins a core for as long as the agent
   lives (on 2 cores that halved every copy). The worker is progressed here instead, every
-  ``progress_interval_us``, only while a lease or a read is open; an idle daemon spends nothing.
+  ``progress_interval_us``, only while a lease granted here is open (a peer's reads of it may need
+  this side's progress: over TCP, UCX emulates them with messages); an idle daemon spends nothing.
+  A transfer made from here progresses the worker itself, as it polls for its end.
 - A read that misses its deadline is cancelled, and if NIXL cannot cancel it the peer's
   endpoint is torn down, so that no byte lands after the reader gave its slots back.
 """
@@ -19,8 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 from kvxfer.errors import FailedPrecondition, PermissionDenied
 from kvxfer.peering.settings import PeeringSettings
@@ -194,15 +195,6 @@ class Agent:
         with self._lock:
             self._busy -= 1
 
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Progress the worker while this is open (a read made from here)."""
-        self.hold()
-        try:
-            yield
-        finally:
-            self.unhold()
-
     def read(self, peer: str, pairs: Sequence[tuple[int, int]], nbytes: int, deadline: float) -> XferResult:
         """READ ``nbytes`` from each remote address into each local one (``pairs``: local, remote), by
         ``deadline`` (monotonic); on TIMEOUT or FAILED nothing more lands afterwards."""
@@ -215,26 +207,25 @@ class Agent:
     def _transfer(self, op: str, peer: str, pairs: Sequence[tuple[int, int]], nbytes: int,
                   deadline: float) -> XferResult:
         n = self._nixl
-        with self.busy():
-            try:
-                local = n.get_xfer_descs([(mine, nbytes, 0) for mine, _ in pairs], DRAM)
-                remote = n.get_xfer_descs([(theirs, nbytes, 0) for _, theirs in pairs], DRAM)
-                handle = n.initialize_xfer(op, local, remote, peer)
-            except self.errors as exc:
-                log.warning("peer transfer refused", extra={"peer": peer, "op": op, "error": type(exc).__name__})
-                return XferResult.FAILED
-            state, pause = "PROC", 20e-6
-            try:
-                state = n.transfer(handle)
-                while state == "PROC" and time.monotonic() < deadline:
-                    time.sleep(pause)
-                    pause = min(pause * 2, self._interval)
-                    state = n.check_xfer_state(handle)
-            except self.errors as exc:
-                log.warning("peer transfer failed", extra={"peer": peer, "op": op, "error": type(exc).__name__})
-                state = "ERR"
-            finally:
-                self._release(handle, peer)
+        try:
+            local = n.get_xfer_descs([(mine, nbytes, 0) for mine, _ in pairs], DRAM)
+            remote = n.get_xfer_descs([(theirs, nbytes, 0) for _, theirs in pairs], DRAM)
+            handle = n.initialize_xfer(op, local, remote, peer)
+        except self.errors as exc:
+            log.warning("peer transfer refused", extra={"peer": peer, "op": op, "error": type(exc).__name__})
+            return XferResult.FAILED
+        state, pause = "PROC", 20e-6
+        try:  # (each check_xfer_state progresses the worker: the progress thread is not woken for it)
+            state = n.transfer(handle)
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(pause)
+                pause = min(pause * 2, self._interval)
+                state = n.check_xfer_state(handle)
+        except self.errors as exc:
+            log.warning("peer transfer failed", extra={"peer": peer, "op": op, "error": type(exc).__name__})
+            state = "ERR"
+        finally:
+            self._release(handle, peer)
         if state == "DONE":
             return XferResult.DONE
         return XferResult.TIMEOUT if state == "PROC" else XferResult.FAILED

@@ -19,6 +19,7 @@ from kvxfer.errors import PermissionDenied, Unavailable
 from kvxfer.peering.agent import Agent
 from kvxfer.peering.settings import PeerAddress
 from kvxfer.breaker import Breaker
+from kvxfer.peering.releaser import Releaser
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
@@ -54,23 +55,34 @@ class PeerLink:
         self._stub = pb_grpc.KVPeerStub(self._channel)
         self._auth = (("authorization", f"Bearer {peer.token}"),)
         self._connect_lock = threading.Lock()
+        self._releaser = Releaser(f"kvxfer-release-{peer.name}", self._release_now)
 
     @property
     def name(self) -> str:
         return self.peer.name
 
     def _call(self, method: str, request):
-        return self._finish(self._start(method, request))
+        """One call, waited for on this thread. (Blocking, not a future: a future's answer comes through a
+        channel thread started for it, which cost a fixed 0.1-0.4 ms a call on 2 cores.)"""
+        self._allowed()
+        return self._answered(lambda: getattr(self._stub, method)(request, timeout=self.timeout_s,
+                                                                  metadata=self._auth))
 
     def _start(self, method: str, request) -> grpc.Future:
-        """Send a call without waiting for its answer (``_finish`` waits)."""
-        if not self.breaker.allows():
-            raise PeerUnavailable(self.name, "backoff", "skipped after a recent failure")
+        """Send a call without waiting for its answer (``_finish`` waits): peers asked at once."""
+        self._allowed()
         return getattr(self._stub, method).future(request, timeout=self.timeout_s, metadata=self._auth)
 
     def _finish(self, call: grpc.Future):
+        return self._answered(call.result)
+
+    def _allowed(self) -> None:
+        if not self.breaker.allows():
+            raise PeerUnavailable(self.name, "backoff", "skipped after a recent failure")
+
+    def _answered(self, wait: Callable):
         try:
-            answer = call.result()
+            answer = wait()
         except grpc.RpcError as exc:
             code = exc.code()
             error = PeerUnavailable(self.name, _CAUSES.get(code, "refused"), f"{code.name}: {exc.details()}")
@@ -132,16 +144,17 @@ class PeerLink:
         if not self.breaker.allows():
             failed("backoff")
             return
-        call = self._stub.PeerRelease.future(pb.PeerReleaseRequest(peer=self.me, lease_id=lease_id,
-                                                                   corrupt_positions=corrupt_positions),
-                                             timeout=self.timeout_s, metadata=self._auth)
+        self._releaser.send(pb.PeerReleaseRequest(peer=self.me, lease_id=lease_id,
+                                                  corrupt_positions=corrupt_positions), failed)
 
-        def done(future) -> None:
-            if future.exception() is not None:
-                failed("release")
-                log.warning("peer lease not released", extra={"peer": self.name, "error": str(future.exception())})
-
-        call.add_done_callback(done)
+    def _release_now(self, request: pb.PeerReleaseRequest, failed: Callable[[str], None]) -> None:
+        """(the releaser's thread)"""
+        try:
+            self._stub.PeerRelease(request, timeout=self.timeout_s, metadata=self._auth)
+        except grpc.RpcError as exc:
+            failed("release")
+            log.warning("peer lease not released", extra={"peer": self.name, "error": f"{exc.code().name}"})
 
     def close(self) -> None:
+        self._releaser.close()
         self._channel.close()

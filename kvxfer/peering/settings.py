@@ -30,7 +30,7 @@ class PeeringSettings:
     max_leases_per_peer: int = 32  # leases and reservations one peer holds at once
     max_leased_blocks_per_peer: int = 16_384  # blocks one peer holds leased or reserved at once
     host_share: float = 0.25  # the most of a cache group's host tier peers hold at once (the engine keeps the rest)
-    progress_interval_us: int = 200  # how often NIXL's worker is progressed while a lease or read is open
+    progress_interval_us: int = 200  # how often NIXL's worker is progressed while a lease granted here is open
     tls_client_ca: str = ""  # the CA callers' certificates are checked against (mutual TLS on the listener)
     tls_cert: str = ""  # this daemon's certificate when it calls its peers (its name as CN or DNS name)
     tls_key: str = ""

@@ -34,6 +34,7 @@ from kvxfer.serving.assembly import Assembly, Verified
 from kvxfer.serving.promotion import InFlight, promote
 from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.lower import GroupContext, LowerTier, LowerTierFactory
+from kvxfer.transfer import native
 
 
 class Reservations(Protocol):
@@ -87,19 +88,22 @@ class CacheGroup:
     def __init__(self, name: str, layout: PoolLayout, capacity_blocks: int, pin_device: int | None = None,
                  lower: LowerTierFactory | None = None, kv_events: EventHub | ScopedEvents | None = None,
                  manifest: Manifest | None = None, reservations: Reservations | None = None,
-                 admission: AdmissionSettings | None = None, tenants: Sequence[Tenant] = ()) -> None:
+                 admission: AdmissionSettings | None = None, tenants: Sequence[Tenant] = (),
+                 hash_threads: int = 1) -> None:
         """``lower``: makes the group's lower tiers, top down (``kvxfer.tiers.registry.lower_tiers``).
         ``kv_events``: where every tier of the group announces blocks becoming restorable and going.
         ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
         ``reservations``: peers' pushes into this group, which the local engine's stores come before.
         ``admission``: which new blocks engines' offloads store (``kvxfer.index.admission``; none: all).
-        ``tenants``: their guaranteed shares of the host tier (``kvxfer.index.tenancy``)."""
+        ``tenants``: their guaranteed shares of the host tier (``kvxfer.index.tenancy``).
+        ``hash_threads``: threads that checksum host slots (what peers and lower tiers read into them)."""
         self.name = name
         self.event_scope = kv_events.scope if kv_events is not None else 0  # who sees its events (EventHub.scoped)
         self.format = BlockFormat.of(layout, manifest)
         self.assembly = Assembly(layout.spec.num_kv_heads) if manifest is not None else None
         self.verified = Verified(capacity_blocks) if manifest is not None else None  # ranks verify a block once
-        self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device)
+        self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device, hasher=native.load(),
+                             hash_threads=hash_threads)
         self.index = BlockIndex(self.host.kind, self.host.slots,
                                 events=kv_events.tier(self.host.kind, name) if kv_events else None, tenants=tenants)
         if self.verified is not None:
@@ -112,7 +116,8 @@ class CacheGroup:
         self._reservations = reservations
         #: what the group's lower tiers are told of it
         self.context = GroupContext(name, layout.block_bytes, self.format.bound_to(name), self.format.fingerprint,
-                                    (self.host.buffer.data_ptr(), self.host.buffer.numel()), kv_events)
+                                    (self.host.buffer.data_ptr(), self.host.buffer.numel()), kv_events,
+                                    self.host.checksums)
         self.lower_tiers: list[LowerTier] = lower(self.context) if lower is not None else []
 
     def tier(self, kind: TierKind) -> LowerTier | None:

@@ -112,7 +112,8 @@ class PoolRegistry:
                                               kv_events=self.kv_events.scoped(private=not sharing.events)
                                               if self.kv_events is not None else None, manifest=manifest,
                                               reservations=self.peering.leases if self.peering else None,
-                                              admission=self.admission, tenants=self.tenants),
+                                              admission=self.admission, tenants=self.tenants,
+                                              hash_threads=self.limits.copy_threads),
                                        owner, sharing)
                 # PoolManager refuses a pool whose block format differs from the group's.
                 manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,

@@ -36,6 +36,8 @@ class GroupContext:
     format_fingerprint: bytes  # the block format alone (``BlockFormat.fingerprint``): what peers match groups by
     host_memory: tuple[int, int]  # (address, bytes) of the group's host tier, where fetched blocks land
     events: EventHub | ScopedEvents | None = None  # where the tier announces blocks stored and removed
+    #: the checksum of each host slot's bytes (host slots numbered from ``host_memory``'s address), off the GIL
+    checksums: Callable[[list[int]], list[int]] | None = None
 
 
 class Fetch(Protocol):

@@ -80,7 +80,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_peering_costs_no_cpu_when_idle_and_little_while_serving(cluster):
     """NIXL's own progress thread would spin a core per daemon for good; kvxfer progresses the worker
-    only while a lease or read is open. Measured on both daemons: idle, then around 40 restores."""
+    only while a lease it granted is open. Measured on both daemons: idle, then around 40 restores."""
     d = cluster(["a", "b"], "tcp")
     pids = [d["a"].proc.pid, d["b"].proc.pid]
     with client(d["a"]) as a, client(d["b"]) as b:

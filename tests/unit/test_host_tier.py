@@ -1,8 +1,18 @@
 """The host tier serves at once whatever its size (issue 32): pages are faulted in behind it, never written."""
 
 import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvxfer.errors import Internal
+from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory.pool import Pool
+from kvxfer.serving.group import CacheGroup
 from kvxfer.tiers.host import HostTier
+from kvxfer.transfer import native
 
 
 def _rss() -> int:
@@ -22,3 +32,31 @@ def test_a_large_tier_is_made_without_faulting_it_in_and_its_pages_come_behind()
     for slot in (0, 1000, 2047):
         assert bytes(tier.read(slot)) == pattern.tobytes()  # faulting in never wrote a byte
     assert not np.asarray(tier.read(5)).any()  # fresh pages read as zero
+
+
+@settings(max_examples=30, deadline=None)
+@given(slots=st.lists(st.integers(0, 15), min_size=0, max_size=20), threads=st.integers(1, 3),
+       slot_bytes=st.sampled_from([4096, 65536 + 4096, 3 * 65536]), seed=st.integers(0, 2**32 - 1))
+def test_slot_checksums_are_the_block_checksum_on_any_thread_count(slots, threads, slot_bytes, seed):
+    """What a peer's read or a lease is verified by: the C loop (off the GIL, ``hash_threads`` threads)
+    computes kvxfer's block checksum of each slot, repeated slots too, as the Python definition does."""
+    tier = HostTier(16, slot_bytes, hasher=native.load(), hash_threads=threads)
+    tier.buffer.copy_(torch.randint(0, 256, tier.buffer.shape, dtype=torch.uint8,
+                                    generator=torch.Generator().manual_seed(seed)))
+    assert tier.checksums(slots) == rows_checksums(tier.buffer[s].numpy() for s in slots)
+
+
+def test_a_groups_slot_checksums_hash_off_the_gil_where_the_c_loop_is_built(monkeypatch):
+    """A batch of slots is hashed by the C loop (``hash_spans``), not under the GIL piece by piece, in a
+    cache group's host tier as made by the daemon; a slot outside the tier is a bug, refused before
+    anything is read."""
+    hasher = native.load()
+    if hasher is None:
+        pytest.skip("the C loop is not built here (the Python loop is the fallback)")
+    calls = []
+    monkeypatch.setattr(type(hasher), "hash_spans", lambda self, *a: calls.append(a) or [0] * len(a[1]))
+    layout = Pool.create("p", KVSpec(2, 16, 16, 2, 32, torch.float16), Layout.parse("BLHNC")).layout
+    tier = CacheGroup("g", layout, 4, hash_threads=2).host
+    assert tier.checksums([0, 3]) == [0, 0] and len(calls) == 1 and calls[0][3] == 2
+    with pytest.raises(Internal):
+        tier.checksums([0, 4])
