@@ -105,7 +105,7 @@ class TierStats:
     degraded: bool = False  # an I/O error: the tier skips what fails and the host path goes on
     events: dict[str, int] = field(default_factory=dict)  # refaults; lower tiers: demoted, promoted, corrupt, ...
     loading: bool = False  # its index is still being loaded at start: it holds nothing for lookups yet
-    tenants: tuple = ()  # the host tier: each configured tenant's TenantStats, "other" first (kvxfer.index.tenancy)
+    tenants: tuple = ()  # host and disk tiers: each configured tenant's TenantStats, "other" first (kvxfer.index.tenancy)
 
     @property
     def has_occupancy(self) -> bool:

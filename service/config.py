@@ -83,7 +83,7 @@ class Config:
     tiers: dict[str, object] = field(default_factory=dict)
     events: EventSettings = field(default_factory=EventSettings)  # KV events: replay buffer, publisher
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)  # which new blocks offloads store
-    tenants: tuple[Tenant, ...] = ()  # guaranteed shares of every host tier (kvxfer.index.tenancy)
+    tenants: tuple[Tenant, ...] = ()  # guaranteed shares of every host and disk tier (kvxfer.index.tenancy)
     peering: PeeringSettings | None = None  # other nodes' daemons, read over NIXL; absent: none
     notes: tuple[str, ...] = ()  # warnings loading found (renamed keys): serve --check prints them, serve logs them
 

@@ -216,26 +216,27 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
 
 
 def _tenants(stats: list[PoolStats]) -> Iterator[Metric]:
-    """Each configured tenant's part of each group's host tier (labels: configured tenants and "other" only)."""
-    labels = ["cache_group", "tenant"]
-    blocks = GaugeMetricFamily("kvxfer_tenant_blocks", "Host-tier slots holding the tenant's blocks.", labels=labels)
-    guaranteed = GaugeMetricFamily("kvxfer_tenant_guaranteed_blocks", "Host-tier blocks no other tenant's store "
+    """Each configured tenant's part of each group's divided tiers, host and disk (labels: configured tenants
+    and "other" only)."""
+    labels = ["cache_group", "tier", "tenant"]
+    blocks = GaugeMetricFamily("kvxfer_tenant_blocks", "Slots of the tier holding the tenant's blocks.", labels=labels)
+    guaranteed = GaugeMetricFamily("kvxfer_tenant_guaranteed_blocks", "Blocks of the tier no other tenant's store "
                                    "may take below (its share).", labels=labels)
-    evictions = CounterMetricFamily("kvxfer_tenant_evictions", "The tenant's blocks evicted from the host tier.",
+    evictions = CounterMetricFamily("kvxfer_tenant_evictions", "The tenant's blocks evicted from the tier.",
                                     labels=labels)
-    hits = CounterMetricFamily("kvxfer_tenant_hits", "The tenant's blocks loaded from the host tier.", labels=labels)
+    hits = CounterMetricFamily("kvxfer_tenant_hits", "The tenant's blocks loaded from the tier.", labels=labels)
     seen = set()
     for s in stats:
-        host = next((t for t in s.tiers if t.tenants), None)
-        if host is None or s.cache_group in seen:
+        if s.cache_group in seen:
             continue
         seen.add(s.cache_group)
-        for t in host.tenants:
-            values = [s.cache_group, t.name]
-            blocks.add_metric(values, t.blocks)
-            guaranteed.add_metric(values, t.guaranteed)
-            evictions.add_metric(values, t.evictions)
-            hits.add_metric(values, t.hits)
+        for tier in s.tiers:
+            for t in tier.tenants:
+                values = [s.cache_group, tier.tier.value, t.name]
+                blocks.add_metric(values, t.blocks)
+                guaranteed.add_metric(values, t.guaranteed)
+                evictions.add_metric(values, t.evictions)
+                hits.add_metric(values, t.hits)
     yield from (blocks, guaranteed, evictions, hits)
 
 

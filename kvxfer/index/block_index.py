@@ -327,9 +327,7 @@ class BlockIndex:
     def _take_victims(self, n: int, tenant: int = 0) -> Evicted:
         """Remove up to n entries the policy names and free their slots (whose bytes stay until reused)."""
         t = self._tenancy
-        at = self._policy.victims(n, self._evictable if t is None else t.victims_for(tenant, self._evictable))
-        if t is not None:
-            t.release(at, evicted=True)
+        at = self._policy.victims(n, self._evictable) if t is None else t.take(self._policy, n, tenant, self._evictable)
         self._evictions += len(at)
         owners = self._keys.owner_ids(at)
         ids = [int(owners[0])] if owners.size and (owners == owners[0]).all() else np.unique(owners).tolist()

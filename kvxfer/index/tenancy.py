@@ -2,14 +2,16 @@
 
 A tenant is named in the config by its ``cache_salt`` (the engines put a digest of it in the
 namespace: ``vllm:<model>:<digest>``, ``sglang:<model>:<digest>``) or by a namespace prefix, with
-a ``share`` of every host tier. Namespaces that match no tenant are ``other`` (no guarantee).
+a ``share`` of every host tier and disk tier. Namespaces that match no tenant are ``other`` (no
+guarantee).
 
 The tier keeps one eviction order; a tenant's blocks leave in that order, so each tenant's are
 evicted least recently used first among themselves. When a store needs room, the victims may be
 the storing tenant's own blocks, and any other tenant's only while it holds more than its
-guarantee: the part above it is borrowed (a share unused is lent to the others) and is taken back
-first. A store that finds no such victim gets RESOURCE_EXHAUSTED for the blocks that did not fit,
-as in a tier full of pinned blocks. Bookkeeping only: slots and counts, never bytes.
+guarantee: the part above it is borrowed (a share unused is lent to the others). A tenant below
+its guarantee takes back what others borrowed first, before it evicts a block of its own. A store
+that finds no such victim gets RESOURCE_EXHAUSTED for the blocks that did not fit, as in a tier
+full of pinned blocks. Bookkeeping only: slots and counts, never bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.index.eviction import Evictable, EvictionPolicy
 from kvxfer.integrations.identity import digest
 
 OTHER = "other"  # namespaces no tenant names
@@ -27,6 +30,7 @@ MAX_TENANTS = 16
 NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?")
 ENGINES = ("vllm", "sglang")  # backends whose namespaces carry the cache_salt's digest third
 _MEMO = 4096  # namespaces whose tenant is remembered
+_NONE = np.empty(0, dtype=np.int64)  # (never written to)
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class Tenant:
     """One entry of the ``tenants`` config list."""
 
     name: str
-    share: float  # of every host tier, guaranteed
+    share: float  # of every host and disk tier, guaranteed
     cache_salt: str = ""
     namespace_prefix: str = ""
 
@@ -95,11 +99,25 @@ class Tenancy:
     def hit(self, namespace: str, n: int) -> None:
         self.hits[self.of(namespace)] += n
 
-    def victims_for(self, tenant: int, evictable):
-        """``evictable`` narrowed for a store of ``tenant``: its own blocks, and another tenant's only down to
-        its guarantee. Called on candidates in eviction order, each once (the policy's contract)."""
+    def take(self, policy: EvictionPolicy, n: int, tenant: int, evictable: Evictable) -> np.ndarray:
+        """Up to ``n`` victims ``policy`` names for a store of ``tenant``, counted evicted here: while the
+        tenant holds less than its guarantee, what others borrowed comes back first (their oldest first);
+        then its own blocks and others' borrowed ones, in the policy's order."""
+        owed = min(n, int(max(self.guarantee[tenant] - self.blocks[tenant], 0)))
+        at = policy.victims(owed, self.victims_for(tenant, evictable, own=False)) if owed else _NONE
+        self.release(at, evicted=True)
+        if len(at) < n:
+            more = policy.victims(n - len(at), self.victims_for(tenant, evictable))
+            self.release(more, evicted=True)
+            at = np.concatenate([at, more]) if len(at) else more
+        return at
+
+    def victims_for(self, tenant: int, evictable, own: bool = True):
+        """``evictable`` narrowed for a store of ``tenant``: its own blocks (unless ``own`` is False), and
+        another tenant's only down to its guarantee. Called on candidates in eviction order, each once (the
+        policy's contract)."""
         budget = np.maximum(self.blocks - self.guarantee, 0)
-        budget[tenant] = np.iinfo(np.int64).max
+        budget[tenant] = np.iinfo(np.int64).max if own else 0
 
         def allowed(slots: np.ndarray) -> np.ndarray:
             mask = evictable(slots)

@@ -95,7 +95,7 @@ class CacheGroup:
         ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
         ``reservations``: peers' pushes into this group, which the local engine's stores come before.
         ``admission``: which new blocks engines' offloads store (``kvxfer.index.admission``; none: all).
-        ``tenants``: their guaranteed shares of the host tier (``kvxfer.index.tenancy``).
+        ``tenants``: their guaranteed shares of the host tier and of the disk tier (``kvxfer.index.tenancy``).
         ``hash_threads``: threads that checksum host slots (what peers and lower tiers read into them)."""
         self.name = name
         self.event_scope = kv_events.scope if kv_events is not None else 0  # who sees its events (EventHub.scoped)
@@ -117,7 +117,7 @@ class CacheGroup:
         #: what the group's lower tiers are told of it
         self.context = GroupContext(name, layout.block_bytes, self.format.bound_to(name), self.format.fingerprint,
                                     (self.host.buffer.data_ptr(), self.host.buffer.numel()), kv_events,
-                                    self.host.checksums)
+                                    self.host.checksums, tuple(tenants))
         self.lower_tiers: list[LowerTier] = lower(self.context) if lower is not None else []
 
     def tier(self, kind: TierKind) -> LowerTier | None:

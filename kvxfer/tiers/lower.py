@@ -38,6 +38,7 @@ class GroupContext:
     events: EventHub | ScopedEvents | None = None  # where the tier announces blocks stored and removed
     #: the checksum of each host slot's bytes (host slots numbered from ``host_memory``'s address), off the GIL
     checksums: Callable[[list[int]], list[int]] | None = None
+    tenants: tuple = ()  # the configured tenants (``kvxfer.index.tenancy.Tenant``): a tier of its own divides by them
 
 
 class Fetch(Protocol):

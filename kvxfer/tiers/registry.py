@@ -40,6 +40,10 @@ def _store(cls: type) -> Callable[[Any, GroupContext], LowerTier]:
     return lambda settings, group: cls(settings, group.name, group.fingerprint, group.block_bytes, group.events)
 
 
+def _disk(settings: Any, group: GroupContext) -> LowerTier:
+    return DiskStore(settings, group.name, group.fingerprint, group.block_bytes, group.events, group.tenants)
+
+
 def _object(settings: Any, group: GroupContext) -> LowerTier:
     from kvxfer.tiers.object.store import ObjectTier  # (the object-store client: only when configured)
 
@@ -47,7 +51,7 @@ def _object(settings: Any, group: GroupContext) -> LowerTier:
 
 
 LOWER_TIERS: list[TierRow] = [
-    TierRow("disk", _store(DiskStore), disk.parse, disk.KEYS),
+    TierRow("disk", _disk, disk.parse, disk.KEYS),  # this node's own: divided between tenants as the host tier
     TierRow("shared_fs", _store(SharedFsStore), shared_fs.parse, shared_fs.KEYS),
     TierRow("peering", peer.PeerTier),  # other nodes' daemons: after the local tiers, before Redis
     TierRow("remote", _store(RemoteStore), remote.parse, remote.KEYS),

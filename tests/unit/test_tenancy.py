@@ -2,17 +2,27 @@
 guarantee, a share unused is lent and taken back, each tenant's blocks leave least recently used first, and
 the counts stay exact (hypothesis over store, load and delete sequences)."""
 
+import time
+
 import numpy as np
 import pytest
+import torch
 import yaml
 from hypothesis import given, settings, strategies as st
 
 from kvxfer.errors import ConfigError, FailedPrecondition
+from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.index.eviction import QueueLRU
 from kvxfer.index.tenancy import Tenant, Tenancy
 from kvxfer.integrations.identity import digest
+from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome, TierKind
+from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.manager import PoolManager
+from kvxfer.tiers.disk.files import HEADER_BYTES
+from kvxfer.tiers.disk.settings import DiskSettings
+from kvxfer.tiers.registry import lower_tiers
 from service import config as service_config, config_sections
 
 TENANTS = (Tenant("a", 0.5, namespace_prefix="a/"), Tenant("b", 0.25, namespace_prefix="b/"))
@@ -128,3 +138,46 @@ def test_a_good_list_parses():
     assert config_sections.tenants([{"name": "team-a", "share": 0.5, "cache_salt": "x"}]) == (
         Tenant("team-a", 0.5, cache_salt="x"),)
     assert np.isclose(sum(t.share for t in TENANTS), 0.75)
+
+
+def test_a_tenant_below_its_share_takes_back_what_others_borrowed_before_evicting_its_own():
+    """The share a tenant left unused is lent and taken back first: a store of a tenant below its guarantee
+    evicts another tenant's borrowed blocks, even more recent ones, before its own oldest."""
+    index = BlockIndex(TierKind.HOST, 20, tenants=TENANTS)  # a: 10 guaranteed, b: 5
+    store(index, 1, [b"a%d" % i for i in range(6)])  # a's oldest
+    store(index, 2, [b"b%d" % i for i in range(14)])  # b borrows 9 (all of the rest)
+    assert blocks(index) == {"other": 0, "a": 6, "b": 14}
+    store(index, 1, [b"n%d" % i for i in range(6)])  # a is owed 4: b's 4 oldest go first, then a's 2 oldest
+    assert blocks(index) == {"other": 0, "a": 10, "b": 10}
+    assert index.contains("a/x", [b"a0", b"a1", b"a2"]) == [False, False, True]
+    assert index.contains("b/x", [b"b3", b"b4"]) == [False, True]
+
+
+def test_the_disk_tier_is_divided_too_and_a_restart_gives_each_tenant_its_blocks_back(tmp_path):
+    """Demotions land in a disk index divided by the same shares, and its load at start (from the checkpoint,
+    or from the files) counts each block for its tenant again."""
+    pool = Pool.create("p", KVSpec(2, 64, 16, 2, 32, torch.float16), Layout.parse("BLHNC"))  # 8 KiB blocks
+    settings = DiskSettings(str(tmp_path), 64 * (HEADER_BYTES + pool.layout.block_bytes))
+
+    def started() -> tuple[CacheGroup, PoolManager]:
+        group = CacheGroup("g", pool.layout, 8, lower=lower_tiers(disk=settings), tenants=TENANTS)
+        return group, PoolManager(pool, group)
+
+    group, manager = started()
+    for tenant, n in ((1, 12), (2, 20)):
+        for start in range(0, n, 4):
+            pairs = [(1 + i, b"%d-%d" % (tenant, i)) for i in range(start, start + 4)]
+            assert manager.offload(NAMESPACE[tenant], pairs).outcomes == [Outcome.DONE] * 4
+    assert group.demote_all(10) == 8
+    assert group.tier(TierKind.DISK).flush(30)  # the demotions written
+    disk = {t.name: (t.blocks, t.guaranteed) for t in group.tier(TierKind.DISK).stats().tenants}
+    assert disk == {"other": (0, 0), "a": (12, 32), "b": (20, 16)}
+    group.close(5)
+    for scan in (False, True):
+        if scan:
+            (tmp_path / "g" / ".checkpoint").unlink()
+        group, _ = started()
+        assert group.tier(TierKind.DISK).wait_ready(time.monotonic() + 30)
+        disk = {t.name: t.blocks for t in group.tier(TierKind.DISK).stats().tenants}
+        assert disk == {"other": 0, "a": 12, "b": 20}, scan
+        group.close(5)

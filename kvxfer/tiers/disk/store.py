@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
 from kvxfer.index.block_index import BlockIndex
+from kvxfer.index.tenancy import Tenant
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue
@@ -65,9 +67,10 @@ class DiskStore:
     takes_evictions, takes_stores, restart_warm = True, False, True
 
     def __init__(self, settings: DiskSettings, group: str, fingerprint: bytes, slot_bytes: int,
-                 kv_events: EventHub | None = None) -> None:
+                 kv_events: EventHub | None = None, tenants: Sequence[Tenant] = ()) -> None:
         """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every file's header;
-        ``kv_events``: where blocks published and removed are announced."""
+        ``kv_events``: where blocks published and removed are announced; ``tenants``: their guaranteed
+        shares of this tier, as of the host tier (a demotion that finds no victim it may take is dropped)."""
         capacity = settings.capacity_bytes // (HEADER_BYTES + slot_bytes)
         if capacity < 1:
             raise InvalidArgument(f"disk capacity {settings.capacity_bytes} bytes holds no block of "
@@ -75,7 +78,7 @@ class DiskStore:
         self.tier = DiskTier(Path(settings.path) / group, capacity, slot_bytes, fingerprint)
         self._lock_fd = _lock_directory(self.tier.directory)  # one store per directory, in any process
         self.index = BlockIndex(TierKind.DISK, self.tier.slots,
-                                events=kv_events.tier(TierKind.DISK, group) if kv_events else None)
+                                events=kv_events.tier(TierKind.DISK, group) if kv_events else None, tenants=tenants)
         self.journal = disk_journal.Journal(self.tier.directory_fd, fingerprint)
         self._rebasing = threading.Lock()
         self.events = EventCounts()
@@ -274,7 +277,7 @@ class DiskStore:
     def stats(self) -> TierStats:
         i = self.index.stats()
         return TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.tier.file_bytes,
-                         self.degraded, {**self.events.snapshot(), "refaults": i.refaults}, self.loading)
+                         self.degraded, {**self.events.snapshot(), "refaults": i.refaults}, self.loading, i.tenants)
 
     def _degrade(self, what: str, exc: OSError) -> None:
         if not self.degraded:
