@@ -131,9 +131,10 @@ def _panel_exprs(window: str) -> list[tuple[str, str]]:
 @needs_prometheus
 def test_prometheus_scrapes_it_and_every_panel_and_alert_returns_data(make_daemon, tmp_path):
     port, web = free_port(), free_port()
-    # (a disk tier: the load's evictions go down into it, for the lower tiers' panel)
+    # (a disk tier: the load's evictions go down into it, for the lower tiers' panel; a tenant, for theirs)
     daemon = make_daemon({"metrics_listen": f"127.0.0.1:{port}",
-                          "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 51.2}})
+                          "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 51.2},
+                          "tenants": [{"name": "team-a", "share": 0.5, "namespace_prefix": "team-a/"}]})
     workdir = Path(tempfile.mkdtemp(prefix="kxprom"))
     (workdir / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
