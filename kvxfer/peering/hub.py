@@ -6,6 +6,7 @@ object by ``kvxfer.tiers.registry``); this package is the serving side and the l
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from kvxfer.errors import InvalidArgument
@@ -18,6 +19,8 @@ from kvxfer.peering.served import PeeredGroup
 from kvxfer.peering.settings import PeeringSettings
 from kvxfer.records import TierKind
 from kvxfer.validate import shown
+
+RELEASES_DRAIN_S = 2.0  # at shutdown, how long the releases still queued may take to leave (all peers together)
 
 
 class Peering:
@@ -54,6 +57,7 @@ class Peering:
 
     def close(self) -> None:
         self.leases.close()
+        until = time.monotonic() + RELEASES_DRAIN_S  # one bound for all peers' queued releases, not one each
         for link in self.links:
-            link.close()
+            link.close(until)
         self.agent.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,6 +156,7 @@ class PeerLink:
             failed("release")
             log.warning("peer lease not released", extra={"peer": self.name, "error": f"{exc.code().name}"})
 
-    def close(self) -> None:
-        self._releaser.close()
+    def close(self, until: float | None = None) -> None:
+        """Stop: the releases queued are sent until ``until`` (``time.monotonic()``; else 2 s from now)."""
+        self._releaser.close(2.0 if until is None else max(0.0, until - time.monotonic()))
         self._channel.close()

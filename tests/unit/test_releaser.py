@@ -2,6 +2,7 @@
 waits for one, none is lost while the queue has room, and the queue is bounded."""
 
 import threading
+import time
 
 import pytest
 
@@ -56,3 +57,15 @@ def test_after_close_a_release_is_refused_not_queued_for_ever():
     releaser.close()
     releaser.send(0, failures.append)
     assert failures == ["backoff"] and releaser.pending() == 0
+
+
+def test_close_waits_at_most_its_timeout_for_a_send_that_hangs():
+    """A peer that stalls cannot hold a shutdown: ``close`` gives up after its timeout (the lease ends at its
+    deadline at the peer)."""
+    gate = threading.Event()
+    releaser = Releaser("r", lambda request, failed: gate.wait(60))
+    releaser.send(0, lambda cause: None)
+    start = time.monotonic()
+    releaser.close(timeout=0.2)
+    assert time.monotonic() - start < 30  # (a hang guard: the send blocks for 60 s)
+    gate.set()
