@@ -3,6 +3,7 @@ disk tier) stays whole
 (every block of it still restores bit-exact), the flood evicts only its own blocks and those of no tenant, and
 /metrics says each tenant's occupancy, guarantee, evictions and hits (configured tenants and "other" only)."""
 
+import contextlib
 import time
 import urllib.request
 
@@ -16,9 +17,9 @@ TENANTS = [{"name": "steady", "share": 0.5, "namespace_prefix": "steady/"},
            {"name": "flood", "share": 0.25, "namespace_prefix": "flood/"}]
 
 
-def test_a_flooding_tenant_never_pushes_another_below_its_share(make_daemon):
-    port = free_port()
-    daemon = make_daemon({"pools": [SMALL_POOL], "metrics_listen": f"127.0.0.1:{port}", "tenants": TENANTS})
+@contextlib.contextmanager
+def _tenants(daemon):
+    """The steady and the flooding tenant's clients, the pool mapped, blocks 1-32 filled with their number."""
     with Client(daemon.target, "steady/app", pool_id="rank0") as steady, \
             Client(daemon.target, "flood/app", pool_id="rank0") as flood:
         pool = steady.map_pool()
@@ -26,6 +27,13 @@ def test_a_flooding_tenant_never_pushes_another_below_its_share(make_daemon):
         views = pool.views()[0][0]
         for block in range(1, 33):
             views[block].fill_(block)
+        yield steady, flood, pool, views
+
+
+def test_a_flooding_tenant_never_pushes_another_below_its_share(make_daemon):
+    port = free_port()
+    daemon = make_daemon({"pools": [SMALL_POOL], "metrics_listen": f"127.0.0.1:{port}", "tenants": TENANTS})
+    with _tenants(daemon) as (steady, flood, pool, views):
         keys = [b"s%d" % i for i in range(64)]
         for start in range(0, 64, 32):  # 64 blocks: the steady tenant's whole share
             steady.offload([(1 + (i % 32), keys[i]) for i in range(start, start + 32)])
@@ -57,13 +65,7 @@ def test_a_flood_demoted_to_disk_never_pushes_another_tenant_below_its_disk_shar
     disk = {"path": str(tmp_path / "disk"), "capacity_mib": 128 * (16 + 4) / 1024}
     daemon = make_daemon({"pools": [{**SMALL_POOL, "host_capacity_mib": 0.5}], "disk": disk, "tenants": TENANTS,
                           "metrics_listen": f"127.0.0.1:{port}"})
-    with Client(daemon.target, "steady/app", pool_id="rank0") as steady, \
-            Client(daemon.target, "flood/app", pool_id="rank0") as flood:
-        pool = steady.map_pool()
-        flood.map_pool()
-        views = pool.views()[0][0]
-        for block in range(1, 33):
-            views[block].fill_(block)
+    with _tenants(daemon) as (steady, flood, pool, views):
         keys = [b"s%d" % i for i in range(64)]
         for start in range(0, 64, 16):  # 64 blocks: 32 fill the host tier (borrowed), 32 go down to disk
             steady.offload([(1 + (i % 32), keys[i]) for i in range(start, start + 16)])
