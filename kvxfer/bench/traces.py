@@ -34,7 +34,7 @@ BLOCK_TOKENS = 512  # the Mooncake trace's block size
 
 @dataclass
 class Blocks:
-    """Content-addressed prefix chains: ``extend(parent, content)`` names the block after ``parent``."""
+    """Content-addressed prefix chains: a block's id names its content and every block before it."""
 
     ids: dict[tuple[int, object], int] = field(default_factory=dict)
 
@@ -95,7 +95,7 @@ def agent(rng: random.Random) -> Iterator[Request]:
 
 def system_prompt(rng: random.Random, scan_share: float = 0.0) -> Iterator[Request]:
     """A request every 100 ms on one of 200 system prompts of 4-16 blocks, Zipf-popular (s = 1.1), with
-    a question of 1-3 blocks; ``scan_share`` of the requests are one-off documents of 50-200 blocks."""
+    a question of 0-2 full blocks (and its partial last); ``scan_share`` of the requests are one-off documents of 50-200 blocks."""
     prompts = [[("system", p, b) for b in range(rng.randint(4, 16))] for p in range(200)]
     weights = [1 / (rank + 1) ** 1.1 for rank in range(len(prompts))]
     at, i = 0.0, 0

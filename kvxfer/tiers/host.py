@@ -71,13 +71,13 @@ class HostTier(Tier):
 
     def checksums(self, slots: list[int]) -> list[int]:
         """The block checksum (kvxfer.geometry.checksum) of each slot's bytes."""
-        hasher = self._hasher
-        if hasher is None or len(slots) < 2:
-            rows = self._rows
-            return rows_checksums(rows[slot] for slot in slots)
         spans = np.fromiter(slots, dtype=np.int64, count=len(slots))
-        if spans.min() < 0 or spans.max() >= self.capacity:
+        if len(spans) and (spans.min() < 0 or spans.max() >= self.capacity):  # (a negative one would wrap)
             raise Internal(f"host tier slots outside [0, {self.capacity})")
+        hasher = self._hasher
+        if hasher is None or len(spans) < 2:
+            rows = self._rows
+            return rows_checksums(rows[slot] for slot in spans.tolist())
         return hasher.hash_spans(self._rows, spans, max(1, HASH_STEP_BYTES // self.slot_bytes), self._hash_threads)
 
 

@@ -60,3 +60,5 @@ def test_a_groups_slot_checksums_hash_off_the_gil_where_the_c_loop_is_built(monk
     assert tier.checksums([0, 3]) == [0, 0] and len(calls) == 1 and calls[0][3] == 2
     with pytest.raises(Internal):
         tier.checksums([0, 4])
+    with pytest.raises(Internal):  # one slot (the Python loop's path): a negative index would read the last
+        tier.checksums([-1])
