@@ -147,6 +147,7 @@ BENCHES: list[tuple[str, str, str]] = [
     ("trace", "kvxfer.bench.traces", "a synthetic request trace (chats, agents, a shared system prompt, scans)"),
     # through real daemons (``kvxfer serve`` processes: kvxfer.bench.launch)
     ("daemon", "kvxfer.bench.daemon", "throughput and latency through a real daemon"),
+    ("lane", "kvxfer.bench.lane", "Offload, Restore and Lookup over the local lane against gRPC"),
     ("vllm", "kvxfer.bench.vllm", "vLLM's scheduler loading 1,024 blocks through the kvxfer backend"),
     ("lmcache", "kvxfer.bench.lmcache", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy"),
     ("demotion", "kvxfer.bench.demotion", "host-tier evictions reaching the disk under several clients"),

@@ -18,6 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer import fdpass, wire
+from kvxfer import lane as lane_mod
 from kvxfer.client_results import (DROPPABLE, SUCCESS, BlockFailures, FinishedJobs, PendingJobs, failures, finished,
                                    monotonic_ns)
 from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError, error_for_code
@@ -43,7 +44,10 @@ class Client:
 
     def __init__(self, target: str, namespace: str = "default", *, pool_id: str | None = None,
                  timeout: float = 5.0, token: str | None = None, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None) -> None:
+                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
+                 lane: bool = True) -> None:
+        """``lane``: send Offload, Restore and Lookup over the daemon's local lane where it serves one
+        (``kvxfer.lane``: the same messages without gRPC's per-call cost); False: gRPC only."""
         self.client_id = uuid.uuid4().hex  # names this client's asynchronous jobs
         self.namespace = namespace
         self.timeout = timeout
@@ -66,6 +70,11 @@ class Client:
         self._target = target
         self._token = token  # the descriptor socket asks for it too
         self._stub = pb_grpc.KVTransferStub(self._channel)
+        lane_path = lane_mod.path_for(target) if lane else None
+        self._lane = lane_mod.Lane(lane_path, token) if lane_path else None
+        self._lane_methods = {self._stub.Offload: (lane_mod.Method.OFFLOAD, pb.TransferResponse),
+                              self._stub.Restore: (lane_mod.Method.RESTORE, pb.TransferResponse),
+                              self._stub.Lookup: (lane_mod.Method.LOOKUP, pb.LookupResponse)}
         self._registrations: dict[str, bytes] = {}  # pool id -> registration token
         self._descriptors: dict[str, PoolDescriptor] = {}
         self._mapped: dict[str, Pool] = {}
@@ -336,6 +345,12 @@ class Client:
         return result
 
     def _call(self, method, request, timeout: float | None = None):
+        if self._lane is not None and method in self._lane_methods:
+            lane_method, response = self._lane_methods[method]
+            try:
+                return self._lane.call(lane_method, request, response, timeout or self.timeout)
+            except lane_mod.NoLane:
+                pass  # nothing was sent: gRPC carries it
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -376,6 +391,8 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        if self._lane is not None:
+            self._lane.close()
         for pool in self._mapped.values():
             pool.close()
         self._mapped.clear()

@@ -292,6 +292,22 @@ class GrpcMetrics(grpc.aio.ServerInterceptor):
                                                    response_serializer=handler.response_serializer)
 
 
+class LaneMetrics:
+    """The local lane's calls (``service.lane``), as ``grpc_server_*`` counts gRPC's: by method and status code."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.handled = Counter("kvxfer_lane_handled", "Calls completed on the local lane, by status code.",
+                               ["method", "code"], registry=registry)
+        self.seconds = Histogram("kvxfer_lane_handling_seconds", "Seconds from a local-lane call's arrival to "
+                                 "its answer.", ["method"], buckets=SECONDS_BUCKETS, registry=registry)
+        self.connections = Gauge("kvxfer_lane_connections", "Connections open on the local lane.",
+                                 registry=registry)
+
+    def __call__(self, method: str, code: str, seconds: float) -> None:
+        self.handled.labels(method, code).inc()
+        self.seconds.labels(method).observe(seconds)
+
+
 class Metrics:
     """What ``/metrics`` serves: the daemon's figures (once ``watch`` names its pools), the gRPC
     and per-transfer figures, build information and the process's own."""
@@ -300,6 +316,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.transfers = TransferObserver(self.registry)
         self.grpc = GrpcMetrics(self.registry)
+        self.lane = LaneMetrics(self.registry)
         self.serving = Gauge("kvxfer_serving", "1 while the daemon serves (health SERVING), 0 once it is shutting "
                              "down.", registry=self.registry)
         build = InfoMetricFamily("kvxfer_build", "The running build.", labels=[])

@@ -35,6 +35,7 @@ from kvxfer.events.hub import EventHub
 from kvxfer.peering.hub import Peering
 from kvxfer.errors import FailedPrecondition, InvalidArgument
 from kvxfer.fdpass import SUFFIX
+from kvxfer.lane import SUFFIX as LANE_SUFFIX
 from kvxfer.memory.cuda_driver import CudaError, on_device_lost
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.memory.shm import resolve_group
@@ -42,9 +43,11 @@ from kvxfer.v1 import kvxfer_pb2 as pb
 from service import logs, preflight
 from service.config import Config, unknown_variables
 from service.fdsocket import DescriptorSocket
+from service.lane import Lane
 from service.metrics import Metrics
 from service.peer_servicer import PeerServicer, peer_handlers
-from service.servicer import KVTransferServicer, RequestLimits, handlers
+from service.servicer import KVTransferServicer, handlers
+from service.transfers import RequestLimits
 
 if TYPE_CHECKING:
     from kvxfer.events.publisher import ZmqPublisher
@@ -153,6 +156,7 @@ class Daemon:
         if config.socket:  # before any memory is allocated: a socket problem fails fast
             claim_socket(config.socket)
             claim_socket(config.socket + SUFFIX)
+            claim_socket(config.socket + LANE_SUFFIX)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
         self.metrics = Metrics()
         events = config.events
@@ -177,6 +181,7 @@ class Daemon:
         interceptors = [self.metrics.grpc, *([TokenAuth(token)] if token else [])]  # metrics see refusals too
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         limits = RequestLimits(c.max_concurrent_rpcs, c.max_batch_blocks, c.max_pools, c.max_queued_jobs)
+        self.limits = limits
         self.server.add_generic_rpc_handlers((handlers(KVTransferServicer(self.registry, limits, self.executor)),))
         if self.peering is not None:
             self.server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self.peering, self.executor,
@@ -186,6 +191,7 @@ class Daemon:
                                             self.server)
         self.addresses: list[str] = []
         self.fd_socket: DescriptorSocket | None = None
+        self.lane: Lane | None = None
         self._sweeper: asyncio.Task | None = None
         try:
             self._listen()  # before allocating: a busy port fails at once, not after the pools
@@ -204,6 +210,8 @@ class Daemon:
             if gid >= 0:
                 os.chown(c.socket, -1, gid)
             self.fd_socket = DescriptorSocket(c.socket + SUFFIX, self.registry, c.socket_mode, gid, c.token)
+            self.lane = Lane(c.socket + LANE_SUFFIX, self.registry, self.limits, c.socket_mode, gid, c.token,
+                             self.metrics.lane)
             self.addresses.append(f"unix:{c.socket}")
         if c.listen:
             # With peering, callers show a certificate of the peers' CA (a peer is known by the name it carries).
@@ -231,6 +239,8 @@ class Daemon:
         await self.server.start()
         if self.fd_socket is not None:
             self.fd_socket.start()
+        if self.lane is not None:
+            self.lane.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.metrics.serving.set(1)
@@ -245,7 +255,11 @@ class Daemon:
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.kv_events.close()  # WatchEvents streams end: they would hold the grace period
+        loop = asyncio.get_running_loop()
+        lane_closed = loop.run_in_executor(None, self.lane.close, self.config.grace_period_s) if self.lane else None
         await self.server.stop(self.config.grace_period_s)
+        if lane_closed is not None:
+            await lane_closed
         # Queued jobs finish first (on a thread: closing waits).
         await asyncio.get_running_loop().run_in_executor(None, self.registry.close, self.config.grace_period_s)
         self._release()
@@ -257,6 +271,8 @@ class Daemon:
             self.metrics_server.server_close()
         if self.fd_socket is not None:
             self.fd_socket.close()
+        if self.lane is not None:
+            self.lane.close()
         if self.peering is not None:
             self.peering.leases.close()  # before the groups whose slots they pin
         self.registry.close()

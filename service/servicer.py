@@ -11,56 +11,30 @@ Errors become statuses in ``service.status``.
 from __future__ import annotations
 
 import asyncio
-import re
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 
 from kvxfer import wire
 from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvxfer.events.hub import EventHub
-from kvxfer.events.wire import engine_from_pb
-from kvxfer.serving.batch import TransferBatch, TransferKind
-from kvxfer.serving.jobs import JobRunner
 from kvxfer.geometry.layout import Layout
 from kvxfer.geometry.sharding import MAX_FORMAT_CHARS, MAX_MODEL_CHARS
-from kvxfer.records import PoolRef, TransferResult
+from kvxfer.records import TransferResult
+from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.group_table import Sharing
+from kvxfer.serving.jobs import JobRunner
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_count, check_name, check_namespace, checked_keys, shown
-from service import watch
+from kvxfer.validate import check_count, check_namespace, checked_keys
+from service import transfers, watch
 from service.status import parser, rpc, stream_rpc
+from service.transfers import RequestLimits
 
 MAX_WAIT_S = 60.0
-INLINE_BYTES = 1 << 20  # a transfer this small runs on the event loop: cheaper than a thread hop
 POLL_S = 1.0  # a waiting WaitJobs looks again at least this often (and renews its leases)
-CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 MAX_LAYOUT_CHARS, MAX_DTYPE_CHARS, MAX_PATH_CHARS = 128, 32, 4096
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_concurrent_rpcs: int = 64
-    max_batch_blocks: int = 65536
-    max_pools: int = 8
-    max_job_ids: int = 256
-
-
-def _ref(msg: pb.PoolRef) -> PoolRef:
-    return PoolRef(msg.pool_id, msg.epoch, msg.registration_token)
-
-
-def _statuses(result: TransferResult) -> dict:
-    return {"statuses": [wire.OUTCOME_TO_STATUS[o] for o in result.outcomes], "bytes": result.bytes,
-            "seconds": result.seconds}
-
-
-def _check_client_id(client_id: str) -> str:
-    return check_name(client_id, CLIENT_ID_RE, "client_id", "1-128 letters, digits, '_', '.', ':', '-'")
 
 
 def _check_length(value: str, limit: int, what: str) -> None:
@@ -90,42 +64,13 @@ class KVTransferServicer:
         finally:
             self._in_flight -= 1
 
-    async def _transfer(self, kind: TransferKind, request, blocks: Sequence[int],
-                        keys: Sequence[bytes]) -> pb.TransferResponse:
-        served = self.registry.get(_ref(request.pool), registrant=True)
-        jobs, limit = served.jobs, self.limits.max_batch_blocks
-        check_count(len(blocks), limit, "slots")
-        check_count(len(keys), limit, "keys")
-        num_blocks = served.manager.num_blocks
-
-        ready_event = request.cuda_event_handle if kind is TransferKind.OFFLOAD else b""
-        if ready_event and not served.manager.pool.is_cuda:
-            raise FailedPrecondition(f"pool {shown(served.descriptor.pool_id)} is not a CUDA pool: a "
-                                     "cuda_event_handle goes with CUDA pools only")
-
-        # The engine's CLOCK_MONOTONIC is ours: it runs on this host (its pool is local memory).
-        deadline = request.pool_deadline_ns / 1e9 if request.pool_deadline_ns else None
-
-        engine = engine_from_pb(request.engine) if kind is TransferKind.OFFLOAD and request.HasField("engine") \
-            else None
-
-        def batch() -> TransferBatch:  # the one validation of the request, where it enters
-            return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit, ready_event,
-                                       deadline, engine)
-
-        if request.HasField("wait") and not request.wait:
-            client_id, lease_s = _check_client_id(request.client_id), request.lease_ms / 1000
-            return pb.TransferResponse(job_id=await self._blocking(lambda: jobs.submit(batch(), client_id, lease_s)))
-        pool = served.manager.pool
-        # Inline only a copy between memory and memory: a GPU may stall, and a group with a disk or Redis
-        # tier may promote or demote through them (a hung file or a slow Redis): those go to a thread.
-        memory_only = not pool.is_cuda and not served.manager.group.lower
-        if memory_only and len(blocks) * pool.layout.block_bytes <= INLINE_BYTES:
-            done = jobs.run_or_queue(batch())
-        else:
-            done = await self._blocking(lambda: jobs.run_or_queue(batch()))  # ran at once if the pool was idle
-        result = done if isinstance(done, TransferResult) else await _finished(jobs, done)
-        return pb.TransferResponse(**_statuses(result))
+    async def _transfer(self, kind: TransferKind, request) -> pb.TransferResponse:
+        t = transfers.transfer(self.registry, self.limits, kind, request)
+        if t.job is not None:
+            return pb.TransferResponse(job_id=await self._blocking(t.submit))
+        done = t.start() if t.inline else await self._blocking(t.start)  # ran at once if the pool was idle
+        result = done if isinstance(done, TransferResult) else await _finished(t.jobs, done)
+        return transfers.response(result)
 
     # -- RPCs ------------------------------------------------------------------------
     @rpc
@@ -135,25 +80,17 @@ class KVTransferServicer:
 
     @rpc
     async def Offload(self, request: pb.OffloadRequest, context) -> pb.TransferResponse:
-        return await self._transfer(TransferKind.OFFLOAD, request, request.slots, request.keys)
+        return await self._transfer(TransferKind.OFFLOAD, request)
 
     @rpc
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.TransferResponse:
         if request.peer:  # the caller knows who holds the keys: read them from there first
-            await self._from_peer(request)
-        return await self._transfer(TransferKind.RESTORE, request, request.slots, request.keys)
-
-    async def _from_peer(self, request: pb.RestoreRequest) -> None:
-        served = self.registry.get(_ref(request.pool), registrant=True)
-        check_namespace(request.namespace)
-        keys = checked_keys(request.keys, limit=self.limits.max_batch_blocks)
-        if self.registry.peering is None:
-            raise FailedPrecondition("peer: peering is not configured on this daemon (docs/peering.md)")
-        await self._blocking(self.registry.peering.pull, served.manager.group, request.namespace, keys, request.peer)
+            await self._blocking(transfers.peer_pull(self.registry, self.limits, request))
+        return await self._transfer(TransferKind.RESTORE, request)
 
     @rpc
     async def Push(self, request: pb.PushRequest, context) -> pb.TransferResponse:
-        served = self.registry.get(_ref(request.pool), registrant=True)
+        served = self.registry.get(transfers.ref(request.pool), registrant=True)
         check_namespace(request.namespace)
         keys = checked_keys(request.keys, limit=self.limits.max_batch_blocks)
         peering = self.registry.peering
@@ -165,33 +102,26 @@ class KVTransferServicer:
 
     @rpc
     async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:
-        jobs = self.registry.get(_ref(request.pool)).jobs
+        jobs = self.registry.get(transfers.ref(request.pool)).jobs
         check_count(len(request.job_ids), self.limits.max_job_ids, "job ids")
-        client_id = _check_client_id(request.client_id)
+        client_id = transfers.check_client_id(request.client_id)
         job_ids = list(request.job_ids)
         timeout = min(request.timeout_ms / 1000, MAX_WAIT_S)
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = max(0.0, min(timeout, remaining - 0.05))  # answer before the caller's deadline
         finished, unknown = await _wait_jobs(jobs, client_id, job_ids, request.wait_all, timeout)
-        return pb.WaitJobsResponse(finished=[pb.JobResult(job_id=j.job_id, **_statuses(j.result)) for j in finished],
-                                   unknown_job_ids=unknown)
+        return pb.WaitJobsResponse(finished=[pb.JobResult(job_id=j.job_id, **transfers.statuses(j.result))
+                                             for j in finished], unknown_job_ids=unknown)
 
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        check_count(len(request.pools), self.limits.max_pools, "pools")
-        check_count(len(request.keys), self.limits.max_batch_blocks, "keys")
-        refs = [_ref(p) for p in request.pools]
-        remaining = context.time_remaining()  # a disk index loading at start is waited for, within the deadline
-        deadline = time.monotonic() + max(0.0, remaining - 0.05) if remaining is not None else None
-        result = await self._blocking(self.registry.lookup, refs, request.namespace, list(request.keys), deadline)
-        return pb.LookupResponse(hits=result.hits,
-                                 tiers=[wire.TIER_TO_PB[t] if t else pb.TIER_UNSPECIFIED for t in result.tiers])
+        return await self._blocking(transfers.lookup(self.registry, self.limits, request, context.time_remaining()))
 
     @rpc
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         check_count(len(request.keys), self.limits.max_batch_blocks, "keys")
-        manager = self.registry.get(_ref(request.pool), registrant=True).manager
+        manager = self.registry.get(transfers.ref(request.pool), registrant=True).manager
         # The repeated field itself, sliced a chunk at a time by the manager: no list of every key.
         return pb.DeleteResponse(deleted=await self._blocking(manager.delete, request.namespace, request.keys))
 
@@ -219,19 +149,19 @@ class KVTransferServicer:
     @rpc
     async def UnregisterPool(self, request: pb.UnregisterPoolRequest, context) -> pb.UnregisterPoolResponse:
         drain = (request.drain_timeout_ms or 10_000) / 1000
-        cancelled = await self._blocking(self.registry.unregister, _ref(request.pool), request.registration_token,
-                                         drain)
+        cancelled = await self._blocking(self.registry.unregister, transfers.ref(request.pool),
+                                         request.registration_token, drain)
         return pb.UnregisterPoolResponse(cancelled_jobs=cancelled)
 
     @stream_rpc
     async def WatchEvents(self, request: pb.WatchEventsRequest, context) -> AsyncIterator[bytes]:
-        scopes = self.registry.event_scopes([_ref(p) for p in request.pools])
+        scopes = self.registry.event_scopes([transfers.ref(p) for p in request.pools])
         async for response in watch.watch(self._hub(), self._encoded, request, scopes, self._hub().linger_s):
             yield response
 
     @stream_rpc
     async def Snapshot(self, request: pb.SnapshotRequest, context) -> AsyncIterator[pb.SnapshotResponse]:
-        scopes = self.registry.event_scopes([_ref(p) for p in request.pools])
+        scopes = self.registry.event_scopes([transfers.ref(p) for p in request.pools])
         async for response in watch.snapshot(self._hub(), self.registry, self._executor, request, scopes):
             yield response
 
@@ -288,11 +218,7 @@ def handlers(servicer: KVTransferServicer) -> grpc.GenericRpcHandler:
     INVALID_ARGUMENT (the generated registration would answer INTERNAL) and count
     repeated fields before anything is built from them."""
     lim = servicer.limits
-    batch = lim.max_batch_blocks
-    repeated = {"OffloadRequest": {"slots": batch, "keys": batch}, "RestoreRequest": {"slots": batch, "keys": batch},
-                "PushRequest": {"keys": batch},
-                "LookupRequest": {"pools": lim.max_pools, "keys": batch}, "DeleteRequest": {"keys": batch},
-                "WaitJobsRequest": {"job_ids": lim.max_job_ids},
+    repeated = {**transfers.repeated_limits(lim),
                 "WatchEventsRequest": {"namespaces": watch.MAX_WATCHED, "pools": lim.max_pools},
                 "SnapshotRequest": {"namespaces": watch.MAX_WATCHED, "pools": lim.max_pools}}
     service = pb.DESCRIPTOR.services_by_name["KVTransfer"]

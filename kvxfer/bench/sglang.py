@@ -9,6 +9,8 @@ query, then batch gets), as its radix cache drives the controller:
 
 - ``kvxfer zero copy``: interface_v1, the host pool in SGLang's memfd (``allocator: shm``):
   the daemon copies pages out of it and into it;
+- ``kvxfer zero copy, gRPC only``: the same with the backend's ``lane`` off: every batch and hit
+  query a gRPC call (the baseline of the local lane, ``kvxfer.lane``);
 - ``kvxfer staged``: the same with SGLang's default (private) host memory: one copy through
   the backend's staging area;
 - ``file``: SGLang's ``HiCacheFile`` (``--hicache-storage-backend file``) in ``--dir``;
@@ -66,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
     workdir = tempfile.mkdtemp(prefix="kvxfer-hicache-file-", dir=args.dir)
     subjects: dict = {}
     try:
-        for name, allocator in (("kvxfer zero copy", "shm"), ("kvxfer staged", "default")):
-            extra = sglang_engine.extra_config(daemon.config["socket"], allocator, deadline_s=60.0, timeout_s=10.0)
+        for name, allocator, lane in (("kvxfer zero copy", "shm", True), ("kvxfer zero copy, gRPC only", "shm", False),
+                                      ("kvxfer staged", "default", True)):
+            extra = sglang_engine.extra_config(daemon.config["socket"], allocator, deadline_s=60.0, timeout_s=10.0,
+                                               lane=lane)
             subjects[name] = sglang_engine.Controller(extra, layout=args.layout, model=model, model_name=name)
         subjects["file"] = sglang_engine.Controller({"file_storage_path": workdir}, backend="file", layout=args.layout,
                                             model=model)

@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
                            "registered_host_capacity_mib": args.host_mib})
     config = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute",
-                              kv_connector_extra_config={"socket": daemon.config["socket"]})
+                              kv_connector_extra_config={"socket": daemon.config["socket"],
+                                                         "lane": not args.grpc_only})
     engine = Engine(config, num_blocks=args.blocks + 64, model=model, max_batched_tokens=4096)
     try:
         progress.step("engine up")
@@ -191,3 +192,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--host-mib", type=int, default=1024, help="the daemon's host tier for the engine's pool")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--grpc-only", action="store_true", help="the backend's lane off: every call over gRPC (the "
+                   "baseline of the local lane)")

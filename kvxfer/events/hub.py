@@ -54,6 +54,7 @@ class EventHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future | None = None
         self._wake_pending = False
+        self._waiters = 0  # coroutines in ``wait``: with none, an event wakes no loop (a wake costs the copy the GIL)
         self._scopes = itertools.count(1)
 
     @property
@@ -85,7 +86,7 @@ class EventHub:
                 self.dropped += 1
             self.emitted += 1
             self._arrived.notify_all()
-            loop, wake = self._loop, not self._wake_pending and self._loop is not None
+            loop, wake = self._loop, self._waiters > 0 and not self._wake_pending and self._loop is not None
             self._wake_pending = self._wake_pending or wake
         if wake:
             try:
@@ -133,12 +134,18 @@ class EventHub:
 
     async def wait(self, after: int, timeout: float) -> None:
         """(on the attached loop) Return once an event numbered after ``after`` exists, or after ``timeout``."""
-        if self._next - 1 > after or self._changed is None or self.closed:
-            return
+        with self._lock:  # counted before looking: an event emitted after this look wakes us
+            if self._next - 1 > after or self._changed is None or self.closed:
+                return
+            self._waiters += 1
+            changed = self._changed
         try:
-            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+            await asyncio.wait_for(asyncio.shield(changed), timeout)
         except TimeoutError:
             pass
+        finally:
+            with self._lock:
+                self._waiters -= 1
 
     def _wake(self) -> None:
         with self._lock:

@@ -52,8 +52,10 @@ class DaemonLink:
     """A Client that is rebuilt after the daemon went away, and calls that never wait on a dead daemon."""
 
     def __init__(self, target: str, *, timeout_s: float, retry_s: float, role: str,
-                 on_connect: Callable[[Client], None] | None = None, engine: str = "vLLM") -> None:
+                 on_connect: Callable[[Client], None] | None = None, engine: str = "vLLM",
+                 lane: bool = True) -> None:
         self.target = target
+        self.lane = lane  # the daemon's local lane for transfers and lookups (``Client``'s ``lane``)
         self.engine = engine
         self.log = logging.getLogger(f"kvxfer.{engine.lower()}")  # the backend's own logger: kvxfer.vllm, ...
         self.timeout_s = timeout_s
@@ -111,7 +113,7 @@ class DaemonLink:
 
     def _connect(self) -> Client:
         """A new session: a fresh Client, and ``on_connect`` (registration) run on it."""
-        client = Client(self.target, timeout=self.timeout_s)
+        client = Client(self.target, timeout=self.timeout_s, lane=self.lane)
         try:
             if self._on_connect is not None:
                 self._on_connect(client)

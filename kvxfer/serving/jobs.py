@@ -110,7 +110,8 @@ class JobRunner:
         finally:
             with self._cond:
                 self._busy = False
-                self._cond.notify_all()
+                if self._queue or self._closing:  # the worker (or close) waits for the pool to be free
+                    self._cond.notify_all()  # (woken for nothing, the worker took the GIL from the next copy)
 
     def on_finish(self, job: Job, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from the worker thread, or now) once ``job`` has finished."""

@@ -46,6 +46,17 @@ def test_bench_daemon_smoke(tmp_path, capsys):
     assert result["throughput"]["offload_gbps"] > 0 and len(result["jobs_in_flight"]) == 2
 
 
+def test_bench_lane_smoke(tmp_path, capsys):
+    out_json, out_png = tmp_path / "l.json", tmp_path / "l.png"
+    assert cli.main(["bench", "lane", "--batches", "1", "4", "--reps", "2", "--json", str(out_json),
+                     "--plot", str(out_png)]) == 0
+    assert "offload lane / copy" in capsys.readouterr().out
+    rows = json.loads(out_json.read_text())["batches"]
+    assert [r["blocks"] for r in rows] == [1, 4]
+    assert all(r["lane_offload_ms"] > 0 and r["grpc_lookup_ms"] > 0 and r["health_ms"] > 0 for r in rows)
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_bench_bookkeeping_smoke(tmp_path, capsys):
     out = tmp_path / "b.json"
     assert cli.main(["bench", "bookkeeping", "--blocks", "500", "--reps", "2", "--json", str(out)]) == 0

@@ -57,6 +57,7 @@ class Settings:
     staging_pages: int = 0  # pages of the staging area; 0: 1 beside a shared host pool (host page 0), else 128
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the pages' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this cache group's pages
+    lane: bool = True  # batches and lookups over the daemon's local lane (kvxfer.lane); False: gRPC only
 
     @property
     def target(self) -> str:
@@ -103,7 +104,8 @@ class PageMover:
         pages = settings.staging_pages or (1 if host_fd is not None else STORAGE_BATCH)
         self.staging = Staging(g.with_pages(pages + 1), names.pool_id("staging"))
         self.link = DaemonLink(settings.target, timeout_s=settings.timeout_s, retry_s=settings.retry_s,
-                               role=f"HiCache rank {names.share.tp_rank}", on_connect=self._register, engine="SGLang")
+                               role=f"HiCache rank {names.share.tp_rank}", on_connect=self._register, engine="SGLang",
+                               lane=settings.lane)
 
     # -- the session -----------------------------------------------------------------
     def _register(self, client: Client) -> None:

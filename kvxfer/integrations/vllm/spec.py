@@ -45,6 +45,7 @@ class Settings:
     forget_on_reset: bool = False  # reset_prefix_cache (a weight update in place) stops serving older blocks
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the blocks' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this engine's cache groups
+    lane: bool = True  # submits and lookups over the daemon's local lane (kvxfer.lane); False: gRPC only
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
@@ -73,7 +74,7 @@ class KvxferOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
-                          role="scheduler")
+                          role="scheduler", lane=self.settings.lane)
         shared = self.names.namespace(None)
         log.info("kvxfer: this engine's blocks are stored in namespace %s (a request with a cache_salt: %s:<its "
                  "digest>), cache group %s; watch them with: kvxfer events --namespace %s", shared,
@@ -91,7 +92,7 @@ class KvxferOffloadingSpec(OffloadingSpec):
                           self.settings.share_with_peers)
 
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
-                          role=f"worker rank {self.rank}", on_connect=on_connect)
+                          role=f"worker rank {self.rank}", on_connect=on_connect, lane=self.settings.lane)
         log.info("kvxfer: rank %d serves its KV cache (%d blocks of %d bytes, %s) as pool %s",
                  self.rank, self.names.spec.num_blocks, expected.block_bytes, self.names.layout.spelled, pool_id)
         ready = cuda_ready_event(kv.device) if kv.device.type == "cuda" else no_event

@@ -1,0 +1,129 @@
+"""``kvxfer bench lane``: Offload, Restore and Lookup over the local lane against the same calls over gRPC.
+
+One real daemon (the embedded default pool: 192 KiB blocks, BLHNC) and two clients in this
+process, one with the lane (``Client``'s default) and one without (``lane=False``: gRPC only).
+For each batch size (``--batches``), every repetition runs, in turn: an Offload of fresh keys
+from scattered slots, a Lookup of them and a Restore into other slots, on each client; a plain
+``copy_`` of the same bytes from the mapped pool; and a gRPC health Check (the cost of a call
+that carries nothing). Medians of the repetitions; the lane's fixed cost is its time less the
+daemon's own measured copy (``TransferResult.seconds``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvxfer.bench import launch
+from kvxfer.bench.common import GB, Progress, save
+from kvxfer.client import Client
+from kvxfer.tables import format_table
+
+TRANSPORTS = ("lane", "grpc")
+
+
+def _timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def run(args: argparse.Namespace) -> int:
+    daemon = launch.spawn({"log_level": "warning"})
+    progress = Progress(len(args.batches) * (args.reps + 1) + 1)
+    try:
+        with Client(daemon.target, namespace="bench-lane") as lane, \
+                Client(daemon.target, namespace="bench-lane", lane=False) as grpc_only:
+            progress.step("daemon up")
+            results = {"batches": [_batch(n, {"lane": lane, "grpc": grpc_only}, args, progress) for n in args.batches]}
+    finally:
+        daemon.cleanup()
+    rows = [[r["blocks"], *(f"{r[f'{t}_{op}_ms']:.3f}" for op in ("offload", "restore", "lookup") for t in TRANSPORTS),
+             f"{r['copy_ms']:.3f}", f"{r['health_ms']:.3f}", f"{r['lane_offload_vs_copy']:.2f}",
+             f"{r['grpc_offload_vs_copy']:.2f}"] for r in results["batches"]]
+    print(format_table(["blocks", "offload lane ms", "offload gRPC ms", "restore lane ms", "restore gRPC ms",
+                        "lookup lane ms", "lookup gRPC ms", "copy ms", "health ms", "offload lane / copy",
+                        "offload gRPC / copy"], rows,
+                       {"x / copy": "the request's time / a plain copy of its bytes (median of repetitions)"}))
+    save(args, results, plot)
+    return 0
+
+
+def _batch(n: int, clients: dict[str, Client], args: argparse.Namespace, progress: Progress) -> dict:
+    pool = clients["lane"].map_pool()
+    block = pool.layout.block_bytes
+    odd = list(range(1, pool.layout.spec.num_blocks, 2))
+    if 2 * n > len(odd):
+        raise SystemExit(f"the pool holds fewer than {2 * n} non-adjacent blocks")
+    gen = torch.Generator().manual_seed(n)
+    order = torch.randperm(len(odd), generator=gen).tolist()
+    sources, targets = [odd[i] for i in order[:n]], [odd[i] for i in order[n:2 * n]]
+    pool.storage.view(torch.int64).copy_(torch.arange(pool.storage.numel() // 8))  # touch every page
+    src, local = pool.storage[:n * block], torch.empty(n * block, dtype=torch.uint8)
+    times: dict[str, list[float]] = {}
+    served: dict[str, list[float]] = {}
+    health = clients["grpc"]
+    for rep in range(args.reps + 1):  # repetition 0 warms up
+        for t, client in clients.items():
+            keys = [f"{t}-{n}-{rep}-{i}".encode() for i in range(n)]
+            spent, result = _timed(lambda: client.offload(list(zip(sources, keys))))
+            times.setdefault(f"{t}_offload", []).append(spent)
+            served.setdefault(f"{t}_offload", []).append(result.seconds)
+            times.setdefault(f"{t}_lookup", []).append(_timed(lambda: client.lookup(keys))[0])
+            spent, result = _timed(lambda: client.restore(list(zip(keys, targets))))
+            times.setdefault(f"{t}_restore", []).append(spent)
+            served.setdefault(f"{t}_restore", []).append(result.seconds)
+            client.delete(keys)
+        times.setdefault("copy", []).append(_timed(lambda: local.copy_(src))[0])
+        times.setdefault("health", []).append(_timed(health.health)[0])
+        if rep == 0:
+            times.clear()
+            served.clear()
+        progress.step(f"{n} blocks: repetition {rep}{' (warm-up)' if rep == 0 else ''}")
+    row: dict = {"blocks": n, "bytes": n * block, "reps": args.reps}
+    for name, series in times.items():
+        row[f"{name}_ms"] = statistics.median(series) * 1e3
+    for name, series in served.items():
+        row[f"{name}_daemon_ms"] = statistics.median(series) * 1e3
+    for t in TRANSPORTS:
+        row[f"{t}_offload_vs_copy"] = statistics.median(a / b for a, b in zip(times[f"{t}_offload"], times["copy"]))
+        row[f"{t}_restore_vs_copy"] = statistics.median(a / b for a, b in zip(times[f"{t}_restore"], times["copy"]))
+        row[f"{t}_offload_gbps"] = n * block / statistics.median(times[f"{t}_offload"]) / GB
+    return row
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["batches"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4), sharey=False)
+    for ax, op in zip(axes, ("offload", "restore", "lookup")):
+        xs = range(len(rows))
+        width = 0.38
+        for j, t in enumerate(TRANSPORTS):
+            ax.bar([x + j * width for x in xs], [r[f"{t}_{op}_ms"] for r in rows], width, label=t)
+        if op != "lookup":
+            ax.plot([x + width / 2 for x in xs], [r["copy_ms"] for r in rows], "k_", markersize=30,
+                    label="plain copy")
+        ax.set_xticks([x + width / 2 for x in xs], [str(r["blocks"]) for r in rows])
+        ax.set_xlabel("blocks of 192 KiB a request")
+        ax.set_title(op)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("ms a request (median)")
+    axes[0].legend()
+    fig.suptitle("The local lane against gRPC, one daemon, the same requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 128], help="blocks a request")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write the figure here (PNG)")

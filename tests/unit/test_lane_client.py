@@ -1,0 +1,152 @@
+"""The local lane's client side (kvxfer.lane) against a small SEQPACKET server in the test: when it sends a
+call over gRPC instead, how it reads answers, and which connections it keeps."""
+
+import socket
+import threading
+
+import pytest
+
+from kvxfer import lane
+from kvxfer.errors import DeadlineExceeded, FailedPrecondition, Unauthenticated, Unavailable
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+LOOKUP = pb.LookupRequest(namespace="n", keys=[b"k"])
+
+
+class Server:
+    """Accepts lane connections; answers AUTH with ``auth``, then each call with ``answer(message)``
+    (None: no answer, the connection left open; empty: the connection closed)."""
+
+    def __init__(self, path: str, answer, auth: bytes = b"\x00") -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.bind(path)
+        self.sock.listen(8)
+        self.answer, self.auth = answer, auth
+        self.accepted, self.calls = 0, []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.recv(1 << 20)
+        conn.send(self.auth)
+        while message := conn.recv(1 << 20):
+            self.calls.append(message)
+            answer = self.answer(message)
+            if answer == b"":
+                conn.close()
+                return
+            if answer is not None:
+                conn.send(answer)
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "d.sock.lane")
+
+
+def _ok_lookup(message: bytes) -> bytes:
+    request = pb.LookupRequest.FromString(message[lane.HEADER.size:])
+    return lane.encode_answer("OK", pb.LookupResponse(hits=len(request.keys)).SerializeToString())
+
+
+def test_the_lane_socket_sits_beside_a_unix_target_only():
+    assert lane.path_for("unix:/run/kvxfer/kvxfer.sock") == "/run/kvxfer/kvxfer.sock.lane"
+    assert lane.path_for("unix:///tmp/k.sock") == "/tmp/k.sock.lane"
+    assert lane.path_for("node-a:50051") is None
+
+
+def test_calls_reuse_one_connection_and_carry_method_timeout_and_message(path):
+    server = Server(path, _ok_lookup)
+    client = lane.Lane(path)
+    for _ in range(3):
+        assert client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 2.5).hits == 1
+    assert server.accepted == 1 and len(server.calls) == 3
+    method, timeout_ms = lane.HEADER.unpack_from(server.calls[0])
+    assert (method, timeout_ms) == (lane.Method.LOOKUP, 2500)
+    assert pb.LookupRequest.FromString(server.calls[0][lane.HEADER.size:]) == LOOKUP
+    client.close()
+    server.close()
+
+
+def test_a_status_becomes_its_error_and_the_connection_serves_on(path):
+    server = Server(path, lambda m: lane.encode_answer("FAILED_PRECONDITION", b"stale epoch"))
+    client = lane.Lane(path)
+    for _ in range(2):
+        with pytest.raises(FailedPrecondition, match="stale epoch"):
+            client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 2.0)
+    assert server.accepted == 1
+    server.close()
+
+
+def test_no_lane_or_a_request_too_large_goes_over_grpc_and_the_lane_rests(path, monkeypatch):
+    client = lane.Lane(path)  # nothing listens there
+    with pytest.raises(lane.NoLane):
+        client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 1.0)
+    tries = []
+    monkeypatch.setattr(client, "_connect", lambda timeout: tries.append(timeout))
+    with pytest.raises(lane.NoLane):
+        client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 1.0)
+    assert tries == []  # resting: not even a connect
+    server = Server(path, _ok_lookup)
+    big = pb.LookupRequest(namespace="n", keys=[i.to_bytes(4, "little") * 64 for i in range(1000)])
+    with pytest.raises(lane.NoLane, match="too large"):
+        lane.Lane(path).call(lane.Method.LOOKUP, big, pb.LookupResponse, 1.0)
+    assert server.accepted == 0
+    server.close()
+
+
+def test_a_full_lane_is_no_lane_but_a_wrong_token_is_unauthenticated(path):
+    server = Server(path, _ok_lookup, auth=lane.encode_answer("RESOURCE_EXHAUSTED", b"at most 2"))
+    with pytest.raises(lane.NoLane, match="RESOURCE_EXHAUSTED"):
+        lane.Lane(path).call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 1.0)
+    server.auth = lane.encode_answer("UNAUTHENTICATED", b"missing or wrong token")
+    with pytest.raises(Unauthenticated):
+        lane.Lane(path, token="wrong").call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 1.0)
+    server.close()
+
+
+def test_an_answer_that_does_not_come_is_a_deadline_and_that_connection_is_dropped(path):
+    answers = iter([None, _ok_lookup])
+    server = Server(path, lambda m: (lambda f: f and f(m))(next(answers)))
+    client = lane.Lane(path)
+    with pytest.raises(DeadlineExceeded):
+        client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 0.2)
+    assert client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 2.0).hits == 1
+    assert server.accepted == 2  # the late answer can never be read as the next call's
+    server.close()
+
+
+def test_a_daemon_gone_mid_call_is_unavailable(path):
+    server = Server(path, lambda m: b"")  # closes the connection instead of answering
+    client = lane.Lane(path)
+    with pytest.raises(Unavailable, match="closed during a call"):
+        client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 10.0)
+    assert client._idle == []
+    server.close()
+
+
+def test_an_idle_connection_older_than_half_the_daemons_idle_bound_is_not_reused(path, monkeypatch):
+    server = Server(path, _ok_lookup)
+    client = lane.Lane(path)
+    now = [1000.0]
+    monkeypatch.setattr(lane.time, "monotonic", lambda: now[0])
+    client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 2.0)
+    now[0] += lane.IDLE_S / 2 - 1
+    client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 2.0)
+    assert server.accepted == 1
+    now[0] += lane.IDLE_S / 2 + 1
+    client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 2.0)
+    assert server.accepted == 2
+    server.close()
