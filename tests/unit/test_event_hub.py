@@ -113,6 +113,35 @@ def test_async_and_thread_waiters_wake_on_an_event_from_another_thread():
     assert hub.wait_blocking(1, 5) and not hub.wait_blocking(2, 0.01)
 
 
+def test_an_event_wakes_the_loop_only_while_a_coroutine_waits_and_no_wake_is_lost():
+    """With nobody waiting, an emit from a copying thread schedules nothing on the loop (a wake took the GIL from
+    the copy); with waiters, every event emitted after a wait began wakes it, however the two interleave."""
+    hub = EventHub()
+    scheduled = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        hub.attach(loop)
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: scheduled.append(a) or real(*a)
+        emitter = threading.Thread(target=lambda: [hub.emit(EventKind.STORED, TierKind.HOST, "g", "ns", [b"%d" % i])
+                                                   for i in range(200)])
+        emitter.start()
+        emitter.join()
+        idle_wakes = len(scheduled)
+        seen = hub.last_sequence
+        for round_ in range(50):  # a waiter and an emit from another thread, racing
+            thread = threading.Thread(target=hub.emit, args=(EventKind.STORED, TierKind.HOST, "g", "ns", [b"r"]))
+            thread.start()
+            await hub.wait(seen, 30)  # a lost wake would sit out the 30 s (and the test's timeout)
+            assert hub.last_sequence > seen
+            thread.join()
+            seen = hub.last_sequence
+        return idle_wakes
+
+    assert asyncio.run(main()) == 0
+
+
 def test_an_offload_description_travels_with_the_blocks_it_stored():
     keys = [b"h%d" % i + b"\0\0\0\1" for i in range(3)]
     engine = EngineBlocks(KeyFormat.VLLM, parent_block_hash=b"P", block_size=2, token_ids=[1, 2, 3, 4, 5, 6])

@@ -194,3 +194,35 @@ def test_uncollected_results_count_against_the_bound(manager):
     assert len(done) == 2
     runner.submit(offload([(5, b"more")]), "lazy")  # collecting frees room
     runner.close()
+
+
+def test_an_inline_transfer_with_nothing_queued_leaves_the_worker_asleep(manager, monkeypatch):
+    """The worker wakes for queued jobs (and its sweep), never for an inline run that leaves nothing behind it:
+    each such wake took the GIL from the next copy."""
+    import kvxfer.serving.jobs as jobs_module
+
+    monkeypatch.setattr(jobs_module, "SWEEP_S", 600.0)  # no sweep in this test: every wake is a notify
+    wakes = []
+    monkeypatch.setattr(manager, "reap", lambda: wakes.append(1))  # the worker's idle branch runs it on each wake
+    runner = JobRunner(manager)
+    try:
+        time.sleep(0.2)  # the worker reaches its wait
+        before = len(wakes)
+        for i in range(50):
+            assert runner.run(offload([(1 + i, f"inline-{i}".encode())])).outcomes == [Outcome.DONE]
+        assert len(wakes) == before
+        # A job queued behind a running transfer is still started when it ends.
+        started, release = threading.Event(), threading.Event()
+        real_run = manager.run
+        monkeypatch.setattr(manager, "run", lambda batch, cancelled=None: (started.set(), release.wait(30),
+                                                                            real_run(batch, cancelled))[-1])
+        inline = threading.Thread(target=runner.run, args=(offload([(100, b"held")]),))
+        inline.start()
+        assert started.wait(30)
+        job = runner.submit(offload([(101, b"queued")]), "c")
+        release.set()
+        inline.join(30)
+        finished, _ = runner.wait("c", [job], timeout=30, wait_all=True)
+        assert [j.result.outcomes for j in finished] == [[Outcome.DONE]]
+    finally:
+        runner.close()
