@@ -160,6 +160,45 @@ def join_and_unregister(target: str, own_dir: str, victim_pool: str, victim_grou
     return results
 
 
+def lane_squat(target: str, victim_pool: str, hold_s: float) -> dict:
+    """Take every local-lane connection this uid may have, move another party's pool through one of them, then
+    hold them all for ``hold_s`` while the victim works (it must still have the lane)."""
+    from kvxfer import lane
+
+    with grpc.insecure_channel(target) as channel:
+        epoch = pb_grpc.KVTransferStub(channel).GetPoolInfo(pb.GetPoolInfoRequest(pool_id=victim_pool),
+                                                              timeout=10).pools[0].epoch
+    ref = pb.PoolRef(pool_id=victim_pool, epoch=epoch)
+    held, refusal = [], ""
+    while len(held) < 100 and not refusal:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.settimeout(10)
+        conn.connect(lane.path_for(target))
+        try:
+            conn.send(lane.HEADER.pack(lane.Method.AUTH, 0))
+        except BrokenPipeError:  # refused at once: the refusal waits to be read
+            pass
+        answer = conn.recv(1024)
+        if answer == b"\x00":
+            held.append(conn)
+        else:
+            refusal = lane.CODES[answer[0]]
+            conn.close()
+    results = {"connections": len(held), "then": refusal}
+    for name, method, request in (
+            ("offload_victims_pool", lane.Method.OFFLOAD, pb.OffloadRequest(pool=ref, namespace="x", slots=[1],
+                                                                            keys=[b"k"])),
+            ("restore_into_victims_pool", lane.Method.RESTORE, pb.RestoreRequest(pool=ref, namespace="x", slots=[2],
+                                                                                 keys=[b"k"]))):
+        held[0].send(lane.HEADER.pack(method, 10_000) + request.SerializeToString())
+        results[name] = lane.CODES[held[0].recv(1 << 16)[0]]
+    print(json.dumps({"holding": len(held), **results}), flush=True)  # then held until killed or ``hold_s``
+    threading.Event().wait(hold_s)
+    for conn in held:
+        conn.close()
+    return results
+
+
 def register_and_hold(target: str, own_dir: str, pool_id: str, group: str) -> dict:
     """A victim engine: registers its own file, says so, and stays until its stdin closes."""
     path = _own_file(own_dir, pool_id, 9)

@@ -69,6 +69,27 @@ def test_link_swapping_never_maps_a_foreign_file(shared_daemon):
     print(f"link race: {got} in {time.monotonic() - start:.1f} s")
 
 
+def test_another_uid_on_the_local_lane_reaches_no_registered_pool_and_cannot_take_the_victims_lane(shared_daemon):
+    daemon, attacker, victim, dirs, _, _ = shared_daemon
+    holder = start_as(victim, "register_and_hold", daemon.target, str(dirs[victim]), "vpool", "victims")
+    assert json.loads(holder.stdout.readline())["registered"] == "vpool"
+    squatter = start_as(attacker, "lane_squat", daemon.target, "vpool", 60.0)
+    try:
+        line = squatter.stdout.readline()
+        assert line, squatter.communicate(timeout=60)[1]
+        got = json.loads(line)
+        assert got == {"holding": 32, "connections": 32, "then": "RESOURCE_EXHAUSTED",  # half of 64 for one uid
+                       "offload_victims_pool": "PERMISSION_DENIED", "restore_into_victims_pool": "PERMISSION_DENIED"}
+        with Client(daemon.target, namespace="bystander", pool_id="rank0") as client:  # root: another uid, its own half
+            assert client.lookup([b"k"]).hits == 0
+            assert client._lane._idle  # answered over the lane
+    finally:
+        squatter.kill()
+        squatter.communicate(timeout=60)
+        holder.communicate("", timeout=60)
+    assert "Traceback" not in daemon.log_text()
+
+
 def test_groups_admit_their_creator_and_only_the_registrant_unregisters(shared_daemon):
     daemon, attacker, victim, dirs, _, _ = shared_daemon
     holder = start_as(victim, "register_and_hold", daemon.target, str(dirs[victim]), "vpool", "victims")

@@ -133,7 +133,7 @@ def test_sigterm_mid_batch_exits_cleanly_and_never_showed_incomplete_keys(make_d
     written, read = (_result(w) for w in (writer, reader))
     assert written["acknowledged"] > 0 and read["checked"] > 0, (written, read)
     assert read["bad"] == []
-    assert not os.path.exists(daemon.socket) and not os.path.exists(daemon.socket + ".fd")
+    assert not any(os.path.exists(daemon.socket + suffix) for suffix in ("", ".fd", ".lane"))
     log = daemon.log_text()
     assert '"shutting down"' in log and '"stopped"' in log
 

@@ -150,14 +150,14 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(make_daemon):
     assert json.loads(grpcurl("grpc.health.v1.Health/Check"))["status"] == "SERVING"
 
 
-def test_both_sockets_get_the_configured_mode_and_group(make_daemon):
+def test_every_socket_gets_the_configured_mode_and_group(make_daemon):
     import grp
     import os
     import stat
 
     group = grp.getgrgid(os.getgid()).gr_name
     daemon = make_daemon({"socket_mode": "0600", "socket_group": group})
-    for path in (daemon.socket, daemon.socket + ".fd"):
+    for path in (daemon.socket, daemon.socket + ".fd", daemon.socket + ".lane"):
         st = os.stat(path)
         assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_gid == os.getgid()
     with Client(daemon.target) as client:  # the pool is a sealed memfd: no file to mode
