@@ -93,10 +93,8 @@ class Lane:
         payload = request.SerializeToString()
         if len(payload) + HEADER.size > MAX_MESSAGE:
             raise NoLane("too large for the lane")
-        conn = self._take(timeout)
+        conn = self._sent(HEADER.pack(method, min(int(timeout * 1000), 0xFFFFFFFF)) + payload, timeout)
         try:
-            conn.settimeout(timeout)
-            conn.send(HEADER.pack(method, min(int(timeout * 1000), 0xFFFFFFFF)) + payload)
             answer = conn.recv(MAX_ANSWER)
         except TimeoutError:
             conn.close()  # its answer may still come: the connection is out of step
@@ -117,6 +115,23 @@ class Lane:
             raise Unavailable("the daemon's lane sent an answer that is not a "
                               f"{response.DESCRIPTOR.full_name}") from None
 
+    def _sent(self, message: bytes, timeout: float) -> socket.socket:
+        """A connection that took ``message`` (SOCK_SEQPACKET: all of it, or nothing)."""
+        while True:
+            conn, reused = self._take(timeout)
+            try:
+                conn.settimeout(timeout)
+                conn.send(message)
+                return conn
+            except TimeoutError:
+                conn.close()
+                raise DeadlineExceeded(f"the daemon's lane took no request within {timeout:g} s") from None
+            except OSError as exc:  # nothing was sent
+                conn.close()
+                if not reused:
+                    raise NoLane(str(exc)) from None
+                self.close()  # a daemon that closed one idle connection (it restarted) closed them all: new ones
+
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
@@ -125,7 +140,8 @@ class Lane:
                 conn.close()
 
     # -- connections ------------------------------------------------------------
-    def _take(self, timeout: float) -> socket.socket:
+    def _take(self, timeout: float) -> tuple[socket.socket, bool]:
+        """An idle connection (and True), or a new one (and False)."""
         now = time.monotonic()
         with self._lock:
             if os.getpid() != self._pid:  # forked: never share the parent's connections
@@ -135,10 +151,10 @@ class Lane:
             while self._idle:
                 conn, used = self._idle.pop()
                 if now - used < IDLE_S / 2:
-                    return conn
+                    return conn, True
                 conn.close()  # the daemon may be closing it: a fresh one is certain
         try:
-            return self._connect(timeout)
+            return self._connect(timeout), False
         except NoLane:
             with self._lock:
                 self._resting_until = time.monotonic() + RETRY_S

@@ -1,6 +1,7 @@
 """The local lane's client side (kvxfer.lane) against a small SEQPACKET server in the test: when it sends a
 call over gRPC instead, how it reads answers, and which connections it keeps."""
 
+import os
 import socket
 import threading
 
@@ -22,7 +23,7 @@ class Server:
         self.sock.bind(path)
         self.sock.listen(8)
         self.answer, self.auth = answer, auth
-        self.accepted, self.calls = 0, []
+        self.accepted, self.calls, self.conns = 0, [], []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -32,6 +33,7 @@ class Server:
             except OSError:
                 return
             self.accepted += 1
+            self.conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -49,6 +51,13 @@ class Server:
     def close(self) -> None:
         self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+    def close_all(self) -> None:
+        """As a daemon that exits: the listener and every connection."""
+        self.close()
+        for conn in self.conns:
+            conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
 
 
 @pytest.fixture
@@ -150,3 +159,21 @@ def test_an_idle_connection_older_than_half_the_daemons_idle_bound_is_not_reused
     client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 2.0)
     assert server.accepted == 2
     server.close()
+
+
+def test_idle_connections_a_restarted_daemon_closed_are_replaced_and_the_call_goes_through(path):
+    first = Server(path, _ok_lookup)
+    client = lane.Lane(path)
+    threads = [threading.Thread(target=client.call, args=(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 5.0))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert client._idle
+    first.close_all()  # the daemon goes away: its ends of every idle connection close
+    os.unlink(path)
+    second = Server(path, _ok_lookup)
+    assert client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 5.0).hits == 1  # nothing was lost
+    assert second.accepted == 1 and len(second.calls) == 1
+    second.close()
