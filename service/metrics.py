@@ -302,10 +302,14 @@ class LaneMetrics:
                                  "its answer.", ["method"], buckets=SECONDS_BUCKETS, registry=registry)
         self.connections = Gauge("kvxfer_lane_connections", "Connections open on the local lane.",
                                  registry=registry)
+        self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}  # labels() costs 10% of a call
 
     def __call__(self, method: str, code: str, seconds: float) -> None:
-        self.handled.labels(method, code).inc()
-        self.seconds.labels(method).observe(seconds)
+        child = self._children.get((method, code))
+        if child is None:  # a few methods and codes: bounded
+            child = self._children[method, code] = (self.handled.labels(method, code), self.seconds.labels(method))
+        child[0].inc()
+        child[1].observe(seconds)
 
 
 class Metrics:

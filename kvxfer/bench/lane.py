@@ -3,7 +3,8 @@
 One real daemon (the embedded default pool: 192 KiB blocks, BLHNC) and two clients in this
 process, one with the lane (``Client``'s default) and one without (``lane=False``: gRPC only).
 For each batch size (``--batches``), every repetition runs, in turn: an Offload of fresh keys
-from scattered slots, a Lookup of them and a Restore into other slots, on each client; a plain
+from scattered slots, a Lookup of them and a Restore into other slots, on each client (which
+client goes first alternates between repetitions); a plain
 ``copy_`` of the same bytes from the mapped pool; and a gRPC health Check (the cost of a call
 that carries nothing). Medians of the repetitions; the lane's fixed cost is its time less the
 daemon's own measured copy (``TransferResult.seconds``).
@@ -67,7 +68,8 @@ def _batch(n: int, clients: dict[str, Client], args: argparse.Namespace, progres
     served: dict[str, list[float]] = {}
     health = clients["grpc"]
     for rep in range(args.reps + 1):  # repetition 0 warms up
-        for t, client in clients.items():
+        for t in (TRANSPORTS if rep % 2 else TRANSPORTS[::-1]):  # who goes first alternates
+            client = clients[t]
             keys = [f"{t}-{n}-{rep}-{i}".encode() for i in range(n)]
             spent, result = _timed(lambda: client.offload(list(zip(sources, keys))))
             times.setdefault(f"{t}_offload", []).append(spent)

@@ -18,7 +18,8 @@ query, then batch gets), as its radix cache drives the controller:
 
 The prefetched bytes are checked against the written ones. A first repetition warms up and is not
 counted (SGLang compiles its page-hash extension on first use). The subjects are interleaved in
-every repetition; ratios are medians of per-repetition ratios. Needs SGLang (``make
+every repetition, in an order that alternates between repetitions; ratios are medians of
+per-repetition ratios. Needs SGLang (``make
 test-sglang`` installs it into .venv-sglang).
 """
 
@@ -112,14 +113,15 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress) -> di
         source = _pages(first, sources[next(iter(subjects))])
         spare = torch.empty_like(source) if spare is None else spare
         times["copy set"].append(_timed(lambda: spare.copy_(source)))
-        for name, c in subjects.items():
+        order = list(subjects.items())[::-1 if rep % 2 else 1]  # who goes first alternates between repetitions
+        for name, c in order:
             done = []
             times[f"{name} set"].append(_timed(lambda: done.append(c.backup(tokens[name], sources[name]))))
             if done != [tokens_n]:
                 raise SystemExit(f"{name}: the write-through stored {done[0]} of {tokens_n} tokens")
         progress.step(f"repetition {rep}: write-through")
         times["copy get"].append(_timed(lambda: source.copy_(spare)))
-        for name, c in subjects.items():
+        for name, c in order:
             got = []
             times[f"{name} get"].append(_timed(lambda: got.append(c.prefetch(f"rep{rep}", tokens[name]))))
             found, loaded, into = got[0]
