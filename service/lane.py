@@ -124,7 +124,7 @@ class Lane:
                     self._connections[conn] = uid
                     self._count()
             if refusal:
-                _refuse(conn, "RESOURCE_EXHAUSTED", refusal)
+                _refuse(conn, Unavailable.code if self._closing else "RESOURCE_EXHAUSTED", refusal)
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="kvxfer-lane-conn", daemon=True).start()
 
@@ -147,7 +147,7 @@ class Lane:
         message = self._receive(conn, time.monotonic() + 5.0)
         if message is None:
             return False
-        if len(message) < HEADER.size or message[0] != Method.AUTH:
+        if message is _TOO_LARGE or len(message) < HEADER.size or message[0] != Method.AUTH:
             conn.send(encode_answer("INVALID_ARGUMENT", b"a lane connection starts with AUTH (kvxfer.lane)"))
             return False
         if self._token and not hmac.compare_digest(message[HEADER.size:], self._token):

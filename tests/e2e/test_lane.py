@@ -126,6 +126,11 @@ def test_malformed_messages_get_a_precise_status_and_the_connection_serves_on(ma
     got, body = _ask(conn, header(lane.Method.LOOKUP, 0) + pb.LookupRequest(pools=[ref], namespace="m",
                                                                             keys=[b"k"]).SerializeToString())
     assert got == "OK" and pb.LookupResponse.FromString(body).hits == 0
+    huge = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # a first message too large is no AUTH
+    huge.settimeout(20)
+    huge.connect(daemon.socket + lane.SUFFIX)
+    huge.send(lane.HEADER.pack(lane.Method.AUTH, 0) + bytes(lane.MAX_MESSAGE))
+    assert lane.CODES[huge.recv(1024)[0]] == "INVALID_ARGUMENT" and huge.recv(1024) == b""
     assert "Traceback" not in daemon.log_text()
 
 
