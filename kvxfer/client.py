@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvxfer import fdpass, wire
 from kvxfer import lane as lane_mod
 from kvxfer.client_results import (DROPPABLE, SUCCESS, BlockFailures, FinishedJobs, PendingJobs, failures, finished,
-                                   monotonic_ns)
-from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError, error_for_code
+                                   monotonic_ns, rpc_error)
+from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError
 from kvxfer.events.client import EventBatch, SnapshotBatch, event_batches, snapshot_batches
 from kvxfer.events.records import EngineBlocks, ExtraKeys, KeyFormat
 from kvxfer.events.wire import engine_to_pb
@@ -70,11 +70,7 @@ class Client:
         self._target = target
         self._token = token  # the descriptor socket asks for it too
         self._stub = pb_grpc.KVTransferStub(self._channel)
-        lane_path = lane_mod.path_for(target) if lane else None
-        self._lane = lane_mod.Lane(lane_path, token) if lane_path else None
-        self._lane_methods = {self._stub.Offload: (lane_mod.Method.OFFLOAD, pb.TransferResponse),
-                              self._stub.Restore: (lane_mod.Method.RESTORE, pb.TransferResponse),
-                              self._stub.Lookup: (lane_mod.Method.LOOKUP, pb.LookupResponse)}
+        self._lane = lane_mod.Lane.beside(target, token, self._stub) if lane else None
         self._registrations: dict[str, bytes] = {}  # pool id -> registration token
         self._descriptors: dict[str, PoolDescriptor] = {}
         self._mapped: dict[str, Pool] = {}
@@ -345,12 +341,9 @@ class Client:
         return result
 
     def _call(self, method, request, timeout: float | None = None):
-        if self._lane is not None and method in self._lane_methods:
-            lane_method, response = self._lane_methods[method]
-            try:
-                return self._lane.call(lane_method, request, response, timeout or self.timeout)
-            except lane_mod.NoLane:
-                pass  # nothing was sent: gRPC carries it
+        answer = self._lane.carry(method, request, timeout or self.timeout) if self._lane else None
+        if answer is not None:  # (None: the lane does not carry it, nothing was sent: gRPC does)
+            return answer
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -363,15 +356,7 @@ class Client:
             raise self._error(exc) from None
 
     def _error(self, exc: grpc.RpcError) -> KvxferError:
-        if exc.code() is grpc.StatusCode.UNAVAILABLE:  # gRPC's own text names sockets and subchannels
-            details = (exc.details() or "").lower()
-            if any(word in details for word in ("ssl", "tls", "handshake", "certificate")):
-                return error_for_code("UNAVAILABLE")(
-                    f"the TLS handshake with {self._target} failed: a daemon answers, but its certificate is not "
-                    "signed by the CA given (root_certificates, --ca) or does not carry the name or address dialled")
-            return error_for_code("UNAVAILABLE")(f"no daemon answers at {self._target} (is it running, and is "
-                                                 "that its socket?)")
-        return error_for_code(exc.code().name)(exc.details() or exc.code().name)
+        return rpc_error(exc, self._target)
 
     # -- KV events ----------------------------------------------------------------
     def watch_events(self, namespaces: Sequence[str] = (), *, from_sequence: int = 0, stream_id: str = "",

@@ -21,6 +21,18 @@ FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL"),
                   (Outcome.NOT_FOUND, "NOT_FOUND")]
 
 
+def rpc_error(exc: grpc.RpcError, target: str) -> KvxferError:
+    """The kvxfer error of a failed gRPC call to ``target``."""
+    if exc.code() is grpc.StatusCode.UNAVAILABLE:  # gRPC's own text names sockets and subchannels
+        details = (exc.details() or "").lower()
+        if any(word in details for word in ("ssl", "tls", "handshake", "certificate")):
+            return error_for_code("UNAVAILABLE")(
+                f"the TLS handshake with {target} failed: a daemon answers, but its certificate is not "
+                "signed by the CA given (root_certificates, --ca) or does not carry the name or address dialled")
+        return error_for_code("UNAVAILABLE")(f"no daemon answers at {target} (is it running, and is that its socket?)")
+    return error_for_code(exc.code().name)(exc.details() or exc.code().name)
+
+
 def monotonic_ns(deadline: float | None) -> int:
     """A ``time.monotonic()`` deadline as the wire's CLOCK_MONOTONIC nanoseconds (0: none)."""
     if deadline is None:

@@ -33,6 +33,7 @@ import time
 from google.protobuf.message import DecodeError, Message
 
 from kvxfer.errors import DeadlineExceeded, Unavailable, error_for_code
+from kvxfer.v1 import kvxfer_pb2 as pb
 
 SUFFIX = ".lane"
 #: The largest request the lane carries (larger ones go over gRPC): below the default socket
@@ -79,13 +80,34 @@ def encode_answer(code: str, payload: bytes) -> bytes:
 class Lane:
     """The client's end: a few connections, each carrying one call at a time, for any thread."""
 
-    def __init__(self, path: str, token: str | None = None) -> None:
+    def __init__(self, path: str, token: str | None = None, stub: object = None) -> None:
+        """``stub``: a ``KVTransferStub`` whose Offload, Restore and Lookup ``carry`` takes."""
         self.path = path
+        self._routes = {} if stub is None else {stub.Offload: (Method.OFFLOAD, pb.TransferResponse),
+                                                stub.Restore: (Method.RESTORE, pb.TransferResponse),
+                                                stub.Lookup: (Method.LOOKUP, pb.LookupResponse)}
         self._token = token
         self._lock = threading.Lock()
         self._idle: list[tuple[socket.socket, float]] = []  # (connection, when it was last used)
         self._pid = os.getpid()
         self._resting_until = 0.0  # monotonic: no lane until then
+
+    @classmethod
+    def beside(cls, target: str, token: str | None, stub: object) -> Lane | None:
+        """The lane beside a ``unix:`` target (None for TCP)."""
+        path = path_for(target)
+        return cls(path, token, stub) if path else None
+
+    def carry(self, stub_method: object, request: Message, timeout: float) -> Message | None:
+        """The answer of the stub's ``stub_method`` for ``request`` over the lane, or None when the lane does not
+        carry it (another method, no lane, too large): nothing was sent then, and gRPC carries it."""
+        route = self._routes.get(stub_method)
+        if route is None:
+            return None
+        try:
+            return self.call(route[0], request, route[1], timeout)
+        except NoLane:
+            return None
 
     def call(self, method: Method, request: Message, response: type[Message], timeout: float) -> Message:
         """The answer to ``request``, or the kvxfer error of its status. Raises ``NoLane`` when the call
