@@ -29,6 +29,7 @@ import argparse
 import shutil
 import statistics
 import tempfile
+import textwrap
 import time
 
 import torch
@@ -159,7 +160,7 @@ def plot(results: dict, path: str) -> None:
     width = 0.38
     for j, op in enumerate(("set", "get")):
         ax.bar([i + j * width for i in range(len(rows))], [r[f"{op} GB/s"] for r in rows], width, label=f"batch {op}")
-    ax.set_xticks([i + width / 2 for i in range(len(rows))], [r["subject"] for r in rows])
+    ax.set_xticks([i + width / 2 for i in range(len(rows))], [textwrap.fill(r["subject"], 16) for r in rows])
     ax.set_ylabel("GB/s of SGLang host pages")
     ax.set_xlabel("set: write-through (batch sets); get: prefetch (hit query + batch gets)")
     ax.set_title(f"SGLang HiCache L3: {results['pages']} pages of {human_bytes(results['page_bytes'])} "
