@@ -36,6 +36,7 @@ from service.status import MAX_DETAILS, Malformed, parser
 
 log = logging.getLogger("kvxfer.lane")
 POLL_S = 0.5  # a connection's thread looks at the daemon's state this often while it waits for a call
+REFUSAL_WAIT_S = 0.02  # how long the acceptor waits for a refused connection's AUTH (see ``_refuse``)
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _TOO_LARGE = bytes(HEADER.size)  # what ``_receive`` returns for a message cut short (compared by identity)
 
@@ -241,8 +242,12 @@ class Lane:
 
 
 def _refuse(conn: socket.socket, code: str, message: str) -> None:
+    """Answer a connection's AUTH with a refusal and close it. The AUTH is read first, for a socket closed
+    with a message unread resets its peer, whose recv then loses the refusal queued before the reset."""
     try:
         conn.send(encode_answer(code, message.encode()))
+        conn.settimeout(REFUSAL_WAIT_S)  # a client sends AUTH as it connects; one that does not is not waited for
+        conn.recv(HEADER.size + 1024)
     except OSError:
         pass
     conn.close()
