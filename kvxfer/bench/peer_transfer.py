@@ -107,8 +107,9 @@ def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
         for name in ("a", "b"):
             daemons[name] = launch.spawn({**configs[name], "log_level": "warning",
                                           "metrics_listen": f"127.0.0.1:{ports[name]}"})
-        with Client(daemons["a"].target, NS, token=TOKEN, timeout=120) as a, \
-                Client(daemons["b"].target, NS, token=TOKEN, timeout=120) as b:
+        lane = not args.grpc_only
+        with Client(daemons["a"].target, NS, token=TOKEN, timeout=120, lane=lane) as a, \
+                Client(daemons["b"].target, NS, token=TOKEN, timeout=120, lane=lane) as b:
             storage = a.map_pool().storage
             storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8))
             keys = [b"peer-%d" % i for i in range(args.blocks)]
@@ -200,5 +201,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[8, 32, 128], help="blocks a restore")
     p.add_argument("--transports", nargs="+", choices=sorted(TRANSPORTS), default=["shm", "tcp"])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--grpc-only", action="store_true", help="the clients' Restore and Push over gRPC, not the local "
+                   "lane (its baseline)")
     p.add_argument("--json", help="also write the results as JSON here")
     p.add_argument("--plot", help="also write a PNG plot here (needs matplotlib)")
