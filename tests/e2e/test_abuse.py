@@ -171,7 +171,7 @@ def test_a_shrunk_pool_file_fails_its_pool_and_nothing_else(make_daemon):
     daemon = make_daemon({"pools": [SMALL_POOL]})
     path = daemon.shm_dir / "engine"
     path.write_bytes(bytes(SPEC.nbytes))
-    with Client(daemon.target, "shrink") as client:
+    with Client(daemon.target, "shrink", timeout=30) as client:  # (30 s: a registration on a loaded CI machine)
         client.register_pool("eng", SPEC, Layout.parse("BLHNC"), PoolHandle(Medium.SHM, str(path)))
         assert client.offload([(1, b"a")], pool_id="eng").outcomes == [Outcome.DONE]
         os.truncate(path, 0)  # what any process that can write the file may do
