@@ -30,13 +30,19 @@ AUTH = b"AUTH"
 TIMEOUT_S = 5.0
 
 
+def unix_path(target: str) -> str | None:
+    """The socket path of a ``unix:`` gRPC target (None for any other target); its side sockets sit beside it."""
+    if not target.startswith("unix:"):
+        return None
+    path = target[len("unix:"):]
+    return path[2:] if path.startswith("//") else path
+
+
 def socket_path_for(target: str) -> str:
     """The descriptor socket beside a ``unix:`` gRPC target."""
-    if not target.startswith("unix:"):
+    path = unix_path(target)
+    if path is None:
         raise KvxferError("descriptors pass only over a Unix socket: connect with a unix: target")
-    path = target[len("unix:"):]
-    if path.startswith("//"):
-        path = path[2:]
     return path + SUFFIX
 
 

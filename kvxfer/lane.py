@@ -33,6 +33,7 @@ import time
 from google.protobuf.message import DecodeError, Message
 
 from kvxfer.errors import DeadlineExceeded, Unavailable, error_for_code
+from kvxfer.fdpass import unix_path
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 SUFFIX = ".lane"
@@ -63,10 +64,8 @@ class NoLane(Exception):
 
 def path_for(target: str) -> str | None:
     """The lane's socket beside a ``unix:`` gRPC target (None for TCP targets)."""
-    if not target.startswith("unix:"):
-        return None
-    path = target[len("unix:"):]
-    return (path[2:] if path.startswith("//") else path) + SUFFIX
+    path = unix_path(target)
+    return None if path is None else path + SUFFIX
 
 
 def code_number(name: str) -> int:
@@ -194,10 +193,8 @@ class Lane:
         try:
             conn.settimeout(min(timeout, 1.0))
             conn.connect(self.path)
-            if self._token:
-                conn.send(HEADER.pack(Method.AUTH, 0) + self._token.encode())
-            else:  # the daemon says whether it takes this connection (it may be full)
-                conn.send(HEADER.pack(Method.AUTH, 0))
+            # Sent with or without a token: the daemon says whether it takes this connection (it may be full).
+            conn.send(HEADER.pack(Method.AUTH, 0) + (self._token or "").encode())
             answer = conn.recv(MAX_ANSWER)
         except OSError as exc:  # none served (an older daemon, TCP only), or it is going away
             conn.close()

@@ -22,17 +22,16 @@ import socket
 import struct
 import threading
 import time
-import uuid
 from google.protobuf.message import Message
 
-from kvxfer.errors import InvalidArgument, KvxferError, Unauthenticated, Unavailable
+from kvxfer.errors import InvalidArgument, Unauthenticated, Unavailable
 from kvxfer.lane import HEADER, IDLE_S, MAX_MESSAGE, Method, encode_answer
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
 from service import transfers
 from service.metrics import LaneMetrics
-from service.status import MAX_DETAILS, Malformed, parser
+from service.status import Malformed, failure, parser
 
 log = logging.getLogger("kvxfer.lane")
 POLL_S = 0.5  # a connection's thread looks at the daemon's state this often while it waits for a call
@@ -210,16 +209,10 @@ class Lane:
             if isinstance(request, Malformed):
                 raise InvalidArgument(request.reason)
             answer, code = encode_answer("OK", handle(request, timeout_ms / 1000 if timeout_ms else None)), "OK"
-        except KvxferError as exc:
-            code, details = exc.code, str(exc)[:MAX_DETAILS]
-            log.info("rpc refused", extra={"rpc": name, "transport": "lane", "code": code, "error": details,
-                                           "ms": round((time.perf_counter() - start) * 1e3, 3)})
+        except Exception as exc:  # gRPC's statuses and log lines (a bug: the connection and the daemon live on)
+            status, details = failure(exc, name, start, transport="lane")
+            code = status.name
             answer = encode_answer(code, details.encode())
-        except Exception:  # a bug: the connection and the daemon live on, the traceback stays in our log
-            incident = uuid.uuid4().hex[:12]
-            log.exception("rpc failed", extra={"rpc": name, "transport": "lane", "incident": incident})
-            code = "INTERNAL"
-            answer = encode_answer(code, f"internal error (incident {incident}; see the daemon log)".encode())
         if self._metrics is not None and name != "Unknown":
             self._metrics(name, code, time.perf_counter() - start)
         return answer

@@ -112,6 +112,20 @@ def status_of(exc: KvxferError) -> grpc.StatusCode:
         return grpc.StatusCode.UNKNOWN
 
 
+def failure(exc: Exception, rpc_name: str, start: float | None = None, **extra: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a call that raised ``exc`` ends with, logged once (call it while handling
+    ``exc``): a ``KvxferError`` its own code, cut short; anything else a bug, INTERNAL with an incident id and
+    the traceback in our log only. ``extra``: more fields of the log line (the lane names its transport)."""
+    if isinstance(exc, KvxferError):
+        code, details = status_of(exc), str(exc)[:MAX_DETAILS]
+        timing = {"ms": round((time.perf_counter() - start) * 1e3, 3)} if start is not None else {}
+        log.info("rpc refused", extra={"rpc": rpc_name, **extra, "code": code.name, "error": details, **timing})
+        return code, details
+    incident = uuid.uuid4().hex[:12]
+    log.exception("rpc failed", extra={"rpc": rpc_name, **extra, "incident": incident})
+    return grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the daemon log)"
+
+
 def stream_rpc(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
     """``rpc`` for a server-streaming method (an async generator): the same statuses and log lines."""
 
@@ -122,14 +136,8 @@ def stream_rpc(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncItera
                 raise InvalidArgument(request.reason)
             async for response in method(self, request, context):
                 yield response
-        except KvxferError as exc:
-            code, details = status_of(exc), str(exc)[:MAX_DETAILS]
-            log.info("rpc refused", extra={"rpc": method.__name__, "code": code.name, "error": details})
-            await context.abort(code, details)
-        except Exception:  # a bug: keep the daemon up, keep the traceback in our log only
-            incident = uuid.uuid4().hex[:12]
-            log.exception("rpc failed", extra={"rpc": method.__name__, "incident": incident})
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the daemon log)")
+        except Exception as exc:
+            await context.abort(*failure(exc, method.__name__))
 
     return handler
 
@@ -144,15 +152,8 @@ def rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
             if isinstance(request, Malformed):
                 raise InvalidArgument(request.reason)
             response = await method(self, request, context)
-        except KvxferError as exc:
-            code, details = status_of(exc), str(exc)[:MAX_DETAILS]
-            log.info("rpc refused", extra={"rpc": method.__name__, "code": code.name, "error": details,
-                                           "ms": round((time.perf_counter() - start) * 1e3, 3)})
-            await context.abort(code, details)
-        except Exception:  # a bug: keep the daemon up, keep the traceback in our log only
-            incident = uuid.uuid4().hex[:12]
-            log.exception("rpc failed", extra={"rpc": method.__name__, "incident": incident})
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the daemon log)")
+        except Exception as exc:
+            await context.abort(*failure(exc, method.__name__, start))
         log.debug("rpc", extra={"rpc": method.__name__, "ms": round((time.perf_counter() - start) * 1e3, 3)})
         return response
 
