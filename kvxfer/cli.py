@@ -144,6 +144,8 @@ BENCHES: list[tuple[str, str, str]] = [
     ("scale", "kvxfer.bench.scale", "the index of a tier of millions of blocks, fragmented and shuffled"),
     ("shards", "kvxfer.bench.shards", "cross-rank canonical blocks beside the same bytes per rank"),
     ("policy", "kvxfer.bench.policy", "a request trace through the index: LRU and Belady's hit ratio by tier size"),
+    ("policy-bounds", "kvxfer.bench.policy_bounds",
+     "what a policy would need to know: oracles of a block's future from its past, a fitted hazard, a queue"),
     ("trace", "kvxfer.bench.traces", "a synthetic request trace (chats, agents, a shared system prompt, scans)"),
     # through real daemons (``kvxfer serve`` processes: kvxfer.bench.launch)
     ("daemon", "kvxfer.bench.daemon", "throughput and latency through a real daemon"),

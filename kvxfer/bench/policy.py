@@ -64,6 +64,11 @@ def load(path: str, limit: int = 0) -> Trace:
                 requests.append(ids)
                 if limit and len(requests) == limit:
                     break
+    return of_requests(requests)
+
+
+def of_requests(requests: list[list[int]]) -> Trace:
+    """A trace of these requests (each a list of distinct block ids), with each block's next use."""
     later: dict[int, int] = {}
     next_use: list[list[int]] = [[] for _ in requests]
     for i in range(len(requests) - 1, -1, -1):

@@ -36,15 +36,6 @@ def textbook_lru(requests, capacity):
     return hits
 
 
-def trace_of(requests):
-    later, next_use = {}, [[] for _ in requests]
-    for i in range(len(requests) - 1, -1, -1):
-        next_use[i] = [later.get(b, policy.NEVER) for b in requests[i]]
-        for b in requests[i]:
-            later[b] = i
-    return policy.Trace(requests, next_use)
-
-
 prefix_requests = st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), min_size=1, max_size=40).map(
     lambda shapes: [[100 * root + k for k in range(length)] for root, length in shapes])
 
@@ -52,7 +43,7 @@ prefix_requests = st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), min_
 @settings(max_examples=60, deadline=None)
 @given(prefix_requests, st.integers(1, 12))
 def test_lru_through_the_index_is_the_textbook_lru_and_belady_is_never_worse(requests, capacity):
-    trace = trace_of(requests)
+    trace = policy.of_requests(requests)
     lru_hits, _ = policy.replay(trace, capacity, "lru")
     assert lru_hits == textbook_lru(requests, capacity)
     belady_hits, _ = policy.replay(trace, capacity, "belady")
@@ -66,7 +57,7 @@ def test_belady_keeps_what_comes_back_first():
     # Two prefixes of two blocks alternate with one-off blocks, in a cache of two: LRU loses both every time;
     # Belady keeps one (either way two hits: a cache of two holds one prefix) and stores no one-off block.
     requests = [[1, 2], [50], [3, 4], [51], [1, 2], [52], [3, 4]]
-    trace = trace_of(requests)
+    trace = policy.of_requests(requests)
     assert policy.replay(trace, 2, "lru")[0] == 0
     assert policy.replay(trace, 2, "belady")[0] == 2
 
