@@ -20,6 +20,14 @@
  * with no `hashed` array only copies (a tensor-parallel rank's pieces of a block that is
  * hashed whole once every rank's pieces are in).
  *
+ * A batch of at least STREAM_MIN_BYTES is stored past the cache
+ * (x86-64's non-temporal stores): a copy much larger than the cache would otherwise read every
+ * destination line before writing it (half as much memory traffic again), and nothing here reads the
+ * destination again. Each piece is then hashed from the side the loop just read (still in cache):
+ * on a restore the tier itself, on an offload the source, whose bytes the piece's copy holds
+ * unless the engine wrote them meanwhile; then the checksum does not match the copy, and a restore
+ * of it fails its check, where a copy hashed afterwards would pass a torn block on.
+ *
  * A guarded call (kvx_copy_hash_guarded) moves blocks of a pool mapped from a file its owner may
  * shrink. Each thread names the guard it copies under in a thread-local before it touches the
  * pool; a SIGBUS on the guarded range (the file shrunk) marks the guard broken, then maps anonymous
@@ -38,6 +46,14 @@
 #include <time.h>
 
 #include "_fused.h"
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#define STREAM_STORES 1
+#else
+#define STREAM_STORES 0
+#endif
+#define STREAM_MIN_BYTES (INT64_C(4) << 20) /* a batch this large passes the cache: stream its stores */
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the checksum hashes its pieces' hashes as little-endian words: build on a little-endian host"
@@ -58,6 +74,7 @@ typedef struct {
     int64_t piece_bytes;          /* the checksum's pieces */
     atomic_int *failed;           /* set by a step that found no memory for its pieces' hashes */
     kvx_guard_t *guard;           /* the pool's range, when its file may shrink (else NULL) */
+    int stream;                   /* store past the cache, hash what was read (see the top) */
 } job_t;
 
 /* The ticket: generation (24 bits) | steps (20 bits) | next step (20 bits). A thread
@@ -120,6 +137,63 @@ static void copy_hash_pieces(const job_t *j, int64_t b, uint64_t *pieces) {
                 pieces[count] = j->hash(hashed + fed, (size_t)m);
                 fed += m;
             }
+        }
+    }
+    j->sums[b] = j->hash(pieces, (size_t)count * sizeof(uint64_t));
+}
+
+/* memcpy with non-temporal stores for all but the unaligned head and tail (x86-64; the caller fences). */
+static void stream_copy(uint8_t *to, const uint8_t *from, size_t n) {
+#if STREAM_STORES
+    size_t head = (16 - ((uintptr_t)to & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(to, from, head);
+    to += head, from += head, n -= head;
+    const size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(from + i));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(from + i + 16));
+        const __m128i c = _mm_loadu_si128((const __m128i *)(from + i + 32));
+        const __m128i d = _mm_loadu_si128((const __m128i *)(from + i + 48));
+        _mm_stream_si128((__m128i *)(to + i), a);
+        _mm_stream_si128((__m128i *)(to + i + 16), b);
+        _mm_stream_si128((__m128i *)(to + i + 32), c);
+        _mm_stream_si128((__m128i *)(to + i + 48), d);
+    }
+    memcpy(to + body, from + body, n - body);
+#else
+    memcpy(to, from, n);
+#endif
+}
+
+/* copy_hash_pieces for a streamed batch: each row is stored past the cache a unit at a time (up to the
+ * next piece boundary of the span) and each piece hashed from where it was just read: the tier's span on
+ * a restore, the source rows on an offload. A piece that spans two rows is gathered first (from cache). */
+static void stream_hash_pieces(const job_t *j, int64_t b, uint64_t *pieces, uint8_t *gather) {
+    const int64_t k = j->rows_per_block, n = j->row_bytes, piece = j->piece_bytes, total = k * n;
+    const uint8_t *hashed = j->hashed + j->hashed_spans[b] * j->span_bytes;
+    const int from_source = j->hashed == j->dst; /* an offload: the destination is not in cache */
+    int64_t count = 0, fill = 0;                 /* pieces hashed; bytes of the piece being gathered */
+    for (int64_t o = 0; o < k; o++) {
+        uint8_t *to = j->dst + j->dst_rows[b * k + o] * n;
+        const uint8_t *from = j->src + j->src_rows[b * k + o] * n;
+        const uint8_t *read = from_source ? from : hashed + o * n; /* this row's bytes, in cache once copied */
+        for (int64_t at = 0; at < n;) {
+            const int64_t pos = o * n + at, edge = (pos / piece + 1) * piece;
+            const int64_t len = n - at < edge - pos ? n - at : edge - pos;
+            stream_copy(to + at, from + at, (size_t)len);
+            if (fill == 0 && (len == piece || pos + len == total)) {
+                pieces[count++] = j->hash(read + at, (size_t)len);
+            } else {
+                memcpy(gather + fill, read + at, (size_t)len);
+                fill += len;
+                if (fill == piece || pos + len == total) {
+                    pieces[count++] = j->hash(gather, (size_t)fill);
+                    fill = 0;
+                }
+            }
+            at += len;
         }
     }
     j->sums[b] = j->hash(pieces, (size_t)count * sizeof(uint64_t));
@@ -193,7 +267,20 @@ static void do_step_unguarded(const job_t *j, int64_t step) {
         atomic_store(j->failed, 1);
         return;
     }
-    if (k > 0 && j->span_bytes > j->piece_bytes) {
+    if (j->stream) {
+        uint8_t *gather = malloc((size_t)j->piece_bytes);
+        if (gather == NULL) {
+            atomic_store(j->failed, 1);
+            free(pieces);
+            return;
+        }
+        for (int64_t b = b0; b < b1; b++)
+            stream_hash_pieces(j, b, pieces, gather);
+        free(gather);
+#if STREAM_STORES
+        _mm_sfence(); /* the streamed stores are visible before the step is counted done */
+#endif
+    } else if (k > 0 && j->span_bytes > j->piece_bytes) {
         for (int64_t b = b0; b < b1; b++)
             copy_hash_pieces(j, b, pieces);
     } else {
@@ -261,6 +348,18 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
                                  span_bytes, sums, blocks, step_blocks, hash, piece_bytes, threads, NULL);
 }
 
+static int64_t stream_min = -1; /* set once: KVXFER_STREAM_STORES=0 turns streaming off (to measure it) */
+static pthread_once_t stream_once = PTHREAD_ONCE_INIT;
+static void read_stream_setting(void) {
+    const char *setting = getenv("KVXFER_STREAM_STORES");
+    stream_min = STREAM_STORES && !(setting != NULL && strcmp(setting, "0") == 0) ? STREAM_MIN_BYTES : INT64_MAX;
+}
+
+int64_t kvx_stream_min_bytes(void) {
+    pthread_once(&stream_once, read_stream_setting);
+    return stream_min;
+}
+
 static int broken(const kvx_guard_t *guard) {
     return guard != NULL && __atomic_load_n(&guard->broken, __ATOMIC_SEQ_CST);
 }
@@ -280,8 +379,12 @@ int kvx_copy_hash_guarded(uint8_t *dst, const uint8_t *src, int64_t row_bytes, c
         return -1;
     const uint64_t steps = (uint64_t)((blocks + step_blocks - 1) / step_blocks);
     atomic_int failed = 0;
+    /* Streamed: a large batch whose hashed span is one side's rows, in order. */
+    const int stream = STREAM_STORES && rows_per_block > 0 && hashed != NULL && span_bytes > piece_bytes &&
+                       (hashed == dst || hashed == src) && span_bytes == rows_per_block * row_bytes &&
+                       blocks * span_bytes >= kvx_stream_min_bytes();
     const job_t mine = {dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
-                        span_bytes, sums, blocks, step_blocks, hash, piece_bytes, &failed, guard};
+                        span_bytes, sums, blocks, step_blocks, hash, piece_bytes, &failed, guard, stream};
     const int code = run_batch(&mine, steps, threads);
     return broken(guard) ? -3 : code;
 }

@@ -21,6 +21,11 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
                   const int64_t *hashed_spans, int64_t span_bytes, uint64_t *sums, int64_t blocks,
                   int64_t step_blocks, hash_fn hash, int64_t piece_bytes, int threads);
 
+/* The smallest batch (blocks x span bytes) whose stores go past the cache; INT64_MAX where none do
+ * (not x86-64, or KVXFER_STREAM_STORES=0 in the environment at the first call). */
+__attribute__((visibility("default")))
+int64_t kvx_stream_min_bytes(void);
+
 /* A pool this process maps from a file its owner may shrink (a memfd without seals): [base, base + len),
  * page-aligned, the whole mapping. A copy that faults on it (SIGBUS: the file was shrunk) sets `broken`,
  * maps anonymous memory over the range (libwayland's wl_shm does the same for a client's buffer) and

@@ -59,6 +59,9 @@ class NativeCopier:
         self._install = library.kvx_guard_install
         self._install.restype = ctypes.c_int
         self._hash, self._piece = hash_address, piece_bytes
+        streams = library.kvx_stream_min_bytes
+        streams.restype = ctypes.c_int64
+        self.stream_min_bytes: int = streams()  # a batch this large is stored past the cache (_fused.c)
 
     def guard(self, base: int, length: int) -> Guard:
         """A guard over the mapping [base, base + length) (page-aligned), the SIGBUS handler installed."""
