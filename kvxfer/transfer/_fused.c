@@ -20,7 +20,7 @@
  * with no `hashed` array only copies (a tensor-parallel rank's pieces of a block that is
  * hashed whole once every rank's pieces are in).
  *
- * A batch of at least STREAM_MIN_BYTES is stored past the cache
+ * A batch of at least STREAM_MIN_BYTES, of rows no smaller than a piece, is stored past the cache
  * (x86-64's non-temporal stores): a copy much larger than the cache would otherwise read every
  * destination line before writing it (half as much memory traffic again), and nothing here reads the
  * destination again. Each piece is then hashed from the side the loop just read (still in cache):
@@ -355,6 +355,9 @@ static void read_stream_setting(void) {
     stream_min = STREAM_STORES && !(setting != NULL && strcmp(setting, "0") == 0) ? STREAM_MIN_BYTES : INT64_MAX;
 }
 
+static atomic_long streamed; /* batches streamed so far (tests see the path taken) */
+int64_t kvx_streamed_batches(void) { return atomic_load(&streamed); }
+
 int64_t kvx_stream_min_bytes(void) {
     pthread_once(&stream_once, read_stream_setting);
     return stream_min;
@@ -379,10 +382,14 @@ int kvx_copy_hash_guarded(uint8_t *dst, const uint8_t *src, int64_t row_bytes, c
         return -1;
     const uint64_t steps = (uint64_t)((blocks + step_blocks - 1) / step_blocks);
     atomic_int failed = 0;
-    /* Streamed: a large batch whose hashed span is one side's rows, in order. */
+    /* Streamed: a large batch whose hashed span is one side's rows, in order, rows of a piece or more (of
+     * smaller rows every piece would be gathered: a second copy, from cache, that costs what streaming saves). */
     const int stream = STREAM_STORES && rows_per_block > 0 && hashed != NULL && span_bytes > piece_bytes &&
                        (hashed == dst || hashed == src) && span_bytes == rows_per_block * row_bytes &&
+                       (rows_per_block == 1 || row_bytes >= piece_bytes) &&
                        blocks * span_bytes >= kvx_stream_min_bytes();
+    if (stream)
+        atomic_fetch_add(&streamed, 1);
     const job_t mine = {dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
                         span_bytes, sums, blocks, step_blocks, hash, piece_bytes, &failed, guard, stream};
     const int code = run_batch(&mine, steps, threads);

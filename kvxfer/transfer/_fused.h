@@ -26,6 +26,10 @@ int kvx_copy_hash(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int
 __attribute__((visibility("default")))
 int64_t kvx_stream_min_bytes(void);
 
+/* How many batches this process has streamed (for tests: which path a batch took). */
+__attribute__((visibility("default")))
+int64_t kvx_streamed_batches(void);
+
 /* A pool this process maps from a file its owner may shrink (a memfd without seals): [base, base + len),
  * page-aligned, the whole mapping. A copy that faults on it (SIGBUS: the file was shrunk) sets `broken`,
  * maps anonymous memory over the range (libwayland's wl_shm does the same for a client's buffer) and

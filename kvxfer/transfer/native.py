@@ -62,6 +62,12 @@ class NativeCopier:
         streams = library.kvx_stream_min_bytes
         streams.restype = ctypes.c_int64
         self.stream_min_bytes: int = streams()  # a batch this large is stored past the cache (_fused.c)
+        self._streamed = library.kvx_streamed_batches
+        self._streamed.restype = ctypes.c_int64
+
+    def streamed_batches(self) -> int:
+        """Batches this process stored past the cache so far."""
+        return self._streamed()
 
     def guard(self, base: int, length: int) -> Guard:
         """A guard over the mapping [base, base + length) (page-aligned), the SIGBUS handler installed."""

@@ -2,7 +2,8 @@
 ``stream_min_bytes`` is stored past the cache and each piece hashed from the side just read):
 the same bytes and the same checksums as the checksum's definition, for rows of any size against
 the pieces (one row cut into pieces, rows under a piece, rows across piece boundaries, unaligned
-rows), both directions, one thread or several; batches under the threshold take the cached path."""
+rows), both directions, one thread or several; batches under the threshold, or of rows under a piece,
+take the cached path."""
 
 import platform
 
@@ -65,9 +66,10 @@ def test_a_streamed_batch_copies_and_hashes_as_the_checksum_says(rows_per_block,
 
 @pytest.mark.parametrize("layout, spec", [
     ("BLHNC", KVSpec(4, 26, 4, 4, 400, torch.float32)),  # one row of 200 KiB: three pieces and a part
-    ("LBHNC", KVSpec(4, 26, 4, 4, 400, torch.float32)),  # 4 rows of 50 KiB: pieces across rows
+    ("LBHNC", KVSpec(2, 26, 4, 4, 768, torch.float32)),  # 2 rows of 96 KiB: a piece across the two
     ("LBHNC", KVSpec(4, 10, 4, 4, 1600, torch.float32)),  # 4 rows of 200 KiB
-    ("LBHNC", KVSpec(24, 50, 3, 1, 333, torch.float16)),  # 24 rows of 3,996 bytes: unaligned rows
+    ("LBHNC", KVSpec(2, 34, 4, 1, 2049, torch.float32)),  # 2 rows of 65,568 bytes: unaligned rows
+    ("LBHNC", KVSpec(4, 26, 4, 4, 400, torch.float32)),  # 4 rows of 50 KiB (under a piece: cached)
 ])
 def test_the_engines_large_batches_are_the_bytes_and_checksums_of_small_ones(layout, spec):
     """Through the CPU engine: a batch over the threshold (streamed) and the same blocks one at a time
@@ -79,10 +81,15 @@ def test_the_engines_large_batches_are_the_bytes_and_checksums_of_small_ones(lay
     engine = CpuCopyEngine(pool, pl, host, threads=2)
     blocks = list(range(1, pages + 1))
     assert pages * pl.block_bytes >= native.load().stream_min_bytes or native.load().stream_min_bytes > 1 << 40
+    copier, before = native.load(), native.load().streamed_batches()
     streamed = engine.submit(CopyBatch(Direction.TO_HOST, blocks, list(range(0, 2 * pages, 2)))).wait()
+    rows = engine._outer  # rows a block: a row of a piece or more streams
+    expect = int(copier.stream_min_bytes < 1 << 40 and (rows == 1 or pl.block_bytes // rows >= 64 << 10))
+    assert copier.streamed_batches() - before == expect
     one_by_one = [engine.submit(CopyBatch(Direction.TO_HOST, [b], [2 * i + 1])).wait()[0] for i, b in enumerate(blocks)]
     assert streamed == one_by_one == [block_checksum(read_block(pool, pl, b).numpy()) for b in blocks]
     originals = [read_block(pool, pl, b).clone() for b in blocks]
     pool.zero_()
     assert engine.submit(CopyBatch(Direction.TO_POOL, blocks, list(range(0, 2 * pages, 2)))).wait() == streamed
+    assert copier.streamed_batches() - before == 2 * expect
     assert all(torch.equal(read_block(pool, pl, b), o) for b, o in zip(blocks, originals))
