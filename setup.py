@@ -1,7 +1,7 @@
 """The one thing pyproject.toml cannot say: kvxfer's C code.
 
-- kvxfer/transfer/_fused.c, the CPU copy loop: a shared library loaded through
-  ctypes (it includes no Python header).
+- kvxfer/transfer/_fused.c and _guard.c, the CPU copy loop and the SIGBUS guard of its copies
+  from files that may shrink: a shared library loaded through ctypes (it includes no Python header).
 - kvxfer/_fastpath.c, per-key validation passes; kvxfer/_tables.c and kvxfer/_use_order.c, a
   tier index's key table and use order: CPython extension modules.
 
@@ -12,8 +12,8 @@ Python twins alone (kvxfer/fastpath.py).
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvxfer.transfer._fused", ["kvxfer/transfer/_fused.c"],
-                             depends=["kvxfer/transfer/_fused.h"],
+setup(ext_modules=[Extension("kvxfer.transfer._fused", ["kvxfer/transfer/_fused.c", "kvxfer/transfer/_guard.c"],
+                             depends=["kvxfer/transfer/_fused.h", "kvxfer/transfer/_guard.h"],
                              extra_compile_args=["-O2", "-pthread", "-fvisibility=hidden"],
                              extra_link_args=["-pthread"], optional=True),
                    *(Extension(f"kvxfer.{name}", [f"kvxfer/{name}.c"], extra_compile_args=["-O2"], optional=True)

@@ -29,16 +29,13 @@
  * of it fails its check, where a copy hashed afterwards would pass a torn block on.
  *
  * A guarded call (kvx_copy_hash_guarded) moves blocks of a pool mapped from a file its owner may
- * shrink. Each thread names the guard it copies under in a thread-local before it touches the
- * pool; a SIGBUS on the guarded range (the file shrunk) marks the guard broken, then maps anonymous
- * memory over the whole range, so the faulting copy re-runs on zeros and ends; the call reports -3.
- * The mark comes first: a thread that reads the zeros has already seen it when its call ends.
+ * shrink: each thread names the guard it copies under (_guard.c) before it touches the pool, and
+ * the call reports -3 if the file shrunk.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,6 +43,7 @@
 #include <time.h>
 
 #include "_fused.h"
+#include "_guard.h"
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -199,45 +197,6 @@ static void stream_hash_pieces(const job_t *j, int64_t b, uint64_t *pieces, uint
     j->sums[b] = j->hash(pieces, (size_t)count * sizeof(uint64_t));
 }
 
-/* The guard the calling thread copies under now (NULL: none). initial-exec: reading it in the
- * signal handler never allocates (a dynamic TLS block may be allocated on first touch). */
-static __thread kvx_guard_t *guarding __attribute__((tls_model("initial-exec")));
-static struct sigaction chained; /* SIGBUS's handler before ours */
-
-static void on_sigbus(int sig, siginfo_t *info, void *context) {
-    kvx_guard_t *g = guarding;
-    const uint8_t *at = (const uint8_t *)info->si_addr;
-    if (g != NULL && info->si_code > 0 && at >= g->base && at < g->base + g->len) {
-        __atomic_store_n(&g->broken, 1, __ATOMIC_SEQ_CST); /* before any thread can read the zeros */
-        if (mmap(g->base, (size_t)g->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_ANONYMOUS, -1, 0)
-            != MAP_FAILED)
-            return; /* the faulting access runs again, on anonymous memory */
-    }
-    if (chained.sa_flags & SA_SIGINFO) {
-        chained.sa_sigaction(sig, info, context);
-    } else if (chained.sa_handler == SIG_DFL || chained.sa_handler == SIG_IGN) {
-        signal(sig, SIG_DFL); /* the access faults again and the process ends as it would have */
-    } else {
-        chained.sa_handler(sig);
-    }
-}
-
-static int install_result = -1;
-static pthread_once_t install_once = PTHREAD_ONCE_INIT;
-static void install(void) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = on_sigbus;
-    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
-    sigemptyset(&sa.sa_mask);
-    install_result = sigaction(SIGBUS, &sa, &chained);
-}
-
-int kvx_guard_install(void) {
-    pthread_once(&install_once, install);
-    return install_result;
-}
-
 static void do_step_unguarded(const job_t *j, int64_t step);
 
 static void do_step(const job_t *j, int64_t step) {
@@ -245,11 +204,11 @@ static void do_step(const job_t *j, int64_t step) {
         do_step_unguarded(j, step);
         return;
     }
-    guarding = j->guard;
+    kvx_guarding = j->guard;
     atomic_signal_fence(memory_order_seq_cst); /* named before the first access, cleared after the last */
     do_step_unguarded(j, step);
     atomic_signal_fence(memory_order_seq_cst);
-    guarding = NULL;
+    kvx_guarding = NULL;
 }
 
 static void do_step_unguarded(const job_t *j, int64_t step) {
@@ -363,10 +322,6 @@ int64_t kvx_stream_min_bytes(void) {
     return stream_min;
 }
 
-static int broken(const kvx_guard_t *guard) {
-    return guard != NULL && __atomic_load_n(&guard->broken, __ATOMIC_SEQ_CST);
-}
-
 static int run_batch(const job_t *mine, uint64_t steps, int threads);
 
 int kvx_copy_hash_guarded(uint8_t *dst, const uint8_t *src, int64_t row_bytes, const int64_t *dst_rows,
@@ -376,7 +331,7 @@ int kvx_copy_hash_guarded(uint8_t *dst, const uint8_t *src, int64_t row_bytes, c
                           kvx_guard_t *guard) {
     if (blocks <= 0)
         return 0;
-    if (broken(guard))
+    if (kvx_guard_broken(guard))
         return -3;
     if (step_blocks < 1 || (blocks + step_blocks - 1) / step_blocks > (int64_t)FIELD || piece_bytes < 1)
         return -1;
@@ -393,7 +348,7 @@ int kvx_copy_hash_guarded(uint8_t *dst, const uint8_t *src, int64_t row_bytes, c
     const job_t mine = {dst, src, row_bytes, dst_rows, src_rows, rows_per_block, hashed, hashed_spans,
                         span_bytes, sums, blocks, step_blocks, hash, piece_bytes, &failed, guard, stream};
     const int code = run_batch(&mine, steps, threads);
-    return broken(guard) ? -3 : code;
+    return kvx_guard_broken(guard) ? -3 : code;
 }
 
 static int run_batch(const job_t *mine, uint64_t steps, int threads) {

@@ -167,7 +167,7 @@ def test_the_c_loop_under_sanitizers(sanitizer, tmp_path):
     loop = here.parents[1] / "kvxfer" / "transfer"
     subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", f"-I{loop}",
                     str(here / "native_stress.c"),
-                    str(loop / "_fused.c"), "-o", str(binary)], check=True)
+                    str(loop / "_fused.c"), str(loop / "_guard.c"), "-o", str(binary)], check=True)
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, **SANITIZERS[sanitizer]})
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-4000:]
