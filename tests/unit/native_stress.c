@@ -1,7 +1,8 @@
 /* Stress test of kvxfer/transfer/_fused.c under ThreadSanitizer and AddressSanitizer
  * (built and run by tests/unit/test_native_copy.py): four threads call the loop at once,
  * each with random batches (1-97 blocks of 3 rows, steps of 1-7 blocks, 1-4 threads,
- * checksums of pieces of 7 or 16 bytes or of one piece a block), and check every byte and
+ * checksums of pieces of 7 or 16 bytes or of one piece a block; streamed where the test builds the
+ * loop to stream such small batches), and check every byte and
  * checksum; a forked child calls it too (its parent's helper threads do not exist
  * there). Prints "ok" and exits 0, or names what went wrong. */
 #include <pthread.h>
@@ -119,6 +120,12 @@ int main(void) {
             }
         }
     }
+#if defined(__x86_64__) && defined(STREAM_MIN_BYTES)
+    if (kvx_streamed_batches() == 0) { /* built to stream small batches: some must have been */
+        printf("no batch was streamed\n");
+        return 1;
+    }
+#endif
     printf("ok\n");
     return 0;
 }

@@ -158,14 +158,15 @@ SANITIZERS = {"thread": {"TSAN_OPTIONS": "die_after_fork=0 halt_on_error=1"},  #
 @pytest.mark.parametrize("sanitizer", list(SANITIZERS))
 def test_the_c_loop_under_sanitizers(sanitizer, tmp_path):
     """Data races (ThreadSanitizer), out-of-bounds accesses, leaks and undefined behaviour
-    (AddressSanitizer, UBSan) in the loop, its helper threads and its fork handler."""
+    (AddressSanitizer, UBSan) in the loop, its helper threads and its fork handler; built to stream
+    batches of 256 bytes or more, so the stress's batches take the streamed path too."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.fail("no C compiler: apt-get install gcc libc6-dev")
     here = Path(__file__).parent
     binary = tmp_path / "stress"
     loop = here.parents[1] / "kvxfer" / "transfer"
-    subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", f"-I{loop}",
+    subprocess.run([compiler, "-O1", "-g", f"-fsanitize={sanitizer}", "-pthread", f"-I{loop}", "-DSTREAM_MIN_BYTES=256",
                     str(here / "native_stress.c"),
                     str(loop / "_fused.c"), str(loop / "_guard.c"), "-o", str(binary)], check=True)
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120,
