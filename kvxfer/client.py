@@ -217,9 +217,11 @@ class Client:
         finished job within a step, and spends no round trip on steps where none finished."""
         request = pb.WaitJobsRequest(pool=self._ref(pool_id), client_id=self.client_id, job_ids=list(job_ids),
                                      timeout_ms=int(wait_s * 1000), wait_all=wait_all)
-        future = self._stub.WaitJobs.future(request, timeout=timeout or self.timeout + wait_s,
-                                            metadata=self._metadata)
-        return PendingJobs(future, self, self._error)
+        timeout = timeout or self.timeout + wait_s
+        call = self._lane.start(self._stub.WaitJobs, request, timeout) if self._lane else None
+        if call is None:  # (the lane does not carry it: gRPC does)
+            call = self._stub.WaitJobs.future(request, timeout=timeout, metadata=self._metadata)
+        return PendingJobs(call, self, self._error)
 
     # -- registered pools ----------------------------------------------------------
     def register_pool(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, *,

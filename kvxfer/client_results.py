@@ -10,6 +10,7 @@ import grpc
 
 from kvxfer import wire
 from kvxfer.errors import DeadlineExceeded, InvalidArgument, KvxferError, ResourceExhausted, Unavailable, error_for_code
+from kvxfer.lane import LaneCall
 from kvxfer.records import Outcome, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
 
@@ -67,20 +68,23 @@ def finished(response: pb.WaitJobsResponse) -> FinishedJobs:
 
 
 class PendingJobs:
-    """A WaitJobs in flight (``Client.wait_jobs_async``): ``done()`` never blocks."""
+    """A WaitJobs in flight (``Client.wait_jobs_async``), over gRPC or the local lane: ``done()`` never blocks."""
 
-    def __init__(self, future: grpc.Future, session: object, to_error: Callable[[grpc.RpcError], KvxferError]) -> None:
-        self._future = future
+    def __init__(self, call: grpc.Future | LaneCall, session: object,
+                 to_error: Callable[[grpc.RpcError], KvxferError]) -> None:
+        self._call = call
         self.session = session  # the Client that sent it: closing it cancels the call
         self._to_error = to_error
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._call.done()
 
     def wait(self, timeout: float) -> bool:
         """Block until answered (True) or ``timeout`` seconds passed (False)."""
+        if isinstance(self._call, LaneCall):
+            return self._call.wait(timeout)
         try:
-            self._future.exception(timeout=timeout)
+            self._call.exception(timeout=timeout)
         except grpc.FutureTimeoutError:
             return False
         except grpc.FutureCancelledError:
@@ -89,15 +93,17 @@ class PendingJobs:
 
     def result(self) -> FinishedJobs:
         """The answer, or the call's ``KvxferError`` (blocks until answered)."""
+        if isinstance(self._call, LaneCall):
+            return finished(self._call.result())
         try:
-            return finished(self._future.result())
+            return finished(self._call.result())
         except grpc.RpcError as exc:
             raise self._to_error(exc) from None
         except grpc.FutureCancelledError:
             raise error_for_code("CANCELLED")("the wait was cancelled (its session closed)") from None
 
     def cancel(self) -> None:
-        self._future.cancel()
+        self._call.cancel()
 
 
 #: Errors after which a best-effort offload is dropped instead of raised: the daemon is

@@ -25,8 +25,9 @@ import time
 from google.protobuf.message import Message
 
 from kvxfer.errors import InvalidArgument, Unauthenticated, Unavailable
-from kvxfer.lane import HEADER, IDLE_S, MAX_MESSAGE, Method, encode_answer
+from kvxfer.lane import HEADER, IDLE_S, MAX_ANSWER, MAX_MESSAGE, Method, encode_answer
 from kvxfer.serving.batch import TransferKind
+from kvxfer.serving.jobs import JOB_WEIGHT
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
 from service import transfers
@@ -41,7 +42,7 @@ _TOO_LARGE = bytes(HEADER.size)  # what ``_receive`` returns for a message cut s
 
 
 class Lane:
-    """Serves Offload, Restore and Lookup on a Unix SOCK_SEQPACKET socket."""
+    """Serves Offload, Restore, Lookup and WaitJobs on a Unix SOCK_SEQPACKET socket."""
 
     def __init__(self, path: str, registry: PoolRegistry, limits: transfers.RequestLimits, mode: int, gid: int,
                  token: str = "", metrics: LaneMetrics | None = None) -> None:
@@ -57,7 +58,11 @@ class Lane:
             Method.OFFLOAD: (parser(pb.OffloadRequest, batch["OffloadRequest"]), self._offload),
             Method.RESTORE: (parser(pb.RestoreRequest, batch["RestoreRequest"]), self._restore),
             Method.LOOKUP: (parser(pb.LookupRequest, batch["LookupRequest"]), self._lookup),
+            Method.WAIT_JOBS: (parser(pb.WaitJobsRequest, batch["WaitJobsRequest"]), self._wait_jobs),
         }
+        # What the finished jobs of one answer may weigh: MAX_ANSWER less its status byte and every unknown id.
+        self._answer_weight = MAX_ANSWER - 1 - 11 * limits.max_job_ids - JOB_WEIGHT
+        self._stopping = threading.Event()  # set at close: waiting WaitJobs answer with what has finished
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(path)
         os.chmod(path, mode)
@@ -80,6 +85,7 @@ class Lane:
                 return
             self._closing = True
             idle = [c for c in self._connections if c not in self._busy]
+        self._stopping.set()
         _shutdown(self._sock)  # wakes the acceptor (EINVAL)
         self._sock.close()
         for conn in idle:
@@ -202,8 +208,8 @@ class Lane:
                 raise InvalidArgument("a lane request starts with its method and timeout (kvxfer.lane)")
             method, timeout_ms = HEADER.unpack_from(message)
             if method not in self._methods:
-                raise InvalidArgument(f"the lane carries Offload, Restore and Lookup; method {method} is none")
-            name = Method(method).name.title()
+                raise InvalidArgument(f"the lane carries Offload, Restore, Lookup and WaitJobs; method {method} is none")
+            name = Method(method).rpc
             parse, handle = self._methods[Method(method)]
             request = parse(message[HEADER.size:])
             if isinstance(request, Malformed):
@@ -227,6 +233,16 @@ class Lane:
 
     def _lookup(self, request: pb.LookupRequest, remaining: float | None) -> bytes:
         return transfers.lookup(self.registry, self.limits, request, remaining)().SerializeToString()
+
+    def _wait_jobs(self, request: pb.WaitJobsRequest, remaining: float | None) -> bytes:
+        """Blocks this connection's thread (only its own) until a job of the client's finishes, the wait ends,
+        or the daemon closes; answers as many finished jobs as fit one message, the rest the next time."""
+        if request.wait_all:
+            raise InvalidArgument("the lane's WaitJobs answers any finished job: send wait_all over gRPC")
+        w = transfers.jobs_wait(self.registry, self.limits, request, remaining)
+        finished, unknown = w.jobs.wait(w.client_id, w.job_ids, w.timeout, max_weight=self._answer_weight,
+                                        stop=self._stopping)
+        return transfers.jobs_answer(finished, unknown).SerializeToString()
 
     def _transfer(self, kind: TransferKind, request: pb.OffloadRequest | pb.RestoreRequest) -> bytes:
         t = transfers.transfer(self.registry, self.limits, kind, request)

@@ -32,7 +32,6 @@ from service import transfers, watch
 from service.status import parser, rpc, stream_rpc
 from service.transfers import RequestLimits
 
-MAX_WAIT_S = 60.0
 POLL_S = 1.0  # a waiting WaitJobs looks again at least this often (and renews its leases)
 MAX_LAYOUT_CHARS, MAX_DTYPE_CHARS, MAX_PATH_CHARS = 128, 32, 4096
 
@@ -102,17 +101,8 @@ class KVTransferServicer:
 
     @rpc
     async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:
-        jobs = self.registry.get(transfers.ref(request.pool)).jobs
-        check_count(len(request.job_ids), self.limits.max_job_ids, "job ids")
-        client_id = transfers.check_client_id(request.client_id)
-        job_ids = list(request.job_ids)
-        timeout = min(request.timeout_ms / 1000, MAX_WAIT_S)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            timeout = max(0.0, min(timeout, remaining - 0.05))  # answer before the caller's deadline
-        finished, unknown = await _wait_jobs(jobs, client_id, job_ids, request.wait_all, timeout)
-        return pb.WaitJobsResponse(finished=[pb.JobResult(job_id=j.job_id, **transfers.statuses(j.result))
-                                             for j in finished], unknown_job_ids=unknown)
+        w = transfers.jobs_wait(self.registry, self.limits, request, context.time_remaining())
+        return transfers.jobs_answer(*await _wait_jobs(w.jobs, w.client_id, w.job_ids, w.wait_all, w.timeout))
 
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:

@@ -23,6 +23,7 @@ from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_count, check_name, check_namespace, checked_keys, shown
 
 INLINE_BYTES = 1 << 20  # a transfer this small runs on the event loop: cheaper than a thread hop
+MAX_WAIT_S = 60.0  # the longest a WaitJobs waits for a job to finish
 CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
@@ -135,6 +136,34 @@ def lookup(registry: PoolRegistry, limits: RequestLimits, request: pb.LookupRequ
                                  tiers=[wire.TIER_TO_PB[t] if t else pb.TIER_UNSPECIFIED for t in result.tiers])
 
     return run
+
+
+@dataclass(frozen=True)
+class JobsWait:
+    """A WaitJobs, checked: which client's finished jobs of which pool, and how long it may wait."""
+
+    jobs: JobRunner
+    client_id: str
+    job_ids: list[int]
+    wait_all: bool
+    timeout: float
+
+
+def jobs_wait(registry: PoolRegistry, limits: RequestLimits, request: pb.WaitJobsRequest,
+              remaining: float | None) -> JobsWait:
+    """The checks of a WaitJobs; its wait ends before the caller's deadline (``remaining`` seconds)."""
+    jobs = registry.get(ref(request.pool)).jobs
+    check_count(len(request.job_ids), limits.max_job_ids, "job ids")
+    client_id = check_client_id(request.client_id)
+    timeout = min(request.timeout_ms / 1000, MAX_WAIT_S)
+    if remaining is not None:
+        timeout = max(0.0, min(timeout, remaining - 0.05))  # answer before the caller's deadline
+    return JobsWait(jobs, client_id, list(request.job_ids), request.wait_all, timeout)
+
+
+def jobs_answer(finished: list[Job], unknown: list[int]) -> pb.WaitJobsResponse:
+    return pb.WaitJobsResponse(finished=[pb.JobResult(job_id=j.job_id, **statuses(j.result)) for j in finished],
+                               unknown_job_ids=unknown)
 
 
 def repeated_limits(limits: RequestLimits) -> dict[str, dict[str, int]]:

@@ -1,4 +1,9 @@
-"""Small helpers shared by tests: reading and writing whole blocks through their runs."""
+"""Small helpers shared by tests: reading and writing whole blocks through their runs, stopping a process."""
+
+import os
+import signal
+import subprocess
+import time
 
 import torch
 
@@ -29,3 +34,23 @@ def made_and_closed(factory):
     yield make
     for thing in made:
         thing.close()
+
+
+def stop_process(proc: subprocess.Popen, within_s: float = 30.0) -> None:
+    """SIGSTOP ``proc`` and return once every thread of it is stopped: the signal is delivered when the
+    kernel next runs each thread, and a call sent before that may still be answered."""
+    proc.send_signal(signal.SIGSTOP)
+    give_up = time.monotonic() + within_s  # (a hang guard)
+    tasks = f"/proc/{proc.pid}/task"
+    while time.monotonic() < give_up:
+        states = []
+        for task in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{task}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        if states and all(state in "Tt" for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {proc.pid} not stopped within {within_s} s")

@@ -1,4 +1,4 @@
-"""``kvxfer bench lane``: Offload, Restore and Lookup over the local lane against the same calls over gRPC.
+"""``kvxfer bench lane``: Offload, Restore, Lookup and a job's WaitJobs over the local lane against gRPC.
 
 One real daemon (the embedded default pool: 192 KiB blocks, BLHNC) and two clients in this
 process, one with the lane (``Client``'s default) and one without (``lane=False``: gRPC only).
@@ -7,7 +7,8 @@ from scattered slots, a Lookup of them and a Restore into other slots, on each c
 client goes first alternates between repetitions); a plain
 ``copy_`` of the same bytes from the mapped pool; and a gRPC health Check (the cost of a call
 that carries nothing). Medians of the repetitions; the lane's fixed cost is its time less the
-daemon's own measured copy (``TransferResult.seconds``).
+daemon's own measured copy (``TransferResult.seconds``). For the job, also the time the
+caller's thread spent sending its WaitJobs (what an engine's step pays to leave one in flight).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvxfer.client import Client
 from kvxfer.tables import format_table
 
 TRANSPORTS = ("lane", "grpc")
+OPS = ("offload", "restore", "lookup", "job")
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -42,13 +44,15 @@ def run(args: argparse.Namespace) -> int:
             results = {"batches": [_batch(n, {"lane": lane, "grpc": grpc_only}, args, progress) for n in args.batches]}
     finally:
         daemon.cleanup()
-    rows = [[r["blocks"], *(f"{r[f'{t}_{op}_ms']:.3f}" for op in ("offload", "restore", "lookup") for t in TRANSPORTS),
+    rows = [[r["blocks"], *(f"{r[f'{t}_{op}_ms']:.3f}" for op in OPS for t in TRANSPORTS),
+             *(f"{r[f'{t}_wait_send_ms'] * 1e3:.0f}" for t in TRANSPORTS),
              f"{r['copy_ms']:.3f}", f"{r['health_ms']:.3f}", f"{r['lane_offload_vs_copy']:.2f}",
              f"{r['grpc_offload_vs_copy']:.2f}"] for r in results["batches"]]
-    print(format_table(["blocks", "offload lane ms", "offload gRPC ms", "restore lane ms", "restore gRPC ms",
-                        "lookup lane ms", "lookup gRPC ms", "copy ms", "health ms", "offload lane / copy",
-                        "offload gRPC / copy"], rows,
-                       {"x / copy": "the request's time / a plain copy of its bytes (median of repetitions)"}))
+    print(format_table(["blocks", *(f"{op} {t.replace('grpc', 'gRPC')} ms" for op in OPS for t in TRANSPORTS),
+                        "WaitJobs sent lane us", "WaitJobs sent gRPC us", "copy ms", "health ms",
+                        "offload lane / copy", "offload gRPC / copy"], rows,
+                       {"job": "submit_restore, then wait_jobs_async until answered",
+                        "x / copy": "the request's time / a plain copy of its bytes (median of repetitions)"}))
     save(args, results, plot)
     return 0
 
@@ -78,6 +82,9 @@ def _batch(n: int, clients: dict[str, Client], args: argparse.Namespace, progres
             spent, result = _timed(lambda: client.restore(list(zip(keys, targets))))
             times.setdefault(f"{t}_restore", []).append(spent)
             served.setdefault(f"{t}_restore", []).append(result.seconds)
+            spent, sent = _job(client, list(zip(keys, targets)))
+            times.setdefault(f"{t}_job", []).append(spent)
+            times.setdefault(f"{t}_wait_send", []).append(sent)
             client.delete(keys)
         times.setdefault("copy", []).append(_timed(lambda: local.copy_(src))[0])
         times.setdefault("health", []).append(_timed(health.health)[0])
@@ -97,6 +104,20 @@ def _batch(n: int, clients: dict[str, Client], args: argparse.Namespace, progres
     return row
 
 
+def _job(client: Client, pairs: list[tuple[bytes, int]]) -> tuple[float, float]:
+    """A Restore as an engine sends it: (submit -> answer read s, the WaitJobs' sending s)."""
+    start = time.perf_counter()
+    job = client.submit_restore(pairs)
+    submitted = time.perf_counter()
+    pending = client.wait_jobs_async([job], wait_s=5.0)
+    sent = time.perf_counter() - submitted
+    while not pending.wait(5.0):
+        pass
+    if job not in pending.result():
+        raise SystemExit(f"job {job} was not reported")
+    return time.perf_counter() - start, sent
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
 
@@ -104,8 +125,8 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = results["batches"]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4), sharey=False)
-    for ax, op in zip(axes, ("offload", "restore", "lookup")):
+    fig, axes = plt.subplots(1, len(OPS), figsize=(15, 4), sharey=False)
+    for ax, op in zip(axes, OPS):
         xs = range(len(rows))
         width = 0.38
         for j, t in enumerate(TRANSPORTS):
@@ -115,7 +136,7 @@ def plot(results: dict, path: str) -> None:
                     label="plain copy")
         ax.set_xticks([x + width / 2 for x in xs], [str(r["blocks"]) for r in rows])
         ax.set_xlabel("blocks of 192 KiB a request")
-        ax.set_title(op)
+        ax.set_title("restore as a job (submit, WaitJobs)" if op == "job" else op)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("ms a request (median)")
     axes[0].legend()

@@ -31,6 +31,9 @@ from kvxfer.serving.manager import PoolManager
 from kvxfer.records import JobStats, Outcome, TransferResult
 
 SWEEP_S = 0.05  # how often leases are checked while the runner is idle
+#: What a finished job weighs in a WaitJobs answer beside its outcomes (a byte each on the wire): its
+#: id, byte count, seconds and framing, in bytes, generously.
+JOB_WEIGHT = 64
 log = logging.getLogger(__name__)
 
 
@@ -148,18 +151,27 @@ class JobRunner:
             return job.job_id
 
     def wait(self, client_id: str, job_ids: Sequence[int] = (), timeout: float = 0.0,
-             wait_all: bool = False) -> tuple[list[Job], list[int]]:
+             wait_all: bool = False, *, max_weight: int | None = None,
+             stop: threading.Event | None = None) -> tuple[list[Job], list[int]]:
         """Finished jobs of this client (those named, or all), each reported once, and the ids
         not known (never submitted here, reported already, or expired). Waits up to ``timeout``
-        for one to finish, or with ``wait_all`` for every named one. Renews the client's leases."""
+        for one to finish, or with ``wait_all`` for every named one. Renews the client's leases.
+
+        ``max_weight``: report the finished jobs, oldest first, only while their outcomes plus
+        ``JOB_WEIGHT`` a job add up to at most this (always one job; the others stay for the next
+        call): an answer that must fit one message. Not with ``wait_all``, whose answer it would cut.
+        ``stop``: once set (looked at every ``SWEEP_S``), answer with what has finished."""
+        if max_weight is not None and wait_all:
+            raise InvalidArgument("an answer of bounded size cannot wait for all the named jobs")
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
             while True:
                 now = time.monotonic()
-                answer = self._poll(client_id, job_ids, wait_all, final=now >= deadline)
+                final = now >= deadline or (stop is not None and stop.is_set())
+                answer = self._poll(client_id, job_ids, wait_all, final, max_weight)
                 if answer is not None:
                     return answer
-                self._cond.wait(deadline - now)
+                self._cond.wait(deadline - now if stop is None else min(deadline - now, SWEEP_S))
 
     def poll(self, client_id: str, job_ids: Sequence[int] = (), wait_all: bool = False,
              final: bool = False) -> tuple[list[Job], list[int]] | None:
@@ -168,8 +180,8 @@ class JobRunner:
         with self._cond:
             return self._poll(client_id, job_ids, wait_all, final)
 
-    def _poll(self, client_id: str, job_ids: Sequence[int], wait_all: bool,
-              final: bool) -> tuple[list[Job], list[int]] | None:
+    def _poll(self, client_id: str, job_ids: Sequence[int], wait_all: bool, final: bool,
+              max_weight: int | None = None) -> tuple[list[Job], list[int]] | None:
         if wait_all and not job_ids:
             raise InvalidArgument("wait_all needs job_ids")
         if not client_id:
@@ -184,6 +196,8 @@ class JobRunner:
         enough = len(done) + len(unknown) == len(wanted) if wait_all else bool(done)
         if not (enough or final or (wanted and len(unknown) == len(wanted))):
             return None
+        if max_weight is not None:
+            done = _heading(done, max_weight)
         for job in done:
             del self._jobs[job.job_id]
         return done, unknown
@@ -296,3 +310,14 @@ class JobRunner:
                 continue  # it stops at its next chunk; dropped once finished
             self._expired += 1
             del self._jobs[job.job_id]
+
+
+def _heading(done: list[Job], max_weight: int) -> list[Job]:
+    """The oldest of ``done`` whose outcomes plus ``JOB_WEIGHT`` each add up to at most ``max_weight`` (one at least)."""
+    taken, weight = [], 0
+    for job in sorted(done, key=lambda j: j.job_id):
+        weight += len(job.batch) + JOB_WEIGHT
+        if taken and weight > max_weight:
+            break
+        taken.append(job)
+    return taken

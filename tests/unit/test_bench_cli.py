@@ -54,6 +54,7 @@ def test_bench_lane_smoke(tmp_path, capsys):
     rows = json.loads(out_json.read_text())["batches"]
     assert [r["blocks"] for r in rows] == [1, 4]
     assert all(r["lane_offload_ms"] > 0 and r["grpc_lookup_ms"] > 0 and r["health_ms"] > 0 for r in rows)
+    assert all(r[f"{t}_job_ms"] > 0 and r[f"{t}_wait_send_ms"] > 0 for r in rows for t in ("lane", "grpc"))
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 

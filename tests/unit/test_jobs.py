@@ -8,7 +8,7 @@ import torch
 
 from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvxfer.serving.batch import TransferBatch
-from kvxfer.serving.jobs import JobRunner
+from kvxfer.serving.jobs import JOB_WEIGHT, JobRunner
 from kvxfer.geometry.layout import PRESETS, KVSpec
 from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool
@@ -226,3 +226,34 @@ def test_an_inline_transfer_with_nothing_queued_leaves_the_worker_asleep(manager
         assert [j.result.outcomes for j in finished] == [[Outcome.DONE]]
     finally:
         runner.close()
+
+
+def test_an_answer_of_bounded_weight_reports_the_oldest_jobs_and_keeps_the_rest(manager):
+    runner = JobRunner(manager)
+    ids = [runner.submit(offload([(1 + 10 * i + j, f"b{i}-{j}".encode()) for j in range(10)]), "c")
+           for i in range(4)]
+    runner.run(offload([(299, b"after")]))  # runs after them: all four have finished
+    taken = []
+    for _ in range(2):  # two jobs a call: 2 x (10 outcomes + JOB_WEIGHT) fits, a third does not
+        done, _ = runner.wait("c", timeout=10, max_weight=2 * (10 + JOB_WEIGHT) + 5)
+        assert len(done) == 2
+        taken += [j.job_id for j in done]
+    assert taken == ids  # oldest first, each once, none lost
+    runner.submit(offload([(i + 1, f"big-{i}".encode()) for i in range(200)]), "c")
+    done, _ = runner.wait("c", timeout=10, max_weight=1)  # one job is always reported, however heavy
+    assert len(done) == 1 and len(done[0].result.outcomes) == 200
+    with pytest.raises(InvalidArgument, match="bounded size"):
+        runner.wait("c", ids, wait_all=True, max_weight=1000)
+    runner.close()
+
+
+def test_a_wait_with_a_stop_answers_soon_after_it_is_set(manager):
+    runner = JobRunner(manager)
+    stop = threading.Event()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(runner.wait("nobody", timeout=60, stop=stop)))
+    waiter.start()
+    stop.set()
+    waiter.join(30)  # (60 s without the stop)
+    assert not waiter.is_alive() and got == [([], [])]
+    runner.close()

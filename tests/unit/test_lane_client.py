@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from kvxfer import lane
-from kvxfer.errors import DeadlineExceeded, FailedPrecondition, Unauthenticated, Unavailable
+from kvxfer.errors import DeadlineExceeded, FailedPrecondition, KvxferError, Unauthenticated, Unavailable
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 LOOKUP = pb.LookupRequest(namespace="n", keys=[b"k"])
@@ -177,3 +177,46 @@ def test_idle_connections_a_restarted_daemon_closed_are_replaced_and_the_call_go
     assert client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 5.0).hits == 1  # nothing was lost
     assert second.accepted == 1 and len(second.calls) == 1
     second.close()
+
+
+def _waited(message: bytes) -> bytes:
+    return b"\x00" + pb.WaitJobsResponse(unknown_job_ids=[7]).SerializeToString()
+
+
+def test_a_call_left_in_flight_is_answered_when_the_server_answers(path):
+    release = threading.Event()
+    server = Server(path, lambda m: release.wait(30) and _waited(m))
+    client = lane.Lane(path)
+    call = client.send(lane.Method.WAIT_JOBS, pb.WaitJobsRequest(client_id="c"), pb.WaitJobsResponse, 30.0)
+    assert not call.done() and not call.wait(0.05)  # nothing yet: and no thread waits for it
+    release.set()
+    assert call.wait(30)
+    assert call.result().unknown_job_ids == [7] and call.result().unknown_job_ids == [7]  # read once, kept
+    assert client._idle and not client._calls  # its connection serves the next call
+    server.close()
+
+
+def test_a_call_in_flight_past_its_deadline_is_a_deadline_and_a_closed_lane_cancels_calls(path):
+    server = Server(path, lambda m: None)  # never answers
+    client = lane.Lane(path)
+    late = client.send(lane.Method.WAIT_JOBS, pb.WaitJobsRequest(client_id="c"), pb.WaitJobsResponse, 0.2)
+    assert late.wait(30)  # its deadline came: done, and the result says why
+    with pytest.raises(DeadlineExceeded):
+        late.result()
+    assert not client._idle  # that connection is out of step
+    waiting = client.send(lane.Method.WAIT_JOBS, pb.WaitJobsRequest(client_id="c"), pb.WaitJobsResponse, 30.0)
+    client.close()
+    assert waiting.wait(0)
+    with pytest.raises(KvxferError, match="cancelled"):
+        waiting.result()
+    server.close()
+
+
+def test_wait_all_is_never_sent_over_the_lane(path):
+    server = Server(path, _waited)
+    stub = type("Stub", (), {"Offload": object(), "Restore": object(), "Lookup": object(), "WaitJobs": object()})
+    client = lane.Lane(path, stub=stub)
+    assert client.start(stub.WaitJobs, pb.WaitJobsRequest(client_id="c", job_ids=[1], wait_all=True), 5.0) is None
+    assert client.start(stub.WaitJobs, pb.WaitJobsRequest(client_id="c"), 5.0).result().unknown_job_ids == [7]
+    assert len(server.calls) == 1
+    server.close()

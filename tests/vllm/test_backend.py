@@ -13,6 +13,7 @@ from kvxfer.bench import launch
 from kvxfer.bench.vllm_engine import Engine, Model
 from kvxfer.integrations.link import LinkDown
 from tests.vllm.conftest import DAEMON, RETRY_S, kv_transfer
+from tests.helpers import stop_process
 from tests.tiermem import flip_byte
 
 PROMPT = list(range(10, 74))  # 64 tokens: 4 blocks of 16
@@ -228,7 +229,7 @@ def test_a_stalled_daemon_delays_no_step_beyond_the_deadline(daemon, make_engine
     engine = make_engine(daemon.config["socket"], settings={"timeout_s": 0.3, "retry_s": 0.5})
     run_alone(engine, "A", PROMPT)
     engine.reset_prefix_cache()
-    daemon.proc.send_signal(signal.SIGSTOP)  # alive, holding its socket, answering nothing
+    stop_process(daemon.proc)  # alive, holding its socket, answering nothing
     try:
         for i, tokens in enumerate([PROMPT + TAIL, [5] * 40 + PROMPT]):
             engine.add(f"s{i}", tokens)

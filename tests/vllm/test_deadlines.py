@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers import stop_process
 from tests.vllm.test_backend import MODES, PROMPT, TAIL, external_hits, pool_stats, run_alone
 
 TIMEOUT_S, DEADLINE_S = 0.3, 0.5
@@ -26,7 +27,7 @@ def test_a_stopped_daemon_costs_a_step_at_most_the_deadline_and_the_blocks_are_r
     engine.zero_kv()
     engine.add("B", PROMPT + TAIL)
     engine.step()  # the Lookup: all four blocks are at the daemon
-    daemon.proc.send_signal(signal.SIGSTOP)  # alive, holding its socket, answering nothing
+    stop_process(daemon.proc)  # alive, holding its socket, answering nothing
     try:
         steps, start = [], time.monotonic()
         while "B" not in engine.finished:  # B finishes while the daemon is stopped: bounded by the deadline
