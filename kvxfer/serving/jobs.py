@@ -31,6 +31,7 @@ from kvxfer.serving.manager import PoolManager
 from kvxfer.records import JobStats, Outcome, TransferResult
 
 SWEEP_S = 0.05  # how often leases are checked while the runner is idle
+STOP_S = 0.2  # how often a wait looks at its ``stop`` (a finished job wakes it at once)
 #: What a finished job weighs in a WaitJobs answer beside its outcomes (a byte each on the wire): its
 #: id, byte count, seconds and framing, in bytes, generously.
 JOB_WEIGHT = 64
@@ -160,7 +161,7 @@ class JobRunner:
         ``max_weight``: report the finished jobs, oldest first, only while their outcomes plus
         ``JOB_WEIGHT`` a job add up to at most this (always one job; the others stay for the next
         call): an answer that must fit one message. Not with ``wait_all``, whose answer it would cut.
-        ``stop``: once set (looked at every ``SWEEP_S``), answer with what has finished."""
+        ``stop``: once set (looked at every ``STOP_S``), answer with what has finished."""
         if max_weight is not None and wait_all:
             raise InvalidArgument("an answer of bounded size cannot wait for all the named jobs")
         deadline = time.monotonic() + max(0.0, timeout)
@@ -171,7 +172,7 @@ class JobRunner:
                 answer = self._poll(client_id, job_ids, wait_all, final, max_weight)
                 if answer is not None:
                     return answer
-                self._cond.wait(deadline - now if stop is None else min(deadline - now, SWEEP_S))
+                self._cond.wait(deadline - now if stop is None else min(deadline - now, STOP_S))
 
     def poll(self, client_id: str, job_ids: Sequence[int] = (), wait_all: bool = False,
              final: bool = False) -> tuple[list[Job], list[int]] | None:
