@@ -2,7 +2,7 @@
 
 A gRPC call on this machine costs 0.5-0.7 ms however little it carries (a plain
 Unix-socket round trip: 0.07 ms), and an engine's host-side transfer pays it on every
-batch (docs/benchmarks.md, "The local lane"). The lane carries the same three unary
+batch (docs/benchmarks.md, "The local lane"). The lane carries four of its unary
 methods, with the same request and response messages, over ``<socket>.lane``
 (SOCK_SEQPACKET, the gRPC socket's mode and group), and the daemon answers each on the
 connection's own thread: no HTTP/2 framing, no event-loop hop, no executor hop. A call may
@@ -19,8 +19,9 @@ The wire, one message each way per call, many calls per connection:
   (OK) or the status message (UTF-8).
 
 Everything else (registration, events, stats, health) stays on gRPC, and so do a request
-larger than ``MAX_MESSAGE`` and a WaitJobs with ``wait_all`` (whose answer has no bound: the
-lane's WaitJobs reports as many finished jobs as fit ``MAX_ANSWER``, the rest the next time). The lane is never a reason for a call to fail: a
+larger than ``MAX_MESSAGE`` and a WaitJobs with ``wait_all`` or more than ``MAX_WAITED_IDS``
+ids (the lane's answer is one message of at most ``MAX_ANSWER``: its WaitJobs reports as many
+finished jobs as fit, the rest the next time). The lane is never a reason for a call to fail: a
 daemon without one, or with every connection taken, is asked over gRPC instead. This module
 is the client side and the wire format; the daemon's side is ``service/lane.py``.
 """
@@ -46,6 +47,7 @@ SUFFIX = ".lane"
 #: buffer (net.core.wmem_default, 208 KiB), which bounds one SOCK_SEQPACKET message.
 MAX_MESSAGE = 160 << 10
 MAX_ANSWER = 96 << 10  # one status byte per block (65,536 at most), or a status message
+MAX_WAITED_IDS = 2048  # job ids one WaitJobs on the lane names: their unknown ones fit its answer beside a job
 HEADER = struct.Struct("<BI")
 IDLE_S = 30.0  # the daemon closes a connection idle this long; the client reuses one idle under half of it
 MAX_IDLE_CONNECTIONS = 4  # connections a client keeps open between calls (one per thread in a call at once)
@@ -121,7 +123,9 @@ class LaneCall:
         conn = self._conn
         try:
             conn.settimeout(max(self._deadline - time.monotonic(), 0.001))
-            answer = conn.recv(MAX_ANSWER)
+            answer, _, flags, _ = conn.recvmsg(MAX_ANSWER)
+            if flags & socket.MSG_TRUNC:  # never parsed: a protobuf cut short may still parse
+                raise OSError("an answer larger than the lane carries")
         except TimeoutError:  # its answer may still come: the connection is out of step
             answer = encode_answer(DeadlineExceeded.code, b"no answer from the daemon's lane within its deadline")
         except OSError as exc:
@@ -185,7 +189,8 @@ class Lane:
     def start(self, stub_method: object, request: Message, timeout: float) -> LaneCall | None:
         """``carry`` without waiting for the answer: the call in flight, or None (nothing sent: use gRPC)."""
         route = self._routes.get(stub_method)
-        if route is None or (route[0] is Method.WAIT_JOBS and request.wait_all):
+        if route is None or (route[0] is Method.WAIT_JOBS and
+                             (request.wait_all or len(request.job_ids) > MAX_WAITED_IDS)):
             return None
         try:
             return self.send(route[0], request, route[1], timeout)
@@ -224,18 +229,23 @@ class Lane:
                 conn.close()
                 if not reused:
                     raise NoLane(str(exc)) from None
-                self.close()  # a daemon that closed one idle connection (it restarted) closed them all: new ones
+                self._close_idle()  # a daemon that closed one idle connection (it restarted) closed them all
 
     def close(self) -> None:
         """Close the idle connections, and cancel the calls in flight."""
+        self._close_idle()
+        with self._lock:
+            calls, self._calls = list(self._calls), set()
+        if os.getpid() == self._pid:  # a forked child's copies are its parent's calls
+            for call in calls:
+                call.cancel()
+
+    def _close_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-            calls, self._calls = list(self._calls), set()
         if os.getpid() == self._pid:  # a forked child's copies are its parent's connections
             for conn, _ in idle:
                 conn.close()
-            for call in calls:
-                call.cancel()
 
     # -- connections ------------------------------------------------------------
     def _take(self, timeout: float) -> tuple[socket.socket, bool]:

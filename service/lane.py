@@ -25,7 +25,7 @@ import time
 from google.protobuf.message import Message
 
 from kvxfer.errors import InvalidArgument, Unauthenticated, Unavailable
-from kvxfer.lane import HEADER, IDLE_S, MAX_ANSWER, MAX_MESSAGE, Method, encode_answer
+from kvxfer.lane import HEADER, IDLE_S, MAX_ANSWER, MAX_MESSAGE, MAX_WAITED_IDS, Method, encode_answer
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.jobs import JOB_WEIGHT
 from kvxfer.serving.registry import PoolRegistry
@@ -60,8 +60,6 @@ class Lane:
             Method.LOOKUP: (parser(pb.LookupRequest, batch["LookupRequest"]), self._lookup),
             Method.WAIT_JOBS: (parser(pb.WaitJobsRequest, batch["WaitJobsRequest"]), self._wait_jobs),
         }
-        # What the finished jobs of one answer may weigh: MAX_ANSWER less its status byte and every unknown id.
-        self._answer_weight = MAX_ANSWER - 1 - 11 * limits.max_job_ids - JOB_WEIGHT
         self._stopping = threading.Event()  # set at close: waiting WaitJobs answer with what has finished
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(path)
@@ -208,7 +206,8 @@ class Lane:
                 raise InvalidArgument("a lane request starts with its method and timeout (kvxfer.lane)")
             method, timeout_ms = HEADER.unpack_from(message)
             if method not in self._methods:
-                raise InvalidArgument(f"the lane carries Offload, Restore, Lookup and WaitJobs; method {method} is none")
+                raise InvalidArgument(f"the lane carries Offload, Restore, Lookup and WaitJobs; "
+                                      f"method {method} is none")
             name = Method(method).rpc
             parse, handle = self._methods[Method(method)]
             request = parse(message[HEADER.size:])
@@ -239,9 +238,12 @@ class Lane:
         or the daemon closes; answers as many finished jobs as fit one message, the rest the next time."""
         if request.wait_all:
             raise InvalidArgument("the lane's WaitJobs answers any finished job: send wait_all over gRPC")
+        if len(request.job_ids) > MAX_WAITED_IDS:
+            raise InvalidArgument(f"the lane's WaitJobs names at most {MAX_WAITED_IDS} job ids: send more over gRPC")
         w = transfers.jobs_wait(self.registry, self.limits, request, remaining)
-        finished, unknown = w.jobs.wait(w.client_id, w.job_ids, w.timeout, max_weight=self._answer_weight,
-                                        stop=self._stopping)
+        # What its finished jobs may weigh: MAX_ANSWER less the status byte and every unknown id (a varint each).
+        weight = MAX_ANSWER - 1 - 11 * len(w.job_ids) - JOB_WEIGHT
+        finished, unknown = w.jobs.wait(w.client_id, w.job_ids, w.timeout, max_weight=weight, stop=self._stopping)
         return transfers.jobs_answer(finished, unknown).SerializeToString()
 
     def _transfer(self, kind: TransferKind, request: pb.OffloadRequest | pb.RestoreRequest) -> bytes:

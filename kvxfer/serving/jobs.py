@@ -314,7 +314,8 @@ class JobRunner:
 
 
 def _heading(done: list[Job], max_weight: int) -> list[Job]:
-    """The oldest of ``done`` whose outcomes plus ``JOB_WEIGHT`` each add up to at most ``max_weight`` (one at least)."""
+    """The oldest of ``done`` whose outcomes plus ``JOB_WEIGHT`` each add up to at most ``max_weight``
+    (one at least)."""
     taken, weight = [], 0
     for job in sorted(done, key=lambda j: j.job_id):
         weight += len(job.batch) + JOB_WEIGHT

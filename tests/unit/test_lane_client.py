@@ -37,6 +37,12 @@ class Server:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._calls(conn)
+        except OSError:  # the client closed its end first (it gave up on a call)
+            pass
+
+    def _calls(self, conn: socket.socket) -> None:
         conn.recv(1 << 20)
         conn.send(self.auth)
         while message := conn.recv(1 << 20):
@@ -217,6 +223,19 @@ def test_wait_all_is_never_sent_over_the_lane(path):
     stub = type("Stub", (), {"Offload": object(), "Restore": object(), "Lookup": object(), "WaitJobs": object()})
     client = lane.Lane(path, stub=stub)
     assert client.start(stub.WaitJobs, pb.WaitJobsRequest(client_id="c", job_ids=[1], wait_all=True), 5.0) is None
+    many = pb.WaitJobsRequest(client_id="c", job_ids=range(lane.MAX_WAITED_IDS + 1))
+    assert client.start(stub.WaitJobs, many, 5.0) is None  # its unknown ids might not fit an answer
     assert client.start(stub.WaitJobs, pb.WaitJobsRequest(client_id="c"), 5.0).result().unknown_job_ids == [7]
     assert len(server.calls) == 1
+    server.close()
+
+
+def test_an_answer_larger_than_the_lane_carries_is_never_parsed(path):
+    # Cut short, a protobuf may still parse (as fewer outcomes): the client must see the cut.
+    huge = b"\x00" + pb.LookupResponse(hits=1, tiers=[1] * lane.MAX_ANSWER).SerializeToString()
+    server = Server(path, lambda m: huge)
+    client = lane.Lane(path)
+    with pytest.raises(Unavailable, match="larger than the lane carries"):
+        client.call(lane.Method.LOOKUP, LOOKUP, pb.LookupResponse, 10.0)
+    assert client._idle == []  # that connection is out of step
     server.close()
