@@ -29,7 +29,7 @@ from kvxfer.fdpass import AUTH, MAX_MESSAGE
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.validate import shown
 
-TIMEOUT_S = 0.5
+TIMEOUT_S = 2.0
 BACKLOG = 1024
 MAX_PENDING, MAX_PENDING_PER_UID = 512, 32
 log = logging.getLogger("kvxfer.fdsocket")

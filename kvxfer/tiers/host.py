@@ -5,7 +5,9 @@ Bytes only: which slot holds what is the index's business (kvxfer.index).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -58,7 +60,8 @@ class HostTier(Tier):
             weakref.finalize(self, _unpin, gpu, self.buffer.data_ptr(), self._map)
             self.populated.set()
         else:
-            threading.Thread(target=_populate, args=(weakref.ref(self._map), nbytes, self.populated),
+            threading.Thread(target=_populate, args=(weakref.ref(self._map), self.buffer.data_ptr(), nbytes,
+                                                     self.populated),
                              name="kvxfer-host-populate", daemon=True).start()
 
     def write(self, slot: int, data: memoryview) -> None:
@@ -91,22 +94,32 @@ class SpanHasher(Protocol):
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing them (not in Python 3.11's mmap)
-POPULATE_CHUNK = 64 << 20
+POPULATE_CHUNK = 8 << 20  # a chunk holds the mm's read lock (an mmap elsewhere in the process waits): ~3 ms
+POPULATE_NICE = 19  # the populating thread yields its core to transfers
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-def _populate(memory: weakref.ref, nbytes: int, done: threading.Event) -> None:
+def _populate(memory: weakref.ref, address: int, nbytes: int, done: threading.Event) -> None:
     """Fault a tier's pages in, a chunk at a time, without touching their contents (offloads may
     be writing them already); stops when the tier is gone or the kernel cannot (then pages
-    fault in at first write, as they always may)."""
+    fault in at first write, as they always may).
+
+    Through ctypes, which lets go of the GIL for the call: ``mmap.madvise`` holds it, and a
+    4 GiB tier then stalled every transfer in the process for 10-24 s after start (a 128-block
+    copy loop took 9.5-24 s instead of 2 ms: docs/benchmarks.md)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POPULATE_NICE)  # this thread only (Linux)
+    except OSError:
+        pass  # no permission to renice: the GIL is still let go, which is what matters
     try:
         for start in range(0, nbytes, POPULATE_CHUNK):
-            mapping = memory()
-            if mapping is None:
+            mapping = memory()  # held across the call: the pages stay mapped while it runs
+            if mapping is None or mapping.closed:
                 return
-            mapping.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_CHUNK, nbytes - start))
+            if _libc.madvise(address + start, min(POPULATE_CHUNK, nbytes - start), MADV_POPULATE_WRITE) != 0:
+                return  # an older kernel (EINVAL) or memory short (ENOMEM): pages fault in at first write
             del mapping  # between chunks the tier may be released
-    except (OSError, ValueError):  # an older kernel (EINVAL), memory gone meanwhile, a closed mapping
-        return
     finally:
         done.set()
 

@@ -1,5 +1,7 @@
 """The host tier serves at once whatever its size (issue 32): pages are faulted in behind it, never written."""
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup
+from kvxfer.tiers import host
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
 
@@ -32,6 +35,26 @@ def test_a_large_tier_is_made_without_faulting_it_in_and_its_pages_come_behind()
     for slot in (0, 1000, 2047):
         assert bytes(tier.read(slot)) == pattern.tobytes()  # faulting in never wrote a byte
     assert not np.asarray(tier.read(5)).any()  # fresh pages read as zero
+
+
+def test_faulting_pages_in_lets_other_threads_run(monkeypatch):
+    """Issue 51: ``mmap.madvise`` held the GIL through each chunk, so a 4 GiB tier stalled every
+    transfer in the daemon for 10-24 s after start. With the whole tier one chunk, this thread
+    (counting resident pages through ``PyDLL``, which keeps the GIL) sees it partly faulted in: it
+    could not while the faulting call held the GIL (it would see none, then all)."""
+    keeps_gil = ctypes.PyDLL(None)
+    keeps_gil.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    nbytes = 1 << 30
+    monkeypatch.setattr(host, "POPULATE_CHUNK", nbytes)
+    monkeypatch.setattr(host, "POPULATE_NICE", 0)  # a busy machine must not starve it for this test
+    tier = HostTier(nbytes >> 20, 1 << 20)
+    pages = (ctypes.c_ubyte * (nbytes // 4096))()
+    seen = set()
+    while not tier.populated.is_set():
+        assert keeps_gil.mincore(tier.buffer.data_ptr(), nbytes, pages) == 0
+        seen.add(int((np.frombuffer(pages, dtype=np.uint8) & 1).sum()))
+    assert tier.populated.wait(120)
+    assert any(0 < count < nbytes // 4096 for count in seen), sorted(seen)
 
 
 @settings(max_examples=30, deadline=None)
