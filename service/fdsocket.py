@@ -29,7 +29,8 @@ from kvxfer.fdpass import AUTH, MAX_MESSAGE
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.validate import shown
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 2.0  # a client starting on busy cores may take over 0.5 s to send its line
+ANSWER_TIMEOUT_S = 0.5  # the poll loop waits at most this long on one connection's answer
 BACKLOG = 1024
 MAX_PENDING, MAX_PENDING_PER_UID = 512, 32
 log = logging.getLogger("kvxfer.fdsocket")
@@ -102,7 +103,7 @@ class DescriptorSocket:
                 log.warning("descriptor socket cannot accept", extra={"error": exc.strerror or str(exc)})
                 self._drop_oldest(None)
                 return
-            conn.settimeout(TIMEOUT_S)  # the answer is one small datagram: never blocks for long
+            conn.settimeout(ANSWER_TIMEOUT_S)  # the answer is one small datagram: never blocks for long
             try:
                 uid, _ = _peer(conn)
             except OSError:

@@ -57,7 +57,7 @@ def test_silent_connections_never_stop_another_clients_hand_off(make_daemon):
             for _ in range(5):
                 start = time.monotonic()
                 pool = client.map_pool("rank0")
-                assert time.monotonic() - start < 60  # a hang guard: served one at a time, 200 silent ones cost 100 s
+                assert time.monotonic() - start < 60  # a hang guard: served one at a time, 200 silent ones cost 400 s
                 client._mapped.clear()  # map again: a fresh hand-off each time
                 pool.close()
             assert client.health() == "SERVING"
