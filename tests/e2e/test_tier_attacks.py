@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvxfer import Client
+from kvxfer.errors import ResourceExhausted
 from kvxfer.records import Outcome, TierKind
 from kvxfer.bench import launch
 from tests.e2e.conftest import SMALL_POOL
@@ -258,6 +259,47 @@ def test_a_slow_redis_never_slows_the_daemons_answers(redis_server):
         proxy.gate.set()
         thread.join(120)
         assert done == [Outcome.DONE] * len(keys)  # each one got what Redis held
+    finally:
+        proxy.close()
+        writer.cleanup()
+        reader.cleanup()
+
+
+def test_excess_rpcs_are_refused_not_queued_while_one_holds_the_only_slot(redis_server):
+    """``max_concurrent_rpcs: 1``: while a restore waits on Redis in the only slot, each further Offload over
+    gRPC is refused with RESOURCE_EXHAUSTED at once (not queued behind it) and stores nothing; health still
+    answers; once Redis answers, the restore is served and the next Offload is admitted. (The old form of this
+    test fired 32 large offloads from 8 threads and hoped two overlapped: on a busy machine none did.)"""
+    writer = _redis_daemon(redis_server)
+    proxy = GatedProxy(redis_server.port)
+    reader = launch.spawn({"grace_period_s": 5, "log_level": "info", "pools": POOLS, "max_concurrent_rpcs": 1,
+                           "remote": redis_server.config(url=f"redis://127.0.0.1:{proxy.port}/0", timeout_ms=60_000)})
+    try:
+        _offload(writer, "rank0", b"held")
+        _stored(redis_server, 1)
+        done: list[Outcome] = []
+        holder = Client(reader.target, lane=False, timeout=120)  # gRPC, both: the lane has its own bound
+        thread = threading.Thread(target=lambda: done.extend(holder.restore([(b"held", 7)], pool_id="rank0").outcomes))
+        thread.start()
+        assert proxy.holding.wait(60)
+        with holder, Client(reader.target, lane=False, timeout=30) as client:
+            client.map_pool("rank0")
+            refused, admitted, deadline = [], [], time.monotonic() + 60
+            while not refused:  # (an Offload sent before the restore took the slot is admitted)
+                assert time.monotonic() < deadline and thread.is_alive(), (admitted, done)
+                key = b"excess%03d" % (len(admitted) + len(refused))
+                try:
+                    client.offload([(2, key)], pool_id="rank0")
+                    admitted.append(key)
+                except ResourceExhausted as exc:
+                    assert "at most 1" in str(exc)
+                    refused.append(key)
+            assert client.health(timeout=30) == "SERVING" and thread.is_alive()
+            proxy.gate.set()
+            thread.join(120)
+            assert done == [Outcome.DONE]
+            assert client.offload([(2, b"after")], pool_id="rank0").outcomes == [Outcome.DONE]
+            assert client.lookup(refused, pool_ids=["rank0"]).tiers == [None]  # the refused one stored nothing
     finally:
         proxy.close()
         writer.cleanup()

@@ -138,29 +138,6 @@ def verify_present(target: str, pool_id: str, namespace: str, batch: int, second
     return {"checked": checked, "rounds": round_, "bad": bad}
 
 
-def concurrent_offloads(target: str, pool_id: str, threads: int, batch: int) -> dict:
-    """Fire many large requests at once; count each status code."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    codes: dict[str, int] = {}
-    with Client(target, "flood", pool_id=pool_id, timeout=60) as client:
-        client.map_pool()
-
-        def one(i: int) -> str:
-            pairs = [(1 + (i * batch + j) % 60, f"f{i}-{j}".encode()) for j in range(batch)]
-            pairs = list(dict((s, (s, k)) for s, k in pairs).values())
-            try:
-                client.offload(pairs, partial=True)
-                return "OK"
-            except KvxferError as exc:
-                return exc.code
-
-        with ThreadPoolExecutor(threads) as pool:
-            for code in pool.map(one, range(threads * 4)):
-                codes[code] = codes.get(code, 0) + 1
-    return codes
-
-
 def submit_and_hang(target: str, pool_id: str, jobs: int, batch: int, lease_s: float) -> dict:
     """Queue many asynchronous jobs, say so, then wait to be killed without ever collecting them."""
     with Client(target, "orphan", pool_id=pool_id, timeout=30) as client:

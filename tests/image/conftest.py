@@ -64,6 +64,10 @@ def image(tmp_path_factory):
         pytest.skip(f"the image build needs {FREE_NEEDED >> 30} GiB free under {work}, {free / 2**30:.1f} GiB is")
     conf = work / "containers.conf"
     conf.write_text("[containers]\ndefault_ulimits = []\n")
+    # Each container, pod and volume holds a lock number in podman's lock segment (/dev/shm/libpod_lock). Where
+    # /dev/shm was cleared and /var/lib/containers kept, the fresh segment hands out numbers old objects still
+    # hold: a new pod drew the lock of a kept volume it then used, and `kube play` deadlocked on itself.
+    podman(conf, "system", "renumber")
     if podman(conf, "image", "exists", BASE, check=False).returncode != 0:
         subprocess.run(["mmdebstrap", "--quiet", "--variant=apt", f"--include={BASE_PACKAGES}", "bookworm",
                         str(work / "base.tar")], check=True, timeout=600)

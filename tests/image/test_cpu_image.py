@@ -54,4 +54,4 @@ def test_the_cpu_image_serves_as_non_root_on_a_read_only_root(image):
             assert torch.equal(pool.storage[5 * span:6 * span], data)
         assert '"level": "error"' not in podman(conf, "logs", name).stderr
     finally:
-        podman(conf, "rm", "-f", name, check=False)
+        podman(conf, "rm", "-f", "--volumes", name, check=False)  # and the image's VOLUMEs it made

@@ -96,12 +96,20 @@ def _for_podman(deployment: dict) -> tuple[dict, str, str]:
     return deployment, sidecar["name"], engine["name"]
 
 
+def _volumes(deployment: dict) -> list[str]:
+    """The volumes ``kube play`` makes for the pod: one per emptyDir, named as it is, and one per ConfigMap."""
+    return [v["configMap"]["name"] if "configMap" in v else v["name"]
+            for v in deployment["spec"]["template"]["spec"]["volumes"] if "configMap" in v or "emptyDir" in v]
+
+
 def test_the_rendered_pod_starts_its_probes_pass_and_the_engine_offloads_through_the_socket(image, tmp_path):
     conf, _ = image
     config_map, deployment = _rendered()
     deployment, sidecar, engine = _for_podman(deployment)
     kube = tmp_path / "pod.yaml"
     kube.write_text(yaml.dump_all([config_map, deployment], Dumper=_Literal))
+    volumes = _volumes(deployment)
+    podman(conf, "volume", "rm", "--force", *volumes)  # kube play would reuse one an earlier run left (--force: if any)
     podman(conf, "kube", "play", str(kube), timeout=300)
     try:
         pods = json.loads(podman(conf, "pod", "ps", "--format", "json").stdout)
@@ -128,3 +136,4 @@ def test_the_rendered_pod_starts_its_probes_pass_and_the_engine_offloads_through
         assert '"level": "error"' not in podman(conf, "logs", by_role[sidecar]).stderr
     finally:
         podman(conf, "kube", "down", str(kube), check=False, timeout=120)
+        podman(conf, "volume", "rm", "--force", *volumes, check=False)  # (podman 4.3's kube down keeps them)
