@@ -106,6 +106,7 @@ class TierStats:
     events: dict[str, int] = field(default_factory=dict)  # refaults; lower tiers: demoted, promoted, corrupt, ...
     loading: bool = False  # its index is still being loaded at start: it holds nothing for lookups yet
     tenants: tuple = ()  # host and disk tiers: each configured tenant's TenantStats, "other" first (kvxfer.index.tenancy)
+    warming: bool = False  # the host tier: its memory is still being faulted in (a first write there faults)
 
     @property
     def has_occupancy(self) -> bool:

@@ -82,6 +82,8 @@ def render(before: list[PoolStats], after: list[PoolStats], interval: float) -> 
                 row[1] += " (degraded)"
             if t.loading:
                 row[1] += " (loading)"
+            if t.warming:
+                row[1] += " (warming)"
             if row not in tiers:  # a group's tiers are shared by its pools
                 tiers.append(row)
     return "\n\n".join([

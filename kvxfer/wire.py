@@ -84,7 +84,8 @@ def pool_stats_to_pb(s: PoolStats) -> pb.PoolStats:
         pool_id=s.pool_id, epoch=s.epoch, cache_group=s.cache_group,
         tiers=[pb.TierStats(tier=TIER_TO_PB[t.tier], capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,
                             ready_blocks=t.ready_blocks, pinned_blocks=t.pinned_blocks, evictions=t.evictions,
-                            slot_bytes=t.slot_bytes, degraded=t.degraded, events=t.events, loading=t.loading)
+                            slot_bytes=t.slot_bytes, degraded=t.degraded, events=t.events, loading=t.loading,
+                            warming=t.warming)
                           for t in s.tiers],
         offloaded=_transfer_stats(s.offloaded), restored=_transfer_stats(s.restored), outcomes=s.outcomes,
         jobs=pb.JobStats(queued=s.jobs.queued, running=s.jobs.running, unclaimed=s.jobs.unclaimed,
@@ -98,7 +99,8 @@ def pool_stats_from_pb(m: pb.PoolStats) -> PoolStats:
     return PoolStats(
         m.pool_id, m.epoch, m.cache_group,
         [TierStats(PB_TO_TIER[t.tier], t.capacity_blocks, t.used_blocks, t.ready_blocks, t.pinned_blocks,
-                   t.evictions, t.slot_bytes, t.degraded, dict(t.events), t.loading) for t in m.tiers],
+                   t.evictions, t.slot_bytes, t.degraded, dict(t.events), t.loading, warming=t.warming)
+         for t in m.tiers],
         TransferStats(m.offloaded.blocks, m.offloaded.bytes, m.offloaded.seconds),
         TransferStats(m.restored.blocks, m.restored.bytes, m.restored.seconds), dict(m.outcomes),
         JobStats(j.queued, j.running, j.unclaimed, j.completed, j.cancelled, j.expired),

@@ -189,6 +189,9 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
                                  labels=labels)
     loading = GaugeMetricFamily("kvxfer_tier_loading", "1 while the tier's index is loaded at start (it holds "
                                 "nothing for lookups yet).", labels=labels)
+    warming = GaugeMetricFamily("kvxfer_tier_warming", "1 while the host tier's memory is faulted in after start "
+                                "(a write to a page not faulted in yet costs a page fault: first transfers are "
+                                "slower).", labels=labels)
     events = CounterMetricFamily("kvxfer_tier_events", "Lower-tier events: demoted, demotions_dropped, promoted, "
                                  "corrupt, read_errors, write_errors, dropped_at_start_<reason>, ...",
                                  labels=[*labels, "event"])
@@ -210,9 +213,10 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
             slot.add_metric(values, t.slot_bytes)
             degraded.add_metric(values, int(t.degraded))
             loading.add_metric(values, int(t.loading))
+            warming.add_metric(values, int(t.warming))
             for event, n in sorted(t.events.items()):
                 events.add_metric([*values, event], n)
-    yield from (*families.values(), *tokens.values(), slot, evictions, degraded, loading, events)
+    yield from (*families.values(), *tokens.values(), slot, evictions, degraded, loading, warming, events)
 
 
 def _tenants(stats: list[PoolStats]) -> Iterator[Metric]:

@@ -64,11 +64,23 @@ class DaemonProcess:
 
     def loading(self) -> bool:
         """Whether a tier of any pool is still loading its index."""
+        return any(t.loading for t in self._tiers())
+
+    def wait_warm(self, timeout: float = 300) -> None:
+        """Until no host tier is still faulting its memory in: a server's steady state, where the plain
+        copy a bench compares with writes memory touched before too (a first write to a page faults)."""
+        deadline = time.monotonic() + timeout
+        while any(t.warming for t in self._tiers()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a host tier still faulting its memory in after {timeout}s")
+            time.sleep(0.2)
+
+    def _tiers(self) -> list:
         from kvxfer.client import Client  # (this module is imported by the program, which needs no client)
 
         token = Path(self.config["token_file"]).read_text().strip() if self.config.get("token_file") else None
         with Client(self.target, token=token) as client:
-            return any(t.loading for s in client.stats() for t in s.tiers)
+            return [t for s in client.stats() for t in s.tiers]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:

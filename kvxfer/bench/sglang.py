@@ -14,7 +14,14 @@ query, then batch gets), as its radix cache drives the controller:
 - ``kvxfer staged``: the same with SGLang's default (private) host memory: one copy through
   the backend's staging area;
 - ``file``: SGLang's ``HiCacheFile`` (``--hicache-storage-backend file``) in ``--dir``;
-- ``copy``: a plain copy of the same pages into another host buffer and back.
+- ``copy``: a plain copy of the same pages into another host buffer and back, timed just before each
+  subject's write-through and prefetch; each subject's ratio is to the copy beside it (this VM's
+  copy speed drifts 3x within a minute).
+
+Each subject's time is split in two: inside the backend's calls (``BackendClock``), and the rest,
+SGLang's own work (hashing, its threads and queues), which no backend can take away. The daemon's
+host tiers are faulted in after the warm-up repetition (``Daemon.wait_warm``), as a server's long
+have been: the copy's destination is touched memory too.
 
 The prefetched bytes are checked against the written ones. A first repetition warms up and is not
 counted (SGLang compiles its page-hash extension on first use). The subjects are interleaved in
@@ -30,6 +37,7 @@ import shutil
 import statistics
 import tempfile
 import textwrap
+import threading
 import time
 
 import torch
@@ -40,6 +48,10 @@ from kvxfer.defaults import DEFAULT_POOL
 from kvxfer.tables import format_table
 
 BATCH = 128
+#: kvxfer's subjects: (name, SGLang's host allocator, the backend's lane setting).
+KVXFER_SUBJECTS = (("kvxfer zero copy", "shm", True), ("kvxfer zero copy, gRPC only", "shm", False),
+                   ("kvxfer staged", "default", True))
+SUBJECTS = [name for name, _, _ in KVXFER_SUBJECTS] + ["file"]
 
 
 def _pages(host, indices: torch.Tensor) -> torch.Tensor:
@@ -49,6 +61,39 @@ def _pages(host, indices: torch.Tensor) -> torch.Tensor:
     g = host_geometry(host)
     pages = host.kv_buffer.view(-1).view(g.shape).index_select(g.page_axis, indices[::host.page_size] // host.page_size)
     return pages.view(torch.uint8)
+
+
+class BackendClock:
+    """The seconds SGLang's controller spends inside its storage backend's calls (the outermost, on any of
+    its threads), by op: ``set`` the write-through's batch sets, ``get`` the prefetch's hit queries and batch
+    gets. What is left of a repetition is SGLang's own work, which no backend can take away."""
+
+    CALLS = {"batch_set_v1": "set", "batch_set": "set", "batch_get_v1": "get", "batch_get": "get",
+             "batch_exists": "get"}
+
+    def __init__(self, store) -> None:
+        self.seconds = {"set": 0.0, "get": 0.0}
+        self._depth = threading.local()
+        for name, op in self.CALLS.items():
+            setattr(store, name, self._timed(getattr(store, name), op))
+
+    def _timed(self, inner, op: str):
+        def call(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            self._depth.n = depth + 1
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+                if depth == 0:  # a backend's batch call that calls its own others is counted once
+                    self.seconds[op] += time.perf_counter() - start
+
+        return call
+
+    def take(self, op: str) -> float:
+        seconds, self.seconds[op] = self.seconds[op], 0.0
+        return seconds
 
 
 def _timed(fn) -> float:
@@ -66,42 +111,49 @@ def run(args: argparse.Namespace) -> int:
                         device_tokens=args.pages * args.page_size)
     small = {**DEFAULT_POOL, "spec": {**DEFAULT_POOL["spec"], "num_blocks": 16}, "host_capacity_mib": 4}
     daemon = launch.spawn({"pools": [small], "log_level": "warning", "registered_host_capacity_mib": args.host_mib})
-    progress = Progress(2 * args.reps + 3)
+    progress = Progress(2 * args.reps + 4)
     workdir = tempfile.mkdtemp(prefix="kvxfer-hicache-file-", dir=args.dir)
     subjects: dict = {}
     try:
-        for name, allocator, lane in (("kvxfer zero copy", "shm", True), ("kvxfer zero copy, gRPC only", "shm", False),
-                                      ("kvxfer staged", "default", True)):
-            extra = sglang_engine.extra_config(daemon.config["socket"], allocator, deadline_s=60.0, timeout_s=10.0,
-                                               lane=lane)
-            subjects[name] = sglang_engine.Controller(extra, layout=args.layout, model=model, model_name=name)
-        subjects["file"] = sglang_engine.Controller({"file_storage_path": workdir}, backend="file", layout=args.layout,
-                                            model=model)
+        for name, allocator, lane in KVXFER_SUBJECTS:
+            if name in args.subjects:
+                extra = sglang_engine.extra_config(daemon.config["socket"], allocator, deadline_s=60.0, timeout_s=10.0,
+                                                   lane=lane)
+                subjects[name] = sglang_engine.Controller(extra, layout=args.layout, model=model, model_name=name)
+        if "file" in args.subjects:
+            subjects["file"] = sglang_engine.Controller({"file_storage_path": workdir}, backend="file",
+                                                        layout=args.layout, model=model)
         progress.step(f"daemon up; {len(subjects)} HiCache controllers attached")
-        results = _measure(args, subjects, progress)
+        results = _measure(args, subjects, progress, settle=daemon.wait_warm)
     finally:
         for controller in subjects.values():
             controller.close()
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
-    print(format_table(["subject", "set pages/s", "set GB/s", "get pages/s", "get GB/s", "set / copy", "get / copy"],
-                       [[r["subject"], r["set pages/s"], r["set GB/s"], r["get pages/s"], r["get GB/s"],
-                         r["set / copy"], r["get / copy"]] for r in results["subjects"]],
-                       {"x / copy": "time / a plain copy of the same pages' (median of per-repetition ratios)"}))
+    columns = ["set GB/s", "get GB/s", "set / copy", "get / copy", "set backend / copy", "get backend / copy",
+               "set SGLang ms", "get SGLang ms"]
+    print(format_table(["subject", *columns], [[r["subject"], *(r.get(c, "") for c in columns)]
+                                               for r in results["subjects"]],
+                       {"x / copy": "time / a plain copy of the same pages' (median of per-repetition ratios)",
+                        "backend": "the time inside the backend's calls; SGLang ms: the rest, SGLang's own work"}))
     print(f"{args.pages} pages of {human_bytes(results['page_bytes'])} ({args.layout}), batches of {BATCH}, "
           f"median of {args.reps} repetitions")
     save(args, results, plot)
     return 0
 
 
-def _measure(args: argparse.Namespace, subjects: dict, progress: Progress) -> dict:
+def _measure(args: argparse.Namespace, subjects: dict, progress: Progress, settle) -> dict:
     """Per repetition and subject: write fresh pages through (set), then prefetch them into other host pages
-    (get, checked)."""
+    (get, checked). ``settle`` runs after the warm-up repetition (the backends register their pools, and
+    the daemon makes their host tiers, on first use)."""
     tokens_n = args.pages * args.page_size
     first = next(iter(subjects.values())).host
     page_bytes = first.get_data_page(0, flat=True).numel() * first.dtype.itemsize
     nbytes = args.pages * page_bytes
     times: dict[str, list[float]] = {f"{name} {op}": [] for name in [*subjects, "copy"] for op in ("set", "get")}
+    clocks = {name: BackendClock(c.store) for name, c in subjects.items()}
+    inside = {f"{name} {op}": [] for name in subjects for op in ("set", "get")}
+    paired = {f"{name} {op}": [] for name in subjects for op in ("set", "get")}  # the copy just before each
     spare = None  # the copy's destination, made (and touched) once, as the tiers' memory is
     for rep in range(args.reps + 1):  # repetition 0 warms up (SGLang builds its page-hash extension on first use)
         gen = torch.Generator().manual_seed(rep)
@@ -113,18 +165,22 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress) -> di
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
         source = _pages(first, sources[next(iter(subjects))])
         spare = torch.empty_like(source) if spare is None else spare
-        times["copy set"].append(_timed(lambda: spare.copy_(source)))
         order = list(subjects.items())[::-1 if rep % 2 else 1]  # who goes first alternates between repetitions
         for name, c in order:
             done = []
+            paired[f"{name} set"].append(_timed(lambda: spare.copy_(source)))
+            clocks[name].take("set")
             times[f"{name} set"].append(_timed(lambda: done.append(c.backup(tokens[name], sources[name]))))
+            inside[f"{name} set"].append(clocks[name].take("set"))
             if done != [tokens_n]:
                 raise SystemExit(f"{name}: the write-through stored {done[0]} of {tokens_n} tokens")
         progress.step(f"repetition {rep}: write-through")
-        times["copy get"].append(_timed(lambda: source.copy_(spare)))
         for name, c in order:
             got = []
+            paired[f"{name} get"].append(_timed(lambda: source.copy_(spare)))
+            clocks[name].take("get")
             times[f"{name} get"].append(_timed(lambda: got.append(c.prefetch(f"rep{rep}", tokens[name]))))
+            inside[f"{name} get"].append(clocks[name].take("get"))
             found, loaded, into = got[0]
             if (found, loaded) != (tokens_n, tokens_n) or not torch.equal(_pages(c.host, into),
                                                                          _pages(c.host, sources[name])):
@@ -134,8 +190,12 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress) -> di
             c.host.free(sources[name])
         progress.step(f"repetition {rep}: prefetch, bytes checked")
         if rep == 0:
-            for series in times.values():
+            for series in [*times.values(), *inside.values(), *paired.values()]:
                 series.clear()
+            settle()
+            progress.step("host tiers faulted in")
+    for op in ("set", "get"):
+        times[f"copy {op}"] = [t for name in subjects for t in paired[f"{name} {op}"]]
     rows = []
     for name in [*subjects, "copy"]:
         row = {"subject": name}
@@ -143,8 +203,16 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress) -> di
             seconds = statistics.median(times[f"{name} {op}"])
             row[f"{op} pages/s"] = round(args.pages / seconds)
             row[f"{op} GB/s"] = round(nbytes / seconds / GB, 3)
-            ratios = [a / b for a, b in zip(times[f"{name} {op}"], times[f"copy {op}"])]
-            row[f"{op} / copy"] = round(statistics.median(ratios), 2)
+            if name not in subjects:
+                row[f"{op} / copy"] = 1.0
+                continue
+            base = paired[f"{name} {op}"]
+            row[f"{op} / copy"] = round(statistics.median([a / b for a, b in zip(times[f"{name} {op}"], base)]), 2)
+            # The backend's share, and SGLang's own: the floor of any backend.
+            spent = inside[f"{name} {op}"]
+            row[f"{op} backend / copy"] = round(statistics.median([a / b for a, b in zip(spent, base)]), 2)
+            row[f"{op} SGLang ms"] = round(statistics.median([(a - b) * 1e3 for a, b in zip(times[f"{name} {op}"],
+                                                                                           spent)]), 2)
         rows.append(row)
     return {"layout": args.layout, "pages": args.pages, "page_bytes": page_bytes, "reps": args.reps, "subjects": rows}
 
@@ -180,6 +248,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--layout", default="page_first", help="SGLang's --hicache-mem-layout")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--subjects", nargs="+", choices=SUBJECTS, default=SUBJECTS,
+                   help="which to run (the copy always runs); the file backend's writeback competes with the others")
     p.add_argument("--host-mib", type=int, default=4096, help="the daemon's host tier for registered pools")
     p.add_argument("--dir", default=None, help="where the file backend writes (default: the system's temp dir)")
     p.add_argument("--json", help="write the results here")

@@ -270,7 +270,8 @@ class CacheGroup:
     def tier_stats(self) -> list[TierStats]:
         i = self.index.stats()
         host = TierStats(i.tier, i.capacity, i.used, i.ready, i.pinned, i.evictions, self.host.slot_bytes,
-                         events={"refaults": i.refaults, **self._declined()}, tenants=i.tenants)
+                         events={"refaults": i.refaults, **self._declined()}, tenants=i.tenants,
+                         warming=not self.host.populated.is_set())
         return [host] + [t.stats() for t in self.lower_tiers]
 
     def demote_all(self, timeout: float) -> int:

@@ -341,7 +341,7 @@ class StatsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_blocks", "used_blocks", "ready_blocks", "pinned_blocks", "evictions", "slot_bytes", "degraded", "events", "loading")
+    __slots__ = ("tier", "capacity_blocks", "used_blocks", "ready_blocks", "pinned_blocks", "evictions", "slot_bytes", "degraded", "events", "loading", "warming")
     class EventsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +359,7 @@ class TierStats(_message.Message):
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOADING_FIELD_NUMBER: _ClassVar[int]
+    WARMING_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_blocks: int
     used_blocks: int
@@ -369,7 +370,8 @@ class TierStats(_message.Message):
     degraded: bool
     events: _containers.ScalarMap[str, int]
     loading: bool
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., ready_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., degraded: _Optional[bool] = ..., events: _Optional[_Mapping[str, int]] = ..., loading: _Optional[bool] = ...) -> None: ...
+    warming: bool
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., ready_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., degraded: _Optional[bool] = ..., events: _Optional[_Mapping[str, int]] = ..., loading: _Optional[bool] = ..., warming: _Optional[bool] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("blocks", "bytes", "seconds")

@@ -249,3 +249,19 @@ def test_tools_say_what_went_wrong_in_one_line(daemon):
     assert bare.returncode != 0 and f"write {daemon.target}" in bare.stderr and "TLS" not in bare.stderr
     cut = tool("status", "--target", daemon.target, "--json", "--interval", "0.2", shell_tail=" | head -c 5")
     assert cut.returncode == 0 and "Traceback" not in cut.stderr and "BrokenPipe" not in cut.stderr, cut.stderr
+
+
+def test_a_host_tier_is_warming_until_its_memory_is_faulted_in(make_daemon):
+    """Stats, /metrics and ``kvxfer status`` say while a fresh host tier's pages are still being faulted
+    in (a first write to one costs a page fault: benches wait for it, operators see why the first
+    transfers were slower), and that it ends."""
+    port = free_port()
+    daemon = make_daemon({"metrics_listen": f"127.0.0.1:{port}"})
+    deadline = time.monotonic() + 120  # a hang guard: 64 MiB faults in in well under a second when idle
+    with Client(daemon.target) as client:
+        while (host := client.stats("rank0")[0].tiers[0]).warming:
+            assert time.monotonic() < deadline, "the host tier never finished faulting its memory in"
+            time.sleep(0.1)
+    assert host.tier.value == "host"
+    assert samples(get(f"http://127.0.0.1:{port}/metrics"), "kvxfer_tier_warming") == \
+        {'cache_group="rank0",tier="host"': 0.0}

@@ -134,3 +134,41 @@ def test_a_tool_chosen_is_loaded_whole():
     assert args.mib == 4 and callable(args.func)
     with pytest.raises(SystemExit):  # the others are listed, not loaded: their options are unknown
         cli.build_parser(argv=["bench", "checksum"]).parse_args(["bench", "disk", "--mib", "4"])
+
+
+def test_bench_sglang_counts_a_backend_call_once_however_deep_and_on_any_thread():
+    """``bench sglang``'s split of SGLang's time: a backend batch call that calls the backend's others
+    (SGLang's file backend does) is counted once; calls on other threads count too."""
+    import threading
+    import time
+
+    from kvxfer.bench.sglang import BackendClock
+
+    class Backend:
+        def batch_exists(self, keys):
+            time.sleep(0.01)
+            return len(keys)
+
+        def batch_get(self, keys):
+            self.batch_exists(keys)  # through the clock's wrapper: counted inside this call, not again
+            return keys
+
+        def batch_get_v1(self, keys, indices):
+            return keys
+
+        def batch_set(self, keys, values):
+            time.sleep(0.02)
+            return True
+
+        def batch_set_v1(self, keys, indices):
+            return [True] * len(keys)
+
+    backend = Backend()
+    clock = BackendClock(backend)
+    assert backend.batch_get([b"a"]) == [b"a"]
+    worker = threading.Thread(target=backend.batch_set, args=([b"a"], None))
+    worker.start()
+    worker.join()
+    get, set_ = clock.take("get"), clock.take("set")
+    assert 0.01 <= get < 0.02 + 1.0 and set_ >= 0.02  # (upper bounds: hang guards, not timings)
+    assert clock.take("get") == clock.take("set") == 0.0

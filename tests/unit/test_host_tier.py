@@ -1,6 +1,7 @@
 """The host tier serves at once whatever its size (issue 32): pages are faulted in behind it, never written."""
 
 import ctypes
+import threading
 
 import numpy as np
 import pytest
@@ -85,3 +86,24 @@ def test_a_groups_slot_checksums_hash_off_the_gil_where_the_c_loop_is_built(monk
         tier.checksums([0, 4])
     with pytest.raises(Internal):  # one slot (the Python loop's path): a negative index would read the last
         tier.checksums([-1])
+
+
+def test_a_group_says_its_host_tier_is_warming_until_it_is_faulted_in(monkeypatch):
+    """TierStats.warming follows the populating thread: set while it runs, clear once every page is in."""
+    release = threading.Event()
+    real = host._populate
+
+    def held(*args):
+        release.wait(60)
+        real(*args)
+
+    monkeypatch.setattr(host, "_populate", held)
+    group = CacheGroup("g", Pool.create("p", KVSpec(2, 16, 16, 2, 32, torch.float16), Layout.parse("BLHNC")).layout, 8)
+    try:
+        assert group.tier_stats()[0].warming
+        release.set()
+        assert group.host.populated.wait(60)
+        assert not group.tier_stats()[0].warming
+    finally:
+        release.set()
+        group.close()
