@@ -157,6 +157,7 @@ BENCHES: list[tuple[str, str, str]] = [
     ("sglang", "kvxfer.bench.sglang", "SGLang HiCache's write-through and prefetch, beside its files"),
     ("peer-transfer", "kvxfer.bench.peer_transfer",
      "one daemon restoring blocks another holds, over NIXL, against a plain memcpy"),
+    ("steps", "kvxfer.bench.steps", "where a command's requests spend their time, step by step, in every process"),
 ]
 
 
