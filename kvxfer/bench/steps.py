@@ -9,8 +9,9 @@ process of one machine shares. Then prints, per process, each step's calls and t
 most, with every step of every process that started from it until the root's next occurrence
 (what it left running, such as a release sent after its answer, included).
 
-A profiling aid for docs/benchmarks.md: each stamped call costs a file append (a few
-microseconds), so the timeline is the measured command's own timings plus that.
+A profiling aid for docs/benchmarks.md: each stamped call costs one line written to a file (measured
+and printed at the end: a step's figure includes that cost for each stamped step nested in it).
+Steps never called, or not found, are named.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +148,23 @@ def timeline(calls: list[Call], root: str) -> list[dict]:
             for c in calls if chosen.start <= c.start < until]
 
 
+def stamp_cost_us(calls: int = 20_000) -> float:
+    """Microseconds one stamp adds to a call, measured here: a stamped no-op against the bare one (the
+    figures of a timeline include this for every stamped step nested in them)."""
+    def noop() -> None:
+        return None
+
+    with tempfile.TemporaryDirectory(prefix="kvxfer-steps-cost-") as where:
+        stamped = step_hooks.timed("noop", noop, step_hooks.Recorder(where))
+        best = []
+        for fn in (noop, stamped):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best.append(time.perf_counter() - start)
+    return max(0.0, best[1] - best[0]) / calls * 1e6
+
+
 def run(args: argparse.Namespace) -> int:
     steps = [s for entry in args.steps for s in STEP_SETS.get(entry, [entry])]
     try:
@@ -171,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(["process", "step", "calls", "p50 ms", "p90 ms"],
                        [[names.get(r["process"], r["process"]), r["step"], r["calls"], f"{r['p50_ms']:.3f}",
                          f"{r['p90_ms']:.3f}"] for r in rows]))
+    called = {r["step"] for r in rows}
+    never = [step for step in steps if step.partition(":")[2] not in called]
+    if never:
+        print(f"\nnever called (or not found): {', '.join(never)}")
+    cost = stamp_cost_us()
+    print(f"each stamp adds {cost:.1f} us to its call here (a stamped no-op against the bare one)")
     root = args.root or steps[0].partition(":")[2]
     events = timeline(calls, root)
     if events:
@@ -179,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
                            [[e["process"], f"{e['from_ms']:.3f}", f"{e['to_ms']:.3f}", e["step"], e["thread"]]
                             for e in events]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "processes": argv, "steps": rows,
-                                               "root": root, "timeline": events}, indent=2))
+        Path(args.json).write_text(json.dumps({"command": command, "processes": argv, "steps": rows, "never": never,
+                                               "stamp_us": cost, "root": root, "timeline": events}, indent=2))
     return code
 
 

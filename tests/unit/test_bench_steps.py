@@ -64,6 +64,20 @@ def test_steps_are_stamped_in_every_process(work, tmp_path, capsys):
     assert [e["step"] for e in events[:3]] == ["Work.outer", "Work.inner", "Work.helper"]
     assert events[0]["from_ms"] == 0.0 and all(e["to_ms"] <= events[0]["to_ms"] for e in events[1:3])
     assert "Work.inner" in capsys.readouterr().out
+    assert results["never"] == [] and results["stamp_us"] > 0
+
+
+def test_a_forked_child_records_in_a_file_of_its_own_and_unknown_steps_are_named(work, tmp_path, capsys):
+    out = tmp_path / "steps.json"
+    fork = ("import os, work; pid = os.fork(); work.Work().inner(); "
+            "os._exit(0) if pid == 0 else os.waitpid(pid, 0)")
+    assert cli.main(["bench", "steps", "--steps", "work:Work.inner", "work:Work.missing", "--json", str(out), "--",
+                     sys.executable, "-c", fork]) == 0
+    results = json.loads(out.read_text())
+    assert [(r["step"], r["calls"]) for r in results["steps"]] == [("Work.inner", 1), ("Work.inner", 1)]
+    assert len({r["process"] for r in results["steps"]}) == 2
+    assert results["never"] == ["work:Work.missing"]
+    assert "never called (or not found): work:Work.missing" in capsys.readouterr().out
 
 
 def test_the_commands_exit_status_is_kept(work):
