@@ -13,15 +13,19 @@ FROM python:3.11-slim-bookworm AS base-cpu
 # Where torch comes from (a mirror or a local index may replace it: the CI image test does).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # NIXL's CUDA 13 wheel (pyproject's peering extra) runs on CPU nodes too.
+# The Mooncake Store client (the mooncake extra) has wheels for Python 3.11, this base's, and needs libibverbs1.
 ENV TORCH_INDEX_URL=${TORCH_INDEX_URL} \
     NIXL_WHEEL=nixl-cu13 \
+    EXTRAS="events,object,mooncake" \
     BUILD_PACKAGES="gcc libc6-dev" \
-    RUNTIME_PACKAGES=""
+    RUNTIME_PACKAGES="libibverbs1"
 
 # One CUDA major for the base, torch and NIXL (a CUDA 12.8 torch beside nixl-cu13 was a mismatch).
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
+# (Python 3.12 here: the Mooncake Store client has no wheel for it yet, so this image has no Mooncake tier.)
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
     NIXL_WHEEL=nixl-cu12 \
+    EXTRAS="events,object" \
     BUILD_PACKAGES="" \
     RUNTIME_PACKAGES="gcc libc6-dev python3-dev"
 # hadolint ignore=DL3008
@@ -46,7 +50,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} ${RUNTIME_PACKAGES} \
  && python3 -m venv /opt/kvxfer \
  && /opt/kvxfer/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
- && /opt/kvxfer/bin/pip install --no-cache-dir "/src[events,object]" "${NIXL_WHEEL}==${NIXL_VERSION}" \
+ && /opt/kvxfer/bin/pip install --no-cache-dir "/src[${EXTRAS}]" "${NIXL_WHEEL}==${NIXL_VERSION}" \
  && if [ -n "${BUILD_PACKAGES}" ]; then apt-get purge -y --auto-remove ${BUILD_PACKAGES}; fi \
  && rm -rf /src /var/lib/apt/lists/* \
  && groupadd --gid 2000 kvxfer \

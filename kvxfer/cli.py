@@ -141,16 +141,19 @@ BENCHES: list[tuple[str, str, str]] = [
     ("disk", "kvxfer.bench.disk", "the disk tier's demotion and promotion beside plain file I/O"),
     ("remote", "kvxfer.bench.remote", "the remote tier's stores and fetches beside raw redis-py SET/GET"),
     ("object", "kvxfer.bench.object", "the object tier against obstore's and boto3's PUT/GET on a real S3 server"),
+    ("mooncake", "kvxfer.bench.mooncake", "the Mooncake Store tier beside the store's own put/get and batch calls"),
     ("scale", "kvxfer.bench.scale", "the index of a tier of millions of blocks, fragmented and shuffled"),
     ("shards", "kvxfer.bench.shards", "cross-rank canonical blocks beside the same bytes per rank"),
     ("policy", "kvxfer.bench.policy", "a request trace through the index: LRU and Belady's hit ratio by tier size"),
     ("policy-bounds", "kvxfer.bench.policy_bounds",
      "what a policy would need to know: oracles of a block's future from its past, a fitted hazard, a queue"),
     ("trace", "kvxfer.bench.traces", "a synthetic request trace (chats, agents, a shared system prompt, scans)"),
+    ("hints", "kvxfer.bench.hints", "a prefetched load against a disk read and a host hit; a hint storm's cost"),
     # through real daemons (``kvxfer serve`` processes: kvxfer.bench.launch)
     ("daemon", "kvxfer.bench.daemon", "throughput and latency through a real daemon"),
     ("lane", "kvxfer.bench.lane", "Offload, Restore and Lookup over the local lane against gRPC"),
     ("vllm", "kvxfer.bench.vllm", "vLLM's scheduler loading 1,024 blocks through the kvxfer backend"),
+    ("vllm-prefetch", "kvxfer.bench.vllm_prefetch", "a request whose blocks are on disk, prefetched while it waits"),
     ("lmcache", "kvxfer.bench.lmcache", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy"),
     ("demotion", "kvxfer.bench.demotion", "host-tier evictions reaching the disk under several clients"),
     ("events", "kvxfer.bench.events", "offloads with 100 KV event subscribers against none"),
@@ -167,7 +170,8 @@ COMMANDS: list[Command | Tool] = [
     Tool("devcheck", "on a GPU machine: check the GPU path (exit 3 without a GPU)", "kvxfer.devcheck.__main__"),
     Tool("status", "the daemon at a glance: pools, tiers, hit ratio, bandwidth, jobs", "kvxfer.status"),
     Tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)", "kvxfer.health"),
-    Tool("events", "the tiers' KV events, a line a batch (--follow: like kubectl get --watch)", "kvxfer.events_cli")]
+    Tool("events", "the tiers' KV events, a line a batch (--follow: like kubectl get --watch)", "kvxfer.events_cli"),
+    Tool("hint", "tell the daemon what is coming: prefetch, retain, release keys", "kvxfer.hint_cli")]
 
 
 def _version() -> str:

@@ -1,17 +1,17 @@
 """The engine-side client: connect, map the pool with zero copy, and call the daemon.
 
-Every call has a deadline (``timeout``); a daemon that is down or slow fails the
-call fast with ``Unavailable`` or ``DeadlineExceeded`` instead of hanging the
-engine. A status from the daemon raises the kvxfer exception of that code. A
-well-formed request whose blocks did not all succeed raises ``BlockFailures``
-carrying every block's outcome, unless the caller passes ``partial=True``.
+Every call has a deadline (``timeout``), over the lane and gRPC together; a daemon that is down or slow fails
+the call by then with ``Unavailable`` or ``DeadlineExceeded`` instead of hanging the engine. A status from the
+daemon raises the kvxfer exception of that code. A well-formed request whose blocks did not all succeed raises
+``BlockFailures`` carrying every block's outcome, unless the caller passes ``partial=True``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 import torch
@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvxfer import fdpass, wire
 from kvxfer import lane as lane_mod
 from kvxfer.client_results import (DROPPABLE, SUCCESS, BlockFailures, FinishedJobs, PendingJobs, failures, finished,
-                                   monotonic_ns, rpc_error)
+                                   monotonic_ns, open_channel, rpc_error, time_left)
 from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError
 from kvxfer.events.client import EventBatch, SnapshotBatch, event_batches, snapshot_batches
 from kvxfer.events.records import EngineBlocks, ExtraKeys, KeyFormat
@@ -32,7 +32,7 @@ from kvxfer.memory import cuda_mem
 from kvxfer.memory.shm import create_sealed, map_fd
 from kvxfer.memory.ipc_event import CudaEvent, event_handle
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
-from kvxfer.records import LookupResult, Medium, PoolStats, TransferResult
+from kvxfer.records import HintAction, LookupResult, Medium, PoolStats, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
@@ -52,21 +52,7 @@ class Client:
         self.namespace = namespace
         self.timeout = timeout
         self.default_pool = pool_id
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        if target.startswith("unix:"):
-            self._channel = grpc.insecure_channel(target, options=options)
-            self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        elif target.startswith("/"):  # a socket path without its scheme: the commonest slip
-            raise InvalidArgument(f"target {target!r} looks like a socket path: write unix:{target}")
-        else:
-            if root_certificates is None:
-                raise InvalidArgument(f"target {target!r}: a TCP target needs root_certificates (the daemon serves "
-                                      "TCP with TLS only); a Unix socket is written unix:/path/to.sock")
-            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-            if token:
-                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-            self._channel = grpc.secure_channel(target, creds, options=options)
-            self._metadata = ()
+        self._channel, self._metadata = open_channel(target, token, root_certificates, certificate_chain, private_key)
         self._target = target
         self._token = token  # the descriptor socket asks for it too
         self._stub = pb_grpc.KVTransferStub(self._channel)
@@ -103,8 +89,7 @@ class Client:
         if old is not None and old.descriptor.epoch == desc.epoch:
             return old
         if desc.handle.medium is Medium.MEMFD:  # the daemon's own pool: it passes the descriptor
-            fd = fdpass.receive_pool(fdpass.socket_path_for(self._target), desc.pool_id, desc.epoch,
-                                     self._token)
+            fd = fdpass.receive_pool(fdpass.socket_path_for(self._target), desc.pool_id, desc.epoch, self._token)
             try:
                 pool = Pool.from_fd(desc, fd)
             except BaseException:
@@ -123,7 +108,8 @@ class Client:
     def offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                 namespace: str | None = None, partial: bool = False, best_effort: bool = False,
                 timeout: float | None = None, cuda_event: CudaEvent = None,
-                deadline: float | None = None, engine: EngineBlocks | None = None) -> TransferResult | None:
+                deadline: float | None = None, engine: EngineBlocks | None = None,
+                hint: tuple[HintAction, int] | None = None) -> TransferResult | None:
         """Copy (block, key) pairs into the daemon's tiers (a block is the API's ``slot``).
 
         ``best_effort=True``: if the daemon is down, slow or full, return None instead of
@@ -133,11 +119,9 @@ class Client:
         waits for nothing and may read the blocks before they are written.
         ``deadline`` (a ``time.monotonic()`` value of this host): no block copied after it is
         stored (DEADLINE_EXCEEDED), so the engine may overwrite the blocks once it passed.
+        ``hint``: (RETAIN, TTL seconds) or (RELEASE, 0) for the blocks once stored (docs/api.md, Hints).
         """
-        request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
-                                    slots=[p[0] for p in pairs], keys=[p[1] for p in pairs],
-                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=monotonic_ns(deadline),
-                                    engine=engine_to_pb(engine) if engine else None)
+        request = self._offload_request(pairs, pool_id, namespace, cuda_event, deadline, engine, hint)
         try:
             return self._transfer(self._stub.Offload, request, partial or best_effort, timeout)
         except DROPPABLE:
@@ -150,10 +134,9 @@ class Client:
                 deadline: float | None = None, peer: str = "") -> TransferResult:
         """Copy stored (key, block) pairs into the pool blocks this engine chose.
 
-        ``deadline`` (a ``time.monotonic()`` value of this host): no copy into the pool starts
-        after it; blocks not written by then are DEADLINE_EXCEEDED. Allow a few milliseconds for
-        a copy started just before it to land before reusing the blocks. ``peer``: a configured
-        peer known to hold the keys (docs/peering.md); those the daemon lacks are read from it first."""
+        ``deadline`` (a ``time.monotonic()`` value of this host): no copy into the pool starts after it; blocks not
+        written by then are DEADLINE_EXCEEDED (allow a few ms for a copy started just before it to land). ``peer``:
+        a configured peer known to hold the keys (docs/peering.md); those the daemon lacks are read from it first."""
         request = pb.RestoreRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                     keys=[p[0] for p in pairs], slots=[p[1] for p in pairs],
                                     pool_deadline_ns=monotonic_ns(deadline), peer=peer)
@@ -170,20 +153,27 @@ class Client:
     def submit_offload(self, pairs: Sequence[tuple[int, bytes]], *, pool_id: str | None = None,
                        namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None,
                        cuda_event: CudaEvent = None, deadline: float | None = None,
-                       engine: EngineBlocks | None = None) -> int:
+                       engine: EngineBlocks | None = None, hint: tuple[HintAction, int] | None = None) -> int:
         """Queue an offload; returns its job id at once. Do not write the blocks until it is finished
         (or ``deadline``, as for ``offload``, has passed).
 
         The job's lease (``lease_s``, 0: the daemon's default) is renewed by every
         ``wait_jobs`` call; if this client stops calling, the daemon cancels the job.
-        ``cuda_event``: as for ``offload``; keep the event alive until the job is finished.
+        ``cuda_event``, ``hint``: as for ``offload``; keep the event alive until the job is finished.
         """
-        request = pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
-                                    slots=[p[0] for p in pairs], keys=[p[1] for p in pairs], wait=False,
-                                    lease_ms=int(lease_s * 1000), client_id=self.client_id,
-                                    cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=monotonic_ns(deadline),
-                                    engine=engine_to_pb(engine) if engine else None)
+        request = self._offload_request(pairs, pool_id, namespace, cuda_event, deadline, engine, hint, wait=False,
+                                        lease_ms=int(lease_s * 1000), client_id=self.client_id)
         return self._call(self._stub.Offload, request, timeout).job_id
+
+    def _offload_request(self, pairs: Sequence[tuple[int, bytes]], pool_id: str | None, namespace: str | None,
+                         cuda_event: CudaEvent, deadline: float | None, engine: EngineBlocks | None,
+                         hint: tuple[HintAction, int] | None, **job) -> pb.OffloadRequest:
+        return pb.OffloadRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
+                                 slots=[p[0] for p in pairs], keys=[p[1] for p in pairs],
+                                 cuda_event_handle=event_handle(cuda_event), pool_deadline_ns=monotonic_ns(deadline),
+                                 engine=engine_to_pb(engine) if engine else None,
+                                 hint=pb.BlockHint(action=wire.HINT_TO_PB[hint[0]], ttl_s=hint[1]) if hint else None,
+                                 **job)
 
     def submit_restore(self, pairs: Sequence[tuple[bytes, int]], *, pool_id: str | None = None,
                        namespace: str | None = None, lease_s: float = 0.0, timeout: float | None = None,
@@ -218,30 +208,30 @@ class Client:
         request = pb.WaitJobsRequest(pool=self._ref(pool_id), client_id=self.client_id, job_ids=list(job_ids),
                                      timeout_ms=int(wait_s * 1000), wait_all=wait_all)
         timeout = timeout or self.timeout + wait_s
+        deadline = time.monotonic() + timeout
         call = self._lane.start(self._stub.WaitJobs, request, timeout) if self._lane else None
-        if call is None:  # (the lane does not carry it: gRPC does)
-            call = self._stub.WaitJobs.future(request, timeout=timeout, metadata=self._metadata)
+        if call is None:  # (the lane does not carry it: gRPC does, in what is left of the deadline)
+            call = self._stub.WaitJobs.future(request, timeout=time_left(deadline, timeout), metadata=self._metadata)
         return PendingJobs(call, self, self._error)
 
     # -- registered pools ----------------------------------------------------------
     def register_pool(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, *,
                       host_capacity_mib: int = 0, cache_group: str = "", fd: int | None = None,
                       sharding: Sharding | None = None, share_with_peers: bool = False, share_events: bool = False,
-                      timeout: float | None = None) -> PoolDescriptor:
+                      chosen_token: bytes = b"", timeout: float | None = None) -> PoolDescriptor:
         """Have the daemon serve memory this engine allocated (a file, or a memfd as ``fd``).
 
-        This process opens the file itself (or passes ``fd``) and hands the open
-        descriptor to the daemon, which serves exactly that memory: the daemon never
-        opens a path for a client. A sealed memfd is copied at memory speed; any other
-        file through its descriptor (it may shrink). Returns the descriptor with the
-        epoch the daemon assigned. Pools of one ``cache_group`` (default: the pool id)
-        share a host tier: register an engine's restart in the group it used before
-        (a group admits only the user that created it); never put two tensor-parallel
-        ranks in one group, unless each names its ``sharding``: then the ranks of engines of any
-        TP size and layout share one group of canonical blocks. A new group is private: other
-        nodes' daemons reach it only with ``share_with_peers``, and watchers that do not present
-        one of its pools see its keys only with ``share_events`` (a router's WatchEvents, the
-        ZeroMQ publisher); later pools of the group ask for the same.
+        This process opens the file itself (or passes ``fd``) and hands the open descriptor to the daemon,
+        which serves exactly that memory (it never opens a path for a client; a sealed memfd is copied at
+        memory speed, any other file served through its descriptor). Returns the descriptor with the epoch the
+        daemon assigned. Pools of one ``cache_group`` (default: the pool id) share a host tier: register an
+        engine's restart in the group it used before (a group admits only the user that created it); never put
+        two tensor-parallel ranks in one group, unless each names its ``sharding``: then the ranks of engines
+        of any TP size and layout share one group of canonical blocks. A new group is private: other nodes'
+        daemons reach it only with ``share_with_peers``, and callers that do not present one of its pools'
+        tokens see its keys (Lookup, WatchEvents, the ZeroMQ publisher) only with ``share_events``; later
+        pools of the group ask for the same. ``chosen_token``: the pool's registration token (16-64 random
+        bytes) instead of the daemon's, kept when the daemon restarts (``present`` shows it elsewhere).
         """
         if handle.medium is Medium.CUDA:  # named by its IPC handle: the hand-off only says who registers
             token = fdpass.hand_over(fdpass.socket_path_for(self._target), None, self._token)
@@ -251,7 +241,7 @@ class Client:
                                          handle=wire.handle_to_pb(handle), host_capacity_mib=host_capacity_mib,
                                          cache_group=cache_group, registration_token=token,
                                          sharding=wire.sharding_to_pb(sharding), share_with_peers=share_with_peers,
-                                         share_events=share_events)
+                                         share_events=share_events, chosen_token=chosen_token)
         response = self._call(self._stub.RegisterPool, request, timeout)
         desc = wire.descriptor_from_pb(response.pool)
         self._descriptors[pool_id] = desc
@@ -292,6 +282,11 @@ class Client:
         self._registrations.pop(pool_id, None)
         return cancelled
 
+    def present(self, tokens: Mapping[str, bytes]) -> None:
+        """Show these registration tokens (pool id -> the ``chosen_token`` another process of this engine
+        registered it with) in calls naming those pools: a private group answers Lookups to its registrant only."""
+        self._registrations.update(tokens)
+
     def lookup(self, keys: Sequence[bytes], *, pool_ids: Sequence[str] | None = None,
                namespace: str | None = None, timeout: float | None = None) -> LookupResult:
         """Keys in prefix order: leading hits present in every named pool (default: this client's pool)."""
@@ -300,6 +295,14 @@ class Client:
                                                                   keys=list(keys)), timeout)
         return LookupResult(response.hits, [wire.PB_TO_TIER.get(t) for t in response.tiers])
 
+    def hint(self, action: HintAction, keys: Sequence[bytes] = (), *, ttl_s: int = 0, request_id: str = "",
+             pool_id: str | None = None, namespace: str | None = None, timeout: float | None = None) -> None:
+        """What is coming (docs/api.md, Hints): PREFETCH ``keys`` (retained ``ttl_s`` once up; ``request_id``
+        cancels it), RETAIN them ``ttl_s``, RELEASE them, or CANCEL ``request_id``'s. Says nothing of what is held."""
+        request = pb.HintRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
+                                 action=wire.HINT_TO_PB[action], keys=list(keys), ttl_s=ttl_s, request_id=request_id)
+        self._call(self._stub.Hint, request, timeout)
+
     def delete(self, keys: Sequence[bytes], *, pool_id: str | None = None, namespace: str | None = None,
                timeout: float | None = None) -> int:
         request = pb.DeleteRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace, keys=list(keys))
@@ -307,8 +310,8 @@ class Client:
 
     def stats(self, pool_id: str = "", timeout: float | None = None) -> list[PoolStats]:
         """Per pool (every pool, or the named one): tiers, bytes moved, outcomes, jobs."""
-        return [wire.pool_stats_from_pb(p) for p in self._call(self._stub.Stats, pb.StatsRequest(pool_id=pool_id),
-                                                                  timeout).pools]
+        request = pb.StatsRequest(pool_id=pool_id, registration_token=self._registrations.get(pool_id, b""))
+        return [wire.pool_stats_from_pb(p) for p in self._call(self._stub.Stats, request, timeout).pools]
 
     def health(self, timeout: float | None = None) -> str:
         """The daemon's health status on this channel: "SERVING", "NOT_SERVING", ..."""
@@ -326,28 +329,27 @@ class Client:
             self.default_pool = pool_id = self.pool_info().pool_id  # the daemon's only pool
         token = self._registrations.get(pool_id, b"")  # a pool this client registered: its transfers show it
         mapped = self._mapped.get(pool_id)
-        if mapped is not None:
-            return pb.PoolRef(pool_id=pool_id, epoch=mapped.descriptor.epoch, registration_token=token)
-        desc = self._descriptors.get(pool_id) or self.pool_info(pool_id)
+        desc = mapped.descriptor if mapped is not None else self._descriptors.get(pool_id) or self.pool_info(pool_id)
         return pb.PoolRef(pool_id=pool_id, epoch=desc.epoch, registration_token=token)
 
     def _registered_refs(self) -> list[pb.PoolRef]:  # a watch sees the (private) groups of these pools too
         return [self._ref(pool_id) for pool_id in self._registrations]
 
     def _transfer(self, method, request, partial: bool, timeout: float | None) -> TransferResult:
-        response = self._call(method, request, timeout)
-        result = TransferResult([wire.STATUS_TO_OUTCOME[s] for s in response.statuses], response.bytes,
-                                response.seconds)
+        answer = self._call(method, request, timeout)
+        result = TransferResult([wire.STATUS_TO_OUTCOME[s] for s in answer.statuses], answer.bytes, answer.seconds)
         if not partial:
             failures(result)
         return result
 
     def _call(self, method, request, timeout: float | None = None):
-        answer = self._lane.carry(method, request, timeout or self.timeout) if self._lane else None
+        timeout = timeout or self.timeout
+        deadline = time.monotonic() + timeout  # one deadline, whichever way the call goes (a lane refused costs time)
+        answer = self._lane.carry(method, request, timeout) if self._lane else None
         if answer is not None:  # (None: the lane does not carry it, nothing was sent: gRPC does)
             return answer
         try:
-            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            return method(request, timeout=time_left(deadline, timeout), metadata=self._metadata)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 

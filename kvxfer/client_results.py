@@ -1,9 +1,10 @@
 """What the client's calls return besides their results: the outcomes that count as success, the
 exception a partly failed batch raises, ``wait_jobs``' answer (and the call in flight of ``wait_jobs_async``),
-and the wire's deadline clock."""
+and the wire's deadline clock; and the channel the calls go over (``open_channel``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -20,6 +21,32 @@ FAILURE_CODES = [(Outcome.DATA_LOSS, "DATA_LOSS"), (Outcome.FAILED, "INTERNAL"),
                   (Outcome.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
                   (Outcome.CANCELLED, "CANCELLED"), (Outcome.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"),
                   (Outcome.NOT_FOUND, "NOT_FOUND")]
+
+
+def open_channel(target: str, token: str | None, root_certificates: bytes | None, certificate_chain: bytes | None,
+                 private_key: bytes | None) -> tuple[grpc.Channel, tuple]:
+    """The gRPC channel to a ``unix:`` or TLS ``host:port`` target, and the metadata each call sends with it."""
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    if target.startswith("unix:"):
+        return grpc.insecure_channel(target, options=options), (("authorization", f"Bearer {token}"),) if token else ()
+    if target.startswith("/"):  # a socket path without its scheme: the commonest slip
+        raise InvalidArgument(f"target {target!r} looks like a socket path: write unix:{target}")
+    if root_certificates is None:
+        raise InvalidArgument(f"target {target!r}: a TCP target needs root_certificates (the daemon serves "
+                              "TCP with TLS only); a Unix socket is written unix:/path/to.sock")
+    creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return grpc.secure_channel(target, creds, options=options), ()
+
+
+def time_left(deadline: float, timeout: float) -> float:
+    """Seconds left until ``deadline`` (``time.monotonic()``) of a call given ``timeout``; DeadlineExceeded once
+    none is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded(f"the daemon did not answer within {timeout:g} s")
+    return left
 
 
 def rpc_error(exc: grpc.RpcError, target: str) -> KvxferError:

@@ -1,8 +1,8 @@
-"""The local lane: Offload, Restore, Lookup and WaitJobs over a plain Unix socket, beside gRPC.
+"""The local lane: Offload, Restore, Lookup, WaitJobs and Hint over a plain Unix socket, beside gRPC.
 
 A gRPC call on this machine costs 0.5-0.7 ms however little it carries (a plain
 Unix-socket round trip: 0.07 ms), and an engine's host-side transfer pays it on every
-batch (docs/benchmarks.md, "The local lane"). The lane carries four of its unary
+batch (docs/benchmarks.md, "The local lane"). The lane carries five of its unary
 methods, with the same request and response messages, over ``<socket>.lane``
 (SOCK_SEQPACKET, the gRPC socket's mode and group), and the daemon answers each on the
 connection's own thread: no HTTP/2 framing, no event-loop hop, no executor hop. A call may
@@ -64,6 +64,7 @@ class Method(enum.IntEnum):
     RESTORE = 2
     LOOKUP = 3
     WAIT_JOBS = 4
+    HINT = 5
 
     @property
     def rpc(self) -> str:
@@ -166,7 +167,8 @@ class Lane:
         self._routes = {} if stub is None else {stub.Offload: (Method.OFFLOAD, pb.TransferResponse),
                                                 stub.Restore: (Method.RESTORE, pb.TransferResponse),
                                                 stub.Lookup: (Method.LOOKUP, pb.LookupResponse),
-                                                stub.WaitJobs: (Method.WAIT_JOBS, pb.WaitJobsResponse)}
+                                                stub.WaitJobs: (Method.WAIT_JOBS, pb.WaitJobsResponse),
+                                                stub.Hint: (Method.HINT, pb.HintResponse)}
         self._token = token
         self._lock = threading.Lock()
         self._idle: list[tuple[socket.socket, float]] = []  # (connection, when it was last used)

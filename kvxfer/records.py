@@ -13,10 +13,18 @@ everywhere (the proto's published field names excepted, see docs/design.md):
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
+
+from kvxfer.v1 import kvxfer_pb2 as _pb  # (protobuf only: the API's enums)
 
 #: Physical block 0 is never allocated and never written by a restore (vLLM's null block).
 NULL_BLOCK = 0
+
+
+def digest(*parts: object, size: int = 16) -> str:
+    """A short hex name for ``parts`` (fingerprints, tenants, pool ids of the engine backends)."""
+    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:size]
 
 
 class Outcome(enum.Enum):
@@ -33,15 +41,29 @@ class Outcome(enum.Enum):
     NOT_ADMITTED = "not_admitted"  # offload: admission declined the new block (not a failure); nothing stored
 
 
-class TierKind(enum.Enum):
-    """Where a stored block lives."""
+#: Where a stored block lives: one member per value of the API's ``Tier`` enum (``TIER_SHARED_FS`` is
+#: ``TierKind.SHARED_FS``, "shared_fs"), so that a new tier's kind is its proto value and nothing else. The
+#: lower tiers' rows (``kvxfer.tiers.registry``) say the rest: HOST, DISK (this node's), REMOTE (Redis),
+#: SHARED_FS, PEER (another node's daemon, over NIXL), OBJECT (a bucket), MOONCAKE (a Mooncake Store).
+TierKind = enum.Enum("TierKind", [(name.removeprefix("TIER_"), name.removeprefix("TIER_").lower())
+                                  for name in _pb.Tier.keys() if name != "TIER_UNSPECIFIED"], module=__name__)
 
-    HOST = "host"
-    DISK = "disk"
-    REMOTE = "remote"
-    SHARED_FS = "shared_fs"
-    PEER = "peer"  # another node's daemon, read over NIXL (kvxfer.peering)
-    OBJECT = "object"  # object storage: S3 or S3-compatible, GCS, Azure Blob (kvxfer.tiers.object)
+
+class HintAction(enum.Enum):
+    """What an engine, router or application says of blocks it names (docs/api.md, Hint)."""
+
+    PREFETCH = "prefetch"  # bring them up to the host tier now (lowest priority, cancellable)
+    RETAIN = "retain"  # evicted last until a TTL passes
+    RELEASE = "release"  # the session ended: evicted first (a later read makes them ordinary again)
+    CANCEL = "cancel"  # drop the prefetches queued under a request id
+
+
+class EvictionReason(enum.Enum):
+    """Why a block left a tier to make room: which part of the order it was taken from."""
+
+    RELEASED = "released"  # released by a hint, unread since
+    LRU = "lru"  # least recently used among the ordinary blocks
+    RETAINED = "retained"  # retained, taken last: nothing else was evictable
 
 
 class Medium(enum.Enum):
@@ -110,10 +132,10 @@ class TierStats:
 
     @property
     def has_occupancy(self) -> bool:
-        """False for the tiers every node shares (Redis evicts on its own; a shared filesystem is
-        filled by every node; a peer is another node's host tier): capacity, use and evictions
-        are not ours to count (their figures here are zeros, not measurements)."""
-        return self.tier not in (TierKind.REMOTE, TierKind.SHARED_FS, TierKind.PEER, TierKind.OBJECT)
+        """False for the tiers every node shares (Redis and Mooncake evict on their own; a shared filesystem
+        or a bucket is filled by every node; a peer is another node's host tier): they report no capacity,
+        for capacity, use and evictions are not ours to count (their figures are zeros, not measurements)."""
+        return self.capacity_blocks > 0
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,10 @@ class Rate:
 
 
 def dropped(tier: TierStats) -> int:
-    """Blocks sent down to a lower tier that never reached it (a full queue, a failing medium, an index loading)."""
+    """Blocks sent down to a lower tier that never reached it (a full queue, a failing medium, an index loading, a
+    store with no space)."""
     return sum(n for event, n in tier.events.items()
-               if event.startswith("demotions_dropped") or event == "stores_dropped")
+               if event.startswith("demotions_dropped") or event in ("stores_dropped", "stores_no_space"))
 
 
 def rate(before: TransferStats, after: TransferStats, interval: float) -> Rate:

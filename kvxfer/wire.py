@@ -11,7 +11,7 @@ from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.memory.pool import PoolDescriptor, PoolHandle
-from kvxfer.records import JobStats, LookupStats, Medium, Outcome, PoolStats, TierKind, TierStats, TransferStats
+from kvxfer.records import HintAction, JobStats, LookupStats, Medium, Outcome, PoolStats, TierKind, TierStats, TransferStats
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 OUTCOME_TO_STATUS = {
@@ -26,11 +26,13 @@ OUTCOME_TO_STATUS = {
     Outcome.NOT_ADMITTED: pb.BLOCK_STATUS_NOT_ADMITTED,
 }
 STATUS_TO_OUTCOME = {status: outcome for outcome, status in OUTCOME_TO_STATUS.items()}
-TIER_TO_PB = {TierKind.HOST: pb.TIER_HOST, TierKind.DISK: pb.TIER_DISK, TierKind.REMOTE: pb.TIER_REMOTE,
-              TierKind.SHARED_FS: pb.TIER_SHARED_FS, TierKind.PEER: pb.TIER_PEER, TierKind.OBJECT: pb.TIER_OBJECT}
+TIER_TO_PB = {kind: pb.Tier.Value(f"TIER_{kind.name}") for kind in TierKind}  # (TierKind is made from pb.Tier)
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 MEDIUM_TO_PB = {Medium.SHM: pb.MEDIUM_SHM, Medium.CUDA: pb.MEDIUM_CUDA, Medium.MEMFD: pb.MEDIUM_MEMFD}
 PB_TO_MEDIUM = {v: k for k, v in MEDIUM_TO_PB.items()}
+HINT_TO_PB = {HintAction.PREFETCH: pb.HINT_ACTION_PREFETCH, HintAction.RETAIN: pb.HINT_ACTION_RETAIN,
+              HintAction.RELEASE: pb.HINT_ACTION_RELEASE, HintAction.CANCEL: pb.HINT_ACTION_CANCEL}
+PB_TO_HINT = {v: k for k, v in HINT_TO_PB.items()}
 
 
 def spec_to_pb(spec: KVSpec) -> pb.KVSpec:

@@ -30,6 +30,7 @@ def daemon_keys() -> dict[str, set[str] | None]:
     keys["tenants"] = None  # (a list: the daemon validates its items)
     keys["events"] = set(config_sections.EVENTS_KEYS)
     keys["admission"] = set(config_sections.ADMISSION_KEYS)
+    keys["hints"] = set(config_sections.HINTS_KEYS)
     keys["peering"] = set(config_peering.PEERING_KEYS)
     for row in LOWER_TIERS:
         if row.parse is not None:

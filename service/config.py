@@ -20,6 +20,7 @@ from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.fdpass import SUFFIX
 from kvxfer.events.settings import EventSettings
 from kvxfer.index.admission import AdmissionSettings
+from kvxfer.serving.prefetch import HintSettings
 from kvxfer.index.tenancy import Tenant
 from kvxfer.peering.settings import PeeringSettings
 from kvxfer.errors import ConfigError
@@ -83,6 +84,7 @@ class Config:
     tiers: dict[str, object] = field(default_factory=dict)
     events: EventSettings = field(default_factory=EventSettings)  # KV events: replay buffer, publisher
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)  # which new blocks offloads store
+    hints: HintSettings = field(default_factory=HintSettings)  # RETAIN's TTL cap, hinted shares, prefetch queue
     tenants: tuple[Tenant, ...] = ()  # guaranteed shares of every host and disk tier (kvxfer.index.tenancy)
     peering: PeeringSettings | None = None  # other nodes' daemons, read over NIXL; absent: none
     notes: tuple[str, ...] = ()  # warnings loading found (renamed keys): serve --check prints them, serve logs them
@@ -107,7 +109,7 @@ class Config:
         return Path(self.token_file).read_text().strip()
 
 
-_SECTIONS = ("pools", "events", "admission", "tenants", "peering")  # and each lower tier's (``_sections``)
+_SECTIONS = ("pools", "events", "admission", "hints", "tenants", "peering")  # and each lower tier's (``_sections``)
 _SCALARS = {f.name: f for f in fields(Config) if f.name not in (*_SECTIONS, "tiers", "notes")}
 _MODES = {"socket_mode"}
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -271,7 +273,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None, overrides: 
     tiers = {row.section: row.parse(raw.get(row.section)) for row in LOWER_TIERS if row.parse is not None}
     return validate(replace(Config(), **values, pools=pools, tiers={k: v for k, v in tiers.items() if v is not None},
                             events=sections.events(raw.get("events")),
-                            admission=sections.admission(raw.get("admission")),
+                            admission=sections.admission(raw.get("admission")), hints=sections.hints(raw.get("hints")),
                             tenants=sections.tenants(raw.get("tenants")),
                             peering=peering_section(raw.get("peering")), notes=_renamed_keys(raw)))
 

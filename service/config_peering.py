@@ -10,18 +10,18 @@ import re
 import socket
 from pathlib import Path
 
-from kvxfer.peering.settings import PeerAddress, PeeringSettings
+from kvxfer.peering.settings import DEFAULT_UCX_MODULES, PeerAddress, PeeringSettings
 from kvxfer.validate import shown
 from kvxfer.errors import ConfigError
 
-PEERING_KEYS = {"name", "peers", "ucx_tls", "ucx_net_devices", "timeout_ms", "lease_ms", "max_lease_ms",
-                "max_leases", "max_leased_blocks", "progress_interval_us", "max_leases_per_peer",
+PEERING_KEYS = {"name", "peers", "ucx_tls", "ucx_net_devices", "ucx_modules", "timeout_ms", "lease_ms",
+                "max_lease_ms", "max_leases", "max_leased_blocks", "progress_interval_us", "max_leases_per_peer",
                 "max_leased_blocks_per_peer", "host_share", "tls_client_ca", "tls_cert", "tls_key"}
 PEER_KEYS = {"name", "address", "tls_ca", "token_file", "server_name"}
 MAX_PEERS = 64
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 ADDRESS_RE = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
-UCX_LIST_RE = re.compile(r"[A-Za-z0-9_.:,^-]{1,256}")  # UCX's own list syntax ("tcp", "^cma", "mlx5_0:1")
+UCX_LIST_RE = re.compile(r"[A-Za-z0-9_.:,^*-]{1,256}")  # UCX's own list syntax ("tcp", "^cma", "mlx5_0:1", "ib*")
 TOKEN_RE = re.compile(r"[\x21-\x7e]{1,256}")
 BOUNDS = {"timeout_ms": (1, 600_000), "lease_ms": (1, 600_000), "max_lease_ms": (1, 600_000),
           "max_leases": (1, 1 << 16), "max_leased_blocks": (1, 1 << 26), "progress_interval_us": (1, 100_000),
@@ -65,8 +65,8 @@ def peering(raw) -> PeeringSettings | None:
         raise ConfigError("peering.tls_cert and peering.tls_key: both or neither (neither: the listener's)")
     numbers.update(files)
     ucx = {}
-    for key in ("ucx_tls", "ucx_net_devices"):
-        value = raw.get(key, "")
+    for key in ("ucx_tls", "ucx_net_devices", "ucx_modules"):
+        value = raw.get(key, DEFAULT_UCX_MODULES if key == "ucx_modules" else "")
         if not isinstance(value, str) or (value and not UCX_LIST_RE.fullmatch(value)):
             raise ConfigError(f"peering.{key}: a UCX list such as 'tcp' or 'eth0,mlx5_0:1', got {shown(value)}")
         ucx[key] = value

@@ -1,4 +1,4 @@
-"""The config file's ``events``, ``admission`` and ``tenants`` sections. (Each lower tier's section is parsed by its own module:
+"""The config file's ``events``, ``admission``, ``hints`` and ``tenants`` sections. (Each lower tier's section is parsed by its own module:
 ``kvxfer.tiers.registry.LOWER_TIERS``; ``peering`` by ``service.config_peering``.)
 
 The parser takes the raw YAML value, validates every key, and changes nothing on the machine.
@@ -11,11 +11,13 @@ import importlib
 from kvxfer.errors import ConfigError
 from kvxfer.events.settings import ENDPOINT_RE, EventSettings
 from kvxfer.index.admission import AdmissionSettings
+from kvxfer.serving.prefetch import HintSettings
 from kvxfer.index.tenancy import MAX_TENANTS, NAME_RE, OTHER, Tenant
 from kvxfer.tiers.sections import RENAMED, mib, renamed
 from kvxfer.validate import shown
 
 ADMISSION_KEYS = {"store_threshold", "max_blocks_per_request", "tracked_keys"}
+HINTS_KEYS = {"max_ttl_s", "share", "prefetch_queue_keys", "prefetch_batch"}
 EVENTS_KEYS = {"replay_keys", "linger_ms", "max_subscribers", "publish", "replay", "topic", "publish_replay_mib",
                "hwm", "int_block_hashes", "replay_batches", "replay_mib"}
 
@@ -75,6 +77,26 @@ def admission(raw) -> AdmissionSettings:
             raise ConfigError(f"admission.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
         values[key] = value
     return AdmissionSettings(**values)
+
+
+def hints(raw) -> HintSettings:
+    """The ``hints`` section: RETAIN's TTL cap, each tenant's share of a tier for hinted blocks, the prefetch
+    queue (``kvxfer.serving.prefetch``)."""
+    if raw is None:
+        return HintSettings()
+    if not isinstance(raw, dict) or set(raw) - HINTS_KEYS:
+        raise ConfigError(f"hints: must be a mapping of {sorted(HINTS_KEYS)}")
+    values = {}
+    for key, low, top in (("max_ttl_s", 1, 7 * 86400), ("prefetch_queue_keys", 1, 1 << 24),
+                          ("prefetch_batch", 1, 4096)):
+        value = raw.get(key, getattr(HintSettings, key))
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+            raise ConfigError(f"hints.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
+        values[key] = value
+    share = raw.get("share", HintSettings.share)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+        raise ConfigError(f"hints.share: must be a number in [0, 1] (of a tier, per tenant), got {shown(share)}")
+    return HintSettings(share=float(share), **values)
 
 
 def tenants(raw) -> tuple[Tenant, ...]:

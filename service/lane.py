@@ -30,7 +30,7 @@ from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.jobs import JOB_WEIGHT
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from service import transfers
+from service import hints, transfers
 from service.metrics import LaneMetrics
 from service.status import Malformed, failure, parser
 
@@ -42,7 +42,7 @@ _TOO_LARGE = bytes(HEADER.size)  # what ``_receive`` returns for a message cut s
 
 
 class Lane:
-    """Serves Offload, Restore, Lookup and WaitJobs on a Unix SOCK_SEQPACKET socket."""
+    """Serves Offload, Restore, Lookup, WaitJobs and Hint on a Unix SOCK_SEQPACKET socket."""
 
     def __init__(self, path: str, registry: PoolRegistry, limits: transfers.RequestLimits, mode: int, gid: int,
                  token: str = "", metrics: LaneMetrics | None = None) -> None:
@@ -59,6 +59,7 @@ class Lane:
             Method.RESTORE: (parser(pb.RestoreRequest, batch["RestoreRequest"]), self._restore),
             Method.LOOKUP: (parser(pb.LookupRequest, batch["LookupRequest"]), self._lookup),
             Method.WAIT_JOBS: (parser(pb.WaitJobsRequest, batch["WaitJobsRequest"]), self._wait_jobs),
+            Method.HINT: (parser(pb.HintRequest, batch["HintRequest"]), self._hint),
         }
         self._stopping = threading.Event()  # set at close: waiting WaitJobs answer with what has finished
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -206,7 +207,7 @@ class Lane:
                 raise InvalidArgument("a lane request starts with its method and timeout (kvxfer.lane)")
             method, timeout_ms = HEADER.unpack_from(message)
             if method not in self._methods:
-                raise InvalidArgument(f"the lane carries Offload, Restore, Lookup and WaitJobs; "
+                raise InvalidArgument(f"the lane carries Offload, Restore, Lookup, WaitJobs and Hint; "
                                       f"method {method} is none")
             name = Method(method).rpc
             parse, handle = self._methods[Method(method)]
@@ -232,6 +233,9 @@ class Lane:
 
     def _lookup(self, request: pb.LookupRequest, remaining: float | None) -> bytes:
         return transfers.lookup(self.registry, self.limits, request, remaining)().SerializeToString()
+
+    def _hint(self, request: pb.HintRequest, remaining: float | None) -> bytes:
+        return hints.hint(self.registry, self.limits.max_batch_blocks, request)().SerializeToString()
 
     def _wait_jobs(self, request: pb.WaitJobsRequest, remaining: float | None) -> bytes:
         """Blocks this connection's thread (only its own) until a job of the client's finishes, the wait ends,

@@ -19,7 +19,6 @@ import platform
 import time
 from collections.abc import Iterator
 from importlib import metadata
-from wsgiref.simple_server import WSGIServer
 
 import grpc
 import torch
@@ -35,6 +34,7 @@ from kvxfer.peering.hub import Peering
 from kvxfer.records import PoolStats, TransferResult
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.registry import PoolRegistry
+from kvxfer.serving.prefetch import PrefetchCounts
 from service import metrics_http
 
 log = logging.getLogger("kvxfer.metrics")
@@ -74,6 +74,7 @@ class DaemonCollector(Collector):
         yield from _outcomes_and_lookups(stats)
         yield from _tiers(stats)
         yield from _tenants(stats)
+        yield from _hints(served, self.pools.prefetcher.counts())
         yield from _jobs(stats)
         limit = GaugeMetricFamily("kvxfer_jobs_max_queued", "Jobs a pool holds queued or uncollected at most "
                                   "(max_queued_jobs): beyond it submissions are refused.", labels=["pool"])
@@ -219,6 +220,39 @@ def _tiers(stats: list[PoolStats]) -> Iterator[Metric]:
     yield from (*families.values(), *tokens.values(), slot, evictions, degraded, loading, warming, events)
 
 
+def _hints(served: list, prefetch: PrefetchCounts) -> Iterator[Metric]:
+    """Hints taken by action, hinted blocks and evictions by reason per tier, and the prefetcher's results."""
+    taken = CounterMetricFamily("kvxfer_hints", "Hints taken (Hint calls, and Offloads carrying one), by action.",
+                                labels=["cache_group", "action"])
+    labels = ["cache_group", "tier"]
+    hinted = GaugeMetricFamily("kvxfer_tier_hinted_blocks", "Blocks a hint placed now: retained (evicted last), "
+                               "released (evicted first), prefetched (brought up, not read yet).",
+                               labels=[*labels, "state"])
+    by_reason = CounterMetricFamily("kvxfer_tier_evictions_by_reason", "Blocks evicted to make room, by where in "
+                                    "the order they stood: released, lru, retained.", labels=[*labels, "reason"])
+    wasted = CounterMetricFamily("kvxfer_tier_prefetch_wasted", "Prefetched blocks evicted before anyone read them.",
+                                 labels=labels)
+    groups = {s.manager.group.name: s.manager.group for s in served}
+    for name, group in sorted(groups.items()):
+        for action, n in group.hints.items():
+            taken.add_metric([name, action.value], n)
+        for tier, h in group.hint_stats():
+            values = [name, tier.value]
+            for state, n in (("retained", h.retained), ("released", h.released), ("prefetched", h.prefetched)):
+                hinted.add_metric([*values, state], n)
+            for reason, n in sorted(h.evicted.items()):
+                by_reason.add_metric([*values, reason], n)
+            wasted.add_metric(values, h.wasted)
+    results = CounterMetricFamily("kvxfer_prefetch_keys", "Keys PREFETCH hints named, by result: done (brought up), "
+                                  "present (in host memory already), absent (no tier held it), over_share (the "
+                                  "tenant's hint share was full), cancelled.", labels=["result"])
+    for result, n in prefetch.results.items():
+        results.add_metric([result], n)
+    queued = GaugeMetricFamily("kvxfer_prefetch_queued_keys", "Keys waiting in the prefetch queue.")
+    queued.add_metric([], prefetch.queued_keys)
+    yield from (taken, hinted, by_reason, wasted, results, queued)
+
+
 def _tenants(stats: list[PoolStats]) -> Iterator[Metric]:
     """Each configured tenant's part of each group's divided tiers, host and disk (labels: configured tenants
     and "other" only)."""
@@ -338,7 +372,7 @@ class Metrics:
     def watch(self, pools: PoolRegistry) -> None:
         self.registry.register(DaemonCollector(pools))
 
-    def serve(self, listen: str) -> WSGIServer:
+    def serve(self, listen: str) -> metrics_http.MetricsServer:
         """Serve ``/metrics`` on ``HOST:PORT`` in a thread, its connections bounded; returns the server
         (``shutdown()`` it)."""
         return metrics_http.serve(self.registry, listen)

@@ -25,7 +25,6 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,8 +38,9 @@ from kvxfer.lane import SUFFIX as LANE_SUFFIX
 from kvxfer.memory.cuda_driver import CudaError, on_device_lost
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.memory.shm import resolve_group
+from kvxfer.tiers.registry import placements
 from kvxfer.v1 import kvxfer_pb2 as pb
-from service import logs, preflight
+from service import logs, metrics_http, preflight
 from service.config import Config, unknown_variables
 from service.fdsocket import DescriptorSocket
 from service.lane import Lane
@@ -164,10 +164,10 @@ class Daemon:
                                   events.replay_mib << 20)
         self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events,  # empty until listening
                                      (lambda groups: Peering(config.peering, groups)) if config.peering else None,
-                                     config.tiers, config.admission, config.tenants)
+                                     config.tiers, config.admission, config.tenants, config.hints)
         self.peering: Peering | None = self.registry.peering
         self.publisher: ZmqPublisher | None = None
-        self.metrics_server: WSGIServer | None = None
+        self.metrics_server: metrics_http.MetricsServer | None = None
         self.health = health.aio.HealthServicer()
         c = config
         options = [("grpc.max_receive_message_length", c.max_message_mib << 20),
@@ -223,7 +223,7 @@ class Daemon:
         if c.events.publish:
             from kvxfer.events.publisher import ZMQError, ZmqPublisher  # (pyzmq: only when publishing)
             try:
-                self.publisher = ZmqPublisher(self.kv_events, c.events)
+                self.publisher = ZmqPublisher(self.kv_events, c.events, placements())
             except ZMQError as exc:  # an address in use, an unknown interface: the daemon does not start
                 raise FailedPrecondition(f"events.publish: cannot bind {c.events.publish} or {c.events.replay}: "
                                          f"{exc}") from None
@@ -246,7 +246,7 @@ class Daemon:
         self.metrics.serving.set(1)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         log.info("listening", extra={"addresses": self.addresses, "metrics": self.config.metrics_listen or None,
-                                     "pools": [d.pool_id for d in self.registry.descriptors()]})
+                                     "pools": [s.descriptor.pool_id for s in self.registry.served()]})
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so

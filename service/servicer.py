@@ -28,7 +28,7 @@ from kvxfer.serving.jobs import JobRunner
 from kvxfer.serving.registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_count, check_namespace, checked_keys
-from service import transfers, watch
+from service import hints, transfers, watch
 from service.status import parser, rpc, stream_rpc
 from service.transfers import RequestLimits
 
@@ -100,6 +100,10 @@ class KVTransferServicer:
                                    bytes=pushed.blocks * served.manager.group.slot_bytes, seconds=pushed.seconds)
 
     @rpc
+    async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
+        return await self._blocking(hints.hint(self.registry, self.limits.max_batch_blocks, request))
+
+    @rpc
     async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:
         w = transfers.jobs_wait(self.registry, self.limits, request, context.time_remaining())
         return transfers.jobs_answer(*await _wait_jobs(w.jobs, w.client_id, w.job_ids, w.wait_all, w.timeout))
@@ -117,7 +121,11 @@ class KVTransferServicer:
 
     @rpc
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        return pb.StatsResponse(pools=[wire.pool_stats_to_pb(s.stats()) for s in self.registry.served(request.pool_id)])
+        served = self.registry.served(request.pool_id)
+        if request.pool_id:  # a private group's pool, named: its registrant's (as a Lookup); all: counts for all
+            self.registry.get(transfers.ref(pb.PoolRef(pool_id=request.pool_id, epoch=served[0].descriptor.epoch,
+                                                       registration_token=request.registration_token)), reader=True)
+        return pb.StatsResponse(pools=[wire.pool_stats_to_pb(s.stats()) for s in served])
 
     @rpc
     async def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
@@ -130,9 +138,11 @@ class KVTransferServicer:
         _check_length(request.sharding.kv_format, MAX_FORMAT_CHARS, "sharding.kv_format")
         sharding = wire.sharding_from_pb(request.sharding, request.HasField("sharding"))
         sharing = Sharing(peers=request.share_with_peers, events=request.share_events)
+        if request.chosen_token and not 16 <= len(request.chosen_token) <= 64:
+            raise InvalidArgument(f"chosen_token: 16-64 random bytes, got {len(request.chosen_token)}")
         served, token = await self._blocking(self.registry.register, request.pool_id, spec, layout, handle,
                                              request.registration_token, request.host_capacity_mib,
-                                             request.cache_group, sharding, sharing)
+                                             request.cache_group, sharding, sharing, request.chosen_token)
         return pb.RegisterPoolResponse(pool=wire.pool_info(served.descriptor, served.cache_group),
                                        registration_token=token)
 

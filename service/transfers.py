@@ -19,6 +19,7 @@ from kvxfer.records import PoolRef, TransferResult
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.jobs import Job, JobRunner
 from kvxfer.serving.registry import PoolRegistry
+from service.hints import store_hint
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.validate import check_count, check_name, check_namespace, checked_keys, shown
 
@@ -93,11 +94,14 @@ def transfer(registry: PoolRegistry, limits: RequestLimits, kind: TransferKind,
     # The engine's CLOCK_MONOTONIC is ours: it runs on this host (its pool is local memory).
     deadline = request.pool_deadline_ns / 1e9 if request.pool_deadline_ns else None
     engine = engine_from_pb(request.engine) if kind is TransferKind.OFFLOAD and request.HasField("engine") else None
+    hint = None
+    if kind is TransferKind.OFFLOAD and request.HasField("hint"):
+        hint = store_hint(request.hint, registry.hints)
     num_blocks = manager.num_blocks
 
     def batch() -> TransferBatch:  # the one validation of the request, where it enters
         return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit, ready_event, deadline,
-                                   engine)
+                                   engine, hint)
 
     job = None
     if request.HasField("wait") and not request.wait:
@@ -170,5 +174,6 @@ def repeated_limits(limits: RequestLimits) -> dict[str, dict[str, int]]:
     """Per request message, its repeated fields' bounds: counted on the wire before the message is parsed."""
     batch = limits.max_batch_blocks
     return {"OffloadRequest": {"slots": batch, "keys": batch}, "RestoreRequest": {"slots": batch, "keys": batch},
-            "PushRequest": {"keys": batch}, "LookupRequest": {"pools": limits.max_pools, "keys": batch},
+            "PushRequest": {"keys": batch}, "HintRequest": {"keys": batch},
+            "LookupRequest": {"pools": limits.max_pools, "keys": batch},
             "DeleteRequest": {"keys": batch}, "WaitJobsRequest": {"job_ids": limits.max_job_ids}}

@@ -54,3 +54,28 @@ def stop_process(proc: subprocess.Popen, within_s: float = 30.0) -> None:
             return
         time.sleep(0.001)
     raise AssertionError(f"process {proc.pid} not stopped within {within_s} s")
+
+
+def until(check, what: str, seconds: float = 30) -> None:
+    """Poll ``check`` until it holds; fail naming ``what`` after ``seconds`` (room for a busy machine)."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def lookup_tiers(daemon, keys: list[bytes]) -> list:
+    """Where a daemon's pool ``rank0`` holds each key (None: nowhere)."""
+    from kvxfer import Client
+
+    with Client(daemon.target) as client:
+        return client.lookup(keys, pool_ids=["rank0"]).tiers
+
+
+def tier_events(daemon, kind) -> dict:
+    """One lower tier's event counts in the daemon's pool ``rank0``, and whether it is degraded."""
+    from kvxfer import Client
+
+    with Client(daemon.target) as client:
+        (tier,) = [t for t in client.stats("rank0")[0].tiers if t.tier is kind]
+        return {**tier.events, "degraded": tier.degraded}

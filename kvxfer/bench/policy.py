@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.bench import policy_hints
 from kvxfer.bench.common import Progress, save
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.index.eviction import EvictionPolicy, Evictable, lru
-from kvxfer.records import TierKind
+from kvxfer.records import HintAction, TierKind
 from kvxfer.tables import format_table
 
 NAMESPACE = "trace"
@@ -103,10 +104,12 @@ class FurthestNextUse(EvictionPolicy):
         return slots[np.argsort(-self.next_use[slots], kind="stable")]
 
 
-def replay(trace: Trace, capacity: int, policy: str) -> tuple[int, float]:
-    """(blocks read from the cache, seconds the index took) for ``trace`` through a ``capacity``-slot index."""
+def replay(trace: Trace, capacity: int, policy: str, release: list[bool] | None = None) -> tuple[int, float]:
+    """(blocks read from the cache, seconds the index took) for ``trace`` through a ``capacity``-slot index.
+    ``policy``: lru, belady, or hinted (the daemon's own index, ``HintedLRU``), where request i's new blocks
+    are stored with RELEASE when ``release[i]`` (``kvxfer.bench.policy_hints``)."""
     oracle = FurthestNextUse(capacity) if policy == "belady" else None
-    index = BlockIndex(TierKind.HOST, capacity, oracle or lru(capacity))
+    index = BlockIndex(TierKind.HOST, capacity, oracle or (None if policy == "hinted" else lru(capacity)))
     hits, spent = 0, 0.0
     for i, blocks in enumerate(trace.requests):
         keys = [b.to_bytes(8, "little", signed=True) for b in blocks]
@@ -129,6 +132,8 @@ def replay(trace: Trace, capacity: int, policy: str) -> tuple[int, float]:
             for slot, k in zip(plan.slots, plan.positions):
                 oracle.next_use[slot] = ranks[k]
         index.complete_store(plan.slots, [1] * len(plan.slots))
+        if release is not None and release[i] and plan.positions:  # what an Offload's RELEASE hint does
+            index.hints.hint(NAMESPACE, [keys[k] for k in plan.positions], HintAction.RELEASE)
         spent += time.perf_counter() - start
         hits += prefix
     return hits, spent
@@ -138,34 +143,67 @@ def rank(next_use: int, position: int) -> int:
     return NEVER if next_use == NEVER else next_use * DEPTH + min(position, DEPTH - 1)
 
 
+def _subjects(args: argparse.Namespace, trace: Trace) -> dict[str, tuple[str, list[bool] | None]]:
+    """Each replayed subject: its policy and which requests' blocks it stores with RELEASE."""
+    subjects = {"lru": ("lru", None)}
+    if args.hints is not None:
+        subjects["hinted"] = ("hinted", policy_hints.released(trace.requests, args.hints))
+        if args.wrong:
+            subjects["hinted_wrong"] = ("hinted", policy_hints.released(trace.requests, args.hints, args.wrong))
+    subjects["belady"] = ("belady", None)
+    return subjects
+
+
+def _closed(ratio: float, lru_ratio: float, belady: float) -> str:
+    """The share of the LRU-to-Belady gap a subject closed (negative: below LRU)."""
+    return f"{(ratio - lru_ratio) / (belady - lru_ratio):+.2f}" if belady > lru_ratio else "-"
+
+
 def run(args: argparse.Namespace) -> int:
     trace = load(args.trace, args.requests)
     distinct, reads = trace.distinct, trace.reads
     shares = [float(s) for s in args.shares.split(",")]
     if not shares or any(not 0 < s <= 1 for s in shares):
         raise SystemExit("--shares: comma-separated shares of the distinct blocks, each in (0, 1]")
-    print(f"{len(trace.requests)} requests, {reads} block reads, {distinct} distinct blocks")
-    progress = Progress(2 * len(shares))
+    if not 0 <= args.wrong < 1:
+        raise SystemExit("--wrong: the share of continuing turns released as well, in [0, 1)")
+    subjects = _subjects(args, trace)
+    released = subjects.get("hinted", ("", None))[1]
+    print(f"{len(trace.requests)} requests, {reads} block reads, {distinct} distinct blocks"
+          + (f"; {sum(released)} stored with RELEASE ({args.hints})" if released else ""))
+    progress = Progress(len(subjects) * len(shares))
     rows, curve = [], []
     for share in shares:
         capacity = max(1, round(distinct * share))
         ratios = {}
-        for policy in ("lru", "belady"):
-            hits, seconds = replay(trace, capacity, policy)
-            ratios[policy] = hits / reads
-            if policy == "lru":
+        for name, (policy, release) in subjects.items():
+            hits, seconds = replay(trace, capacity, policy, release)
+            ratios[name] = hits / reads
+            if name == "lru":
                 per_block = seconds / reads * 1e6
-            progress.step(f"{capacity} blocks ({share:.0%}), {policy}: hit ratio {hits / reads:.3f}")
-        curve.append({"share": share, "capacity_blocks": capacity, **ratios, "lru_us_per_block": per_block})
-        rows.append([f"{share:.0%}", capacity, f"{ratios['lru']:.3f}", f"{ratios['belady']:.3f}",
-                     f"{ratios['lru'] / ratios['belady']:.2f}" if ratios["belady"] else "-", f"{per_block:.2f}"])
-    print(format_table(["share of distinct blocks", "capacity (blocks)", "LRU hit ratio", "Belady hit ratio",
-                        "LRU / Belady", "LRU us a block read"], rows,
+            elif name == "hinted":
+                hinted_per_block = seconds / reads * 1e6
+            progress.step(f"{capacity} blocks ({share:.0%}), {name}: hit ratio {hits / reads:.3f}")
+        costs = {"hinted_us_per_block": hinted_per_block} if "hinted" in subjects else {}
+        curve.append({"share": share, "capacity_blocks": capacity, **ratios, "lru_us_per_block": per_block, **costs})
+        row = [f"{share:.0%}", capacity, f"{ratios['lru']:.3f}"]
+        for name in [n for n in subjects if n.startswith("hinted")]:
+            row += [f"{ratios[name]:.3f}", _closed(ratios[name], ratios["lru"], ratios["belady"])]
+        rows.append(row + [f"{ratios['belady']:.3f}", f"{per_block:.2f}"] + [f"{c:.2f}" for c in costs.values()])
+    hinted = [f"{args.hints} hit ratio", "gap closed"] if args.hints else []
+    wrong = [f"{args.wrong:.0%} wrong: hit ratio", "gap closed"] if args.hints and args.wrong else []
+    print(format_table(["share of distinct blocks", "capacity (blocks)", "LRU hit ratio", *hinted, *wrong,
+                        "Belady hit ratio", "LRU us a block read", *(["hinted us a block read"] if hinted else [])],
+                       rows,
                        {"hit ratio": "blocks read from the cache / blocks read (a request reuses its longest cached "
                                      "prefix)",
-                        "LRU us a block read": "the index's CPU time (lookup, load, store, evictions) / blocks read"}))
+                        "gap closed": "(hinted - LRU) / (Belady - LRU): the share of what LRU misses that the hints "
+                                      "won back (negative: below LRU)",
+                        "LRU us a block read": "the index's CPU time (lookup, load, store, evictions) / blocks read",
+                        "hinted us a block read": "the same through the daemon's own index (HintedLRU), its hints "
+                                                  "included"}))
     save(args, {"trace": args.trace, "requests": len(trace.requests), "reads": reads, "distinct": distinct,
-                "curve": curve}, plot)
+                "hints": args.hints, "wrong": args.wrong, "curve": curve}, plot)
     return 0
 
 
@@ -178,7 +216,11 @@ def plot(results: dict, path: str) -> None:
     curve = results["curve"]
     x = [100 * c["share"] for c in curve]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [c["lru"] for c in curve], "o-", label="LRU (the daemon's)")
+    ax.plot(x, [c["lru"] for c in curve], "o-", label="LRU (the daemon's, no hints)")
+    if "hinted" in curve[0]:
+        ax.plot(x, [c["hinted"] for c in curve], "^-", label=f"with {results['hints']} hints")
+    if "hinted_wrong" in curve[0]:
+        ax.plot(x, [c["hinted_wrong"] for c in curve], "v:", label=f"the same, {results['wrong']:.0%} wrong")
     ax.plot(x, [c["belady"] for c in curve], "s--", label="Belady (offline optimum)")
     ax.set_xlabel("tier capacity, % of the trace's distinct blocks")
     ax.set_ylabel("hit ratio of block reads")
@@ -196,5 +238,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shares", default="0.02,0.05,0.1,0.25,0.5,1",
                    help="tier capacities, as shares of the trace's distinct blocks")
     p.add_argument("--requests", type=int, default=0, help="replay only the first N requests (0: all)")
+    p.add_argument("--hints", choices=policy_hints.RULES, help="also replay with the hints an application would "
+                   "send (session-end: a conversation's last turn stored with RELEASE; none: the hinted index "
+                   "with no hints, which must equal LRU)")
+    p.add_argument("--wrong", type=float, default=0.0, help="with --hints: also replay with this share of "
+                   "continuing turns released as well (wrong hints)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write the hit-ratio curve here (PNG)")

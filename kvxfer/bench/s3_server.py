@@ -5,9 +5,7 @@ free ports, one identity, data in a temporary directory (docs/storage.md)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +16,8 @@ from pathlib import Path
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+
+from kvxfer.bench.server_process import ServerProcess
 
 ACCESS_KEY, SECRET_KEY = "kvxfer-test", "kvxfer-test-secret-key"
 WEED = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
@@ -39,7 +39,7 @@ def _free_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-class S3Server:
+class S3Server(ServerProcess):
     """``weed mini`` with one bucket made (``bucket``); ``stop``/``start`` keep the data."""
 
     def __init__(self, bucket: str = "kvxfer") -> None:
@@ -80,6 +80,7 @@ class S3Server:
         while True:
             try:
                 self.client(retries=0).list_buckets()
+                self._readable()
                 return
             except (BotoCoreError, ClientError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -87,27 +88,19 @@ class S3Server:
                                        f"{(self.dir / 'weed.log').read_text()[-3000:]}") from None
                 time.sleep(0.2)
 
+    def _readable(self) -> None:
+        """Raises until every object the bucket lists can be read: restarted, the S3 gateway answers (and lists
+        from the filer) before the volume server has told the master of its volumes, and a GET meanwhile fails."""
+        client = self.client(retries=0)
+        names = [o["Key"] for o in client.list_objects_v2(Bucket=self.bucket).get("Contents", [])] \
+            if self.bucket in [b["Name"] for b in client.list_buckets()["Buckets"]] else []
+        for name in names:
+            client.get_object(Bucket=self.bucket, Key=name, Range="bytes=0-0")["Body"].read()
+
     def client(self, retries: int = 2):
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
                             aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
                             config=Config(retries={"max_attempts": retries + 1}, connect_timeout=2, read_timeout=5))
-
-    def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
     def objects(self) -> list[str]:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket)

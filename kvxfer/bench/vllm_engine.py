@@ -6,11 +6,10 @@ the connector in both roles, allocate_kv_cache); only the model is replaced: its
 "forward pass" writes, for every scheduled token, KV bytes that are a function of the
 token's prefix (so a block's right content is known) and samples a token from it.
 
-``runner="v1"`` calls the worker-side connector in the order of vLLM's
-KVConnectorModelRunnerMixin; ``runner="v2"`` through vLLM's own ActiveKVConnector, the
-V2 model runner's. ``async_scheduling=True`` runs vLLM's AsyncScheduler with a batch
-queue of two, as EngineCore.step_with_batch_queue does: a step is scheduled before
-the previous step's output has reached the scheduler.
+``runner="v1"`` calls the worker-side connector in the order of vLLM's KVConnectorModelRunnerMixin;
+``runner="v2"`` through vLLM's own ActiveKVConnector, the V2 model runner's. ``async_scheduling=True``
+runs vLLM's AsyncScheduler with a batch queue of two, as EngineCore.step_with_batch_queue does: a
+step is scheduled before the previous step's output has reached the scheduler.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import itertools
 import json
 from collections import deque
 import tempfile
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 from vllm import SamplingParams
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                         VllmConfig)
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -107,11 +107,8 @@ def _token_of(kv: torch.Tensor) -> int:
 
 def prefix_hashes(tokens: list[int]) -> list[int]:
     """A rolling hash of each token's prefix: the stand-in model's KV is a function of it."""
-    out, h = [], 1469598103934665603
-    for t in tokens:
-        h = (h * 1000003 + t + 1) % (1 << 61)
-        out.append(h)
-    return out
+    return list(itertools.accumulate(tokens, lambda h, t: (h * 1000003 + t + 1) % (1 << 61),
+                                     initial=1469598103934665603))[1:]
 
 
 class Rank:
@@ -188,6 +185,8 @@ class Engine:
         # One rank of each set that holds the same heads: together, every head once.
         self.distinct = [r for i, r in enumerate(self.ranks) if r.heads not in [q.heads for q in self.ranks[:i]]]
         self.worker = self.ranks[0].connector
+        handshake = {(0, i): m for i, r in enumerate(self.ranks) if (m := r.connector.get_handshake_metadata())}
+        self.scheduler.get_kv_connector().set_xfer_handshake_metadata_pp_aware(handshake)  # as EngineCore does
         self._aggregator = KVOutputAggregator.from_connector(self.worker, tensor_parallel)
         self.finished: set[str] = set()
         self.block_tables: dict[str, list[int]] = {}  # req id -> its blocks when last computed
@@ -197,8 +196,9 @@ class Engine:
         freeze_gc_heap()
 
     # -- requests ---------------------------------------------------------------------
-    def add(self, req_id: str, tokens: list[int], *, cache_salt: str | None = None, max_tokens: int = 1) -> None:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    def add(self, req_id: str, tokens: list[int], *, cache_salt: str | None = None, max_tokens: int = 1,
+            **extra_args) -> None:  # (extra_args: kv_transfer_params, as vLLM's OpenAI API passes it)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args or None)
         self.scheduler.add_request(Request(req_id, tokens, params, None, cache_salt=cache_salt,
                                            block_hasher=self._hasher))
 

@@ -32,6 +32,7 @@ from zmq import ZMQError
 from kvxfer.events.hub import EventHub
 from kvxfer.events.settings import EventSettings
 from kvxfer.events.vllm_wire import VllmEncoder
+from kvxfer.records import TierKind
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -40,7 +41,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class ZmqPublisher:
     """Publishes the hub's events until ``close``."""
 
-    def __init__(self, hub: EventHub, settings: EventSettings) -> None:
+    def __init__(self, hub: EventHub, settings: EventSettings,
+                 placement: dict[TierKind, tuple[str, str]] | None = None) -> None:
+        """``placement``: each tier's (medium, locality) as vLLM's events name them (``VllmEncoder``)."""
         self.hub, self.settings = hub, settings
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -61,7 +64,7 @@ class ZmqPublisher:
         self._buffered = 0
         self._seq = 0
         self._closed = threading.Event()
-        self._encoder = VllmEncoder(settings.int_block_hashes)
+        self._encoder = VllmEncoder(settings.int_block_hashes, placement=placement)
         self._thread = threading.Thread(target=self._run, name="kvxfer-events-zmq", daemon=True)
         self._thread.start()
 

@@ -20,11 +20,11 @@ import msgspec
 from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat, TierEvent, engine_hash
 from kvxfer.records import TierKind
 
-MEDIUM = {TierKind.HOST: "CPU", TierKind.DISK: "DISK", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "SHARED_FS",
-          TierKind.PEER: "REMOTE", TierKind.OBJECT: "STORAGE"}  # STORAGE: what vLLM 0.33's own obj tier publishes
-LOCALITY = {TierKind.HOST: "LOCAL", TierKind.DISK: "LOCAL", TierKind.REMOTE: "REMOTE", TierKind.SHARED_FS: "REMOTE",
-            TierKind.PEER: "REMOTE", TierKind.OBJECT: "REMOTE"}
 OWNERSHIP = "kvxfer"
+
+#: (medium, locality) of the host tier, as vLLM's events name them; the lower tiers' are on their rows
+#: (``kvxfer.tiers.registry.placements``), given to the encoder by the daemon.
+HOST_PLACEMENT = {TierKind.HOST: ("CPU", "LOCAL")}
 MAX_NAMESPACES = 4096  # block sizes remembered (namespaces whose offloads described their blocks lately)
 
 
@@ -75,7 +75,10 @@ class KVEventBatch(EventBatch):
 class VllmEncoder:
     """Encodes runs of kvxfer events as vLLM ``KVEventBatch`` payloads. One per publisher thread."""
 
-    def __init__(self, int_hashes: bool = False, data_parallel_rank: int | None = None) -> None:
+    def __init__(self, int_hashes: bool = False, data_parallel_rank: int | None = None,
+                 placement: dict[TierKind, tuple[str, str]] | None = None) -> None:
+        """``placement``: each tier's (medium, locality) in the events (``kvxfer.tiers.registry.placements``)."""
+        self._placement = placement or HOST_PLACEMENT
         self._int_hashes = int_hashes  # as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1
         self._rank = data_parallel_rank
         self._block_sizes: OrderedDict[str, int] = OrderedDict()  # namespace -> tokens a block (offloads said)
@@ -104,7 +107,7 @@ class VllmEncoder:
         for key in event.keys:
             block_hash, group = engine_hash(key, key_format)
             runs.setdefault(group, []).append(self._hash(block_hash))
-        medium, locality = MEDIUM[event.tier], LOCALITY[event.tier]
+        medium, locality = self._placement[event.tier]
         if event.kind is EventKind.REMOVED:
             return [BlockRemoved(hashes, medium, group, locality, OWNERSHIP) for group, hashes in runs.items()]
         out: list[KVCacheEvent] = []

@@ -1,23 +1,22 @@
 """The block index: (namespace, key) -> tier slot, with pins, checksums and an eviction order.
 
-Pure bookkeeping: it never touches tensors. A store is two-phase: ``prepare_store``
-reserves slots and creates pinned, invisible entries; ``complete_store`` makes the
-successful ones visible with their checksum and forgets the rest. A load is
-two-phase too, so that an entry is pinned (not evictable) while its bytes move.
-Every prepare must be followed by its complete, also on errors.
+Pure bookkeeping: it never touches tensors. A store is two-phase: ``prepare_store`` reserves slots and
+creates pinned, invisible entries; ``complete_store`` makes the successful ones visible with their
+checksum and forgets the rest. A load is two-phase too, so that an entry is pinned (not evictable)
+while its bytes move. Every prepare must be followed by its complete, also on errors.
 
-The slot is the entry: its state, pins and checksum are arrays indexed by slot, its key
-is kept by the key table (``KeyTable``: one table for every namespace, sized once, never
-rebuilt) and its place in the eviction order by the policy (a linked list of slots). A
-batch is then a few passes in C and vector operations, with no Python loop per block on
-the store and load paths, and no call pauses to rebuild or compact anything (measured in
-docs/benchmarks.md, ``kvxfer bench bookkeeping`` and ``kvxfer bench scale``). Keys within
-one batch are distinct (the edge checks).
+The slot is the entry: its state, pins and checksum are arrays indexed by slot, its key is kept by
+the key table (``KeyTable``: one table for every namespace, sized once, never rebuilt) and its place
+in the eviction order by the policy (linked lists of slots; hints move them: ``index.hints``). A
+batch is then a few passes in C and vector operations, with no Python loop per block on the store
+and load paths, and no call pauses to rebuild or compact anything (measured in docs/benchmarks.md,
+``kvxfer bench bookkeeping`` and ``kvxfer bench scale``). Keys within one batch are distinct.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -26,7 +25,9 @@ from kvxfer.errors import FailedPrecondition, Internal
 from kvxfer.events.hub import TierEvents
 from kvxfer.events.records import EngineBlocks, Reason, described, format_code
 from kvxfer.index.entries import Entry, Evicted, IndexStats, Plan, Victim
-from kvxfer.index.eviction import EvictionPolicy, lru
+from kvxfer.index.eviction import EvictionPolicy
+from kvxfer.index.hintbook import DEFAULT_SHARE, IndexHints, book_for
+from kvxfer.index.hinted import default_policy
 from kvxfer.index.refaults import Refaults
 from kvxfer.index.tenancy import Tenancy, Tenant
 from kvxfer.index.keytable import KeyTable
@@ -44,14 +45,17 @@ class BlockIndex:
     """The index of one tier. Thread-safe."""
 
     def __init__(self, tier: TierKind, slots: SlotAllocator | int, policy: EvictionPolicy | None = None,
-                 events: TierEvents | None = None, tenants: Sequence[Tenant] = ()) -> None:
+                 events: TierEvents | None = None, tenants: Sequence[Tenant] = (),
+                 hint_share: float = DEFAULT_SHARE) -> None:
         """``slots``: the tier's free-slot bookkeeping (``Tier.slots``), or a capacity for one of its own;
-        ``events``: where to announce entries published and removed (under the lock, as they change);
-        ``tenants``: their guaranteed shares of the tier (``kvxfer.index.tenancy``)."""
+        ``policy``: default ``HintedLRU`` (``kvxfer.index.hinted``); ``events``: where to announce entries
+        published and removed (under the lock, as they change); ``tenants``: their guaranteed shares of the tier
+        (``kvxfer.index.tenancy``); ``hint_share``: per tenant, what retained and prefetched blocks may hold."""
         self.tier = tier
         self._slots = slots if isinstance(slots, SlotAllocator) else SlotAllocator(slots)
         capacity = self._slots.capacity
-        self._policy = policy if policy is not None else lru(capacity)
+        self._policy = policy = policy if policy is not None else default_policy(capacity)
+        self._hints = book_for(policy, capacity, hint_share, len(tenants) + 1)
         self._state = np.zeros(capacity, dtype=np.int8)
         self._pins = np.zeros(capacity, dtype=np.int32)
         self._checksum = np.zeros(capacity, dtype=np.uint64)
@@ -59,6 +63,8 @@ class BlockIndex:
         self._keys = KeyTable(capacity)
         self._events = events
         self._lock = threading.Lock()
+        self.hints = IndexHints(self._hints, self._lock, self._ready,  # RETAIN, RELEASE, prefetch
+                                lambda ns: self._tenancy.of(ns) if self._tenancy is not None else 0)
         self._evictions = 0
         self._refaults = Refaults(capacity)
         self._tenancy = Tenancy(tenants, capacity) if tenants else None
@@ -164,7 +170,9 @@ class BlockIndex:
             self._pin(at, -1)
             if corrupt:
                 self._drop(at[sorted(corrupt)], reason)
-            self._policy.used(at[self._state[at] == READY])  # most recently used
+            read = at[self._state[at] == READY]
+            self._policy.used(read)  # most recently used
+            self._hints.read(read, time.monotonic())
             self._free_unpinned_dropped(at)
 
     # -- rebuilding and trimming -------------------------------------------------
@@ -238,20 +246,19 @@ class BlockIndex:
 
     # -- queries ---------------------------------------------------------------
     def contains(self, namespace: str, keys: list[bytes]) -> list[bool]:
-        return [t is not None for t in self.tiers_of(namespace, keys)]
+        with self._lock:
+            return self._ready(namespace, keys)[1].tolist()
 
     def tiers_of(self, namespace: str, keys: list[bytes]) -> list[TierKind | None]:
         """Where each key's complete entry is, None where there is none."""
-        with self._lock:
-            hit = self._ready(namespace, keys)[1]
-            tier = self.tier
-            return [tier if h else None for h in hit.tolist()]
+        tier = self.tier
+        return [tier if h else None for h in self.contains(namespace, keys)]
 
     def locate(self, namespace: str, key: bytes) -> int | None:
         """The tier slot of a complete entry, or None (tools and tests)."""
         with self._lock:
-            slot = int(self._keys.find(namespace, [key])[0])
-            return slot if slot >= 0 and self._state[slot] == READY else None
+            found, hit = self._ready(namespace, [key])
+            return int(found[0]) if hit[0] else None
 
     def stored_checksums(self, slots: Sequence[int]) -> list[int]:
         """The checksum recorded with each slot's entry (tools and the device check)."""
@@ -269,9 +276,8 @@ class BlockIndex:
         completes; absent keys are ignored. Returns how many were removed."""
         with self._lock:
             found = self._keys.find(namespace, keys)
-            at = found[found >= 0]
-            self._drop(at, Reason.DELETED)
-            return len(at)
+            self._drop(found[found >= 0], Reason.DELETED)
+            return int(np.count_nonzero(found >= 0))
 
     def stats(self) -> IndexStats:
         with self._lock:
@@ -327,6 +333,7 @@ class BlockIndex:
     def _take_victims(self, n: int, tenant: int = 0) -> Evicted:
         """Remove up to n entries the policy names and free their slots (whose bytes stay until reused)."""
         t = self._tenancy
+        self._hints.before_victims()
         at = self._policy.victims(n, self._evictable) if t is None else t.take(self._policy, n, tenant, self._evictable)
         self._evictions += len(at)
         owners = self._keys.owner_ids(at)
@@ -337,6 +344,7 @@ class BlockIndex:
                                evicted.keys)
         if self._events is not None:
             self._announce(at, Reason.EVICTED)
+        self._hints.gone(at, evicted=True)
         self._keys.remove(at)
         self._set_state(at, FREE)
         self._slots.release_many(at)
@@ -352,6 +360,7 @@ class BlockIndex:
             self._announce(at[self._state[at] == READY], reason)
         self._keys.remove(at)
         self._policy.forget(at)
+        self._hints.gone(at, evicted=False)
         self._set_state(at, DROPPED)
         self._free_unpinned_dropped(at)
 

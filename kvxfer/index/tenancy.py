@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.index.eviction import Evictable, EvictionPolicy
-from kvxfer.integrations.identity import digest
+from kvxfer.records import digest
 
 OTHER = "other"  # namespaces no tenant names
 MAX_TENANTS = 16

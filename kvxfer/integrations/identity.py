@@ -66,11 +66,6 @@ def model_identity(model: str, revision: str | None, hf_config: dict[str, Any], 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-def digest(*parts: object, size: int = 16) -> str:
-    """A short hex name for ``parts`` (fingerprints, tenants, pool ids of the engine backends)."""
-    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:size]
-
-
 def safe_group_prefix(prefix: str, default: str) -> str:
     """A user's cache-group prefix made safe for a group name (``default`` when empty)."""
     return _UNSAFE.sub("-", prefix)[:24] or default

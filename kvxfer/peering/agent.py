@@ -76,6 +76,8 @@ class Agent:
     def __init__(self, settings: PeeringSettings) -> None:
         if settings.ucx_tls:  # read when the UCX context is made, below; the daemon owns its environment
             os.environ["UCX_TLS"] = settings.ucx_tls
+        if settings.ucx_modules:  # read when UCX loads its modules (the first context): see PeeringSettings
+            os.environ["UCX_MODULES"] = settings.ucx_modules
         api, bindings, self.errors = _nixl()
         self._bindings = bindings
         config = api.nixl_agent_config(enable_prog_thread=False, backends=[],

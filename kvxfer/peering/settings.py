@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DEFAULT_UCX_MODULES = "^efa"
+
 
 @dataclass(frozen=True)
 class PeerAddress:
@@ -22,6 +24,10 @@ class PeeringSettings:
     peers: tuple[PeerAddress, ...] = ()
     ucx_tls: str = ""  # UCX_TLS ("tcp", "rc,cuda_copy", ...); "" leaves UCX's choice
     ucx_net_devices: str = ""  # UCX_NET_DEVICES ("eth0", "mlx5_0:1", "lo"); "" leaves UCX's choice
+    #: UCX_MODULES, the UCX modules loaded ("" all). Not EFA's by default: the wheel's UCX module for it links
+    #: the system's libefa, so a node with rdma-core holds two libibverbs and two libnl, whose destructors
+    #: crash the process at exit (SIGSEGV in rtnl_tc_unregister). InfiniBand and RoCE use the bundled mlx5.
+    ucx_modules: str = DEFAULT_UCX_MODULES
     timeout_ms: int = 2000  # one peer call, and one read, at most this long; then misses
     lease_ms: int = 5000  # the lease this daemon asks its peers for
     max_lease_ms: int = 30_000  # the longest lease this daemon grants

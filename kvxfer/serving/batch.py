@@ -17,6 +17,7 @@ import numpy as np
 from kvxfer.errors import InvalidArgument
 from kvxfer.events.records import EngineBlocks, KeyFormat
 from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES
+from kvxfer.records import HintAction
 from kvxfer.validate import (MAX_BATCH_BLOCKS, MAX_KEY_BYTES, check_blocks, check_namespace, checked_extra_keys,
                              checked_keys)
 
@@ -40,6 +41,7 @@ class TransferBatch:
     ready_event: bytes = b""  # offload of a CUDA pool: the engine's IPC event to wait for
     deadline: float | None = None  # time.monotonic(): no pool copy starts after it, none ending after it counts
     engine: EngineBlocks | None = None  # offload: what the engine said of its blocks (for the KV events)
+    hint: tuple[HintAction, int] | None = None  # offload: RETAIN (its TTL, seconds) or RELEASE, once stored
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -47,7 +49,8 @@ class TransferBatch:
     @classmethod
     def build(cls, kind: TransferKind, namespace: str, blocks: Sequence[int], keys: Sequence[bytes],
               num_blocks: int, limit: int = MAX_BATCH_BLOCKS, ready_event: bytes = b"",
-              deadline: float | None = None, engine: EngineBlocks | None = None) -> TransferBatch:
+              deadline: float | None = None, engine: EngineBlocks | None = None,
+              hint: tuple[HintAction, int] | None = None) -> TransferBatch:
         """Validate a request whole (namespace, blocks of a pool of ``num_blocks``, keys) and build it."""
         check_namespace(namespace)
         blocks = list(blocks)
@@ -59,7 +62,9 @@ class TransferBatch:
             raise InvalidArgument(f"a CUDA event handle has {IPC_HANDLE_BYTES} bytes and goes with an offload")
         if engine is not None:
             engine = _checked_engine(kind, engine, keys)
-        return cls(kind, namespace, blocks, keys, bytes(ready_event), deadline, engine)
+        if hint is not None and kind is not TransferKind.OFFLOAD:
+            raise InvalidArgument("a hint for blocks goes with an offload (a Restore is a read)")
+        return cls(kind, namespace, blocks, keys, bytes(ready_event), deadline, engine, hint)
 
     @classmethod
     def offload(cls, namespace: str, pairs: Sequence[tuple[int, bytes]], num_blocks: int,

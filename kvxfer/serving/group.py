@@ -28,8 +28,9 @@ from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.geometry.sharding import Manifest
 from kvxfer.index.admission import Admission, AdmissionSettings
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
+from kvxfer.index.hintbook import DEFAULT_SHARE, HintStats
 from kvxfer.index.tenancy import Tenant
-from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.records import HintAction, Outcome, TierKind, TierStats
 from kvxfer.serving.assembly import Assembly, Verified
 from kvxfer.serving.promotion import InFlight, promote
 from kvxfer.tiers.host import HostTier
@@ -89,14 +90,15 @@ class CacheGroup:
                  lower: LowerTierFactory | None = None, kv_events: EventHub | ScopedEvents | None = None,
                  manifest: Manifest | None = None, reservations: Reservations | None = None,
                  admission: AdmissionSettings | None = None, tenants: Sequence[Tenant] = (),
-                 hash_threads: int = 1) -> None:
+                 hash_threads: int = 1, hint_share: float = DEFAULT_SHARE) -> None:
         """``lower``: makes the group's lower tiers, top down (``kvxfer.tiers.registry.lower_tiers``).
         ``kv_events``: where every tier of the group announces blocks becoming restorable and going.
         ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
         ``reservations``: peers' pushes into this group, which the local engine's stores come before.
         ``admission``: which new blocks engines' offloads store (``kvxfer.index.admission``; none: all).
         ``tenants``: their guaranteed shares of the host tier and of the disk tier (``kvxfer.index.tenancy``).
-        ``hash_threads``: threads that checksum host slots (what peers and lower tiers read into them)."""
+        ``hash_threads``: threads that checksum host slots (what peers and lower tiers read into them).
+        ``hint_share``: of the host tier, per tenant, what retained and prefetched blocks may hold."""
         self.name = name
         self.event_scope = kv_events.scope if kv_events is not None else 0  # who sees its events (EventHub.scoped)
         self.format = BlockFormat.of(layout, manifest)
@@ -105,7 +107,10 @@ class CacheGroup:
         self.host = HostTier(capacity_blocks, layout.block_bytes, pin_device=pin_device, hasher=native.load(),
                              hash_threads=hash_threads)
         self.index = BlockIndex(self.host.kind, self.host.slots,
-                                events=kv_events.tier(self.host.kind, name) if kv_events else None, tenants=tenants)
+                                events=kv_events.tier(self.host.kind, name) if kv_events else None, tenants=tenants,
+                                hint_share=hint_share)
+        self.closed = False
+        self.hints = dict.fromkeys(HintAction, 0)  # hints taken, by action (RPCs and offloads)
         if self.verified is not None:
             self.index.track_pin_runs()
         # Held from a batch's slot reservation until the blocks it evicted are copied out of
@@ -222,8 +227,9 @@ class CacheGroup:
     def promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None = None,
                 deadline: float | None = None) -> dict[bytes, Outcome]:
         """Bring the named keys up from the lower tiers (or ``tiers``), top down; returns those that failed
-        (DATA_LOSS, FAILED). Keys another restore is promoting now are waited for (until ``deadline``,
-        ``time.monotonic()``; else ``PROMOTION_WAIT_S``), not promoted twice."""
+        (DATA_LOSS, FAILED; RESOURCE_EXHAUSTED: held below, but the host tier had no room for them). Keys another
+        restore is promoting now are waited for (until ``deadline``, ``time.monotonic()``; else
+        ``PROMOTION_WAIT_S``), not promoted twice."""
         until = deadline if deadline is not None else time.monotonic() + PROMOTION_WAIT_S
         mine, waits = self._promoting.claim(namespace, keys)
         try:
@@ -257,6 +263,27 @@ class CacheGroup:
             for i, there in zip(missing, tier.contains(namespace, [keys[i] for i in missing], until)):
                 tiers[i] = tier.kind if there else None
         return tiers
+
+    def hint(self, namespace: str, keys: list[bytes], action: HintAction, until: float = 0.0,
+             counted: bool = True) -> int:
+        """RETAIN (until ``until``, ``time.monotonic()``) or RELEASE these keys' blocks in every tier that keeps an
+        eviction order of its own (host, disk); how many blocks it changed. ``counted``: a hint someone sent (not
+        a prefetch's retention of what it brought up), counted in ``hints``."""
+        if counted:
+            self.hints[action] += 1  # (a statistic: a lost increment between threads is harmless)
+        return sum(index.hints.hint(namespace, keys, action, until) for index in self.key_indexes())
+
+    def prefetch_room(self, namespace: str, want: int) -> int:
+        """How many blocks (up to ``want``) a prefetch may bring up to the host tier within the tenant's share."""
+        return self.index.hints.room(namespace, want)
+
+    def prefetched(self, namespace: str, keys: list[bytes]) -> int:
+        """The host tier's blocks of these keys came up by a prefetch; how many it holds."""
+        return self.index.hints.mark_prefetched(namespace, keys)
+
+    def hint_stats(self) -> list[tuple[TierKind, HintStats]]:
+        """Each tier's hinted blocks (host, disk)."""
+        return [(index.tier, index.hints.stats()) for index in self.key_indexes()]
 
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         return self.index.delete(namespace, keys) + sum(t.delete(namespace, keys) for t in self.lower_tiers)
@@ -304,6 +331,7 @@ class CacheGroup:
         """Stop serving. ``announce``: the host tier's blocks (freed with the group) and the disk's (not
         served until the group is made again) are announced removed (not when the daemon stops: its
         event stream ends with it); shared tiers keep theirs."""
+        self.closed = True  # (queued prefetches of it are dropped)
         for tier in self.lower_tiers:
             tier.close(timeout)
         if announce:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.events.records import format_code
 from kvxfer.memory.pool import Pool
-from kvxfer.records import LookupResult, LookupStats, Outcome, TierStats, TransferResult, TransferStats
+from kvxfer.records import HintAction, LookupResult, LookupStats, Outcome, TierStats, TransferResult, TransferStats
 from kvxfer.geometry.sharding import stored_format
 from kvxfer.serving.assembly import Claim, heads_mask
 from kvxfer.serving.batch import TransferBatch, TransferKind
@@ -36,6 +36,8 @@ VERIFY_WAIT_S = 5.0
 VERIFY_STEP_BYTES = 8 << 20
 #: Keys a Delete handles at a time: its memory is bounded by this, not by the request.
 DELETE_CHUNK = 1024
+#: The outcomes of an offload's blocks that its hint applies to, by action.
+_HINTED = {HintAction.RETAIN: (Outcome.DONE, Outcome.ALREADY_PRESENT), HintAction.RELEASE: (Outcome.DONE,)}
 #: Told of each transfer as it ends: its kind and result (bytes, seconds, outcomes).
 TransferObserver = Callable[[TransferKind, TransferResult], None]
 
@@ -101,6 +103,8 @@ class PoolManager:
             result = TransferResult([Outcome.DEADLINE_EXCEEDED] * len(batch), 0, 0.0)
         else:
             result = _RUN[batch.kind, self.heads != 0](self, batch, cancelled)
+        if batch.hint is not None:
+            self._hint(batch, result)
         counts = _tally(result.outcomes)
         with self._lock:
             for outcome, n in counts.items():
@@ -108,6 +112,15 @@ class PoolManager:
         if self.observer is not None:
             self.observer(batch.kind, result)
         return result
+
+    def _hint(self, batch: TransferBatch, result: TransferResult) -> None:
+        """An offload's hint: RETAIN for its blocks now held (DONE or ALREADY_PRESENT); RELEASE for the blocks it
+        stored (DONE) only, for one already present was stored by someone else, who may still read it."""
+        action, ttl_s = batch.hint
+        kept = _HINTED[action]
+        held = [k for k, o in zip(batch.keys, result.outcomes) if o in kept]
+        if held:
+            self.group.hint(batch.namespace, held, action, time.monotonic() + ttl_s)
 
     def offload(self, namespace: str, pairs: Sequence[tuple[int, bytes]],
                 cancelled: Callable[[], bool] | None = None) -> TransferResult:

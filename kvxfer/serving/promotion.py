@@ -53,7 +53,8 @@ class InFlight:
 
 
 def promote(tier: LowerTier, group: CacheGroup, namespace: str, keys: list[bytes]) -> dict[bytes, Outcome]:
-    """Move the named blocks ``tier`` holds into ``group``'s host tier; returns the keys that failed."""
+    """Move the named blocks ``tier`` holds into ``group``'s host tier; returns the keys that failed (DATA_LOSS,
+    FAILED, or RESOURCE_EXHAUSTED: held there, but the host tier had no room for them)."""
     fetch = tier.fetch(namespace, keys)
     corrupt: set[int] = set()
     try:
@@ -61,7 +62,10 @@ def promote(tier: LowerTier, group: CacheGroup, namespace: str, keys: list[bytes
             return {}
         plan = group.prepare_store(namespace, fetch.keys, engine=False)
         checksums: dict[int, int] = {}  # host slot -> checksum of what landed there
-        failed: dict[bytes, Outcome] = {}
+        # No host slot for it (the tier full of blocks pinned, this restore's own among them): the block is there,
+        # and the restore says the tier had no room, never NOT_FOUND.
+        failed: dict[bytes, Outcome] = {fetch.keys[j]: o for j, o in enumerate(plan.outcomes)
+                                        if o is Outcome.RESOURCE_EXHAUSTED}
         try:
             targets = [(j, group.slot_view(slot)) for j, slot in zip(plan.positions, plan.slots)]
             for (j, _), slot, (verdict, checksum) in zip(targets, plan.slots, fetch.read(targets)):

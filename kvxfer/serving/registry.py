@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvxfer.events.hub import EventHub
 from kvxfer.index.admission import AdmissionSettings
+from kvxfer.serving.prefetch import HintSettings, Prefetcher
 from kvxfer.index.tenancy import Tenant
 from kvxfer.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, \
     ResourceExhausted
@@ -59,15 +60,20 @@ class PoolRegistry:
                  kv_events: EventHub | None = None,
                  peering: Callable[[Callable[[], list[CacheGroup]]], Peering] | None = None,
                  lower_tiers: Mapping[str, object] | None = None, admission: AdmissionSettings | None = None,
-                 tenants: Sequence[Tenant] = ()) -> None:
+                 tenants: Sequence[Tenant] = (), hints: HintSettings | None = None) -> None:
         """``peering``: makes the daemon's peering from the groups peers may reach (``peer_groups``); each
         group made here then has the peers as a lower tier. ``lower_tiers``: every group's other lower
         tiers, settings by config section (``kvxfer.tiers.registry``). ``admission``: every group's rules for
         the new blocks engines offload (``kvxfer.index.admission``). ``tenants``: their shares of every group's
-        host tier (``kvxfer.index.tenancy``)."""
+        host tier (``kvxfer.index.tenancy``). ``hints``: the TTL cap, shares and prefetch queue of hints
+        (``kvxfer.serving.prefetch``)."""
         self.limits = limits
         self.admission = admission
         self.tenants = tuple(tenants)
+        self.hints = hints if hints is not None else HintSettings()
+        self.prefetcher = Prefetcher(self.hints)  # PREFETCH hints, every group's, at the lowest priority
+        # Hints run one at a time: a storm of them takes one thread's share of the GIL, not every worker's.
+        self.hint_gate = threading.Lock()
         self.observer = observer  # told of every transfer of every pool (the daemon's metrics)
         self.kv_events = kv_events  # where the groups' tiers announce their blocks (WatchEvents)
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
@@ -113,7 +119,7 @@ class PoolRegistry:
                                               if self.kv_events is not None else None, manifest=manifest,
                                               reservations=self.peering.leases if self.peering else None,
                                               admission=self.admission, tenants=self.tenants,
-                                              hash_threads=self.limits.copy_threads),
+                                              hash_threads=self.limits.copy_threads, hint_share=self.hints.share),
                                        owner, sharing)
                 # PoolManager refuses a pool whose block format differs from the group's.
                 manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
@@ -145,10 +151,9 @@ class PoolRegistry:
 
     def register(self, pool_id: str, spec: KVSpec, layout: Layout, handle: PoolHandle, token: bytes,
                  host_capacity_mib: int = 0, cache_group: str = "", sharding: Sharding | None = None,
-                 sharing: Sharing = Sharing()) -> tuple[ServedPool, bytes]:
-        """Serve memory an engine allocated and handed over; returns the pool (with a fresh
-        epoch) and the registration token that unregisters it. The hand-off is used up
-        whether the registration succeeds or not."""
+                 sharing: Sharing = Sharing(), chosen: bytes = b"") -> tuple[ServedPool, bytes]:
+        """Serve memory an engine allocated and handed over; returns the pool (with a fresh epoch) and its
+        registration token (``chosen``, or one made here). The hand-off is used up whether it succeeds or not."""
         if not self.limits.allow_register:
             raise FailedPrecondition("this daemon does not accept registered pools (allow_register: false)")
         handoff = self.handoffs.take(token)
@@ -161,7 +166,7 @@ class PoolRegistry:
             if handoff.fd >= 0:
                 os.close(handoff.fd)
             raise
-        unregister_token = secrets.token_bytes(16)
+        unregister_token = chosen or secrets.token_bytes(16)
         try:
             served = self.add(pool, capacity, cache_group, owner=f"uid:{handoff.uid}", token=unregister_token,
                               registrant_pid=handoff.pid, sharing=sharing)
@@ -281,9 +286,11 @@ class PoolRegistry:
                                      "as its handle says")
         return pool.fd
 
-    def get(self, ref: PoolRef, registrant: bool = False) -> ServedPool:
-        """A live pool whose epoch matches; FAILED_PRECONDITION otherwise. ``registrant``: the request
-        moves or deletes blocks, which on a registered pool only its registrant may (PERMISSION_DENIED)."""
+    def get(self, ref: PoolRef, registrant: bool = False, reader: bool = False) -> ServedPool:
+        """A live pool whose epoch matches; FAILED_PRECONDITION otherwise. ``registrant``: the request moves or
+        deletes blocks, which on a registered pool only its registrant may (PERMISSION_DENIED); ``reader``: it
+        learns of its keys (a Lookup, a hint), which on a private group (one that shows its keys to no watcher)
+        only its registrant may."""
         if not ref.pool_id:
             raise InvalidArgument("a request must name its pool (pool.pool_id)")
         with self._lock:
@@ -294,10 +301,11 @@ class PoolRegistry:
         if ref.epoch != epoch:
             raise FailedPrecondition(f"stale epoch {ref.epoch} for pool {shown(ref.pool_id)} (now {epoch}): "
                                      "call GetPoolInfo and map the pool again")
+        registrant = registrant or (reader and served.manager.group.event_scope != 0)
         if registrant and served.token_digest and not hmac.compare_digest(token_digest(bytes(ref.token)),
                                                                            served.token_digest):
-            raise PermissionDenied(f"pool {shown(ref.pool_id)} was registered by another client: only its "
-                                   "registrant (with the registration token it was given) moves its blocks")
+            raise PermissionDenied(f"pool {shown(ref.pool_id)} was registered by another client: only its registrant "
+                                   "(with the registration token it was given) moves its blocks or asks what it holds")
         return served
 
     def served(self, pool_id: str = "") -> list[ServedPool]:
@@ -309,9 +317,6 @@ class PoolRegistry:
         if served is None:
             raise NotFound(f"no pool {shown(pool_id)}")
         return [served]
-
-    def descriptors(self, pool_id: str = "") -> list[PoolDescriptor]:
-        return [s.descriptor for s in self.served(pool_id)]
 
     def groups(self) -> list[CacheGroup]:
         """The cache groups served now (a Snapshot reads their indexes)."""
@@ -337,7 +342,7 @@ class PoolRegistry:
             raise InvalidArgument("a lookup names at least one pool")
         if len({r.pool_id for r in refs}) != len(refs):
             raise InvalidArgument("a lookup names each pool once")
-        results = [self.get(ref).manager.lookup(namespace, keys, deadline) for ref in refs]
+        results = [self.get(ref, reader=True).manager.lookup(namespace, keys, deadline) for ref in refs]
         tiers = [t if all(r.tiers[i] is not None for r in results) else None for i, t in enumerate(results[0].tiers)]
         return LookupResult(min(r.hits for r in results), tiers)
 
@@ -353,6 +358,7 @@ class PoolRegistry:
     def close(self, drain_timeout: float = 0.0) -> None:
         """Stop every pool's jobs, write the host tiers to their disk tiers (for up to
         ``drain_timeout``), and release every pool (owned pool files are removed)."""
+        self.prefetcher.stop()
         with self._lock:
             served, self._pools = list(self._pools.values()), {}
             groups = self._groups.groups()

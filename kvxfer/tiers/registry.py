@@ -1,10 +1,12 @@
 """The lower tiers there are, in one table: how each is configured and made for a cache group.
 
 ``LOWER_TIERS`` lists them top down (a restore asks them in this order). A row names the
-tier's config section, parses it, and makes the tier for one group from what the section
-gave (its settings, or what the daemon built: peering is the daemon's NIXL agent and links).
-A new tier is one module under ``kvxfer.tiers``, its settings with their parser, and a row
-here; the config, the daemon, ``serve --check`` and every cache group take it from this table.
+tier's kind, its config section, parses it, and makes the tier for one group from what the
+section gave (its settings, or what the daemon built: peering is the daemon's NIXL agent and
+links); it says how the tier's KV events name its medium and locality. A new tier is one package
+under ``kvxfer.tiers``, a row here and its value in the proto's ``Tier`` enum (``TierKind`` is made
+from it); the config, the daemon, ``serve --check``, the chart's schema, the wire, the events and
+every cache group take it from this table.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import Internal
+from kvxfer.records import TierKind
 from kvxfer.tiers import peer
 from kvxfer.tiers.disk import settings as disk
 from kvxfer.tiers.disk.store import DiskStore
 from kvxfer.tiers.lower import GroupContext, LowerTier, LowerTierFactory
+from kvxfer.tiers.mooncake import settings as mooncake
 from kvxfer.tiers.object import settings as object_settings
 from kvxfer.tiers.remote import settings as remote
 from kvxfer.tiers.remote.store import RemoteStore
@@ -29,11 +33,14 @@ from kvxfer.tiers.shared_fs.store import SharedFsStore
 class TierRow:
     """One lower tier: its config section, how the section is read, how the tier is made."""
 
+    kind: TierKind  # where its blocks live, as the API names it
     section: str  # its config section, and its name among ``lower_tiers``' sources
     make: Callable[[Any, GroupContext], LowerTier]  # (what the section gave, the group) -> the group's tier
     parse: Callable[[object], Any] | None = None  # the section's raw value -> its settings (None: absent);
     # None here: the daemon makes the source itself (peering)
     keys: frozenset[str] = frozenset()  # the section's keys (documented in docs/storage.md; a test checks it)
+    medium: str = "REMOTE"  # what its vLLM-format KV events call its medium (vLLM's names: CPU, DISK, STORAGE...)
+    locality: str = "REMOTE"  # LOCAL (this node's own) or REMOTE, in the same events
 
 
 def _store(cls: type) -> Callable[[Any, GroupContext], LowerTier]:
@@ -50,13 +57,28 @@ def _object(settings: Any, group: GroupContext) -> LowerTier:
     return ObjectTier(settings, group.name, group.fingerprint, group.block_bytes, group.events)
 
 
+def _mooncake(settings: Any, group: GroupContext) -> LowerTier:
+    from kvxfer.tiers.mooncake.store import MooncakeTier  # (the Mooncake wheel: only when configured)
+
+    return MooncakeTier(settings, group.name, group.fingerprint, group.block_bytes, group.events)
+
+
 LOWER_TIERS: list[TierRow] = [
-    TierRow("disk", _disk, disk.parse, disk.KEYS),  # this node's own: divided between tenants as the host tier
-    TierRow("shared_fs", _store(SharedFsStore), shared_fs.parse, shared_fs.KEYS),
-    TierRow("peering", peer.PeerTier),  # other nodes' daemons: after the local tiers, before Redis
-    TierRow("remote", _store(RemoteStore), remote.parse, remote.KEYS),
-    TierRow("object", _object, object_settings.parse, object_settings.KEYS),  # the bucket: shared, slowest, last
+    # this node's own: divided between tenants as the host tier
+    TierRow(TierKind.DISK, "disk", _disk, disk.parse, disk.KEYS, "DISK", "LOCAL"),
+    TierRow(TierKind.SHARED_FS, "shared_fs", _store(SharedFsStore), shared_fs.parse, shared_fs.KEYS, "SHARED_FS"),
+    TierRow(TierKind.PEER, "peering", peer.PeerTier),  # other nodes' daemons: after the local tiers, before Redis
+    # the cluster's pooled memory: "CPU", as vLLM's own Mooncake Store connector names it
+    TierRow(TierKind.MOONCAKE, "mooncake", _mooncake, mooncake.parse, mooncake.KEYS, "CPU"),
+    TierRow(TierKind.REMOTE, "remote", _store(RemoteStore), remote.parse, remote.KEYS),
+    # the bucket: shared, slowest, last ("STORAGE": what vLLM 0.33's own object tier publishes)
+    TierRow(TierKind.OBJECT, "object", _object, object_settings.parse, object_settings.KEYS, "STORAGE"),
 ]
+
+
+def placements() -> dict[TierKind, tuple[str, str]]:
+    """Each tier's (medium, locality) as vLLM's KV events name them: the host tier's, then the rows'."""
+    return {TierKind.HOST: ("CPU", "LOCAL")} | {row.kind: (row.medium, row.locality) for row in LOWER_TIERS}
 
 
 def staged_blocks(sources: Mapping[str, object]) -> int:

@@ -5,6 +5,8 @@ Messages name the section and key (``disk.workers: ...``), as the daemon's other
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvxfer.errors import ConfigError
 from kvxfer.validate import shown
 
@@ -60,3 +62,15 @@ def bounded(section: str, raw: dict, key: str, default: int, top: int, low: int 
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
         raise ConfigError(f"{section}.{key}: must be an integer in [{low}, {top}], got {shown(value)}")
     return value
+
+
+def secret(section: str, raw: dict) -> bytes:
+    """The section's ``secret_file`` read (b"" when absent): the MAC key every daemon sharing the medium holds,
+    at least 16 bytes (a file, never the config: it would show in a ConfigMap and in ``serve --check``)."""
+    path = raw.get("secret_file", "")
+    if not isinstance(path, str) or len(path) > 4096 or (path and not Path(path).is_file()):
+        raise ConfigError(f"{section}.secret_file: {shown(path)} is not a readable file")
+    key = Path(path).read_bytes().strip() if path else b""
+    if path and len(key) < 16:
+        raise ConfigError(f"{section}.secret_file: at least 16 bytes (the key that authenticates every value)")
+    return key

@@ -8,7 +8,8 @@ by the batch that evicted it). Copying into fresh allocations would fault in new
 for every block (a 192 KiB ``clone`` ran at 0.4 GB/s here); these buffers are allocated
 and touched once, and their number bounds the memory that demotions in flight may hold.
 Each buffer leaves ``headroom`` bytes before the block, so that a header can be written
-just in front of it and the two sent as one value without another copy.
+just in front of it and the two sent as one value without another copy, and ``tailroom``
+bytes after it, for a MAC that follows them in the value.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.events.hub import TierEvents
-from kvxfer.events.records import described
+from kvxfer.events.records import Reason, described
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,11 @@ def take_batch(items: queue.Queue, first, limit: int) -> list:
 
 
 class StagingBuffers:
-    """``count`` buffers of ``headroom + nbytes`` bytes; ``take`` never blocks."""
+    """``count`` buffers of ``headroom + nbytes + tailroom`` bytes; ``take`` never blocks."""
 
-    def __init__(self, count: int, nbytes: int, headroom: int = 0) -> None:
+    def __init__(self, count: int, nbytes: int, headroom: int = 0, tailroom: int = 0) -> None:
         self.nbytes, self.headroom = nbytes, headroom
-        self._memory = np.ones((count, headroom + nbytes), dtype=np.uint8)  # touched now, not on first use
+        self._memory = np.ones((count, headroom + nbytes + tailroom), dtype=np.uint8)  # touched now, not on first use
         self._free = list(range(count))
         self._lock = threading.Lock()
 
@@ -59,18 +60,32 @@ class StagingBuffers:
             if not self._free:
                 return None
             index = self._free.pop()
-        self._memory[index, self.headroom:] = block
+        self._memory[index, self.headroom:self.headroom + self.nbytes] = block
         return index
 
+    @property
+    def memory(self) -> tuple[int, int]:
+        """(address, bytes) of all the buffers: what a medium registers for zero-copy sends."""
+        return self._memory.ctypes.data, self._memory.nbytes
+
     def block(self, index: int) -> np.ndarray:
-        return self._memory[index, self.headroom:]
+        return self._memory[index, self.headroom:self.headroom + self.nbytes]
 
     def with_header(self, index: int, header: bytes) -> memoryview:
         """The header written just before the block: the two as one contiguous view."""
         start = self.headroom - len(header)
         row = self._memory[index]
         row[start:self.headroom] = np.frombuffer(header, dtype=np.uint8)
-        return memoryview(row[start:])
+        return memoryview(row[start:self.headroom + self.nbytes])
+
+    def with_trailer(self, index: int, header: bytes, trailer: Callable[[memoryview], bytes]) -> np.ndarray:
+        """The header before the block and ``trailer(header and block)`` after it (a MAC, in the tailroom):
+        the three as one contiguous array, in place."""
+        value = self.with_header(index, header)
+        tail = np.frombuffer(trailer(value), dtype=np.uint8)
+        row, end = self._memory[index], self.headroom + self.nbytes
+        row[end:end + len(tail)] = tail
+        return row[self.headroom - len(header):end + len(tail)]
 
     def give_back(self, index: int) -> None:
         with self._lock:
@@ -183,13 +198,21 @@ def announce_stored(events: TierEvents | None, written: list[Staged]) -> None:
                           described(code))
 
 
+def announce_corrupt(counts: EventCounts, events: TierEvents | None, namespace: str, key: bytes) -> None:
+    """A shared tier's value failed its checks: counted, and announced removed (CORRUPTED); the tier removes it."""
+    counts.add("corrupt")
+    if events is not None:
+        events.removed(namespace, [key], Reason.CORRUPTED)
+
+
 class WriteQueue:
     """A bounded queue of staged blocks written by ``writers`` threads, ``batch`` at a time each, through the
     tier's ``write``; the tier decides under ``tombstones.publishing`` (one writer: and publishes there too)."""
 
     def __init__(self, name: str, count: int, nbytes: int, write: Callable[[list[Staged]], None], batch: int,
-                 headroom: int = 0, on_stop: Callable[[], None] = lambda: None, writers: int = 1) -> None:
-        self.staging = StagingBuffers(count, nbytes, headroom)
+                 headroom: int = 0, on_stop: Callable[[], None] = lambda: None, writers: int = 1,
+                 tailroom: int = 0) -> None:
+        self.staging = StagingBuffers(count, nbytes, headroom, tailroom)
         self.tombstones = Tombstones()
         self._write, self._batch, self._on_stop = write, batch, on_stop
         self._queue: queue.Queue[Staged | None] = queue.Queue(count + writers)  # + a stop mark each

@@ -14,6 +14,14 @@ class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEDIUM_CUDA: _ClassVar[Medium]
     MEDIUM_MEMFD: _ClassVar[Medium]
 
+class HintAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HINT_ACTION_UNSPECIFIED: _ClassVar[HintAction]
+    HINT_ACTION_PREFETCH: _ClassVar[HintAction]
+    HINT_ACTION_RETAIN: _ClassVar[HintAction]
+    HINT_ACTION_RELEASE: _ClassVar[HintAction]
+    HINT_ACTION_CANCEL: _ClassVar[HintAction]
+
 class KeyFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KEY_FORMAT_OPAQUE: _ClassVar[KeyFormat]
@@ -41,6 +49,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_SHARED_FS: _ClassVar[Tier]
     TIER_PEER: _ClassVar[Tier]
     TIER_OBJECT: _ClassVar[Tier]
+    TIER_MOONCAKE: _ClassVar[Tier]
 
 class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +70,11 @@ MEDIUM_UNSPECIFIED: Medium
 MEDIUM_SHM: Medium
 MEDIUM_CUDA: Medium
 MEDIUM_MEMFD: Medium
+HINT_ACTION_UNSPECIFIED: HintAction
+HINT_ACTION_PREFETCH: HintAction
+HINT_ACTION_RETAIN: HintAction
+HINT_ACTION_RELEASE: HintAction
+HINT_ACTION_CANCEL: HintAction
 KEY_FORMAT_OPAQUE: KeyFormat
 KEY_FORMAT_VLLM: KeyFormat
 BLOCK_STATUS_UNSPECIFIED: BlockStatus
@@ -80,6 +94,7 @@ TIER_REMOTE: Tier
 TIER_SHARED_FS: Tier
 TIER_PEER: Tier
 TIER_OBJECT: Tier
+TIER_MOONCAKE: Tier
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_STORED: EventKind
 EVENT_KIND_REMOVED: EventKind
@@ -201,7 +216,7 @@ class GetPoolInfoResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class OffloadRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id", "cuda_event_handle", "pool_deadline_ns", "engine")
+    __slots__ = ("pool", "namespace", "slots", "keys", "wait", "lease_ms", "client_id", "cuda_event_handle", "pool_deadline_ns", "engine", "hint")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +227,7 @@ class OffloadRequest(_message.Message):
     CUDA_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     POOL_DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -222,7 +238,36 @@ class OffloadRequest(_message.Message):
     cuda_event_handle: bytes
     pool_deadline_ns: int
     engine: EngineBlocks
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., cuda_event_handle: _Optional[bytes] = ..., pool_deadline_ns: _Optional[int] = ..., engine: _Optional[_Union[EngineBlocks, _Mapping]] = ...) -> None: ...
+    hint: BlockHint
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., wait: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., cuda_event_handle: _Optional[bytes] = ..., pool_deadline_ns: _Optional[int] = ..., engine: _Optional[_Union[EngineBlocks, _Mapping]] = ..., hint: _Optional[_Union[BlockHint, _Mapping]] = ...) -> None: ...
+
+class BlockHint(_message.Message):
+    __slots__ = ("action", "ttl_s")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    action: HintAction
+    ttl_s: int
+    def __init__(self, action: _Optional[_Union[HintAction, str]] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+
+class HintRequest(_message.Message):
+    __slots__ = ("pool", "namespace", "action", "keys", "ttl_s", "request_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolRef
+    namespace: str
+    action: HintAction
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_s: int
+    request_id: str
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., action: _Optional[_Union[HintAction, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class HintResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class EngineBlocks(_message.Message):
     __slots__ = ("key_format", "parent_block_hash", "block_size", "token_ids", "lora_name", "lora_id", "extra_keys")
@@ -335,10 +380,12 @@ class DeleteResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("pool_id",)
+    __slots__ = ("pool_id", "registration_token")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
-    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+    registration_token: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., registration_token: _Optional[bytes] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "capacity_blocks", "used_blocks", "ready_blocks", "pinned_blocks", "evictions", "slot_bytes", "degraded", "events", "loading", "warming")
@@ -439,7 +486,7 @@ class StatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group", "registration_token", "sharding", "share_with_peers", "share_events")
+    __slots__ = ("pool_id", "spec", "layout", "handle", "host_capacity_mib", "cache_group", "registration_token", "sharding", "share_with_peers", "share_events", "chosen_token")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -450,6 +497,7 @@ class RegisterPoolRequest(_message.Message):
     SHARDING_FIELD_NUMBER: _ClassVar[int]
     SHARE_WITH_PEERS_FIELD_NUMBER: _ClassVar[int]
     SHARE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     spec: KVSpec
     layout: str
@@ -460,7 +508,8 @@ class RegisterPoolRequest(_message.Message):
     sharding: Sharding
     share_with_peers: bool
     share_events: bool
-    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ..., registration_token: _Optional[bytes] = ..., sharding: _Optional[_Union[Sharding, _Mapping]] = ..., share_with_peers: _Optional[bool] = ..., share_events: _Optional[bool] = ...) -> None: ...
+    chosen_token: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., layout: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., host_capacity_mib: _Optional[int] = ..., cache_group: _Optional[str] = ..., registration_token: _Optional[bytes] = ..., sharding: _Optional[_Union[Sharding, _Mapping]] = ..., share_with_peers: _Optional[bool] = ..., share_events: _Optional[bool] = ..., chosen_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool", "registration_token")

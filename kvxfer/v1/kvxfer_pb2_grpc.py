@@ -94,6 +94,11 @@ class KVTransferStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PushRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.TransferResponse.FromString,
                 _registered_method=True)
+        self.Hint = channel.unary_unary(
+                '/kvxfer.v1.KVTransfer/Hint',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.HintRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.HintResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -190,6 +195,16 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hint(self, request, context):
+        """What is coming, from an engine, a router or an application (docs/api.md, Hints): bring keys
+        up to the host tier now (PREFETCH), keep them (RETAIN, with a TTL), or let them go first
+        (RELEASE). Scoped like Restore (the pool's registrant); the answer says nothing of which
+        keys are held, and keys the pool's cache group does not hold are ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +267,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PushRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.TransferResponse.SerializeToString,
+            ),
+            'Hint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hint,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.HintRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.HintResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -578,6 +598,33 @@ class KVTransfer:
             '/kvxfer.v1.KVTransfer/Push',
             kvxfer_dot_v1_dot_kvxfer__pb2.PushRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.TransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KVTransfer/Hint',
+            kvxfer_dot_v1_dot_kvxfer__pb2.HintRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.HintResponse.FromString,
             options,
             channel_credentials,
             insecure,

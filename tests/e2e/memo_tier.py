@@ -3,7 +3,8 @@ config section and one row in ``kvxfer.tiers.registry.LOWER_TIERS``, and nothing
 
 ``memo`` keeps the blocks the host tier evicts in this process's memory, the oldest dropped past
 ``capacity_blocks``. It reports itself as ``TIER_REMOTE``: a tier of a new medium also adds its
-``TierKind`` and the proto's ``Tier`` value (the API names where a block is).
+value to the proto's ``Tier`` enum (the API names where a block is; ``TierKind`` is made from it),
+which a test cannot do to the compiled proto.
 
 ``python -m tests.e2e.memo_tier serve --config F`` is the ``kvxfer serve`` program with the row added.
 """
@@ -118,7 +119,7 @@ class MemoTier:
             self._blocks.clear()
 
 
-ROW = TierRow("memo", MemoTier, parse, frozenset({"capacity_blocks"}))
+ROW = TierRow(TierKind.REMOTE, "memo", MemoTier, parse, frozenset({"capacity_blocks"}))
 
 
 def main() -> int:

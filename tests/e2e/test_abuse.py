@@ -300,6 +300,33 @@ def _threads(pid: int) -> int:
     raise AssertionError("no Threads")
 
 
+def test_silent_metrics_connections_never_keep_a_scrape_out(make_daemon):
+    """Eight silent connections, reopened as they are closed, kept every scrape out (each was closed at once while
+    the eight held the server's slots). Now a scrape is served while 100 silent ones are open and being renewed."""
+    import socket
+    import urllib.request
+
+    from tests.e2e.test_metrics import free_port
+
+    port = free_port()
+    make_daemon({"metrics_listen": f"127.0.0.1:{port}"})
+    url = f"http://127.0.0.1:{port}/metrics"
+    held: list[socket.socket] = []
+    try:
+        for round in range(3):
+            for s in held[:50]:  # the attacker renews half of its connections each round
+                s.close()
+            kept = held[50:]
+            held = kept + [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(100 - len(kept))]
+            for s in held[::2]:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # half of them: half a request, never the rest
+            for _ in range(5):  # Prometheus's scrapes, each served at once (10 s: a hang guard only)
+                assert "kvxfer_" in urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_half_open_metrics_connections_hold_no_thread_each(make_daemon):
     """200 connections that each sent half a request took a daemon from 16 to 215 threads. Now at most a few
     are served at once, silent ones are closed, and a scrape gets through afterwards."""

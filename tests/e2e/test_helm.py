@@ -47,6 +47,8 @@ CASES = {
     "peering, certificates by cert-manager": {"engine": {"replicas": 3}, "kvxfer": {
         **PEERING, "tcp": {"enabled": True}, "peering": {**PEERING["peering"], "certManager": {
             "issuerRef": {"name": "fleet-ca", "kind": "ClusterIssuer"}}}}},
+    "a Mooncake Store cluster": {"kvxfer": {"mooncake": {"enabled": True, "master": "mc:50051",
+                                                       "metadata": "http://mc:8080/metadata", "secretName": "mc"}}},
     "disk and remote tiers": {"kvxfer": {
         "config": {"disk": {"path": "/var/lib/kvxfer", "capacity_mib": 51200},
                    "remote": {"url": "rediss://redis:6380/0", "username": "kvxfer",
@@ -350,7 +352,8 @@ def test_peering_renders_the_daemons_peers_with_the_fleets_ca_and_token(tmp_path
     objects = render({"kvxfer": {**PEERING}})
     config = rendered_config(objects)
     files = {"tls_ca": "/etc/kvxfer/tls/ca.crt", "token_file": "/etc/kvxfer/token/token"}
-    assert config["peering"] == {"name": "", "ucx_tls": "tcp", "tls_client_ca": "/etc/kvxfer/tls/ca.crt",
+    assert config["peering"] == {"name": "", "ucx_tls": "tcp", "ucx_modules": "^efa",
+                                 "tls_client_ca": "/etc/kvxfer/tls/ca.crt",
                                  "peers": [{"name": "demo-kvxfer-0", "server_name": "demo-kvxfer-0",
                                             "address": "demo-kvxfer-0.demo-kvxfer-peers.serving.svc:7070", **files},
                                            {"name": "decode-0", "address": "10.0.0.7:7070", **files}]}
@@ -367,5 +370,8 @@ def test_peering_renders_the_daemons_peers_with_the_fleets_ca_and_token(tmp_path
     path.write_text(yaml.safe_dump({**config, "socket": str(tmp_path / "k.sock"), "socket_group": ""}))
     loaded = service_config.load(str(path))
     assert loaded.peering.peers[-1].address == "10.0.0.7:7070" and loaded.peering.name  # the pod's name
+    assert loaded.peering.ucx_modules == "^efa"  # (UCX's EFA module crashes the daemon at exit: PeeringSettings)
+    all_modules = render({"kvxfer": {**PEERING, "peering": {**PEERING["peering"], "ucxModules": ""}}})
+    assert rendered_config(all_modules)["peering"]["ucx_modules"] == ""
     with pytest.raises(Exception, match="tcp|enabled"):
         render({"kvxfer": {"peering": {"enabled": True}}})  # peering needs the TLS listener

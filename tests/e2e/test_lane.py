@@ -1,7 +1,10 @@
 """The local lane (kvxfer.lane, service/lane.py) against real daemons: the same answers as gRPC, bit-exact
 bytes, its bounds, and every malformed message answered with a precise status while the daemon serves on."""
 
+import os
+import signal
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -193,3 +196,26 @@ def test_a_stopped_daemon_is_unavailable_and_a_restarted_one_is_reached_again(ma
     with Client(restarted.target, namespace="r") as again:
         assert again.lookup(keys).hits == 0  # a fresh daemon, reached over a fresh lane
         assert again._lane._idle
+
+
+def test_every_call_ends_by_its_deadline_whichever_way_it_goes(make_daemon):
+    """A stopped daemon (SIGSTOP): a new lane connection's handshake gets no answer, and the gRPC call after it gets
+    what is left of the call's deadline, not a deadline of its own (a 2 s call took 1 s + 2 s before)."""
+    daemon = make_daemon()
+    offloader, looker = (Client(daemon.target, namespace="r", pool_id="rank0", timeout=2) for _ in range(2))
+    for client in (offloader, looker):
+        client.pool_info()  # the pool's epoch, learnt before the stop (over gRPC: no lane connection yet)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert offloader.offload([(1, b"k")], best_effort=True) is None
+        offload_s = time.monotonic() - start
+        start = time.monotonic()
+        with pytest.raises((Unavailable, DeadlineExceeded)):
+            looker.lookup([b"k"])
+        lookup_s = time.monotonic() - start
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        offloader.close()
+        looker.close()
+    assert offload_s < 2 + 0.8 and lookup_s < 2 + 0.8, (offload_s, lookup_s)  # the deadline, and room for a busy CI

@@ -10,6 +10,7 @@ import numpy as np
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.bench.peering_local import Tls
+from kvxfer.peering.settings import DEFAULT_UCX_MODULES
 from tests.peering.cluster import TOKEN
 
 
@@ -39,6 +40,7 @@ class Rogue:
     def agent(self):
         if self._agent is None:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
+            os.environ.setdefault("UCX_MODULES", DEFAULT_UCX_MODULES)  # (as a daemon's agent: see PeeringSettings)
             from nixl_cu13._api import nixl_agent, nixl_agent_config
             self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=True, backends=[]))
             self._agent.create_backend("UCX", {})

@@ -56,7 +56,7 @@ def test_peers_reach_a_registrants_group_only_when_it_is_shared_with_them(cluste
         assert restorer.restore(list(zip(ks, range(5, 9))), partial=True).outcomes == [Outcome.NOT_FOUND] * 4
         # The group shared with peers is reached: looked up, leased, read bit-exact.
         assert list(rogue.call("PeerLookup", cache_group="open", keys=ks, **ask).present) == [True] * 4
-        lease = rogue.call("PeerLease", cache_group="open", keys=ks[:1], lease_ms=5000, **ask)
+        lease = rogue.call("PeerLease", cache_group="open", keys=ks[:1], lease_ms=20_000, **ask)
         state, data = rogue.read("a", [lease.blocks[0].address], lease.block_bytes, lease.memory_metadata)
         assert state == "DONE" and data.tobytes() == read_block(spool.storage, spool.layout, 1).numpy().tobytes()
         assert rogue.call("PeerRelease", lease_id=lease.lease_id).released

@@ -46,3 +46,18 @@ def test_a_pushes_blocks_into_b_before_b_is_asked(cluster, transport):
         assert b.restore(list(zip(ks[:4], [40, 41, 42, 43]))).outcomes == [Outcome.DONE] * 4
         assert block(b, 40).equal(b_written[30])  # its own copy was kept
         assert all(block(b, 40 + i).equal(written[1 + i]) for i in (1, 2, 3))
+
+
+def test_a_restore_larger_than_the_host_tier_says_it_had_no_room_for_a_peer_s_blocks(cluster):
+    """B's host tier holds 16 blocks; one Restore of 32 that A holds: those that came up load, bit-exact, and the
+    rest are RESOURCE_EXHAUSTED (B had no room), never NOT_FOUND: A holds them, as Lookup said."""
+    d = cluster(["a", "b"], "tcp", pools={"b": {**SMALL_POOL, "host_capacity_mib": 0.25}})
+    ks = keys("room", 32)
+    with client(d["a"]) as a, client(d["b"]) as b:
+        written = fill(a, list(range(1, 33)), seed=9)
+        assert a.offload(list(zip(range(1, 33), ks))).outcomes == [Outcome.DONE] * 32
+        assert b.lookup(ks).tiers == [TierKind.PEER] * 32
+        outcomes = b.restore(list(zip(ks, range(32, 64))), partial=True).outcomes
+        done = [i for i, o in enumerate(outcomes) if o is Outcome.DONE]
+        assert set(outcomes) == {Outcome.DONE, Outcome.RESOURCE_EXHAUSTED} and len(done) == 16, outcomes
+        assert all(block(b, 32 + i).equal(written[1 + i]) for i in done)

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 from hypothesis import given, settings, strategies as st
 
-from kvxfer.bench import policy
+from kvxfer.bench import policy, policy_hints
 
 
 def textbook_lru(requests, capacity):
@@ -84,3 +84,61 @@ def test_the_command_prints_the_curve_and_writes_json_and_a_plot(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "policy", str(bad)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode != 0 and "distinct integers" in out.stderr
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix_requests, st.integers(1, 12))
+def test_the_hinted_index_without_hints_is_exactly_lru(requests, capacity):
+    trace = policy.of_requests(requests)
+    none = policy_hints.released(requests, "none")
+    assert policy.replay(trace, capacity, "hinted", none)[0] == policy.replay(trace, capacity, "lru")[0]
+
+
+def test_turns_are_found_from_the_trace():
+    # A conversation [1, 2] -> [1, 2, 3] (repeats all but the last block... of a one-block head: it must
+    # repeat at least one) -> [1, 2, 3, 4, 5]; a one-off [9]; [7, 8] continued by a request that changed
+    # only its last block ([7, 6]): all but at most the last block repeated.
+    requests = [[1, 2], [9], [1, 2, 3], [7, 8], [1, 2, 3, 4, 5], [7, 6]]
+    assert policy_hints.last_turns(requests) == [False, True, False, False, True, True]
+    assert policy_hints.released(requests, "session-end") == [False, True, False, False, True, True]
+    wrong = policy_hints.released(requests * 50, "session-end", wrong=0.5, seed=1)
+    assert sum(wrong) > sum(policy_hints.released(requests * 50, "session-end"))
+
+
+def conversations(seed: int, n: int) -> list[list[int]]:
+    """Interleaved conversations of 1-6 turns, each turn two more blocks than the last, and their ends."""
+    rng, live, out, next_id = random.Random(seed), [], [], 0
+    while len(out) < n:
+        if not live or rng.random() < 0.3:
+            live.append([[next_id, next_id + 1], rng.randint(1, 6)])
+            next_id += 2
+        chat = rng.choice(live)
+        out.append(list(chat[0]))
+        chat[0] += [next_id, next_id + 1]
+        next_id += 2
+        chat[1] -= 1
+        if chat[1] == 0:
+            live.remove(chat)
+    return out
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.integers(0, 10_000), st.integers(4, 60))
+def test_session_end_hints_are_never_below_lru_on_conversations(seed, capacity):
+    requests = conversations(seed, 120)
+    trace = policy.of_requests(requests)
+    released = policy_hints.released(requests, "session-end")
+    assert policy.replay(trace, capacity, "hinted", released)[0] >= policy.replay(trace, capacity, "lru")[0]
+
+
+def test_the_command_replays_hints_beside_lru_and_belady(tmp_path):
+    trace = tmp_path / "chats.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0, "hash_ids": r}) + "\n" for r in conversations(3, 300)))
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "policy", str(trace), "--shares", "0.05,0.2",
+                          "--hints", "session-end", "--wrong", "0.2", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "session-end hit ratio" in out.stdout and "20% wrong: hit ratio" in out.stdout
+    curve = json.loads((tmp_path / "r.json").read_text())["curve"]
+    assert all(c["belady"] >= c["hinted"] >= c["lru"] for c in curve)
+    assert any(c["hinted"] > c["lru"] for c in curve)

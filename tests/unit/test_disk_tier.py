@@ -376,4 +376,3 @@ def test_a_fifo_or_link_planted_as_the_checkpoints_temporary_never_stalls_a_shut
     assert not any(e.startswith("dropped_at_start") for e in disk.stats().events)  # from the checkpoint
     group2.close(5)
     assert disk.index.entries() == [e for batch in disk.index.entry_batches(5) for e in batch]
-

@@ -12,6 +12,7 @@ import kvxfer.index.keytable as keytable
 from kvxfer.errors import InvalidArgument
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat, Reason
+from kvxfer.tiers.registry import placements
 from kvxfer.events.vllm_wire import VllmEncoder
 from kvxfer.events.wire import engine_from_pb, engine_to_pb, event_from_pb, event_to_pb
 from kvxfer.index.block_index import BlockIndex
@@ -179,7 +180,8 @@ def test_extra_keys_and_lora_travel_per_block_and_a_malformed_one_is_refused():
     event = event_from_pb(event_to_pb(hub.read(1, 10)[0][0]))
     assert [event.engine.extras_of(k) for k in event.keys] == [(), (("img-1", 13),)]
     assert event.engine.lora_name == "sql" and event.engine.lora_id == 7
-    published = VllmEncoder().convert(hub.read(1, 10)[0][0])[0]  # vLLM's BlockStored, as its own publisher fills it
+    # vLLM's BlockStored, as its own publisher fills it
+    published = VllmEncoder(placement=placements()).convert(hub.read(1, 10)[0][0])[0]
     assert (published.lora_name, published.lora_id, published.extra_keys) == ("sql", 7, [None, (("img-1", 13),)])
     for bad in (dict(extra_keys=((),)), dict(extra_keys=(("",), (), ())), dict(extra_keys=((b"",), (), ())),
                 dict(extra_keys=((1,), (), ())), dict(extra_keys=((("m", "0"),), (), ())),

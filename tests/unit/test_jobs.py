@@ -84,9 +84,13 @@ def test_expired_queued_jobs_are_cancelled_and_results_dropped(manager):
         return original(*args, **kwargs)
 
     manager.run = slow_offload
-    first = runner.submit(offload([(1, b"a")]), "gone", lease_s=0.05)
-    runner.submit(offload([(2, b"b")]), "gone", lease_s=0.05)
-    time.sleep(0.3)  # both leases run out; the first is running, the second still queued
+    submitted = time.monotonic()
+    first = runner.submit(offload([(1, b"a")]), "gone", lease_s=2.0)
+    runner.submit(offload([(2, b"b")]), "gone", lease_s=2.0)
+    while not runner.stats().running:  # the first is running (held at the gate), the second queued behind it
+        assert time.monotonic() < submitted + 2.0, "the first job did not start within its lease"
+        time.sleep(0.01)
+    time.sleep(max(0.0, submitted + 2.3 - time.monotonic()))  # both leases run out (no WaitJobs renews them)
     gate.set()
     deadline = time.monotonic() + 5
     while runner.stats().running or runner.stats().unclaimed or runner.stats().queued:

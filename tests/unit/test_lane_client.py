@@ -220,7 +220,7 @@ def test_a_call_in_flight_past_its_deadline_is_a_deadline_and_a_closed_lane_canc
 
 def test_wait_all_is_never_sent_over_the_lane(path):
     server = Server(path, _waited)
-    stub = type("Stub", (), {"Offload": object(), "Restore": object(), "Lookup": object(), "WaitJobs": object()})
+    stub = type("Stub", (), {"Offload": object(), "Restore": object(), "Lookup": object(), "WaitJobs": object(), "Hint": object()})
     client = lane.Lane(path, stub=stub)
     assert client.start(stub.WaitJobs, pb.WaitJobsRequest(client_id="c", job_ids=[1], wait_all=True), 5.0) is None
     many = pb.WaitJobsRequest(client_id="c", job_ids=range(lane.MAX_WAITED_IDS + 1))

@@ -43,65 +43,13 @@ def test_the_library_never_imports_the_daemon():
     assert offenders == []
 
 
-def _moved(path: Path) -> bool:
-    """A module that moved (issue 48) and keeps its old name for one release: a docstring that says where
-    to, and imports, nothing else (no definitions)."""
-    body = ast.parse(path.read_text()).body
-    text = ast.get_docstring(ast.Module(body=body, type_ignores=[])) or ""
-    return text.startswith("Moved to ") and all(isinstance(n, (ast.Expr, ast.ImportFrom, ast.Assign)) for n in body) \
-        and not any(isinstance(n, ast.Assign) and [t.id for t in n.targets if isinstance(t, ast.Name)] != ["__all__"]
-                    for n in body)
-
-
-def test_modules_stay_small():
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in Path(ROOT).glob("[ks]*/**/*.py")
-             if "v1" not in p.parts}
-    assert {p: n for p, n in sizes.items() if n > 400} == {}
-
-
-def _imports(package: str) -> list[tuple[Path, str]]:
-    found = []
-    for path in (ROOT / "kvxfer" / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            found += [(path.relative_to(ROOT), n) for n in names]
-    return found
-
-
-def test_bookkeeping_never_imports_a_tier_and_copy_engines_never_import_the_index():
-    """Bookkeeping never touches bytes (issue 30): the index (over ``kvxfer.slots``) imports no tier and no copy
-    engine; copy engines import no index. The lower tiers sit above the index (issue 48: a disk tier keeps
-    its own)."""
-    offenders = [f"{p}: {n}" for p, n in _imports("index") if n.startswith(("kvxfer.tiers", "kvxfer.transfer"))]
-    offenders += [f"{p}: {n}" for p, n in _imports("transfer") if n.startswith("kvxfer.index")]
-    assert offenders == []
-
-
-def test_each_lower_tier_lives_whole_in_tiers_behind_one_table():
-    """Issue 48: one ``LowerTier``, one home. Medium, store and settings of every tier below host memory are
-    in ``kvxfer.tiers`` and ``LOWER_TIERS`` names them all; ``serving`` keeps pools, jobs, groups and
-    promotion, and never names a tier; the peer tier reads through ``kvxfer.peering``'s links, which
-    import no tier."""
-    from kvxfer.tiers.registry import LOWER_TIERS
-
-    assert [r.section for r in LOWER_TIERS] == ["disk", "shared_fs", "peering", "remote", "object"]
-    stores = [p.name for p in (ROOT / "kvxfer" / "serving").glob("*.py")
-              if p.name.endswith(("_store.py", "staging.py", "_watch.py"))]
-    assert stores == []
-    named = [f"{p}: {n}" for p, n in _imports("serving") if n.startswith("kvxfer.tiers.")
-             and n not in ("kvxfer.tiers.host", "kvxfer.tiers.lower", "kvxfer.tiers.registry")]
-    assert named == []
-    assert [f"{p}: {n}" for p, n in _imports("peering") if n.startswith("kvxfer.tiers")] == []
-
-
 def test_benchmarks_and_harnesses_live_in_kvxfer_bench_and_the_daemon_package_holds_the_daemon():
     """Issue 48: ``service/`` is the daemon alone; every benchmark (and the launcher of real daemons that
     benchmarks and tests use) is a ``kvxfer.bench`` module, which starts the daemon as a program."""
     from kvxfer.cli import BENCHES
 
     harnesses = [p.name for p in (ROOT / "service").glob("*.py")
-                 if p.name.startswith(("bench", "launch", "peer_lmcache", "peering_local")) and not _moved(p)]
+                 if p.name.startswith(("bench", "launch", "peer_lmcache", "peering_local"))]
     assert harnesses == [] and all(module.startswith("kvxfer.bench.") for _, module, _ in BENCHES)
     assert "torch" not in _loaded_after("import kvxfer.defaults")
 
@@ -126,8 +74,6 @@ def test_the_engine_integrations_use_the_client_and_the_vocabulary_alone():
     allowed = ("kvxfer.client", "kvxfer.records", "kvxfer.errors", "kvxfer.validate", "kvxfer.integrations")
     offenders = []
     for path in (ROOT / "kvxfer" / "integrations").rglob("*.py"):
-        if _moved(path):
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
@@ -141,7 +87,7 @@ def test_the_library_s_packages_import_each_other_without_a_cycle():
     for type checking alone: the packages of ``kvxfer`` form layers, and imports go one way."""
     graph: dict[str, set[str]] = {}
     for path in (ROOT / "kvxfer").rglob("*.py"):
-        if "v1" in path.parts or _moved(path):  # (an old name kept one release points where the code went)
+        if "v1" in path.parts:
             continue
         rel = path.relative_to(ROOT / "kvxfer")
         source = rel.parts[0] if len(rel.parts) > 1 else rel.stem

@@ -157,3 +157,20 @@ def test_one_peer_cannot_hold_more_leases_than_its_share(nodes):
         assert a.leases.release("b", first.exposed_id, []) and not a.leases.release("b", first.exposed_id, [])
     finally:
         a.close()
+
+
+def test_a_lease_bound_counts_the_blocks_held_not_the_keys_asked():
+    """A peer may ask for many keys of which few are held: the bound is on blocks leased (configuration.md)."""
+    fabric: dict = {}
+    a = Node(fabric, "a", 1, max_leased_blocks_per_peer=4)
+    try:
+        assert a.manager.offload("ns", [(i + 1, k) for i, k in enumerate(KEYS)]).outcomes == [Outcome.DONE] * 4
+        asked = KEYS[:3] + [b"absent-%d" % i for i in range(100)]
+        granted = a.leases.grant("b", "g", a.group.format.fingerprint, "ns", asked, 5000)
+        assert granted is not None and a.leases.open == (1, 3)  # 3 blocks held of 103 keys asked
+        with pytest.raises(ResourceExhausted, match="holds 3 blocks; at most 4"):
+            a.leases.grant("b", "g", a.group.format.fingerprint, "ns", KEYS[2:], 5000)  # 2 more held: 5 > 4
+        assert a.group.index.stats().pinned == 3  # the refused lease pinned nothing
+        assert a.leases.grant("b", "g", a.group.format.fingerprint, "ns", [KEYS[3]] + asked[3:], 5000) is not None
+    finally:
+        a.close()

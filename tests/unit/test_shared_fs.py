@@ -22,11 +22,11 @@ SPEC = KVSpec(2, 64, 16, 2, 32, torch.float16)  # 8 KiB blocks
 HOST_BLOCKS = 8
 
 
-def node(shared, timeout_s: float = 2.0) -> tuple[Pool, PoolManager]:
+def node(shared, timeout_s: float = 2.0, secret: bytes = b"") -> tuple[Pool, PoolManager]:
     pool = Pool.create("p", SPEC, Layout.parse("BLHNC"))
     pool.storage.copy_(torch.randint(0, 256, (pool.layout.nbytes,), dtype=torch.uint8))
     group = CacheGroup("g", pool.layout, HOST_BLOCKS,
-                       lower=lower_tiers(shared_fs=SharedFsSettings(str(shared), timeout_s)))
+                       lower=lower_tiers(shared_fs=SharedFsSettings(str(shared), timeout_s, secret=secret)))
     return pool, PoolManager(pool, group)
 
 
@@ -73,6 +73,34 @@ def test_a_changed_file_is_data_loss_and_removed_and_a_delete_is_final(tmp_path)
         assert manager.delete("ns", [b"k2"]) == 1 and manager.lookup("ns", [b"k2"]).tiers == [None]
     finally:
         manager.group.close(5)
+
+
+def test_with_a_secret_a_file_moved_from_another_share_path_or_forged_is_data_loss(tmp_path):
+    """Two teams share a filesystem and a secret, each under its own path: a file one wrote, copied to the same
+    name under the other's path, is refused (the MAC covers the full path), as is one written without the
+    secret; the team's own files are served."""
+    secret = b"s" * 32
+    (tmp_path / "team-a").mkdir()
+    (tmp_path / "team-b").mkdir()
+    _, a = node(tmp_path / "team-a", secret=secret)
+    b_pool, b = node(tmp_path / "team-b", secret=secret)
+    _, keyless = node(tmp_path / "team-b")
+    try:
+        offload(a, range(1, 13))  # k1..k4 evicted to team-a's path
+        offload(keyless, range(1, 13))  # and by a writer without the secret to team-b's
+        assert a.group.lower_tiers[0].flush(10) and keyless.group.lower_tiers[0].flush(10)
+        theirs, forged = a.group.lower_tiers[0].fs.name("ns", b"k1"), keyless.group.lower_tiers[0].fs.name("ns", b"k2")
+        moved = b.group.lower_tiers[0].fs.name("ns", b"k1")
+        moved.write_bytes(theirs.read_bytes())
+        assert b.restore("ns", [(b"k1", 40), (b"k2", 41)]).outcomes == [Outcome.DATA_LOSS] * 2
+        assert not moved.exists() and not forged.exists()
+        offload(b, range(30, 42))  # its own: k30..k33 evicted, and served
+        assert b.group.lower_tiers[0].flush(10)
+        assert b.restore("ns", [(b"k30", 50)]).outcomes == [Outcome.DONE]
+        assert torch.equal(block(b_pool, 50), block(b_pool, 30))
+    finally:
+        for manager in (a, b, keyless):
+            manager.group.close(5)
 
 
 def _files(where) -> set:
@@ -174,10 +202,15 @@ def test_a_stalled_mount_turns_into_misses_within_the_deadline_and_recovers(tmp_
     ({"path": "/nonexistent-kvxfer-mount"}, "is not a directory"),
     ({"path": "/tmp", "timeout_ms": 0}, "timeout_ms"),
     ({"path": "/tmp", "bogus": 1}, "must be a mapping"),
+    ({"path": "/tmp", "secret_file": "/nonexistent-kvxfer-secret"}, "secret_file"),
+    ({"path": "/tmp", "secret_file": "SHORT"}, "at least 16 bytes"),
 ])
 def test_the_shared_fs_section_is_validated(tmp_path, section, message):
     from service import config
 
+    if section.get("secret_file") == "SHORT":
+        (tmp_path / "short").write_bytes(b"0123456789\n")
+        section = {**section, "secret_file": str(tmp_path / "short")}
     path = tmp_path / "c.yaml"
     import yaml
     path.write_text(yaml.safe_dump({"shared_fs": section}))

@@ -15,7 +15,7 @@ from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.index.eviction import QueueLRU
 from kvxfer.index.tenancy import Tenant, Tenancy
-from kvxfer.integrations.identity import digest
+from kvxfer.records import digest
 from kvxfer.memory.pool import Pool
 from kvxfer.records import Outcome, TierKind
 from kvxfer.serving.group import CacheGroup

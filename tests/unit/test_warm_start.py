@@ -101,6 +101,7 @@ def test_blocks_loaded_from_disk_are_announced_by_the_engines_hashes_after_a_res
     from kvxfer.events.hub import EventHub
     from kvxfer.events.records import EngineBlocks, KeyFormat
     from kvxfer.events.vllm_wire import BlockRemoved, BlockStored, VllmEncoder
+    from kvxfer.tiers.registry import placements
     from kvxfer.serving.batch import TransferBatch, TransferKind
     from kvxfer.tiers.disk import checkpoint as disk_checkpoint
 
@@ -114,7 +115,7 @@ def test_blocks_loaded_from_disk_are_announced_by_the_engines_hashes_after_a_res
         return hub, pool, group, PoolManager(pool, group)
 
     def vllm_events(hub):
-        return [e for event in hub.read(0, 100_000)[0] for e in VllmEncoder().convert(event)]
+        return [e for event in hub.read(0, 100_000)[0] for e in VllmEncoder(placement=placements()).convert(event)]
 
     for source in ("checkpoint", "journal", "scan"):
         hub, pool, group, manager = start()

@@ -193,3 +193,24 @@ def test_a_step_without_a_forward_pass_waits_for_the_answer_and_a_busy_step_does
     worker.idle_step = True  # every request waits on transfers: waiting costs no one anything
     assert [r.job_id for r in worker.get_finished()] == [1]  # within the one call, long before idle_wait_s
     finish.join()
+
+
+def test_a_job_given_up_on_leaves_the_table_and_no_later_step_polls_for_it(monkeypatch):
+    """A load given up on (the daemon stopped past its deadline, its request aborted meanwhile) stayed in the
+    worker's table of running jobs: every later step polled the daemon for it, for ever."""
+    monkeypatch.setattr(worker_module, "LANDING_S", 0.0)
+    daemon = RecordingDaemon()
+    worker = KvxferWorker(daemon, "pool0", lease_s=5, deadline_s=0.05, ready_event=no_event)
+    _load(worker, 9, [3])
+    time.sleep(0.1)
+    assert [r.job_id for r in worker.get_finished()] == [9] and worker.given_up == 1
+    assert worker.take_load_errors() == {3}  # vLLM recomputes it
+    assert not worker._running  # out of the table at once, not when (if ever) the daemon answers
+    polls = daemon.polls
+    for _ in range(20):  # idle engine steps
+        assert worker.get_finished() == []
+    assert daemon.polls == polls  # none of them asks the daemon about it
+    daemon.finished = {1: TransferResult([Outcome.DONE])}  # a late answer, if one comes: read and dropped
+    _load(worker, 10, [4])
+    daemon.finished[2] = TransferResult([Outcome.DONE])
+    assert [r.job_id for r in worker.get_finished()] == [10] and worker.take_load_errors() == set()

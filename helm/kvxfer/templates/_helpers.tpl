@@ -102,6 +102,17 @@ true
 {{- if or .Values.kvxfer.tcp.enabled .Values.kvxfer.token.existingSecret .Values.kvxfer.token.value -}}
 {{- $_ := set $c "token_file" "/etc/kvxfer/token/token" -}}
 {{- end -}}
+{{- if .Values.kvxfer.mooncake.enabled -}}
+{{- $m := .Values.kvxfer.mooncake -}}
+{{- $mc := deepCopy (default (dict) $c.mooncake) -}}
+{{- $_ := set $mc "master" (required "kvxfer.mooncake.master is required with kvxfer.mooncake.enabled" $m.master) -}}
+{{- $_ := set $mc "metadata" (required "kvxfer.mooncake.metadata is required with kvxfer.mooncake.enabled" $m.metadata) -}}
+{{- $_ := set $mc "protocol" $m.protocol -}}
+{{- $_ := set $mc "segment_mib" (int $m.segmentMiB) -}}
+{{- $_ := set $mc "buffer_mib" (int $m.bufferMiB) -}}
+{{- if $m.secretName }}{{ $_ := set $mc "secret_file" "/etc/kvxfer/mooncake/secret" }}{{ end -}}
+{{- $_ := set $c "mooncake" $mc -}}
+{{- end -}}
 {{- if .Values.kvxfer.events.enabled -}}
 {{- $e := deepCopy (default (dict) $c.events) -}}
 {{- $_ := set $e "publish" (printf "tcp://*:%d" (int .Values.kvxfer.events.port)) -}}
@@ -125,6 +136,7 @@ true
 {{- $_ := set $e "tls_client_ca" $ca -}}
 {{- if $p.ucxTls }}{{ $_ := set $e "ucx_tls" $p.ucxTls }}{{ end -}}
 {{- if $p.ucxNetDevices }}{{ $_ := set $e "ucx_net_devices" $p.ucxNetDevices }}{{ end -}}
+{{- if ne $p.ucxModules nil }}{{ $_ := set $e "ucx_modules" $p.ucxModules }}{{ end -}}
 {{- $_ := set $c "peering" $e -}}
 {{- end -}}
 {{- toYaml $c -}}
@@ -159,6 +171,10 @@ true
 {{- $total = add $total (int (ceil (default 512 .host_capacity_mib))) -}}
 {{- end -}}
 {{- $total = add $total (mul (int (default 512 $c.registered_host_capacity_mib)) (int $c.registered_ranks)) -}}
+{{- with $c.mooncake -}}{{/* lent to the cluster and the transfer buffer, by each cache group's client */}}
+{{- $groups := add (len $c.pools) (int $c.registered_ranks) -}}
+{{- $total = add $total (mul $groups (add (int (default 0 .segment_mib)) (int (default 64 .buffer_mib)))) -}}
+{{- end -}}
 {{- $total -}}
 {{- end -}}
 

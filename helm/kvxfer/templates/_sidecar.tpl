@@ -81,6 +81,9 @@ exec:
     {{- if or .Values.kvxfer.tcp.enabled .Values.kvxfer.token.existingSecret .Values.kvxfer.token.value }}
     - {name: kvxfer-token, mountPath: /etc/kvxfer/token, readOnly: true}
     {{- end }}
+    {{- if and .Values.kvxfer.mooncake.enabled .Values.kvxfer.mooncake.secretName }}
+    - {name: kvxfer-mooncake, mountPath: /etc/kvxfer/mooncake, readOnly: true}
+    {{- end }}
     {{- with .Values.kvxfer.extraVolumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -108,6 +111,12 @@ exec:
   secret:
     secretName: {{ .Values.kvxfer.token.existingSecret | default (include "kvxfer.secretName" .) }}
     items: [{key: token, path: token}]
+{{- end }}
+{{- if and .Values.kvxfer.mooncake.enabled .Values.kvxfer.mooncake.secretName }}
+- name: kvxfer-mooncake
+  secret:
+    secretName: {{ .Values.kvxfer.mooncake.secretName }}
+    items: [{key: secret, path: secret}]
 {{- end }}
 {{- with .Values.kvxfer.extraVolumes }}
 {{ toYaml . }}

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.integrations.identity import digest, safe_group_prefix
+from kvxfer.integrations.identity import safe_group_prefix
+from kvxfer.records import digest
 from kvxfer.client import KVSpec, Layout, dtype_name
 
 #: SGLang's host layouts (``--hicache-mem-layout``) in kvxfer's axes: MHA pools hold K and V

@@ -16,12 +16,13 @@ offloading scheduler and worker logic whole and adds the three things an
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
@@ -33,6 +34,7 @@ from vllm.v1.request import Request
 from kvxfer.errors import KvxferError
 from kvxfer.client import KVSpec
 from kvxfer.integrations import identity
+from kvxfer.integrations.vllm.hints import prompt_keys
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames, kvxfer_layout
 from kvxfer.integrations.vllm.spec import KvxferOffloadingSpec, Settings
@@ -115,6 +117,14 @@ def model_identity(vllm_config: VllmConfig, settings: Settings) -> str:
                                    model.quantization, settings.model_id)
 
 
+@dataclass
+class KvxferRegistration(KVConnectorHandshakeMetadata):
+    """A worker's pool and the registration token it chose, for the scheduler (vLLM's handshake metadata)."""
+
+    pool_id: str
+    token: bytes
+
+
 class KvxferConnector(OffloadingConnector):
     """vLLM's offloading connector, backed by the kvxfer sidecar."""
 
@@ -148,11 +158,26 @@ class KvxferConnector(OffloadingConnector):
         # A step that runs no forward pass (every request waits on transfers): the workers may wait a moment
         # for the daemon's answer instead of returning to an engine loop that would only spin.
         meta.kvxfer_idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta.kvxfer_hints = self.scheduler.manager.take_hint_calls()  # rank 0's worker sends them
         return meta
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self.spec.idle_step(getattr(connector_metadata, "kvxfer_idle", False))
+        self.spec.send_hints(getattr(connector_metadata, "kvxfer_hints", []))
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self.connector_worker is None:
+            return None
+        return KvxferRegistration(self.spec.names.pool_id(self.spec.rank), self.spec.token)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Every worker's registration, collected by vLLM once its KV caches are registered: the scheduler
+        presents their tokens with its Lookups (a private group answers its registrant only)."""
+        if self.connector_scheduler is not None:
+            manager = self.scheduler.manager
+            assert isinstance(manager, KvxferManager)
+            manager.present({m.pool_id: m.token for m in metadata.values() if isinstance(m, KvxferRegistration)})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.spec.take_load_errors()
@@ -163,4 +188,5 @@ class KvxferConnector(OffloadingConnector):
         manager.set_tenant(request.request_id, request.cache_salt)
         manager.track(request)
         super().on_new_request(request)
+        manager.prefetch_request(request.request_id, prompt_keys(request.block_hashes, self.scheduler.config))
 

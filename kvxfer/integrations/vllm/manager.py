@@ -19,11 +19,14 @@ from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingMana
                                      ReqContext, RequestOffloadingContext, ScheduleEndContext,
                                      get_offload_block_hash)
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+from vllm.v1.request import RequestStatus
 
 from kvxfer.client import ExtraKeys
 from kvxfer.errors import InvalidArgument, KvxferError
 from kvxfer.integrations.link import DaemonLink, LinkDown
+from kvxfer.integrations.vllm.hints import HintCall, request_id, store_hint
 from kvxfer.integrations.vllm.naming import EngineNames
+from kvxfer.records import HintAction
 from kvxfer.validate import checked_extra_keys
 
 log = logging.getLogger("kvxfer.vllm")
@@ -38,6 +41,7 @@ class KvxferBlocks(LoadStoreSpec):
     def __init__(self, keys: list[OffloadKey], namespace: str, token_ids: Sequence[int] = (),
                  parent: bytes = b"", block_size: int = 0, extra_keys: tuple[ExtraKeys, ...] = (),
                  lora_name: str = "", lora_id: int = 0) -> None:
+        self.hint: tuple[HintAction, int] | None = None  # a store's hint (the request's kv_transfer_params)
         self.keys = keys
         self.namespace = namespace
         self.token_ids = token_ids
@@ -54,19 +58,26 @@ class KvxferBlocks(LoadStoreSpec):
 class KvxferManager(OffloadingManager):
     """Answers vLLM's offloading scheduler from the daemon; keeps no copy of its index."""
 
-    def __init__(self, link: DaemonLink, names: EngineNames, forget_on_reset: bool = False) -> None:
+    def __init__(self, link: DaemonLink, names: EngineNames, forget_on_reset: bool = False,
+                 prefetch: bool = True) -> None:
         """``forget_on_reset``: a reset of vLLM's prefix cache (after a weight update in place) starts a
-        new generation of namespaces, so that no block stored before it is served again."""
+        new generation of namespaces, so that no block stored before it is served again. ``prefetch``: new
+        requests' blocks are prefetched while they wait (``kvxfer.integrations.vllm.hints``)."""
         self._link = link
         self._names = names
         self._forget_on_reset = forget_on_reset
         self.generation = 0
         self._pool_ids = names.pool_ids()
+        self._tokens: dict[str, bytes] = {}  # pool id -> the registration token its worker chose (``present``)
         self._salts: dict[str, str | None] = {}  # req id -> cache_salt (set by the connector)
         self._requests: dict[str, Any] = {}  # req id -> vLLM's Request (its tokens and block hashes)
         self._answers: dict[str, dict[OffloadKey, bool]] = {}  # req id -> key -> present
         self._asked: dict[str, dict[OffloadKey, None]] = {}  # req id -> keys to look up this step, in order
         self.lookups = 0
+        self.prefetch = prefetch
+        self._store_hints: dict[str, tuple[HintAction, int]] = {}  # req id -> its stores' hint
+        self._prefetching: set[str] = set()  # req ids whose prefetch may still be queued at the daemon
+        self._hint_calls: list[HintCall] = []  # for the workers, with this step's metadata
 
     def set_tenant(self, req_id: str, cache_salt: str | None) -> None:
         self._salts[req_id] = cache_salt
@@ -97,7 +108,7 @@ class KvxferManager(OffloadingManager):
             keys = list(ordered)
             namespace = self._names.namespace(self._salts.get(req_id), self.generation)
             try:
-                found = self._link.call(lambda c: c.lookup(keys, pool_ids=self._pool_ids, namespace=namespace))
+                found = self._link.call(lambda c: self._lookup(c, keys, namespace))
                 hits = found.hits
                 self.lookups += 1
             except LinkDown:
@@ -108,6 +119,15 @@ class KvxferManager(OffloadingManager):
             answers = self._answers.setdefault(req_id, {})
             answers.update((key, i < hits) for i, key in enumerate(keys))
 
+    def present(self, tokens: dict[str, bytes]) -> None:
+        """The workers' registration tokens (vLLM's handshake metadata): a private group (``share_events``
+        false) answers Lookups to its registrant only."""
+        self._tokens.update(tokens)
+
+    def _lookup(self, client, keys: list[OffloadKey], namespace: str):
+        client.present(self._tokens)
+        return client.lookup(keys, pool_ids=self._pool_ids, namespace=namespace)
+
     def has_pending_work(self) -> bool:
         return bool(self._asked)
 
@@ -115,6 +135,7 @@ class KvxferManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         # The answers are spent: if this load fails and vLLM reschedules the request, ask the daemon again.
         self._answers.pop(req_context.req_id, None)
+        self._prefetching.discard(req_context.req_id)  # its load is under way: no cancel when it ends
         return KvxferBlocks(list(keys), self.namespace(req_context))
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
@@ -122,14 +143,36 @@ class KvxferManager(OffloadingManager):
         keys = list(keys)
         spec = describe(keys, self._requests.get(req_context.req_id), req_context, self._names.spec.block_size,
                         self.namespace(req_context))
+        spec.hint = self._store_hints.get(req_context.req_id)
         return PrepareStoreOutput(keys_to_store=keys, store_spec=spec, evicted_keys=[])
 
+    # -- hints -----------------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        hint = store_hint(req_context.kv_transfer_params)
+        if hint is not None:
+            self._store_hints[req_context.req_id] = hint
         return RequestOffloadingContext()
 
+    def prefetch_request(self, req_id: str, keys: list[OffloadKey]) -> None:
+        """A request joined the waiting queue: its blocks (``keys``, in prefix order) are prefetched."""
+        if self.prefetch and keys and not self._link.resting:
+            namespace = self._names.namespace(self._salts.get(req_id), self.generation)
+            self._hint_calls.append(HintCall(HintAction.PREFETCH, namespace, tuple(keys), request_id(req_id)))
+            self._prefetching.add(req_id)
+
+    def take_hint_calls(self) -> list[HintCall]:
+        """The hints of this step, for the workers (rank 0 sends them)."""
+        calls, self._hint_calls = self._hint_calls, []
+        return calls
+
     def on_request_finished(self, req_context: ReqContext) -> None:
-        for table in (self._salts, self._answers, self._asked, self._requests):
-            table.pop(req_context.req_id, None)
+        req_id = req_context.req_id
+        request = self._requests.get(req_id)
+        if req_id in self._prefetching and getattr(request, "status", None) is RequestStatus.FINISHED_ABORTED:
+            self._hint_calls.append(HintCall(HintAction.CANCEL, "", (), request_id(req_id)))  # never loaded
+        self._prefetching.discard(req_id)
+        for table in (self._salts, self._answers, self._asked, self._requests, self._store_hints):
+            table.pop(req_id, None)
 
     def reset_cache(self) -> None:
         self._answers.clear()  # the daemon's tiers are shared: a reset of vLLM's cache does not empty them

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvxfer.errors import InvalidArgument
-from kvxfer.integrations.identity import digest, safe_group_prefix
+from kvxfer.integrations.identity import safe_group_prefix
+from kvxfer.records import digest
 from kvxfer.client import KVSpec, Layout, Sharding, dtype_name
 
 #: vLLM's KV-cache layouts (vllm.v1.kv_cache_layout) in kvxfer's axes. vLLM's content axis C

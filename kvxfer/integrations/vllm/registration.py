@@ -29,12 +29,13 @@ def check_memory(kv: torch.Tensor, expected: PoolLayout, allocation: SharedKVAll
                          "get_mem_pool_context(), so it is not in shared memory the daemon can map")
 
 
-def register_rank(client: Client, names: EngineNames, rank: int, kv: torch.Tensor,
-                  allocation: SharedKVAllocation, share_events: bool = True, share_with_peers: bool = False) -> None:
+def register_rank(client: Client, names: EngineNames, rank: int, kv: torch.Tensor, allocation: SharedKVAllocation,
+                  share_events: bool = True, share_with_peers: bool = False, token: bytes = b"") -> None:
     """Register this rank's pool (on every (re)connection: a restarted daemon knows no pools); who else
-    sees its cache group: the backend's settings of the same names."""
+    sees its cache group: the backend's settings of the same names. ``token``: the registration token this
+    rank chose, the same at every registration (the scheduler presents it for its Lookups)."""
     pool_id, group = names.pool_id(rank), names.cache_group(rank)
-    shared = {"share_events": share_events, "share_with_peers": share_with_peers}
+    shared = {"share_events": share_events, "share_with_peers": share_with_peers, "chosen_token": token}
     if kv.device.type == "cuda":
         memory = whole_cache(kv, PoolLayout(names.spec, names.layout).nbytes)
         client.register_cuda_tensor(pool_id, names.spec, names.layout, memory, cache_group=group, **shared)

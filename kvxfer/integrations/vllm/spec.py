@@ -7,6 +7,7 @@ value stops vLLM at start-up with a message that names it, never later.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class Settings:
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the blocks' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this engine's cache groups
     lane: bool = True  # submits and lookups over the daemon's local lane (kvxfer.lane); False: gRPC only
+    prefetch: bool = True  # a request joining the queue has its blocks brought up to host memory while it waits
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
@@ -71,6 +73,9 @@ class KvxferOffloadingSpec(OffloadingSpec):
         self.rank = config.parallel.rank
         self.allocation = SharedKVAllocation(names.pool_id(self.rank))
         self.worker: KvxferWorker | None = None
+        #: the worker's registration token, chosen here so that it outlives a daemon's restart: vLLM hands it to
+        #: the scheduler (``KvxferConnector.get_handshake_metadata``), whose Lookups of a private group need it
+        self.token = secrets.token_bytes(32)
 
     def get_manager(self) -> OffloadingManager:
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
@@ -79,7 +84,7 @@ class KvxferOffloadingSpec(OffloadingSpec):
         log.info("kvxfer: this engine's blocks are stored in namespace %s (a request with a cache_salt: %s:<its "
                  "digest>), cache group %s; watch them with: kvxfer events --namespace %s", shared,
                  shared.rsplit(":", 1)[0], self.names.cache_group(self.rank), shared)
-        return KvxferManager(link, self.names, self.settings.forget_on_reset)
+        return KvxferManager(link, self.names, self.settings.forget_on_reset, self.settings.prefetch)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         kv = kv_caches.tensors[0].tensor
@@ -89,7 +94,7 @@ class KvxferOffloadingSpec(OffloadingSpec):
 
         def on_connect(client) -> None:
             register_rank(client, self.names, self.rank, kv, self.allocation, self.settings.share_events,
-                          self.settings.share_with_peers)
+                          self.settings.share_with_peers, self.token)
 
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
                           role=f"worker rank {self.rank}", on_connect=on_connect, lane=self.settings.lane)
@@ -111,6 +116,11 @@ class KvxferOffloadingSpec(OffloadingSpec):
         """Whether the step under way runs a forward pass (the scheduler's metadata says)."""
         if self.worker is not None:
             self.worker.idle_step = idle
+
+    def send_hints(self, calls: list) -> None:
+        """The scheduler's hints of this step (``kvxfer.integrations.vllm.hints``): rank 0 sends them."""
+        if calls and self.worker is not None and self.rank == 0:
+            self.worker.send_hints(calls)
 
     def take_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

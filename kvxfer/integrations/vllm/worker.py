@@ -43,6 +43,7 @@ from kvxfer.client import SUCCESS, Client, CudaEvent, EngineBlocks, KeyFormat
 from kvxfer.client_results import PendingJobs
 from kvxfer.errors import KvxferError
 from kvxfer.integrations.link import DaemonLink, LinkDown
+from kvxfer.integrations.vllm.hints import HintCall
 from kvxfer.integrations.vllm.manager import KvxferBlocks
 from kvxfer.records import Outcome
 
@@ -64,6 +65,8 @@ LANDING_S = 0.5
 #: How long one WaitJobs waits at the daemon for a job of this worker to finish (it answers at once when one
 #: does); far below any lease, which every WaitJobs renews.
 POLL_S = 0.5
+#: Jobs given up on whose late answers are recognised and dropped (older ones: dropped as strays).
+MAX_GIVEN_UP = 4096
 
 
 @dataclass
@@ -131,11 +134,14 @@ class KvxferWorker(OffloadingWorker):
         self._fence: int | None = None  # the daemon's id of the fence settling them
         self._poll: PendingJobs | None = None  # the WaitJobs in flight
         self._strays: dict[int, list[Outcome]] = {}  # results of ids we never learnt (uncertain jobs that ran)
+        # Jobs given up on, by daemon id, until the daemon answers (a store's event is kept until then), oldest first.
+        self._given_up: dict[int, _Job] = {}
         self._finished: list[TransferResult] = []
         self._load_errors: set[int] = set()
         self.dropped_stores = 0
         self.failed_load_blocks = 0
         self.given_up = 0  # jobs reported failed at their deadline, the daemon not having answered
+        self.hints_sent = self.hints_dropped = 0
 
     # -- submitting ----------------------------------------------------------------
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -145,7 +151,7 @@ class KvxferWorker(OffloadingWorker):
         self._submit(job, lambda c: c.submit_offload(list(zip(blocks, dst_spec.keys)), pool_id=self._pool_id,
                                                      namespace=dst_spec.namespace, lease_s=self._lease_s,
                                                      cuda_event=job.event, deadline=job.deadline,
-                                                     engine=described(dst_spec)))
+                                                     engine=described(dst_spec), hint=dst_spec.hint))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
@@ -171,6 +177,18 @@ class KvxferWorker(OffloadingWorker):
         except KvxferError as exc:  # refused (full, invalid): it never runs
             log.warning("kvxfer: %s of %d blocks refused: %s", job.direction.value, len(job.blocks), exc)
             self._end(job, None)
+
+    def send_hints(self, calls: list[HintCall]) -> None:
+        """The scheduler's hints, one Hint each; a daemon that is down or refuses one (a full prefetch queue)
+        costs that hint only."""
+        for call in calls:
+            try:
+                self._link.call(lambda c: c.hint(call.action, call.keys, request_id=call.request_id,
+                                                 pool_id=self._pool_id, namespace=call.namespace or None))
+                self.hints_sent += 1
+            except (LinkDown, KvxferError) as exc:
+                self.hints_dropped += 1
+                log.debug("kvxfer: %s hint for %s not sent: %s", call.action.value, call.request_id, exc)
 
     # -- collecting ----------------------------------------------------------------
     def get_finished(self) -> list[TransferResult]:
@@ -200,6 +218,10 @@ class KvxferWorker(OffloadingWorker):
         for job in late:
             self.given_up += 1
             self._end(job, None, settled=False)  # a stopped daemon may still wait on a store's event
+        for daemon_id in [i for i, job in self._running.items() if job.ended]:  # out of the table: no step polls
+            self._given_up[daemon_id] = self._running.pop(daemon_id)            # for them any more
+            if len(self._given_up) > MAX_GIVEN_UP:  # (the oldest: its event let go, its answer a stray)
+                self._end(self._given_up.pop(next(iter(self._given_up))), None)
         if late:
             log.warning("kvxfer: %d transfers reached their deadline (%.1f s) without an answer from the daemon "
                         "at %s; their blocks count as failed (loads are recomputed)", len(late), self._deadline_s,
@@ -249,11 +271,18 @@ class KvxferWorker(OffloadingWorker):
             log.warning("kvxfer: WaitJobs refused: %s", exc)
             return
         for daemon_id, result in finished.items():
+            late = self._given_up.pop(daemon_id, None)
+            if late is not None:  # the answer of a job given up on: read, dropped (its event may go now)
+                self._end(late, None)
+                continue
             if daemon_id in self._running:
                 self._end(self._running.pop(daemon_id), result.outcomes, result.bytes, result.seconds)
             elif daemon_id != self._fence:
                 self._strays[daemon_id] = result.outcomes
         for daemon_id in finished.unknown:  # expired at the daemon: it ran or never will
+            late = self._given_up.pop(daemon_id, None)
+            if late is not None:
+                self._end(late, None)
             if daemon_id in self._running:
                 self._end(self._running.pop(daemon_id), None)
         if self._fence is not None and (self._fence in finished or self._fence in finished.unknown):

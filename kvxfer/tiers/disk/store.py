@@ -131,10 +131,11 @@ class DiskStore:
         with self._load_lock:
             if self._closing:
                 return
-            self.loading = False
+            # The Deletes acknowledged meanwhile first, then the tier serves: never a moment when one is undone.
             for namespace, keys in self._deleted_while_loading:
                 self._delete_loaded(namespace, keys)
             self._deleted_while_loading.clear()
+            self.loading = False
         self._loaded.set()
         self.index_seconds = time.perf_counter() - start
         log.info("disk index loaded", extra={"path": str(self.tier.directory), "source": source,
@@ -224,8 +225,9 @@ class DiskStore:
 
     # -- promotion ---------------------------------------------------------------
     def fetch(self, namespace: str, keys: list[bytes]) -> _DiskFetch:
-        """The named blocks the disk holds, pinned (not evicted, not deleted under a read) until ``end``."""
-        return _DiskFetch(self, namespace, keys)
+        """The named blocks the disk holds, pinned (not evicted, not deleted under a read) until ``end``; none while
+        the index is still loading (see ``contains``)."""
+        return _DiskFetch(self, namespace, [] if self.loading else keys)
 
     def _read(self, slot: int, namespace: str, key: bytes, checksum: int, out: memoryview) -> Outcome:
         try:
@@ -272,6 +274,8 @@ class DiskStore:
         return not self.loading or self._loaded.wait(max(0.0, until - time.monotonic())) and not self.loading
 
     def contains(self, namespace: str, keys: list[bytes], until: float | None = None) -> list[bool]:
+        if self.loading:  # what the load adopted is not served before the Deletes that came meanwhile are applied
+            return [False] * len(keys)
         return self.index.contains(namespace, keys)
 
     def stats(self) -> TierStats:

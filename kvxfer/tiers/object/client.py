@@ -63,8 +63,33 @@ def check_reachable(settings: ObjectSettings) -> None:
         raise ConfigError(f"object: the credentials were refused for {shown(settings.url)} "
                           f"({_first_line(exc)})") from None
     except FAILURES as exc:
-        raise ConfigError(f"object: {shown(settings.url)} did not answer within {settings.timeout_s:g} s "
+        raise ConfigError(f"object: {shown(settings.url)} {failure_cause(exc, settings.timeout_s)} "
                           f"({_first_line(exc)})") from None
+
+
+def may_have_landed(exc: BaseException) -> bool:
+    """Whether a failed put may have been stored after all: it was sent and not answered in time (a stalled
+    server, which stores it when it runs again) or its connection broke mid-call. A refused connection, refused
+    credentials or an error status mean it was not."""
+    text = str(exc)
+    return (isinstance(exc, TimeoutError) or "kind: Timeout" in text or "TimedOut" in text
+            or "reset by peer" in text or "ConnectionReset" in text)
+
+
+def failure_cause(exc: BaseException, timeout_s: float) -> str:
+    """What a failed call to the object store met, in words: a refused connection, a call past its deadline, no
+    credentials to be had, or another failure (obstore's errors name the cause only in their text)."""
+    text = str(exc)
+    if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
+        return "refused the credentials"
+    if "169.254.169.254" in text or "credential" in text.lower():
+        return ("got no credentials: none in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the "
+                "store's own variables) and no instance metadata service gave any")
+    if isinstance(exc, ConnectionError) or "kind: Connect" in text or "ConnectionRefused" in text:
+        return "could not be connected to: the endpoint refused the connection or cannot be reached"
+    if isinstance(exc, TimeoutError) or "kind: Timeout" in text or "TimedOut" in text:
+        return f"did not answer within {timeout_s:g} s"
+    return "failed"
 
 
 def _first_line(exc: BaseException) -> str:

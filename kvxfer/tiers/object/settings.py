@@ -8,10 +8,9 @@ store (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_WEB_IDENTITY_TOKEN
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvxfer.errors import ConfigError
-from kvxfer.tiers.sections import bounded, mapping
+from kvxfer.tiers.sections import bounded, mapping, secret
 from kvxfer.validate import shown
 
 KEYS = frozenset({"url", "endpoint", "region", "allow_http", "timeout_ms", "workers", "max_inflight",
@@ -63,7 +62,7 @@ def parse(raw) -> ObjectSettings | None:
         raise ConfigError("object.url: no credentials or options in the url (credentials come from the "
                           "environment: AWS_*, GOOGLE_*, AZURE_*)")
     text = {}
-    for key in ("endpoint", "region", "secret_file"):
+    for key in ("endpoint", "region"):
         value = raw.get(key, "")
         if not isinstance(value, str) or len(value) > 1024:
             raise ConfigError(f"object.{key}: must be a string")
@@ -75,20 +74,14 @@ def parse(raw) -> ObjectSettings | None:
             raise ConfigError(f"object.{key}: true or false, got {shown(raw.get(key))}")
     if text["endpoint"].startswith("http://") and not raw.get("allow_http", False):
         raise ConfigError("object.endpoint: http:// sends in the clear; set allow_http: true to mean it")
-    secret = b""
-    if text["secret_file"]:
-        if not Path(text["secret_file"]).is_file():
-            raise ConfigError(f"object.secret_file: {shown(text['secret_file'])} is not a readable file")
-        secret = Path(text["secret_file"]).read_bytes().strip()
-        if len(secret) < 16:
-            raise ConfigError("object.secret_file: at least 16 bytes (the key that authenticates every object)")
+    key = secret("object", raw)
     max_mib = raw.get("max_mib", 0)
     if isinstance(max_mib, bool) or not isinstance(max_mib, int | float) or not 0 <= max_mib <= 1 << 40:
         raise ConfigError(f"object.max_mib: a number of MiB, 0 for no bound, got {shown(max_mib)}")
     settings = ObjectSettings(
         url, text["endpoint"], text["region"], raw.get("allow_http", False),
         bounded("object", raw, "timeout_ms", 2000, 60_000) / 1000, bounded("object", raw, "workers", 16, 256),
-        bounded("object", raw, "max_inflight", 256, 65536), raw.get("write_through", False), secret,
+        bounded("object", raw, "max_inflight", 256, 65536), raw.get("write_through", False), key,
         int(max_mib * (1 << 20)), bounded("object", raw, "negative_cache_ms", 1000, 600_000, 0) / 1000)
     from kvxfer.tiers.object.client import check_reachable  # (the client library: only when configured)
 

@@ -35,10 +35,10 @@ from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.tiers.lower import Nothing, StagedBlock
-from kvxfer.tiers.object.client import FAILURES, MISSING, object_name, open_store
+from kvxfer.tiers.object.client import FAILURES, MISSING, may_have_landed, object_name, open_store
 from kvxfer.tiers.object.settings import ObjectSettings
 from kvxfer.tiers.record import MAX_HEADER, DiskCorrupt, header, sealed, unpack
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored, to_send
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
 
 ABSENT_KEYS = 65536  # names the negative cache remembers at most
 
@@ -88,7 +88,7 @@ class ObjectTier:
         self.takes_stores = settings.write_through
         self.takes_evictions = not settings.write_through
         self.store = open_store(settings)
-        self.breaker = Breaker(settings.url, tier="object tier")
+        self.breaker = Breaker(settings.url, tier="object tier", probe=self._probe)
         self.events = EventCounts()
         self.absent = Absent(settings.negative_cache_s)
         self._written: OrderedDict[str, int] = OrderedDict()  # name -> bytes, oldest first (``max_bytes``)
@@ -103,6 +103,18 @@ class ObjectTier:
 
     def name(self, namespace: str, key: bytes) -> str:
         return object_name(self.group, namespace, key)
+
+    def _probe(self) -> None:
+        """The breaker's question while the bucket failed: a GET of a name no block has (absent: it answers)."""
+        try:
+            obstore.get(self.store, "kvxfer-probe/absent")
+        except MISSING:
+            pass
+
+    def full_name(self, name: str) -> bytes:
+        """What an object's MAC covers: its whole name, bucket and prefix included (``object.url``/name), so that a
+        value is valid only where it was written: not under another prefix that shares the secret."""
+        return f"{self.settings.url.rstrip('/')}/{name}".encode()
 
     def _all(self, call, items: list, until: float | None = None) -> list[tuple[object, BaseException | None]]:
         """``call(item)`` for every item on the tier's threads, each ended (or abandoned) by ``timeout_s`` and
@@ -140,7 +152,7 @@ class ObjectTier:
         name = self.name(staged.namespace, staged.key)
         head = header(self.fingerprint, staged.namespace, staged.key, staged.checksum, self.slot_bytes,
                       staged.key_format)
-        value = sealed(self.settings.secret, name.encode(), self.queue.staging.with_header(staged.buffer, head))
+        value = sealed(self.settings.secret, self.full_name(name), self.queue.staging.with_header(staged.buffer, head))
         try:
             obstore.put(self.store, name, value, mode="create", use_multipart=False)
         except AlreadyExistsError:
@@ -166,7 +178,8 @@ class ObjectTier:
                     verdict = self._put(staged)
                 except FAILURES as exc:
                     self.breaker.failed(exc)
-                    self.events.add("stores_dropped")
+                    # Sent and not answered (a stalled server): it may land yet, so it is not counted dropped.
+                    self.events.add("stores_unconfirmed" if may_have_landed(exc) else "stores_dropped")
                     continue
                 self.breaker.succeeded()
                 self.events.add(verdict)
@@ -241,8 +254,8 @@ class ObjectTier:
         except MISSING:
             return None
         try:
-            checksum, data, key_format = unpack(memoryview(value), name.encode(), namespace, key, self.fingerprint,
-                                                self.slot_bytes, self.settings.secret)
+            checksum, data, key_format = unpack(memoryview(value), self.full_name(name), namespace, key,
+                                                self.fingerprint, self.slot_bytes, self.settings.secret)
         except DiskCorrupt as bad:
             if str(bad) == "foreign_format":
                 return None  # another format's block under this name: not ours to judge, a miss
@@ -251,9 +264,7 @@ class ObjectTier:
         return _Checked(Outcome.DONE, checksum, data, key_format)
 
     def _corrupt(self, namespace: str, key: bytes, name: str) -> None:
-        self.events.add("corrupt")
-        if self.kv_events is not None:
-            self.kv_events.removed(namespace, [key], Reason.CORRUPTED)
+        announce_corrupt(self.events, self.kv_events, namespace, key)
         try:
             obstore.delete(self.store, name)
         except PermissionDeniedError:
@@ -267,7 +278,10 @@ class ObjectTier:
             return Nothing()
         results = self._all(self._get, [(namespace, k) for k in keys])
         self._judge([error for _, error in results if error is not None])
-        present = [(k, got) for k, (got, error) in zip(keys, results) if error is None and got is not None]
+        # A GET that failed (the server erred, or did not answer in time) is FAILED, never NOT_FOUND: the
+        # object may well be there (a Lookup said so), and the engine is told the medium failed.
+        present = [(k, _Checked(Outcome.FAILED) if error is not None else got)
+                   for k, (got, error) in zip(keys, results) if error is not None or got is not None]
         return _ObjectFetch(self, present)
 
     def _judge(self, errors: list[BaseException]) -> None:
@@ -313,6 +327,7 @@ class ObjectTier:
         return self.queue.flush(timeout)
 
     def close(self, timeout: float = 0.0) -> None:
+        self.breaker.close()
         self.queue.close(timeout)
         self.calls.shutdown(wait=False, cancel_futures=True)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvxfer.errors import ConfigError
-from kvxfer.tiers.sections import bounded, mapping
+from kvxfer.tiers.sections import bounded, mapping, secret
 from kvxfer.validate import shown
 
 KEYS = frozenset({"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
@@ -56,24 +56,21 @@ def parse(raw) -> RemoteSettings | None:
     if "@" in url.split("://", 1)[1].split("/", 1)[0]:
         raise ConfigError("remote.url: no credentials in the url; use username and password_file")
     text = {}
-    for key in ("username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "secret_file"):
+    for key in ("username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix"):
         value = raw.get(key, "kvxfer:" if key == "key_prefix" else "")
         if not isinstance(value, str) or len(value) > 4096:
             raise ConfigError(f"remote.{key}: must be a string")
         text[key] = value
-    for key in ("password_file", "tls_ca", "tls_cert", "tls_key", "secret_file"):
+    for key in ("password_file", "tls_ca", "tls_cert", "tls_key"):
         if text[key] and not Path(text[key]).is_file():
             raise ConfigError(f"remote.{key}: {shown(text[key])} is not a readable file")
     if (text["tls_ca"] or text["tls_cert"]) and not scheme.startswith("rediss"):
         raise ConfigError("remote: TLS files given but the url is not rediss:// (refusing to send in the clear)")
     password = Path(text["password_file"]).read_text().strip() if text["password_file"] else ""
-    secret = Path(text["secret_file"]).read_bytes().strip() if text["secret_file"] else b""
-    if text["secret_file"] and len(secret) < 16:
-        raise ConfigError("remote.secret_file: at least 16 bytes (the key that authenticates every value)")
     timeout = bounded("remote", raw, "timeout_ms", 200, 60_000)
     inflight = bounded("remote", raw, "max_inflight", 256, 65536)
     write_through = raw.get("write_through", False)
     if not isinstance(write_through, bool):
         raise ConfigError(f"remote.write_through: true or false, got {shown(write_through)}")
     return RemoteSettings(url, text["username"], password, text["tls_ca"], text["tls_cert"], text["tls_key"],
-                          text["key_prefix"], timeout / 1000, write_through, inflight, secret)
+                          text["key_prefix"], timeout / 1000, write_through, inflight, secret("remote", raw))

@@ -33,7 +33,7 @@ from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.tiers.remote.watch import RemovalWatch
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored, to_send
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.breaker import Breaker
@@ -65,7 +65,8 @@ class RemoteStore:
         self.fingerprint = fingerprint
         self._client: redis.Redis | RedisCluster | None = None  # connected on first use: Redis may be down now
         self._connect_lock = threading.Lock()
-        self.breaker = Breaker(settings.url.split("@")[-1])  # never the credentials of a URL
+        # (never the credentials of a URL in its name); while Redis fails, a PING says when it is back
+        self.breaker = Breaker(settings.url.split("@")[-1], probe=lambda: self.client.ping())
         self.events = EventCounts()
         self.queue = WriteQueue(f"kvxfer-remote-{group}", settings.max_inflight, slot_bytes, self._write, BATCH,
                                 headroom=MAX_HEADER)
@@ -169,9 +170,7 @@ class RemoteStore:
         except DiskCorrupt as bad:
             if str(bad) == "foreign_format":
                 return Outcome.NOT_FOUND, 0, 0  # another format's block under this name: not ours to judge
-            self.events.add("corrupt")
-            if self.kv_events is not None:
-                self.kv_events.removed(namespace, [key], Reason.CORRUPTED)
+            announce_corrupt(self.events, self.kv_events, namespace, key)
             try:
                 self.client.delete(name)
             except FAILURES as exc:
@@ -206,6 +205,7 @@ class RemoteStore:
         return self.queue.flush(timeout)
 
     def close(self, timeout: float = 0.0) -> None:
+        self.breaker.close()
         if self.removals is not None:
             self.removals.close()
         self.queue.close(timeout)

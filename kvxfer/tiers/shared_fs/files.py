@@ -11,7 +11,10 @@ Every path beneath the share is resolved a component at a time from the share's 
 descriptor, never following a link (``O_NOFOLLOW | O_DIRECTORY`` per directory, ``O_NOFOLLOW``
 for the file), so a link planted for ``<share>/<group>`` or a block subdirectory makes that block
 a miss (or a dropped write), never a file written, read or deleted elsewhere. Reads never wait
-on a FIFO, and check the header and the checksum.
+on a FIFO, and check the header and the checksum. With a secret (``shared_fs.secret_file``) a
+file ends with an HMAC of its header and bytes under its full path (the configured share path,
+the group, the name): whoever may write to the share but lacks the secret can neither forge a
+block nor move one from another team's directory (or another share path) into this one.
 
 A mount can stall (a server away, a lost lease): a call into it can block in the kernel for
 minutes. So every call runs on a bounded pool of threads and is waited for at most
@@ -24,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import hashlib
+import hmac
 import os
 import socket
 import stat
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvxfer.geometry.checksum import block_checksum
-from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
+from kvxfer.tiers.record import MAC_BYTES, DiskCorrupt, decode_header, encode_header
 from kvxfer.breaker import Breaker
 from kvxfer.tiers.shared_fs.settings import SharedFsSettings
 
@@ -59,6 +63,8 @@ class SharedFs:
         self.directory = Path(settings.path) / group
         self.group, self.fingerprint, self.slot_bytes = group, fingerprint, slot_bytes
         self.timeout_s = settings.timeout_s
+        self.secret = settings.secret
+        self.file_bytes = HEADER_BYTES + slot_bytes + (MAC_BYTES if settings.secret else 0)
         self.breaker = Breaker(str(self.directory), tier="shared filesystem tier")
         self._calls = concurrent.futures.ThreadPoolExecutor(settings.workers,
                                                             thread_name_prefix=f"kvxfer-sharedfs-{group}")
@@ -68,6 +74,13 @@ class SharedFs:
         """Where a block's file lies (for messages and tests; the calls reach it through ``_block``)."""
         digest = self._digest(namespace, key)
         return self.directory / digest[:2] / f"{digest}.kvb"
+
+    def _mac(self, namespace: str, key: bytes, header, data) -> bytes:
+        """The MAC a file ends with: its header and bytes under its full path (``name``), share path included."""
+        digest = hmac.new(self.secret, str(self.name(namespace, key)).encode(), hashlib.sha256)
+        digest.update(header)  # (as ``kvxfer.tiers.record.mac`` of header and bytes, without joining them)
+        digest.update(memoryview(data).cast("B"))
+        return digest.digest()
 
     def _digest(self, namespace: str, key: bytes) -> str:
         return hashlib.sha256(b"\0".join([self.group.encode(), namespace.encode(), key])).hexdigest()
@@ -127,7 +140,8 @@ class SharedFs:
                          dir_fd=directory)
             try:
                 os.fchmod(fd, FILE_MODE)
-                for view in (memoryview(header), memoryview(data).cast("B")):
+                tag = self._mac(namespace, key, header, data) if self.secret else b""
+                for view in (memoryview(header), memoryview(data).cast("B"), memoryview(tag)):
                     while view:
                         view = view[os.write(fd, view):]
                 os.fdatasync(fd)
@@ -166,16 +180,19 @@ class SharedFs:
             raise DiskCorrupt("foreign_file") from exc  # a link or a FIFO where a block or a directory should be
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != HEADER_BYTES + self.slot_bytes:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self.file_bytes:
                 raise DiskCorrupt("truncated" if stat.S_ISREG(st.st_mode) else "foreign_file")
-            got = decode_header(os.pread(fd, HEADER_BYTES, 0), self.fingerprint, self.slot_bytes, HEADER_BYTES)
-            if got[:2] != (namespace, key):
-                raise DiskCorrupt("bad_header")
-            data = bytearray(self.slot_bytes)
-            if os.preadv(fd, [data], HEADER_BYTES) != self.slot_bytes:
+            raw_header = os.pread(fd, HEADER_BYTES, 0)
+            data, tag = bytearray(self.slot_bytes), bytearray(self.file_bytes - HEADER_BYTES - self.slot_bytes)
+            if os.preadv(fd, [data, tag], HEADER_BYTES) != self.file_bytes - HEADER_BYTES:
                 raise DiskCorrupt("truncated")
         finally:
             os.close(fd)
+        if self.secret and not hmac.compare_digest(self._mac(namespace, key, raw_header, data), bytes(tag)):
+            raise DiskCorrupt("forged")  # (first: a forged header is not parsed)
+        got = decode_header(raw_header, self.fingerprint, self.slot_bytes, HEADER_BYTES)
+        if got[:2] != (namespace, key):
+            raise DiskCorrupt("bad_header")
         if block_checksum(data) != got.checksum:
             raise DiskCorrupt("checksum")
         return got.checksum, data, got.key_format
@@ -197,6 +214,7 @@ class SharedFs:
         return removed
 
     def close(self) -> None:
+        self.breaker.close()
         self._calls.shutdown(wait=False, cancel_futures=True)  # threads stuck in the kernel return with the mount
 
 

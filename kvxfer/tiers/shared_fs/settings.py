@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvxfer.errors import ConfigError
-from kvxfer.tiers.sections import bounded
+from kvxfer.tiers.sections import bounded, secret
 from kvxfer.validate import shown
 
-KEYS = frozenset({"path", "timeout_ms", "workers", "max_inflight"})
+KEYS = frozenset({"path", "timeout_ms", "workers", "max_inflight", "secret_file"})
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,8 @@ class SharedFsSettings:
     timeout_s: float = 2.0  # one call into the mount, at most
     workers: int = 8  # threads calling into the mount (stuck ones included)
     max_inflight: int = 256  # writes staged in memory
+    #: shared by the daemons of a share: every file carries a MAC under it and under its full path
+    secret: bytes = field(default=b"", repr=False)
 
     @property
     def staged_blocks(self) -> int:
@@ -46,4 +48,5 @@ def parse(raw) -> SharedFsSettings | None:
     probe.join(numbers["timeout_ms"] / 1000)
     if answer == [False]:
         raise ConfigError(f"shared_fs.path: {shown(path)} is not a directory (is the shared filesystem mounted?)")
-    return SharedFsSettings(path, numbers["timeout_ms"] / 1000, numbers["workers"], numbers["max_inflight"])
+    return SharedFsSettings(path, numbers["timeout_ms"] / 1000, numbers["workers"], numbers["max_inflight"],
+                            secret("shared_fs", raw))

@@ -18,7 +18,7 @@ import torch
 from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.events.hub import EventHub
 from kvxfer.events.records import Reason
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_stored
+from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored
 from kvxfer.tiers.lower import StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.shared_fs.files import SharedFs, Stalled
@@ -143,9 +143,7 @@ class _SharedFsFetch:
                 if str(bad) == "foreign_format":
                     verdicts.append((Outcome.NOT_FOUND, 0))  # another format's block: not ours to judge
                     continue
-                store.events.add("corrupt")
-                if store.kv_events is not None:
-                    store.kv_events.removed(self._namespace, [key], Reason.CORRUPTED)
+                announce_corrupt(store.events, store.kv_events, self._namespace, key)
                 try:
                     fs.call(fs.delete, self._namespace, [key])
                 except (Stalled, OSError):

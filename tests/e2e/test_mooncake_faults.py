@@ -1,0 +1,155 @@
+"""The Mooncake Store tier when its cluster fails, through real daemons and a real ``mooncake_master``: a master
+stopped, stalled or restarted, a node gone with the segment that held blocks, a store full. Calls stay bounded,
+the tier says it is degraded and comes back by itself, nothing wrong is served, and the daemon serves on from
+its other tiers; what Mooncake evicted is a miss and is announced removed."""
+
+import time
+
+import pytest
+
+from kvxfer import Client
+from kvxfer.errors import DeadlineExceeded
+from kvxfer.bench.mooncake_master import MooncakeMaster
+from kvxfer.events.records import EventKind, Reason
+from kvxfer.records import Outcome, TierKind
+from tests.e2e.mooncake_node import KEYS, events, master, needs_mooncake, node, tiers, until  # noqa: F401
+from tests.e2e.test_remote import offload, restore
+
+pytestmark = [pytest.mark.e2e, needs_mooncake]
+
+
+def test_a_stopped_master_is_a_miss_within_the_deadline_and_a_restarted_one_serves_again(master, tmp_path):
+    daemon = node(master, tmp_path)
+    try:
+        offload(daemon, KEYS[:40])
+        until(lambda: events(daemon).get("stored", 0) >= 8, "demoted")
+        master.stop()
+        start = time.monotonic()
+        assert tiers(daemon, KEYS[:8]) == [None] * 8  # asked, not answered: misses
+        assert restore(daemon, KEYS[:8])[0] == [Outcome.NOT_FOUND] * 8  # (none is there as far as anyone knows)
+        offload(daemon, KEYS[40:48])  # the host tier takes them; its evictions are dropped, counted
+        assert time.monotonic() - start < 60  # (a hang guard: each call within 1 s)
+        assert daemon.health() == 1 and events(daemon)["degraded"]
+        master.start()  # holds nothing: its metadata lived in its memory
+        until(lambda: not events(daemon)["degraded"], "back after the restart", seconds=60)
+        until(lambda: tiers(daemon, KEYS[:1]) == [None], "the old blocks are misses, never errors")
+        shadow: dict = {}
+        rounds = iter(range(60))
+
+        def demoted_again() -> bool:  # (the client mounts its segment at the new master within about a second;
+            round_ = next(rounds)  # puts meanwhile find no space)
+            keys = [b"after%02d-%02d" % (round_, i) for i in range(40)]
+            shadow.update(offload(daemon, keys))
+            time.sleep(0.5)
+            return tiers(daemon, keys[:1]) == [TierKind.MOONCAKE]
+
+        until(demoted_again, "demoted to the new master", seconds=60)
+        first = min(k for k in shadow if tiers(daemon, [k]) == [TierKind.MOONCAKE])
+        outcomes, blocks = restore(daemon, [first])
+        assert outcomes == [Outcome.DONE] and blocks[0].equal(shadow[first])
+    finally:
+        daemon.cleanup()
+
+
+def test_a_stalled_master_holds_no_call_past_its_deadline_and_the_tier_is_back_soon_after(master, tmp_path):
+    daemon = node(master, tmp_path)
+    try:
+        shadow = offload(daemon, KEYS[:40])
+        until(lambda: events(daemon).get("stored", 0) >= 8, "demoted")
+        master.pause()
+        try:
+            start = time.monotonic()
+            tiers(daemon, KEYS[:8])  # whatever the client still knows, answered within the deadline
+            restore(daemon, KEYS[8:16])
+            offload(daemon, [b"during%d" % i for i in range(8)])
+            assert time.monotonic() - start < 60  # (a hang guard: each call within 1 s)
+            assert daemon.health() == 1
+        finally:
+            master.resume()
+        until(lambda: tiers(daemon, KEYS[:8]) == [TierKind.MOONCAKE] * 8, "served again after the stall", seconds=60)
+        outcomes, blocks = restore(daemon, KEYS[:8])
+        assert outcomes == [Outcome.DONE] * 8 and all(d.equal(shadow[k]) for k, d in zip(KEYS[:8], blocks))
+    finally:
+        daemon.cleanup()
+
+
+def test_a_node_gone_with_its_segment_costs_misses_never_a_wrong_byte_or_a_hang(tmp_path):
+    """A lends the memory B's blocks went to; A is killed: B's restores of them fail or miss within their
+    deadline, and once the master has dropped A's segment (its client TTL) they are plain misses."""
+    cluster = MooncakeMaster("--client_ttl=2")
+    a = node(cluster, tmp_path, "gone:")
+    b = node(cluster, tmp_path, "gone:", segment_mib=0)  # lends nothing: its blocks land in A's segment
+    try:
+        offload(b, KEYS[:40])
+        until(lambda: events(b).get("stored", 0) >= 8, "b demoted into a's segment")
+        a.stop(9)
+        start = time.monotonic()
+        outcomes, _ = restore(b, KEYS[:8])
+        assert set(outcomes) <= {Outcome.FAILED, Outcome.NOT_FOUND} and time.monotonic() - start < 60
+        assert b.health() == 1
+        until(lambda: tiers(b, KEYS[:8]) == [None] * 8, "the master dropped a's segment", seconds=60)
+        assert restore(b, KEYS[:8])[0] == [Outcome.NOT_FOUND] * 8
+    finally:
+        a.cleanup()
+        b.cleanup()
+        cluster.close()
+
+
+def test_blocks_a_full_store_evicted_are_misses_and_are_announced_removed(master, tmp_path):
+    """The cluster's only memory is the daemon's 16 MiB segment (about 1,000 blocks); 1,400 go down. Mooncake
+    evicts on its own: those it evicted are misses (never errors), and the audit announces them removed."""
+    daemon = node(master, tmp_path, segment_mib=16, audit_s=1)
+    try:
+        keys = [b"full%04d" % i for i in range(1432)]
+        offload(daemon, keys)  # 1,400 demoted
+        until(lambda: sum(events(daemon).get(e, 0) for e in ("stored", "stores_no_space", "stores_dropped")) >= 1400,
+              "demotions settled", seconds=120)
+        held = tiers(daemon, keys[:1400])
+        assert 0 < held.count(TierKind.MOONCAKE) < 1400 and set(held) <= {TierKind.MOONCAKE, None}
+        gone = [k for k, t in zip(keys, held) if t is None]
+        outcomes, _ = restore(daemon, gone[:8])
+        assert outcomes == [Outcome.NOT_FOUND] * len(gone[:8])
+        stored: set[bytes] = set()  # announced stored in the cluster (a put that found no space never was)
+        removed: set[bytes] = set()
+        with Client(daemon.target) as client:
+            try:
+                for batch in client.watch_events(["default"], from_sequence=1, timeout=60):
+                    for e in batch.events:
+                        if e.tier is TierKind.MOONCAKE and e.kind is EventKind.STORED:
+                            stored |= set(e.keys)
+                        elif e.tier is TierKind.MOONCAKE and e.kind is EventKind.REMOVED:
+                            assert e.reason is Reason.EXPIRED
+                            removed |= set(e.keys)
+                    if stored and set(gone) & stored <= removed:
+                        break
+            except DeadlineExceeded:
+                pass  # (60 s: the audit asks every second)
+        evicted = set(gone) & stored
+        assert evicted and evicted <= removed, len(evicted - removed)
+        assert not removed & {k for k, t in zip(keys, held) if t is TierKind.MOONCAKE}  # (held: never announced)
+    finally:
+        daemon.cleanup()
+
+
+def test_a_slow_network_to_the_master_holds_no_call_past_its_deadline(master, tmp_path):
+    """Every byte to and from the master held 3 s (its timeout is 1 s), then the network is quick again."""
+    from tests.e2e.slow_proxy import SlowProxy
+
+    proxy = SlowProxy(("127.0.0.1", master.rpc_port))
+    daemon = node(master, tmp_path, master=f"127.0.0.1:{proxy.port}")
+    try:
+        shadow = offload(daemon, KEYS[:40])
+        until(lambda: events(daemon).get("stored", 0) >= 8, "demoted")
+        proxy.delay_s = 3.0
+        start = time.monotonic()
+        tiers(daemon, KEYS[:8])
+        restore(daemon, KEYS[8:16])
+        offload(daemon, [b"slow%d" % i for i in range(8)])  # the host path goes on
+        assert time.monotonic() - start < 60 and daemon.health() == 1  # (a hang guard: each call within 1 s)
+        proxy.delay_s = 0.0
+        until(lambda: tiers(daemon, KEYS[:8]) == [TierKind.MOONCAKE] * 8, "served again", seconds=60)
+        outcomes, blocks = restore(daemon, KEYS[:8])
+        assert outcomes == [Outcome.DONE] * 8 and all(d.equal(shadow[k]) for k, d in zip(KEYS[:8], blocks))
+    finally:
+        daemon.cleanup()
+        proxy.close()
