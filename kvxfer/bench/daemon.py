@@ -5,7 +5,9 @@ non-adjacent blocks (the default pool geometry: 192 KiB blocks, BLHNC) over the
 Unix socket, timed in the client. Baselines in the same process and run, on the
 same number of bytes: a plain ``copy_`` from the mapped pool into a local buffer,
 and that copy followed by the checksum pass. The four are interleaved in every
-repetition; ratios are medians of per-repetition ratios.
+repetition; ratios are medians of per-repetition ratios. CPU time beside the wall time: a
+request's is this client's and the daemon's together, a copy's this process's
+(``kvxfer.bench.cpu``).
 
 Jobs in flight: the same bytes offloaded as N asynchronous jobs submitted at
 once, then collected with WaitJobs.
@@ -25,6 +27,7 @@ import time
 import torch
 
 from kvxfer.bench.common import FASTER, GB, Progress, interleaved
+from kvxfer.bench.cpu import CPU_NOTE, CpuMeter, Figures, measured
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.client import Client
 from kvxfer.bench import launch
@@ -40,7 +43,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def throughput(client: Client, args: argparse.Namespace, progress: Progress) -> dict:
+def throughput(client: Client, args: argparse.Namespace, progress: Progress, meter: CpuMeter) -> dict:
     pool = client.map_pool()
     block = pool.layout.block_bytes
     n = (args.batch_mib * MIB) // block
@@ -63,18 +66,22 @@ def throughput(client: Client, args: argparse.Namespace, progress: Progress) -> 
     def restore() -> None:
         served["restore"].append(client.restore(list(zip(keys, targets))).seconds)
 
-    seconds = interleaved({"copy": lambda: local.copy_(src), "copy_hash": lambda: (local.copy_(src),
-                                                                                   rows_checksums(rows)),
-                           "offload": offload, "restore": restore}, args.reps,
-                          setup={"offload": lambda: client.delete(keys)})
+    alone = CpuMeter()  # the copies run in this process; the requests in it and the daemon
+    got = measured({"copy": lambda: local.copy_(src), "copy_hash": lambda: (local.copy_(src), rows_checksums(rows)),
+                    "offload": offload, "restore": restore}, args.reps,
+                   {"copy": alone, "copy_hash": alone, "offload": meter, "restore": meter},
+                   setup={"offload": lambda: client.delete(keys)})
     progress.step(f"throughput: {n} blocks of {block} B per request")
     result = {"blocks": n, "bytes": nbytes, "block_bytes": block}
-    for name, t in seconds.items():
-        result[f"{name}_gbps"] = nbytes / statistics.median(t) / GB
+    for name, samples in got.items():
+        result[f"{name}_gbps"] = nbytes / samples.median_wall() / GB
+        result[f"{name}_cpu_s_per_gb"] = samples.median_cpu() / (nbytes / GB)
     for name in ("offload", "restore"):
         result[f"{name}_daemon_gbps"] = nbytes / statistics.median(served[name][1:]) / GB  # daemon-measured
         for base in ("copy_hash", "copy"):
-            result[f"{name}_vs_{base}"] = statistics.median(b / x for x, b in zip(seconds[name], seconds[base]))
+            figures = Figures.of(got[name], got[base], nbytes)
+            result[f"{name}_vs_{base}"] = 1 / figures.wall_ratio
+            result[f"{name}_cpu_vs_{base}"] = figures.cpu_ratio
     return result
 
 
@@ -145,19 +152,23 @@ def run(args: argparse.Namespace) -> int:
     try:  # nothing between spawn and this try: the daemon must never outlive the benchmark
         progress.step(f"daemon serving on {daemon.target}")
         with Client(daemon.target, NS, timeout=300) as client:
-            tp = throughput(client, args, progress)
+            tp = throughput(client, args, progress, CpuMeter([daemon.proc.pid]))
             inflight = jobs_in_flight(client, args, progress)
             lat = latency(client, args, progress)
     finally:
         daemon.stop()
         daemon.cleanup()
     print(format_table(["direction", "GB/s (client)", "GB/s (daemon-measured)", "copy GB/s", "copy+hash GB/s",
-                        "vs copy+hash", "vs copy"],
+                        "vs copy+hash", "vs copy", "CPU s/GB", "copy+hash CPU s/GB", "CPU / copy+hash",
+                        "CPU / copy"],
                        [[d, tp[f"{d}_gbps"], tp[f"{d}_daemon_gbps"], tp["copy_gbps"], tp["copy_hash_gbps"],
-                         tp[f"{d}_vs_copy_hash"], tp[f"{d}_vs_copy"]] for d in ("offload", "restore")],
+                         tp[f"{d}_vs_copy_hash"], tp[f"{d}_vs_copy"], tp[f"{d}_cpu_s_per_gb"],
+                         tp["copy_hash_cpu_s_per_gb"], tp[f"{d}_cpu_vs_copy_hash"], tp[f"{d}_cpu_vs_copy"]]
+                        for d in ("offload", "restore")],
                        {"GB/s (client)": "bytes over the wall time of the RPCs as the client saw them",
                         "GB/s (daemon-measured)": "the daemon's own byte and seconds counters (/metrics)",
-                        "vs copy+hash, vs copy": FASTER + " (a plain copy of the same bytes in this process)"}))
+                        "vs copy+hash, vs copy": FASTER + " (a plain copy of the same bytes in this process)",
+                        "CPU": CPU_NOTE + "; a request's: this client and the daemon; the copies': this process"}))
     print()
     print(format_table(["asynchronous offload jobs in flight", "blocks per job", "GB/s (submit all, wait all)"],
                        [[r["jobs_in_flight"], r["blocks_per_job"], r["gbps"]] for r in inflight]))

@@ -9,6 +9,8 @@ client goes first alternates between repetitions); a plain
 that carries nothing). Medians of the repetitions; the lane's fixed cost is its time less the
 daemon's own measured copy (``TransferResult.seconds``). For the job, also the time the
 caller's thread spent sending its WaitJobs (what an engine's step pays to leave one in flight).
+CPU time beside the wall time: an Offload's or Restore's is this client's and the daemon's, the
+copy's this process's (``kvxfer.bench.cpu``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from kvxfer.bench import launch
 from kvxfer.bench.common import GB, Progress, save
+from kvxfer.bench.cpu import CPU_NOTE, CpuMeter
 from kvxfer.client import Client
 from kvxfer.tables import format_table
 
@@ -28,10 +31,15 @@ TRANSPORTS = ("lane", "grpc")
 OPS = ("offload", "restore", "lookup", "job")
 
 
-def _timed(fn) -> tuple[float, object]:
+def _timed(fn, meter: CpuMeter | None = None, cpu: list[float] | None = None) -> tuple[float, object]:
+    """``fn``'s wall seconds and answer; its CPU seconds (``meter``'s processes) go to ``cpu``."""
+    c0 = meter.now() if meter is not None else 0.0
     start = time.perf_counter()
     out = fn()
-    return time.perf_counter() - start, out
+    wall = time.perf_counter() - start
+    if meter is not None and cpu is not None:
+        cpu.append(meter.now() - c0)
+    return wall, out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,23 +49,29 @@ def run(args: argparse.Namespace) -> int:
         with Client(daemon.target, namespace="bench-lane") as lane, \
                 Client(daemon.target, namespace="bench-lane", lane=False) as grpc_only:
             progress.step("daemon up")
-            results = {"batches": [_batch(n, {"lane": lane, "grpc": grpc_only}, args, progress) for n in args.batches]}
+            meter = CpuMeter([daemon.proc.pid])
+            results = {"batches": [_batch(n, {"lane": lane, "grpc": grpc_only}, args, progress, meter)
+                                   for n in args.batches]}
     finally:
         daemon.cleanup()
     rows = [[r["blocks"], *(f"{r[f'{t}_{op}_ms']:.3f}" for op in OPS for t in TRANSPORTS),
              *(f"{r[f'{t}_wait_send_ms'] * 1e3:.0f}" for t in TRANSPORTS),
              f"{r['copy_ms']:.3f}", f"{r['health_ms']:.3f}", f"{r['lane_offload_vs_copy']:.2f}",
-             f"{r['grpc_offload_vs_copy']:.2f}"] for r in results["batches"]]
+             f"{r['grpc_offload_vs_copy']:.2f}", f"{r['lane_offload_cpu_vs_copy']:.2f}",
+             f"{r['lane_restore_cpu_vs_copy']:.2f}"] for r in results["batches"]]
     print(format_table(["blocks", *(f"{op} {t.replace('grpc', 'gRPC')} ms" for op in OPS for t in TRANSPORTS),
                         "WaitJobs sent lane us", "WaitJobs sent gRPC us", "copy ms", "health ms",
-                        "offload lane / copy", "offload gRPC / copy"], rows,
+                        "offload lane / copy", "offload gRPC / copy", "offload lane CPU / copy",
+                        "restore lane CPU / copy"], rows,
                        {"job": "submit_restore, then wait_jobs_async until answered",
-                        "x / copy": "the request's time / a plain copy of its bytes (median of repetitions)"}))
+                        "x / copy": "the request's time / a plain copy of its bytes (median of repetitions)",
+                        "CPU": CPU_NOTE + "; a request's: this client and the daemon; the copy's: this process"}))
     save(args, results, plot)
     return 0
 
 
-def _batch(n: int, clients: dict[str, Client], args: argparse.Namespace, progress: Progress) -> dict:
+def _batch(n: int, clients: dict[str, Client], args: argparse.Namespace, progress: Progress,
+           meter: CpuMeter) -> dict:
     pool = clients["lane"].map_pool()
     block = pool.layout.block_bytes
     odd = list(range(1, pool.layout.spec.num_blocks, 2))
@@ -70,27 +84,32 @@ def _batch(n: int, clients: dict[str, Client], args: argparse.Namespace, progres
     src, local = pool.storage[:n * block], torch.empty(n * block, dtype=torch.uint8)
     times: dict[str, list[float]] = {}
     served: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    alone = CpuMeter()
     health = clients["grpc"]
     for rep in range(args.reps + 1):  # repetition 0 warms up
         for t in (TRANSPORTS if rep % 2 else TRANSPORTS[::-1]):  # who goes first alternates
             client = clients[t]
             keys = [f"{t}-{n}-{rep}-{i}".encode() for i in range(n)]
-            spent, result = _timed(lambda: client.offload(list(zip(sources, keys))))
+            spent, result = _timed(lambda: client.offload(list(zip(sources, keys))), meter,
+                                   cpu.setdefault(f"{t}_offload", []))
             times.setdefault(f"{t}_offload", []).append(spent)
             served.setdefault(f"{t}_offload", []).append(result.seconds)
             times.setdefault(f"{t}_lookup", []).append(_timed(lambda: client.lookup(keys))[0])
-            spent, result = _timed(lambda: client.restore(list(zip(keys, targets))))
+            spent, result = _timed(lambda: client.restore(list(zip(keys, targets))), meter,
+                                   cpu.setdefault(f"{t}_restore", []))
             times.setdefault(f"{t}_restore", []).append(spent)
             served.setdefault(f"{t}_restore", []).append(result.seconds)
             spent, sent = _job(client, list(zip(keys, targets)))
             times.setdefault(f"{t}_job", []).append(spent)
             times.setdefault(f"{t}_wait_send", []).append(sent)
             client.delete(keys)
-        times.setdefault("copy", []).append(_timed(lambda: local.copy_(src))[0])
+        times.setdefault("copy", []).append(_timed(lambda: local.copy_(src), alone, cpu.setdefault("copy", []))[0])
         times.setdefault("health", []).append(_timed(health.health)[0])
         if rep == 0:
             times.clear()
             served.clear()
+            cpu.clear()
         progress.step(f"{n} blocks: repetition {rep}{' (warm-up)' if rep == 0 else ''}")
     row: dict = {"blocks": n, "bytes": n * block, "reps": args.reps}
     for name, series in times.items():
@@ -101,6 +120,11 @@ def _batch(n: int, clients: dict[str, Client], args: argparse.Namespace, progres
         row[f"{t}_offload_vs_copy"] = statistics.median(a / b for a, b in zip(times[f"{t}_offload"], times["copy"]))
         row[f"{t}_restore_vs_copy"] = statistics.median(a / b for a, b in zip(times[f"{t}_restore"], times["copy"]))
         row[f"{t}_offload_gbps"] = n * block / statistics.median(times[f"{t}_offload"]) / GB
+        for op in ("offload", "restore"):
+            row[f"{t}_{op}_cpu_s_per_gb"] = statistics.median(cpu[f"{t}_{op}"]) / (n * block / GB)
+            row[f"{t}_{op}_cpu_vs_copy"] = statistics.median(a / max(b, 1e-9) for a, b in zip(cpu[f"{t}_{op}"],
+                                                                                               cpu["copy"]))
+    row["copy_cpu_s_per_gb"] = statistics.median(cpu["copy"]) / (n * block / GB)
     return row
 
 

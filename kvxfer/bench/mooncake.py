@@ -7,7 +7,7 @@ block copied into a host-slot-sized buffer). Beside them, in the same process an
 bytes and through the same client (its segment, its transport): the store's plain ``put`` and ``get``
 of each block (what a client that does not register memory does), and its zero-copy ``batch_put_from``
 and ``batch_get_into`` of the bare blocks (the floor: the API alone, no record, no checks). Wall and CPU
-time of each; against a ``mooncake_master`` started here on loopback (TCP), the client lending the
+time of each (this process's and the master's, ``kvxfer.bench.cpu``); against a ``mooncake_master`` started here on loopback (TCP), the client lending the
 cluster its memory (so its values land in its own segment: a one-node cluster).
 """
 
@@ -18,6 +18,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from kvxfer.bench.cpu import CpuMeter
+
 ROWS = ("tier: store", "tier: fetch", "plain put", "plain get", "batch_put_from (bare)", "batch_get_into (bare)")
 
 
@@ -27,10 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3)
 
 
-def _timed(fn: Callable[[], object]) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
+def _timed(fn: Callable[[], object], meter: CpuMeter) -> tuple[float, float]:
+    """(wall s, CPU s of this process and the master)."""
+    wall, cpu = time.perf_counter(), meter.now()
     fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return time.perf_counter() - wall, meter.now() - cpu
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     # Room for every round's values (the tier's, the plain client's, the bare ones), under Mooncake's eviction mark.
     segment_mib = max(64, int(args.reps * 3 * n * (nbytes + 8192) * 1.3) >> 20)
     master = MooncakeMaster()
+    meter = CpuMeter([master.proc.pid])
     figures: dict[str, list[tuple[float, float]]] = {row: [] for row in ROWS}
     try:
         settings = parse({**master.section(), "segment_mib": segment_mib, "max_inflight": n, "timeout_ms": 30_000,
@@ -79,12 +83,14 @@ def run(args: argparse.Namespace) -> int:
                                  [nbytes] * len(chunk))
                     assert all(c >= 0 for c in codes), codes
 
-            figures["tier: store"].append(_timed(store))
-            figures["tier: fetch"].append(_timed(fetch))
-            figures["plain put"].append(_timed(lambda: [plain.put(name, b) for name, b in zip(names, bare)]))
-            figures["plain get"].append(_timed(lambda: [plain.get(name) for name in names]))
-            figures["batch_put_from (bare)"].append(_timed(lambda: batched(plain.batch_put_from, bare_names, bare)))
-            figures["batch_get_into (bare)"].append(_timed(lambda: batched(plain.batch_get_into, bare_names, landing)))
+            figures["tier: store"].append(_timed(store, meter))
+            figures["tier: fetch"].append(_timed(fetch, meter))
+            figures["plain put"].append(_timed(lambda: [plain.put(name, b) for name, b in zip(names, bare)], meter))
+            figures["plain get"].append(_timed(lambda: [plain.get(name) for name in names], meter))
+            figures["batch_put_from (bare)"].append(_timed(lambda: batched(plain.batch_put_from, bare_names, bare),
+                                                           meter))
+            figures["batch_get_into (bare)"].append(_timed(lambda: batched(plain.batch_get_into, bare_names, landing),
+                                                           meter))
             assert all(torch.equal(s, blocks[i]) for i, s in enumerate(slots)) and np.array_equal(landing, bare)
             print(f"round {rep + 1}/{args.reps} done", flush=True)
         events = tier.stats().events
@@ -94,9 +100,14 @@ def run(args: argparse.Namespace) -> int:
     total = n * nbytes
     print(f"\n{n} blocks of {args.block_kib} KiB ({total / 2**20:.0f} MiB), median of {args.reps}, one process, "
           f"mooncake_master on loopback over TCP; tier events: {events}")
-    print(f"{'':24} {'wall ms':>9} {'GB/s':>7} {'CPU ms':>8}")
-    for row in ROWS:
+    print(f"{'':24} {'wall ms':>9} {'GB/s':>7} {'CPU ms':>8} {'CPU s/GB':>9} {'CPU / bare':>10}")
+    for i, row in enumerate(ROWS):
         wall = statistics.median(w for w, _ in figures[row])
         cpu = statistics.median(c for _, c in figures[row])
-        print(f"{row:24} {wall * 1e3:9.1f} {total / wall / 1e9:7.2f} {cpu * 1e3:8.1f}")
+        bare_row = ROWS[4 + i % 2]  # (ROWS alternate: a put, then a get)
+        ratio = statistics.median(c / max(b, 1e-9) for (_, c), (_, b) in zip(figures[row], figures[bare_row]))
+        print(f"{row:24} {wall * 1e3:9.1f} {total / wall / 1e9:7.2f} {cpu * 1e3:8.1f} {cpu / (total / 1e9):9.3f} "
+              f"{ratio:10.2f}")
+    print("CPU: user and system seconds of this process and the master, from each one's CPU clock; CPU / bare: "
+          "median of per-round ratios to the bare zero-copy call of the same direction")
     return 0

@@ -6,26 +6,29 @@ offloads ``--blocks`` blocks of the embedded pool's geometry; B restores batches
 its pool: a lease on A, one NIXL READ straight into B's host tier, every checksum, publication,
 the copy into B's pool. B then deletes its copies, so that each repetition reads from A again.
 
-Reported per transport and batch, each against a plain memcpy of the same bytes measured in
-this process, interleaved with the restores: the whole restore's GB/s, the NIXL read's own GB/s
-(B's ``kvxfer_peer_read_seconds`` and ``kvxfer_peer_bytes{direction="in"}``, scraped around each
-restore), and their ratio to the memcpy. On a 2-core machine the two daemons, UCX and this
-process share the cores.
+Reported per transport and batch, beside baselines measured in the same run and interleaved with
+the requests: the whole request's median time against one gRPC round trip over mutual TLS to A
+(a health Check from this process, with B's certificate: the least a lease can cost); its GB/s
+against the NIXL transfer's own (the daemon's ``kvxfer_peer_transfer_seconds`` and
+``kvxfer_peer_bytes``, scraped around the repetitions) and a plain memcpy of the same bytes; and
+the CPU seconds per GB of both daemons and this process together against the memcpy's
+(``kvxfer.bench.cpu``). On a 2-core machine the two daemons, UCX and this process share the cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer.bench.common import GB, Progress, human_bytes, save
+from kvxfer.bench.cpu import CPU_NOTE, CpuMeter, Figures, measured
 from kvxfer.client import Client
 from kvxfer.records import Outcome
 from kvxfer.bench import launch
@@ -55,37 +58,46 @@ def _scrape(port: int, peer: str, direction: str) -> tuple[float, float]:
     return nbytes, seconds
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 RING_BYTES = 256 << 20  # baseline copies read a window of this, a new one each time: from memory, not a cache
 
 
-def _cold_copy(ring: torch.Tensor, dst: torch.Tensor, rep: int) -> float:
-    """Seconds of a plain copy of ``dst``'s size out of ``ring`` (a window not read lately, as the daemons'
-    host tiers' blocks are not in a cache either) into ``dst``: the fastest of three windows (one copy can
-    lose the core on 2 cores). Nothing is written around it to flush caches: that slows the daemons'
+class _Baselines:
+    """What a pull is measured beside, in the same run: a plain copy of the same bytes (out of a window of
+    ``ring`` not read lately, as the daemons' host tiers' blocks are not in a cache either), and one gRPC
+    round trip over mutual TLS to A (a health Check, with B's certificate: what a lease's call costs
+    before A does any work). Nothing is written around them to flush caches: that slows the daemons'
     next request too (3x here)."""
-    n = dst.numel()
-    starts = [((3 * rep + i) * n) % (ring.numel() - n + 1) for i in range(3)]
-    return min(_timed(lambda: dst.copy_(ring[s:s + n])) for s in starts)
+
+    def __init__(self, tls, address: str) -> None:
+        cert, key = tls.issue("b")
+        creds = grpc.ssl_channel_credentials(root_certificates=tls.ca.read_bytes(), private_key=key.read_bytes(),
+                                             certificate_chain=cert.read_bytes())
+        self._channel = grpc.secure_channel(address, creds)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.ring = torch.randint(0, 256, (RING_BYTES,), dtype=torch.uint8)
+        self._copies = 0
+
+    def round_trip(self) -> None:
+        self._health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+
+    def copy(self, dst: torch.Tensor) -> None:
+        n = dst.numel()
+        start = (self._copies * n) % (self.ring.numel() - n + 1)
+        self._copies += 1
+        dst.copy_(self.ring[start:start + n])
+
+    def close(self) -> None:
+        self._channel.close()
 
 
-def _pull(a: Client, b: Client, keys: list[bytes]) -> float:
-    """B restores blocks only A holds; its seconds. (B then forgets them: the next repetition reads again.)"""
-    elapsed = _timed(lambda: _check(b.restore(list(zip(keys, range(1, len(keys) + 1)))), len(keys), "restore"))
-    b.delete(keys)
-    return elapsed
+def _pull(a: Client, b: Client, keys: list[bytes]) -> None:
+    """B restores blocks only A holds (it forgot them before: ``_forget``)."""
+    _check(b.restore(list(zip(keys, range(1, len(keys) + 1)))), len(keys), "restore")
 
 
-def _push(a: Client, b: Client, keys: list[bytes]) -> float:
-    """A pushes blocks into B; its seconds. (B forgets them after.)"""
-    elapsed = _timed(lambda: _check(a.push(keys, "b"), len(keys), "push"))
-    b.delete(keys)
-    return elapsed
+def _push(a: Client, b: Client, keys: list[bytes]) -> None:
+    """A pushes blocks into B (which forgot them before)."""
+    _check(a.push(keys, "b"), len(keys), "push")
 
 
 def _check(result, n: int, what: str) -> None:
@@ -108,6 +120,8 @@ def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
             daemons[name] = launch.spawn({**configs[name], "log_level": "warning",
                                           "metrics_listen": f"127.0.0.1:{ports[name]}"})
         lane = not args.grpc_only
+        meter, alone = CpuMeter([d.proc.pid for d in daemons.values()]), CpuMeter()
+        base = _Baselines(tls, configs["a"]["listen"])
         with Client(daemons["a"].target, NS, token=TOKEN, timeout=120, lane=lane) as a, \
                 Client(daemons["b"].target, NS, token=TOKEN, timeout=120, lane=lane) as b:
             storage = a.map_pool().storage
@@ -115,30 +129,42 @@ def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
             keys = [b"peer-%d" % i for i in range(args.blocks)]
             a.offload(list(zip(range(1, args.blocks + 1), keys)))
             block_bytes = a.map_pool().layout.block_bytes
-            ring = torch.randint(0, 256, (RING_BYTES,), dtype=torch.uint8)
             for batch in args.batches:
                 dst = torch.empty(batch * block_bytes, dtype=torch.uint8)
                 nbytes = batch * block_bytes
                 for way, fn, where, peer, direction in WAYS:
-                    whole, copy, seconds = [], [], []
+                    windows = iter(range(1 << 30))
+
+                    def request(fn=fn, batch=batch) -> None:  # a new window of A's blocks each time
+                        start = (next(windows) * batch) % (args.blocks - batch + 1)
+                        fn(a, b, keys[start:start + batch])
+
+                    b.delete(keys)
                     fn(a, b, keys[:batch])  # connects and warms up: not counted
                     before = _scrape(ports[where], peer, direction)  # not inside a timed request: its work lingers
-                    for rep in range(args.reps):
-                        chosen = keys[(rep * batch) % (args.blocks - batch + 1):][:batch]
-                        seconds.append(fn(a, b, chosen))
-                        whole.append(nbytes / seconds[-1] / GB)
-                        copy.append(nbytes / _cold_copy(ring, dst, rep) / GB)
+                    got = measured({way: request, "memcpy": lambda dst=dst: base.copy(dst),
+                                    "rtt": base.round_trip}, args.reps,
+                                   {way: meter, "memcpy": alone, "rtt": alone},
+                                   setup={way: lambda: b.delete(keys)}, warmup=0)
                     after = _scrape(ports[where], peer, direction)
                     nixl = (after[0] - before[0]) / max(after[1] - before[1], 1e-9) / GB  # over the repetitions
+                    whole = nbytes / got[way].median_wall() / GB
+                    vs_copy = Figures.of(got[way], got["memcpy"], nbytes)
                     rows.append({"transport": transport, "way": way, "batch": batch, "bytes": nbytes,
-                                 "whole_gbps": statistics.median(whole), "nixl_gbps": nixl,
-                                 "whole_ms": statistics.median(seconds) * 1e3,
-                                 "memcpy_gbps": statistics.median(copy),
-                                 "whole_vs_memcpy": statistics.median(r / c for r, c in zip(whole, copy)),
-                                 "nixl_vs_memcpy": nixl / statistics.median(copy)})
+                                 "whole_gbps": whole, "nixl_gbps": nixl, "whole_ms": vs_copy.wall_ms,
+                                 "rtt_ms": got["rtt"].median_wall() * 1e3,
+                                 "whole_vs_rtt": Figures.of(got[way], got["rtt"], nbytes).wall_ratio,
+                                 "whole_vs_nixl": whole / nixl,
+                                 "memcpy_gbps": nbytes / got["memcpy"].median_wall() / GB,
+                                 "whole_vs_memcpy": 1 / vs_copy.wall_ratio,
+                                 "nixl_vs_memcpy": nixl * got["memcpy"].median_wall() / (nbytes / GB),
+                                 "cpu_s_per_gb": vs_copy.cpu_s_per_gb, "memcpy_cpu_s_per_gb": vs_copy.base_cpu_s_per_gb,
+                                 "cpu_vs_memcpy": vs_copy.cpu_ratio})
                     r = rows[-1]
-                    progress.step(f"{transport}, {way} {batch} blocks: {r['whole_gbps']:.2f} GB/s, NIXL "
-                                  f"{r['nixl_gbps']:.2f} GB/s, memcpy {r['memcpy_gbps']:.2f} GB/s")
+                    progress.step(f"{transport}, {way} {batch} blocks: {r['whole_ms']:.2f} ms ({r['whole_vs_rtt']:.2f}x "
+                                  f"a TLS round trip), {r['whole_gbps']:.2f} GB/s, NIXL {r['nixl_gbps']:.2f} GB/s, "
+                                  f"CPU {r['cpu_vs_memcpy']:.2f}x a memcpy's")
+        base.close()
     finally:
         for d in daemons.values():
             d.stop()
@@ -154,17 +180,22 @@ def run(args: argparse.Namespace) -> int:
         tls = self_signed(Path(where), TOKEN)
         rows = [row for t in args.transports for row in _transport(args, t, tls, progress)]
     block = _block_bytes(DEFAULT_POOL["spec"])
-    print(format_table(["transport", "way", "blocks", "bytes", "whole ms", "whole GB/s", "NIXL GB/s", "memcpy GB/s",
-                        "whole / memcpy", "NIXL / memcpy"],
-                       [[r["transport"], r["way"], r["batch"], human_bytes(r["bytes"]), r["whole_ms"], r["whole_gbps"],
-                         r["nixl_gbps"],
-                         r["memcpy_gbps"], r["whole_vs_memcpy"], r["nixl_vs_memcpy"]] for r in rows],
+    print(format_table(["transport", "way", "blocks", "bytes", "whole ms", "TLS RTT ms", "whole / RTT", "whole GB/s",
+                        "NIXL GB/s", "whole / NIXL", "memcpy GB/s", "whole / memcpy", "CPU s/GB", "memcpy CPU s/GB",
+                        "CPU / memcpy"],
+                       [[r["transport"], r["way"], r["batch"], human_bytes(r["bytes"]), r["whole_ms"], r["rtt_ms"],
+                         r["whole_vs_rtt"], r["whole_gbps"], r["nixl_gbps"], r["whole_vs_nixl"], r["memcpy_gbps"],
+                         r["whole_vs_memcpy"], r["cpu_s_per_gb"], r["memcpy_cpu_s_per_gb"], r["cpu_vs_memcpy"]]
+                        for r in rows],
                        {"pull": f"B's Restore of blocks only A holds ({human_bytes(block)} each): lease, NIXL READ, "
                                 "checksums, publication, the copy into B's pool",
-                        "whole ms": "the median request's milliseconds (of --reps)",
+                        "whole ms": f"the median request's milliseconds (of --reps, interleaved with the baselines)",
+                        "TLS RTT": "one gRPC round trip over mutual TLS to A from this process (a health Check), "
+                                   "interleaved: whole / RTT is the median of per-repetition ratios",
                         "push": "A's Push into B: reservation, NIXL WRITE, commit (B checksums and publishes)",
                         "NIXL": "the transfer alone, as the daemon that made it measured it (its peer metrics)",
-                        "memcpy": "a plain copy of the same bytes in this process, interleaved (the baseline)"}))
+                        "memcpy": "a plain copy of the same bytes in this process, interleaved (the baseline)",
+                        "CPU": CPU_NOTE + "; the baselines' are this process's alone"}))
     save(args, {"args": {k: v for k, v in vars(args).items() if k not in ("func", "json", "plot")}, "rows": rows},
          plot)
     return 0

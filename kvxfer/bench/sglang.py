@@ -43,6 +43,7 @@ import time
 import torch
 
 from kvxfer.bench.common import GB, Progress, human_bytes, save
+from kvxfer.bench.cpu import CPU_NOTE, CpuMeter
 from kvxfer.bench import launch
 from kvxfer.defaults import DEFAULT_POOL
 from kvxfer.tables import format_table
@@ -96,10 +97,13 @@ class BackendClock:
         return seconds
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _timed(fn, meter: CpuMeter, cpu: list[float]) -> float:
+    """``fn``'s wall seconds; its CPU seconds (of ``meter``'s processes) go to ``cpu``."""
+    c0, start = meter.now(), time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    cpu.append(meter.now() - c0)
+    return wall
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,25 +128,27 @@ def run(args: argparse.Namespace) -> int:
             subjects["file"] = sglang_engine.Controller({"file_storage_path": workdir}, backend="file",
                                                         layout=args.layout, model=model)
         progress.step(f"daemon up; {len(subjects)} HiCache controllers attached")
-        results = _measure(args, subjects, progress, settle=daemon.wait_warm)
+        results = _measure(args, subjects, progress, settle=daemon.wait_warm, meter=CpuMeter([daemon.proc.pid]))
     finally:
         for controller in subjects.values():
             controller.close()
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
     columns = ["set GB/s", "get GB/s", "set / copy", "get / copy", "set backend / copy", "get backend / copy",
-               "set SGLang ms", "get SGLang ms"]
+               "set SGLang ms", "get SGLang ms", "set CPU s/GB", "get CPU s/GB", "set CPU / copy", "get CPU / copy"]
     print(format_table(["subject", *columns], [[r["subject"], *(r.get(c, "") for c in columns)]
                                                for r in results["subjects"]],
                        {"x / copy": "time / a plain copy of the same pages' (median of per-repetition ratios)",
-                        "backend": "the time inside the backend's calls; SGLang ms: the rest, SGLang's own work"}))
+                        "backend": "the time inside the backend's calls; SGLang ms: the rest, SGLang's own work",
+                        "CPU": CPU_NOTE + "; a subject's: SGLang (this process) and the daemon; the copy's: this "
+                                          "process alone"}))
     print(f"{args.pages} pages of {human_bytes(results['page_bytes'])} ({args.layout}), batches of {BATCH}, "
           f"median of {args.reps} repetitions")
     save(args, results, plot)
     return 0
 
 
-def _measure(args: argparse.Namespace, subjects: dict, progress: Progress, settle) -> dict:
+def _measure(args: argparse.Namespace, subjects: dict, progress: Progress, settle, meter: CpuMeter) -> dict:
     """Per repetition and subject: write fresh pages through (set), then prefetch them into other host pages
     (get, checked). ``settle`` runs after the warm-up repetition (the backends register their pools, and
     the daemon makes their host tiers, on first use)."""
@@ -154,6 +160,9 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress, settl
     clocks = {name: BackendClock(c.store) for name, c in subjects.items()}
     inside = {f"{name} {op}": [] for name in subjects for op in ("set", "get")}
     paired = {f"{name} {op}": [] for name in subjects for op in ("set", "get")}  # the copy just before each
+    cpu: dict[str, list[float]] = {series: [] for series in [*times, *paired.keys()] if not series.startswith("copy ")}
+    cpu.update({f"{series} copy": [] for series in paired})  # the CPU of the copy just before each
+    alone = CpuMeter()
     spare = None  # the copy's destination, made (and touched) once, as the tiers' memory is
     for rep in range(args.reps + 1):  # repetition 0 warms up (SGLang builds its page-hash extension on first use)
         gen = torch.Generator().manual_seed(rep)
@@ -168,18 +177,20 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress, settl
         order = list(subjects.items())[::-1 if rep % 2 else 1]  # who goes first alternates between repetitions
         for name, c in order:
             done = []
-            paired[f"{name} set"].append(_timed(lambda: spare.copy_(source)))
+            paired[f"{name} set"].append(_timed(lambda: spare.copy_(source), alone, cpu[f"{name} set copy"]))
             clocks[name].take("set")
-            times[f"{name} set"].append(_timed(lambda: done.append(c.backup(tokens[name], sources[name]))))
+            times[f"{name} set"].append(_timed(lambda: done.append(c.backup(tokens[name], sources[name])), meter,
+                                               cpu[f"{name} set"]))
             inside[f"{name} set"].append(clocks[name].take("set"))
             if done != [tokens_n]:
                 raise SystemExit(f"{name}: the write-through stored {done[0]} of {tokens_n} tokens")
         progress.step(f"repetition {rep}: write-through")
         for name, c in order:
             got = []
-            paired[f"{name} get"].append(_timed(lambda: source.copy_(spare)))
+            paired[f"{name} get"].append(_timed(lambda: source.copy_(spare), alone, cpu[f"{name} get copy"]))
             clocks[name].take("get")
-            times[f"{name} get"].append(_timed(lambda: got.append(c.prefetch(f"rep{rep}", tokens[name]))))
+            times[f"{name} get"].append(_timed(lambda: got.append(c.prefetch(f"rep{rep}", tokens[name])), meter,
+                                               cpu[f"{name} get"]))
             inside[f"{name} get"].append(clocks[name].take("get"))
             found, loaded, into = got[0]
             if (found, loaded) != (tokens_n, tokens_n) or not torch.equal(_pages(c.host, into),
@@ -190,12 +201,13 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress, settl
             c.host.free(sources[name])
         progress.step(f"repetition {rep}: prefetch, bytes checked")
         if rep == 0:
-            for series in [*times.values(), *inside.values(), *paired.values()]:
+            for series in [*times.values(), *inside.values(), *paired.values(), *cpu.values()]:
                 series.clear()
             settle()
             progress.step("host tiers faulted in")
     for op in ("set", "get"):
         times[f"copy {op}"] = [t for name in subjects for t in paired[f"{name} {op}"]]
+        cpu[f"copy {op}"] = [t for name in subjects for t in cpu[f"{name} {op} copy"]]
     rows = []
     for name in [*subjects, "copy"]:
         row = {"subject": name}
@@ -203,11 +215,15 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress, settl
             seconds = statistics.median(times[f"{name} {op}"])
             row[f"{op} pages/s"] = round(args.pages / seconds)
             row[f"{op} GB/s"] = round(nbytes / seconds / GB, 3)
+            row[f"{op} CPU s/GB"] = round(statistics.median(cpu[f"{name} {op}"]) / (nbytes / GB), 3)
             if name not in subjects:
+                row[f"{op} CPU / copy"] = 1.0
                 row[f"{op} / copy"] = 1.0
                 continue
             base = paired[f"{name} {op}"]
             row[f"{op} / copy"] = round(statistics.median([a / b for a, b in zip(times[f"{name} {op}"], base)]), 2)
+            row[f"{op} CPU / copy"] = round(statistics.median([a / max(b, 1e-9) for a, b in
+                                                               zip(cpu[f"{name} {op}"], cpu[f"{name} {op} copy"])]), 2)
             # The backend's share, and SGLang's own: the floor of any backend.
             spent = inside[f"{name} {op}"]
             row[f"{op} backend / copy"] = round(statistics.median([a / b for a, b in zip(spent, base)]), 2)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvxfer.bench.common import GB, Progress, human_bytes
+from kvxfer.bench.cpu import CPU_NOTE, CpuMeter
 from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.bench import launch
 from kvxfer.defaults import DEFAULT_POOL
@@ -59,11 +60,11 @@ def _restore_seconds(engine) -> float:
     return worker._link.client.stats(names.pool_id(0))[0].restored.seconds
 
 
-def _load_once(engine, prompt: list[int], tag: str, backend: _Timed,
-               schedule: _Timed) -> tuple[float, float, float, float, float]:
+def _load_once(engine, prompt: list[int], tag: str, backend: _Timed, schedule: _Timed,
+               meter: CpuMeter) -> tuple[float, float, float, float, float, float]:
     """Store ``prompt``, forget it locally, then time the load of all its blocks: (lookup step s, the
     backend's share of it s, scheduled -> loaded s, the daemon's restore s, vLLM's schedule() in the step
-    that schedules the load s)."""
+    that schedules the load s, the CPU seconds of the engine and the daemon from scheduled to loaded)."""
     engine.add(f"{tag}-store", prompt)
     engine.run({f"{tag}-store"})
     engine.reset_prefix_cache()
@@ -75,17 +76,18 @@ def _load_once(engine, prompt: list[int], tag: str, backend: _Timed,
     restored = _restore_seconds(engine)
     start = None
     while True:
-        step_start, schedule.seconds = time.perf_counter(), 0.0
+        step_start, schedule.seconds, step_cpu = time.perf_counter(), 0.0, meter.now()
         report = engine.step()
         if req in report.external_hits:
-            start, scheduling = step_start, schedule.seconds
+            start, scheduling, cpu_start = step_start, schedule.seconds, step_cpu
             if report.external_hits[req] != len(prompt):
                 raise SystemExit(f"expected a hit of {len(prompt)} tokens, got {report.external_hits[req]}")
         if req in report.loaded:
             loaded = time.perf_counter() - start
+            cpu = meter.now() - cpu_start
             break
     engine.run({req})
-    return lookup, share, loaded, _restore_seconds(engine) - restored, scheduling
+    return lookup, share, loaded, _restore_seconds(engine) - restored, scheduling, cpu
 
 
 def _busy_step_cost(engine, blocks: int, polls: int = 200) -> float:
@@ -138,36 +140,48 @@ def run(args: argparse.Namespace) -> int:
         buffer = torch.empty(args.blocks, block, dtype=torch.uint8)
         backend = _Timed(engine.scheduler.connector.connector_scheduler.manager, ["lookup", "on_schedule_end"])
         schedule = _Timed(engine.scheduler, ["schedule"])
-        rows = []
+        rows, cpus = [], []
+        meter, alone = CpuMeter([daemon.proc.pid]), CpuMeter()  # the engine (this process) and its daemon
         for rep in range(args.reps):
             prompt = [1000 + rep] + torch.randint(3, 999, (args.blocks * 16 - 1,), generator=gen).tolist()
-            lookup, share, loaded, restore, scheduling = _load_once(engine, prompt, f"r{rep}", backend, schedule)
-            t0 = time.perf_counter()
+            lookup, share, loaded, restore, scheduling, cpu = _load_once(engine, prompt, f"r{rep}", backend,
+                                                                         schedule, meter)
+            t0, c0 = time.perf_counter(), alone.now()
             torch.index_select(flat, 0, src, out=buffer)  # the same bytes, gathered by a plain copy
-            copy = time.perf_counter() - t0
-            t0 = time.perf_counter()
+            copy, copy_cpu = time.perf_counter() - t0, alone.now() - c0
+            t0, c0 = time.perf_counter(), alone.now()
             torch.index_select(flat, 0, src, out=buffer)
             rows_checksums(buffer.numpy())
-            copy_hash = time.perf_counter() - t0
+            copy_hash, copy_hash_cpu = time.perf_counter() - t0, alone.now() - c0
             rows.append((lookup, share, loaded, restore, copy, copy_hash, scheduling))
+            cpus.append((cpu, copy_cpu, copy_hash_cpu))
             progress.step(f"rep {rep}: loaded in {loaded * 1e3:.1f} ms (the daemon's restore {restore * 1e3:.1f} ms), "
                           f"plain copy {copy * 1e3:.1f} ms")
         nbytes = args.blocks * block
         lookup, share, loaded, restore, copy, copy_hash, scheduling = (statistics.median(col) for col in zip(*rows))
+        cpu, copy_cpu, copy_hash_cpu = (statistics.median(col) for col in zip(*cpus))
+        cpu_vs = {name: statistics.median(c[0] / max(c[i], 1e-9) for c in cpus)
+                  for i, name in ((1, "copy"), (2, "copy_hash"))}
         busy = _busy_step_cost(engine, min(args.blocks, 256))
-        table = [["kvxfer backend: scheduled -> loaded", loaded * 1e3, nbytes / loaded / GB, 1.0],
-                 ["  of which vLLM's schedule() of the load", scheduling * 1e3, nbytes / scheduling / GB,
-                  loaded / scheduling],
-                 ["  of which the daemon's restore", restore * 1e3, nbytes / restore / GB, loaded / restore],
-                 ["plain gather copy, same bytes", copy * 1e3, nbytes / copy / GB, loaded / copy],
-                 ["copy + checksum, same bytes", copy_hash * 1e3, nbytes / copy_hash / GB, loaded / copy_hash]]
+        gb = nbytes / GB
+        table = [["kvxfer backend: scheduled -> loaded", loaded * 1e3, gb / loaded, 1.0, cpu * 1e3, cpu / gb, ""],
+                 ["  of which vLLM's schedule() of the load", scheduling * 1e3, gb / scheduling,
+                  loaded / scheduling, "", "", ""],
+                 ["  of which the daemon's restore", restore * 1e3, gb / restore, loaded / restore, "", "", ""],
+                 ["plain gather copy, same bytes", copy * 1e3, gb / copy, loaded / copy, copy_cpu * 1e3,
+                  copy_cpu / gb, cpu_vs["copy"]],
+                 ["copy + checksum, same bytes", copy_hash * 1e3, gb / copy_hash, loaded / copy_hash,
+                  copy_hash_cpu * 1e3, copy_hash_cpu / gb, cpu_vs["copy_hash"]]]
         slowest = max(row[2] for row in rows)
         print(f"{args.blocks} blocks of {human_bytes(block)} ({nbytes / (1 << 20):.0f} MiB), "
               f"median of {args.reps}; the Lookup step before: {lookup * 1e3:.1f} ms, of which the backend "
               f"(its lookup calls and the Lookup RPC) {share * 1e3:.2f} ms; the slowest repetition "
               f"{slowest * 1e3:.1f} ms, {slowest / loaded:.2f}x the median")
-        print(format_table(["path", "ms", "GB/s", "kvxfer time / this"], table,
-                           {"kvxfer time / this": "scheduled-to-loaded time / this row's: above 1, the row is faster"}))
+        print(format_table(["path", "ms", "GB/s", "kvxfer time / this", "CPU ms", "CPU s/GB", "kvxfer CPU / this"],
+                           table,
+                           {"kvxfer time / this": "scheduled-to-loaded time / this row's: above 1, the row is faster",
+                            "CPU": CPU_NOTE + "; kvxfer's: the engine (this process) and its daemon; the copies': "
+                                              "this process alone"}))
         print(f"a step with a forward pass, a store of {min(args.blocks, 256)} blocks in flight: the backend's "
               f"get_finished took {busy * 1e6:.0f} us (median)")
         print("vLLM's CPU offloading backend: not run here (its worker needs CUDA or XPU KV tensors)")
@@ -176,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
                               "lookup_backend_s": share,
                               "loaded_s": loaded, "restore_s": restore, "schedule_s": scheduling,
                               "busy_get_finished_s": busy,
-                              "copy_s": copy, "copy_hash_s": copy_hash, "slowest_loaded_s": slowest}))
+                              "copy_s": copy, "copy_hash_s": copy_hash, "slowest_loaded_s": slowest,
+                              "loaded_cpu_s": cpu, "copy_cpu_s": copy_cpu, "copy_hash_cpu_s": copy_hash_cpu,
+                              "cpu_vs_copy": cpu_vs["copy"], "cpu_vs_copy_hash": cpu_vs["copy_hash"]}))
     finally:
         engine.close()
         daemon.cleanup()

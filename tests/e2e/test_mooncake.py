@@ -108,3 +108,11 @@ def test_zero_copy_puts_send_the_staged_value_itself(master, tmp_path):
     finally:
         store.close()
         daemon.cleanup()
+
+
+def test_bench_mooncake_reports_wall_and_cpu_beside_the_bare_client(capsys):
+    from kvxfer import cli
+
+    assert cli.main(["bench", "mooncake", "--blocks", "32", "--block-kib", "16", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU / bare" in out and "tier: fetch" in out

@@ -16,6 +16,7 @@ def test_bench_sglang_splits_the_backend_from_sglang_and_checks_the_bytes(tmp_pa
         row = rows[name]
         assert 0 < row["set backend / copy"] <= row["set / copy"] and 0 < row["get backend / copy"] <= row["get / copy"]
         assert row["set SGLang ms"] >= 0 and row["get SGLang ms"] >= 0
+        assert row["set CPU s/GB"] > 0 and row["get CPU s/GB"] > 0 and row["set CPU / copy"] > 0
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

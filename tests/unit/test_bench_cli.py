@@ -44,6 +44,8 @@ def test_bench_daemon_smoke(tmp_path, capsys):
     assert "one-block Offload p50" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["throughput"]["offload_gbps"] > 0 and len(result["jobs_in_flight"]) == 2
+    tp = result["throughput"]
+    assert all(tp[f"{d}_cpu_s_per_gb"] > 0 and tp[f"{d}_cpu_vs_copy_hash"] > 0 for d in ("offload", "restore"))
 
 
 def test_bench_lane_smoke(tmp_path, capsys):
@@ -55,6 +57,8 @@ def test_bench_lane_smoke(tmp_path, capsys):
     assert [r["blocks"] for r in rows] == [1, 4]
     assert all(r["lane_offload_ms"] > 0 and r["grpc_lookup_ms"] > 0 and r["health_ms"] > 0 for r in rows)
     assert all(r[f"{t}_job_ms"] > 0 and r[f"{t}_wait_send_ms"] > 0 for r in rows for t in ("lane", "grpc"))
+    assert all(r[f"{t}_{op}_cpu_s_per_gb"] > 0 and r[f"{t}_{op}_cpu_vs_copy"] > 0
+               for r in rows for t in ("lane", "grpc") for op in ("offload", "restore"))
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 
