@@ -7,9 +7,9 @@ nothing.
 A lookup or a lease of up to ``INLINE_KEYS`` keys is answered on the thread that received it (the
 event loop): its work is bookkeeping in memory and one NIXL registration of the slots, 0.02 ms for
 one block and 0.3 ms for 128 here, where handing it to a worker thread and back cost 2-3 ms on a
-busy machine and was most of a one-block pull. So is a release that names no corrupt block (unpin
-and withdraw). Larger requests, releases that name corrupt blocks (checksummed here), reservations
-(which may evict) and commits (which checksum) run on the worker threads.
+busy machine and was most of a one-block pull. So is the release of such a lease when it names no
+corrupt block (unpin and withdraw). Larger requests, releases that name corrupt blocks (checksummed
+here), reservations (which may evict) and commits (which checksum) run on the worker threads.
 """
 
 from __future__ import annotations
@@ -104,10 +104,11 @@ class PeerServicer:
         if len(request.lease_id) != LEASE_ID_BYTES:
             raise InvalidArgument(f"lease_id: {LEASE_ID_BYTES} bytes, got {len(request.lease_id)}")
         check_count(len(request.corrupt_positions), self.max_batch_blocks, "corrupt_positions")
-        release, corrupt = self.peering.leases.release, list(request.corrupt_positions)
-        # (none named corrupt: bookkeeping alone, unpin and withdraw; some: they are checksummed here)
-        released = await self._blocking(release, peer, request.lease_id, corrupt) if corrupt else \
-            release(peer, request.lease_id, corrupt)
+        leases, corrupt = self.peering.leases, list(request.corrupt_positions)
+        # (a small lease, none named corrupt: bookkeeping alone, unpin and withdraw; else checksums or many slots)
+        args = (peer, request.lease_id, corrupt)
+        small = not corrupt and leases.blocks_of(request.lease_id) <= INLINE_KEYS
+        released = leases.release(*args) if small else await self._blocking(leases.release, *args)
         return pb.PeerReleaseResponse(released=released)
 
     @rpc

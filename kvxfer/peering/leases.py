@@ -223,6 +223,12 @@ class LeaseTable:
             self._end(exposed_id)
             return exposed
 
+    def blocks_of(self, exposed_id: bytes) -> int:
+        """How many blocks an open lease or reservation holds (0: none is open under that id)."""
+        with self._lock:
+            exposed = self._open.get(exposed_id)
+            return len(exposed.slots) if exposed is not None else 0
+
     def release(self, peer: str, lease_id: bytes, corrupt_positions: list[int]) -> bool:
         """End a lease; blocks the reader found corrupt are checked here and dropped if bad here too."""
         with self._lock:

@@ -1,5 +1,5 @@
-"""Where the peer servicer does a peer's work: a lookup or lease of few keys, and a release that names no corrupt
-block, on the thread that received it (no hand-off to a worker thread, which cost more than the work itself);
+"""Where the peer servicer does a peer's work: a lookup or lease of few keys, and the release of a small lease
+that names no corrupt block, on the thread that received it (no hand-off to a worker thread, which cost more than the work itself);
 larger ones, checksums and reservations on the workers."""
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ class _Leases:
     def grant(self, peer, cache_group, block_format, namespace, keys, lease_ms):
         self.threads.append(("grant", threading.get_ident()))
         return None
+
+    def blocks_of(self, exposed_id):
+        return {b"s" * 16: 1, b"L" * 16: INLINE_KEYS + 1}.get(exposed_id, 0)
 
     def release(self, peer, lease_id, corrupt_positions):
         self.threads.append(("release", threading.get_ident()))
@@ -73,8 +76,8 @@ def test_a_small_lookup_and_lease_run_on_the_receiving_thread_and_large_ones_on_
                                                                    block_format=FORMAT, keys=_keys(n),
                                                                    lease_ms=1000), ctx)
             assert granted.lease_id == b""  # held none: nothing leased
-        for corrupt in ([], [0]):
-            await servicer.PeerRelease(pb.PeerReleaseRequest(peer="friend", lease_id=b"l" * 16,
+        for lease_id, corrupt in ((b"s" * 16, []), (b"s" * 16, [0]), (b"L" * 16, [])):  # small; checksums; large
+            await servicer.PeerRelease(pb.PeerReleaseRequest(peer="friend", lease_id=lease_id,
                                                              corrupt_positions=corrupt), ctx)
         await servicer.PeerReserve(pb.PeerReserveRequest(peer="friend", namespace="ns", cache_group="g",
                                                          block_format=FORMAT, keys=_keys(1), lease_ms=1000), ctx)
@@ -86,5 +89,5 @@ def test_a_small_lookup_and_lease_run_on_the_receiving_thread_and_large_ones_on_
         executor.shutdown()
     on_loop = [(name, ident == loop_thread) for name, ident in leases.threads]
     assert on_loop == [("holding", True), ("grant", True), ("holding", True), ("grant", True),
-                       ("holding", False), ("grant", False), ("release", True), ("release", False),
+                       ("holding", False), ("grant", False), ("release", True), ("release", False), ("release", False),
                        ("reserve", False)]
