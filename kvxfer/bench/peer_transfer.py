@@ -115,6 +115,7 @@ def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
     ports = {name: free_port() for name in ("a", "b")}
     daemons = {}
     rows = []
+    base = None
     try:  # the daemons never outlive the benchmark
         for name in ("a", "b"):
             daemons[name] = launch.spawn({**configs[name], "log_level": "warning",
@@ -164,8 +165,9 @@ def _transport(args, transport: str, tls, progress: Progress) -> list[dict]:
                     progress.step(f"{transport}, {way} {batch} blocks: {r['whole_ms']:.2f} ms ({r['whole_vs_rtt']:.2f}x "
                                   f"a TLS round trip), {r['whole_gbps']:.2f} GB/s, NIXL {r['nixl_gbps']:.2f} GB/s, "
                                   f"CPU {r['cpu_vs_memcpy']:.2f}x a memcpy's")
-        base.close()
     finally:
+        if base is not None:
+            base.close()
         for d in daemons.values():
             d.stop()
             d.cleanup()

@@ -160,8 +160,8 @@ def _measure(args: argparse.Namespace, subjects: dict, progress: Progress, settl
     clocks = {name: BackendClock(c.store) for name, c in subjects.items()}
     inside = {f"{name} {op}": [] for name in subjects for op in ("set", "get")}
     paired = {f"{name} {op}": [] for name in subjects for op in ("set", "get")}  # the copy just before each
-    cpu: dict[str, list[float]] = {series: [] for series in [*times, *paired.keys()] if not series.startswith("copy ")}
-    cpu.update({f"{series} copy": [] for series in paired})  # the CPU of the copy just before each
+    # each subject's CPU, and that of the copy just before each of its calls
+    cpu: dict[str, list[float]] = {f"{series}{of}": [] for series in paired for of in ("", " copy")}
     alone = CpuMeter()
     spare = None  # the copy's destination, made (and touched) once, as the tiers' memory is
     for rep in range(args.reps + 1):  # repetition 0 warms up (SGLang builds its page-hash extension on first use)
