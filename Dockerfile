@@ -44,7 +44,7 @@ COPY kvxfer ./kvxfer
 COPY service ./service
 COPY setup.py ./
 # gcc (and Python's headers) build the C copy loop and the bookkeeping passes (kvxfer/transfer/_fused.c,
-# kvxfer/_fastpath.c). The package lists are lists: split on purpose.
+# kvxfer/core/_fastpath.c). The package lists are lists: split on purpose.
 # hadolint ignore=DL3008,SC2086
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} ${RUNTIME_PACKAGES} \

@@ -21,8 +21,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # (Re)install when the project's metadata or its C copy loop changes; torch is pinned to the local
 # CPU build.
 $(STAMP): pyproject.toml setup.py constraints.txt kvxfer/transfer/_fused.c kvxfer/transfer/_fused.h \
-		kvxfer/transfer/_guard.c kvxfer/transfer/_guard.h kvxfer/_fastpath.c \
-		kvxfer/_tables.c kvxfer/_use_order.c
+		kvxfer/transfer/_guard.c kvxfer/transfer/_guard.h kvxfer/core/_fastpath.c \
+		kvxfer/index/_tables.c kvxfer/index/_use_order.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,peering]'
 	touch $(STAMP)

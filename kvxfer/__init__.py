@@ -1,7 +1,7 @@
 """kvxfer: KV-cache offload and transfer for LLM inference engines.
 
 ``from kvxfer import Client`` gives the engine-side client (imported on first use,
-so that ``import kvxfer.records`` stays light). The layers are described in
+so that ``import kvxfer.core.records`` stays light). The layers are described in
 docs/design.md.
 """
 

@@ -15,24 +15,23 @@ from pathlib import Path
 
 import yaml
 
-from kvxfer.errors import InvalidArgument
-from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
-from kvxfer.fdpass import SUFFIX
+from kvxfer.client.fdpass import SUFFIX
+from kvxfer.core.defaults import DEFAULT_POOL
+from kvxfer.core.errors import ConfigError, InvalidArgument
+from kvxfer.core.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
 from kvxfer.events.settings import EventSettings
+from kvxfer.geometry.layout import KVSpec, Layout, parse_dtype
 from kvxfer.index.admission import AdmissionSettings
-from kvxfer.serving.prefetch import HintSettings
 from kvxfer.index.tenancy import Tenant
+from kvxfer.memory.shm import resolve_group
 from kvxfer.peering.settings import PeeringSettings
-from kvxfer.errors import ConfigError
+from kvxfer.serving.pool_registry import Limits
+from kvxfer.serving.prefetch import HintSettings
+from kvxfer.tiers.host import capacity_blocks
 from kvxfer.tiers.registry import LOWER_TIERS
 from kvxfer.tiers.sections import RENAMED
 from service import config_sections as sections
 from service.config_peering import peering as peering_section
-from kvxfer.serving.registry import Limits
-from kvxfer.tiers.host import capacity_blocks
-from kvxfer.memory.shm import resolve_group
-from kvxfer.defaults import DEFAULT_POOL
-from kvxfer.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import re
 import socket
 from pathlib import Path
 
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 from kvxfer.peering.settings import DEFAULT_UCX_MODULES, PeerAddress, PeeringSettings
-from kvxfer.validate import shown
-from kvxfer.errors import ConfigError
 
 PEERING_KEYS = {"name", "peers", "ucx_tls", "ucx_net_devices", "ucx_modules", "timeout_ms", "lease_ms",
                 "max_lease_ms", "max_leases", "max_leased_blocks", "progress_interval_us", "max_leases_per_peer",

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import importlib
 
-from kvxfer.errors import ConfigError
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 from kvxfer.events.settings import ENDPOINT_RE, EventSettings
 from kvxfer.index.admission import AdmissionSettings
-from kvxfer.serving.prefetch import HintSettings
 from kvxfer.index.tenancy import MAX_TENANTS, NAME_RE, OTHER, Tenant
+from kvxfer.serving.prefetch import HintSettings
 from kvxfer.tiers.sections import RENAMED, mib, renamed
-from kvxfer.validate import shown
 
 ADMISSION_KEYS = {"store_threshold", "max_blocks_per_request", "tracked_keys"}
 HINTS_KEYS = {"max_ttl_s", "share", "prefetch_queue_keys", "prefetch_batch"}

@@ -29,11 +29,11 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from kvxfer.events.hub import EventHub
+from kvxfer.core.records import PoolStats, TransferResult
+from kvxfer.events.event_hub import EventHub
 from kvxfer.peering.hub import Peering
-from kvxfer.records import PoolStats, TransferResult
 from kvxfer.serving.batch import TransferKind
-from kvxfer.serving.registry import PoolRegistry
+from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.serving.prefetch import PrefetchCounts
 from service import metrics_http
 
@@ -331,7 +331,8 @@ class GrpcMetrics(grpc.aio.ServerInterceptor):
 
 
 class LaneMetrics:
-    """The local lane's calls (``service.lane``), as ``grpc_server_*`` counts gRPC's: by method and status code."""
+    """The local lane's calls (``service.lane_server``), as ``grpc_server_*`` counts gRPC's: by method and status
+    code."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.handled = Counter("kvxfer_lane_handled", "Calls completed on the local lane, by status code.",

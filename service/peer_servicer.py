@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kvxfer.errors import InvalidArgument, PermissionDenied
+from kvxfer.core.errors import InvalidArgument, PermissionDenied
+from kvxfer.core.validate import check_count, check_namespace, check_pool_id, checked_keys, shown
 from kvxfer.peering.hub import Peering
 from kvxfer.peering.leases import Granted
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_count, check_namespace, check_pool_id, checked_keys, shown
-from service.status import parser, rpc
+from service.grpc_errors import parser, rpc
 
 FORMAT_BYTES = 32  # a block format's fingerprint (sha256)
 LEASE_ID_BYTES = 16

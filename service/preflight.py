@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvxfer.errors import FailedPrecondition, ResourceExhausted
+from kvxfer.core.errors import FailedPrecondition, ResourceExhausted
 from kvxfer.memory import cuda_mem, room
 from kvxfer.tiers.host import capacity_blocks
 from kvxfer.tiers.registry import staged_blocks

@@ -30,20 +30,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvxfer.events.hub import EventHub
-from kvxfer.peering.hub import Peering
-from kvxfer.errors import FailedPrecondition, InvalidArgument
-from kvxfer.fdpass import SUFFIX
-from kvxfer.lane import SUFFIX as LANE_SUFFIX
+from kvxfer.client.fdpass import SUFFIX
+from kvxfer.client.lane_client import SUFFIX as LANE_SUFFIX
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument
+from kvxfer.events.event_hub import EventHub
 from kvxfer.memory.cuda_driver import CudaError, on_device_lost
-from kvxfer.serving.registry import PoolRegistry
 from kvxfer.memory.shm import resolve_group
+from kvxfer.peering.hub import Peering
+from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.tiers.registry import placements
 from kvxfer.v1 import kvxfer_pb2 as pb
 from service import logs, metrics_http, preflight
 from service.config import Config, unknown_variables
 from service.fdsocket import DescriptorSocket
-from service.lane import Lane
+from service.lane_server import Lane
 from service.metrics import Metrics
 from service.peer_servicer import PeerServicer, peer_handlers
 from service.servicer import KVTransferServicer, handlers

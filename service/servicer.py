@@ -5,7 +5,7 @@ anything O(batch) run on the worker threads; a synchronous transfer queued behin
 a pool's jobs and a WaitJobs long poll hold no thread while they wait. So health
 and every other RPC keep answering while requests are stuck or waiting. Every
 repeated field is counted against its limit before anything is built from it.
-Errors become statuses in ``service.status``.
+Errors become statuses in ``service.grpc_errors``.
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kvxfer import wire
-from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvxfer.events.hub import EventHub
+from kvxfer.client import wire
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvxfer.core.records import TransferResult
+from kvxfer.core.validate import check_count, check_namespace, checked_keys
+from kvxfer.events.event_hub import EventHub
 from kvxfer.geometry.layout import Layout
 from kvxfer.geometry.sharding import MAX_FORMAT_CHARS, MAX_MODEL_CHARS
-from kvxfer.records import TransferResult
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.group_table import Sharing
 from kvxfer.serving.jobs import JobRunner
-from kvxfer.serving.registry import PoolRegistry
+from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_count, check_namespace, checked_keys
-from service import hints, transfers, watch
-from service.status import parser, rpc, stream_rpc
+from service import hint_requests, transfers, watch
+from service.grpc_errors import parser, rpc, stream_rpc
 from service.transfers import RequestLimits
 
 POLL_S = 1.0  # a waiting WaitJobs looks again at least this often (and renews its leases)
@@ -101,7 +101,7 @@ class KVTransferServicer:
 
     @rpc
     async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
-        return await self._blocking(hints.hint(self.registry, self.limits.max_batch_blocks, request))
+        return await self._blocking(hint_requests.hint(self.registry, self.limits.max_batch_blocks, request))
 
     @rpc
     async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:

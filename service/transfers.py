@@ -1,7 +1,7 @@
 """Offload, Restore and Lookup requests, checked and carried out: one home for both transports.
 
 The gRPC servicer (``service.servicer``, on the event loop: what blocks goes to a worker
-thread) and the local lane (``service.lane``, on a connection's own thread) take the same
+thread) and the local lane (``service.lane_server``, on a connection's own thread) take the same
 request messages; what a request means, how it is validated and what it answers is here.
 """
 
@@ -12,16 +12,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvxfer import wire
-from kvxfer.errors import FailedPrecondition
-from kvxfer.events.wire import engine_from_pb
-from kvxfer.records import PoolRef, TransferResult
+from kvxfer.client import wire
+from kvxfer.core.errors import FailedPrecondition
+from kvxfer.core.records import TIER_TO_PB, PoolRef, TransferResult
+from kvxfer.core.validate import check_count, check_name, check_namespace, checked_keys, shown
+from kvxfer.events.event_wire import engine_from_pb
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.jobs import Job, JobRunner
-from kvxfer.serving.registry import PoolRegistry
-from service.hints import store_hint
+from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_count, check_name, check_namespace, checked_keys, shown
+from service.hint_requests import store_hint
 
 INLINE_BYTES = 1 << 20  # a transfer this small runs on the event loop: cheaper than a thread hop
 MAX_WAIT_S = 60.0  # the longest a WaitJobs waits for a job to finish
@@ -137,7 +137,7 @@ def lookup(registry: PoolRegistry, limits: RequestLimits, request: pb.LookupRequ
     def run() -> pb.LookupResponse:
         result = registry.lookup(refs, request.namespace, list(request.keys), deadline)
         return pb.LookupResponse(hits=result.hits,
-                                 tiers=[wire.TIER_TO_PB[t] if t else pb.TIER_UNSPECIFIED for t in result.tiers])
+                                 tiers=[TIER_TO_PB[t] if t else pb.TIER_UNSPECIFIED for t in result.tiers])
 
     return run
 

@@ -28,14 +28,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from kvxfer.errors import InvalidArgument, ResourceExhausted
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import EventKind, TierEvent
-from kvxfer.events.wire import event_to_pb
-from kvxfer.serving.registry import PoolRegistry
+from kvxfer.core.errors import InvalidArgument, ResourceExhausted
+from kvxfer.core.records import TIER_TO_PB
+from kvxfer.core.validate import check_count, check_namespace
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import EventKind, TierEvent
+from kvxfer.events.event_wire import event_to_pb
+from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_count, check_namespace
-from kvxfer.wire import TIER_TO_PB
 
 MAX_WATCHED = 16  # namespaces one call names
 BATCH_EVENTS = 256  # events a response carries at most

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvxfer.errors import PermissionDenied
+from kvxfer.core.errors import PermissionDenied
 from kvxfer.peering.agent import XferResult
 from kvxfer.peering.leases import LeaseTable
 from kvxfer.v1 import kvxfer_pb2 as pb

@@ -22,12 +22,12 @@ import time
 import torch
 
 from kvxfer.bench.common import Progress, save
+from kvxfer.core.text_table import format_table
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.batch import TransferBatch, TransferKind
-from kvxfer.serving.manager import PoolManager
-from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle
-from kvxfer.tables import format_table
+from kvxfer.serving.pool_manager import PoolManager
+from kvxfer.transfer.copy_engine import CompletedHandle, CopyBatch, CopyEngine, CopyHandle
 
 NS = "bench"
 TARGET_US = 0.2

@@ -1,12 +1,12 @@
 """``kvxfer bench checksum``: the block checksum's cost on the host, beside a plain copy.
 
-The checksum is XXH3-64 of the XXH3-64s of a block's 64 KiB pieces (``kvxfer.geometry.checksum``);
-before issue 47 it was XXH3-64 of the whole block. For blocks of 64 KiB, 512 KiB and 2 MiB (``--mib``, 64 MiB of
-them by default, scattered in a larger array so they come from memory) each figure is GB/s of block bytes,
-the median of ``--reps`` interleaved repetitions: the one-span XXH3 of before, the pieced format in
-Python (``block_checksum``, what the tiers' reads verify with) and in the C loop (``hash_spans``, what a
-GPU pool's tier copies are hashed with, on 1 and 2 threads), against a copy of the same blocks
-(one ``memcpy`` a block in the C loop on one thread: a pass of reads and writes).
+The checksum is XXH3-64 of the XXH3-64s of a block's 64 KiB pieces (``kvxfer.geometry.block_checksum``);
+before the pieced format it was XXH3-64 of the whole block. For blocks of 64 KiB, 512 KiB and 2 MiB
+(``--mib``, 64 MiB of them by default, scattered in a larger array so they come from memory) each figure is
+GB/s of block bytes, the median of ``--reps`` interleaved repetitions: the one-span XXH3 of before, the pieced
+format in Python (``block_checksum``, what the tiers' reads verify with) and in the C loop (``hash_spans``,
+what a GPU pool's tier copies are hashed with, on 1 and 2 threads), against a copy of the same blocks (one
+``memcpy`` a block in the C loop on one thread: a pass of reads and writes).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 import xxhash
 
 from kvxfer.bench.common import GB, Progress, human_bytes, interleaved, save
-from kvxfer.geometry.checksum import block_checksum
+from kvxfer.core.text_table import format_table
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.transfer import native
-from kvxfer.tables import format_table
 
 SIZES = (64 << 10, 512 << 10, 2 << 20)
 

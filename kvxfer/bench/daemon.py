@@ -7,7 +7,7 @@ same number of bytes: a plain ``copy_`` from the mapped pool into a local buffer
 and that copy followed by the checksum pass. The four are interleaved in every
 repetition; ratios are medians of per-repetition ratios. CPU time beside the wall time: a
 request's is this client's and the daemon's together, a copy's this process's
-(``kvxfer.bench.cpu``).
+(``kvxfer.bench.cpu_time``).
 
 Jobs in flight: the same bytes offloaded as N asynchronous jobs submitted at
 once, then collected with WaitJobs.
@@ -26,13 +26,13 @@ import time
 
 import torch
 
-from kvxfer.bench.common import FASTER, GB, Progress, interleaved
-from kvxfer.bench.cpu import CPU_NOTE, CpuMeter, Figures, measured
-from kvxfer.geometry.checksum import rows_checksums
-from kvxfer.client import Client
 from kvxfer.bench import launch
-from kvxfer.defaults import DEFAULT_POOL
-from kvxfer.tables import format_table
+from kvxfer.bench.common import FASTER, GB, Progress, interleaved
+from kvxfer.bench.cpu_time import CPU_NOTE, CpuMeter, Figures, measured
+from kvxfer.client import Client
+from kvxfer.core.defaults import DEFAULT_POOL
+from kvxfer.core.text_table import format_table
+from kvxfer.geometry.block_checksum import rows_checksums
 
 MIB = 1 << 20
 NS = "bench"

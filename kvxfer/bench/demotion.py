@@ -18,13 +18,13 @@ import os
 import tempfile
 import time
 
-from kvxfer.bench.common import Progress
-from kvxfer.client import Client
-from kvxfer.records import Outcome, TierKind
 from kvxfer.bench import launch
+from kvxfer.bench.common import Progress
 from kvxfer.bench.daemon import block_bytes
-from kvxfer.defaults import DEFAULT_POOL
-from kvxfer.tables import format_table
+from kvxfer.client import Client
+from kvxfer.core.defaults import DEFAULT_POOL
+from kvxfer.core.records import Outcome, TierKind
+from kvxfer.core.text_table import format_table
 
 MIB = 1 << 20
 

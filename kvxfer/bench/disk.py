@@ -26,16 +26,16 @@ from pathlib import Path
 import torch
 
 from kvxfer.bench.common import FASTER, GB, Progress, add_block_arguments, human_bytes
+from kvxfer.core.records import TierKind
+from kvxfer.core.text_table import format_table
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
-from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.disk.files import BASE, HEADER_BYTES, JOURNAL
+from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.tiers.record import encode_header
-from kvxfer.tables import format_table
 from kvxfer.tiers.registry import lower_tiers
-from kvxfer.records import TierKind
 
 BATCH = 64
 

@@ -20,10 +20,10 @@ import socket
 import statistics
 import time
 
+from kvxfer.bench import launch
 from kvxfer.bench.common import FASTER, Progress
 from kvxfer.client import Client
-from kvxfer.bench import launch
-from kvxfer.tables import format_table
+from kvxfer.core.text_table import format_table
 
 NAMESPACE = "bench"
 SPEC = {"num_layers": 2, "num_blocks": 256, "block_size": 16, "num_kv_heads": 1, "head_size": 16, "dtype": "float16"}

@@ -22,19 +22,19 @@ the daemon's CPU seconds (user and system, from /proc) over each phase's wall ti
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import tempfile
-import multiprocessing
 import time
 
 from kvxfer.bench import launch
 from kvxfer.bench.common import Progress, save
 from kvxfer.client import Client
-from kvxfer.defaults import DEFAULT_POOL
-from kvxfer.errors import ResourceExhausted
-from kvxfer.records import HintAction, TierKind
-from kvxfer.tables import format_table
+from kvxfer.core.defaults import DEFAULT_POOL
+from kvxfer.core.errors import ResourceExhausted
+from kvxfer.core.records import HintAction, TierKind
+from kvxfer.core.text_table import format_table
 
 BLOCK_KIB = 192  # the embedded pool's block
 

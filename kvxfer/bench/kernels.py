@@ -18,10 +18,10 @@ import time
 import torch
 
 from kvxfer.bench.common import SLOWER, Progress, save
+from kvxfer.core.text_table import format_table
 from kvxfer.engine.block_table import BlockTable, batch_metadata
 from kvxfer.engine.kernels import cache_write_torch, slot_mapping_torch
 from kvxfer.geometry.layout import BLHNC, KVSpec, PoolLayout
-from kvxfer.tables import format_table
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 24, 2, 64, 16
 

@@ -10,7 +10,7 @@ that carries nothing). Medians of the repetitions; the lane's fixed cost is its 
 daemon's own measured copy (``TransferResult.seconds``). For the job, also the time the
 caller's thread spent sending its WaitJobs (what an engine's step pays to leave one in flight).
 CPU time beside the wall time: an Offload's or Restore's is this client's and the daemon's, the
-copy's this process's (``kvxfer.bench.cpu``).
+copy's this process's (``kvxfer.bench.cpu_time``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 
 from kvxfer.bench import launch
 from kvxfer.bench.common import GB, Progress, save
-from kvxfer.bench.cpu import CPU_NOTE, CpuMeter
+from kvxfer.bench.cpu_time import CPU_NOTE, CpuMeter
 from kvxfer.client import Client
-from kvxfer.tables import format_table
+from kvxfer.core.text_table import format_table
 
 TRANSPORTS = ("lane", "grpc")
 OPS = ("offload", "restore", "lookup", "job")

@@ -112,7 +112,7 @@ def spawn(config: dict, wait: bool = True, command: list[str] | None = None,
     log = workdir / "daemon.log"
     env = {**os.environ, **(env or {}), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with log.open("w") as log_file:
-        argv = command or [sys.executable, "-m", "service.cli"]
+        argv = command or [sys.executable, "-m", "service.program"]
         proc = subprocess.Popen([*argv, "serve", "--config", str(config_path)],
                                 env=env, stdout=subprocess.DEVNULL, stderr=log_file, cwd=ROOT)
     daemon = DaemonProcess(proc, workdir, full, log, shm_dir)

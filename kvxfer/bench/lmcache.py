@@ -20,12 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvxfer.bench.common import FASTER, Progress, save
-from kvxfer.client import Client
 from kvxfer.bench import launch
+from kvxfer.bench.common import FASTER, Progress, save
 from kvxfer.bench.daemon import MIB, NS, block_bytes, daemon_config, throughput
-from kvxfer.defaults import DEFAULT_POOL
-from kvxfer.tables import format_table
+from kvxfer.client import Client
+from kvxfer.core.defaults import DEFAULT_POOL
+from kvxfer.core.text_table import format_table
 
 PEER_SCRIPT = Path(__file__).with_name("lmcache_server.py")
 LMCACHE_CHUNK_TOKENS = 256  # LMCache's default chunk: requests are whole chunks

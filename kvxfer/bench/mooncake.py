@@ -7,8 +7,9 @@ block copied into a host-slot-sized buffer). Beside them, in the same process an
 bytes and through the same client (its segment, its transport): the store's plain ``put`` and ``get``
 of each block (what a client that does not register memory does), and its zero-copy ``batch_put_from``
 and ``batch_get_into`` of the bare blocks (the floor: the API alone, no record, no checks). Wall and CPU
-time of each (this process's and the master's, ``kvxfer.bench.cpu``); against a ``mooncake_master`` started here on loopback (TCP), the client lending the
-cluster its memory (so its values land in its own segment: a one-node cluster).
+time of each (this process's and the master's, ``kvxfer.bench.cpu_time``); against a ``mooncake_master``
+started here on loopback (TCP), the client lending the cluster its memory (so its values land in its
+own segment: a one-node cluster).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvxfer.bench.cpu import CpuMeter
+from kvxfer.bench.cpu_time import CpuMeter
 
 ROWS = ("tier: store", "tier: fetch", "plain put", "plain get", "batch_put_from (bare)", "batch_get_into (bare)")
 
@@ -39,8 +40,9 @@ def _timed(fn: Callable[[], object], meter: CpuMeter) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
+
     from kvxfer.bench.mooncake_master import MooncakeMaster
-    from kvxfer.geometry.checksum import block_checksum
+    from kvxfer.geometry.block_checksum import block_checksum
     from kvxfer.tiers.mooncake.settings import parse
     from kvxfer.tiers.mooncake.store import BATCH, MooncakeTier
 

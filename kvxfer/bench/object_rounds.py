@@ -14,9 +14,9 @@ import torch
 
 from kvxfer.bench.common import FASTER, GB, Progress, human_bytes
 from kvxfer.bench.s3_server import S3Server
-from kvxfer.geometry.checksum import block_checksum
-from kvxfer.records import Outcome
-from kvxfer.tables import format_table
+from kvxfer.core.records import Outcome
+from kvxfer.core.text_table import format_table
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.tiers.object.client import open_store
 from kvxfer.tiers.object.settings import ObjectSettings
 from kvxfer.tiers.object.store import ObjectTier

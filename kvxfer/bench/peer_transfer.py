@@ -12,7 +12,7 @@ the requests: the whole request's median time against one gRPC round trip over m
 against the NIXL transfer's own (the daemon's ``kvxfer_peer_transfer_seconds`` and
 ``kvxfer_peer_bytes``, scraped around the repetitions) and a plain memcpy of the same bytes; and
 the CPU seconds per GB of both daemons and this process together against the memcpy's
-(``kvxfer.bench.cpu``). On a 2-core machine the two daemons, UCX and this process share the cores.
+(``kvxfer.bench.cpu_time``). On a 2-core machine the two daemons, UCX and this process share the cores.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvxfer.bench.common import GB, Progress, human_bytes, save
-from kvxfer.bench.cpu import CPU_NOTE, CpuMeter, Figures, measured
-from kvxfer.client import Client
-from kvxfer.records import Outcome
 from kvxfer.bench import launch
-from kvxfer.defaults import DEFAULT_POOL
+from kvxfer.bench.common import GB, Progress, human_bytes, save
+from kvxfer.bench.cpu_time import CPU_NOTE, CpuMeter, Figures, measured
 from kvxfer.bench.peering_local import TRANSPORTS, free_port, peering_configs, self_signed
-from kvxfer.tables import format_table
+from kvxfer.client import Client
+from kvxfer.core.defaults import DEFAULT_POOL
+from kvxfer.core.records import Outcome
+from kvxfer.core.text_table import format_table
 
 TOKEN = "bench-peer-token"
 NS = "bench"
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
                         for r in rows],
                        {"pull": f"B's Restore of blocks only A holds ({human_bytes(block)} each): lease, NIXL READ, "
                                 "checksums, publication, the copy into B's pool",
-                        "whole ms": f"the median request's milliseconds (of --reps, interleaved with the baselines)",
+                        "whole ms": "the median request's milliseconds (of --reps, interleaved with the baselines)",
                         "TLS RTT": "one gRPC round trip over mutual TLS to A from this process (a health Check), "
                                    "interleaved: whole / RTT is the median of per-repetition ratios",
                         "push": "A's Push into B: reservation, NIXL WRITE, commit (B checksums and publishes)",

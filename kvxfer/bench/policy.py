@@ -27,10 +27,10 @@ import numpy as np
 
 from kvxfer.bench import policy_hints
 from kvxfer.bench.common import Progress, save
+from kvxfer.core.records import HintAction, TierKind
+from kvxfer.core.text_table import format_table
 from kvxfer.index.block_index import BlockIndex
-from kvxfer.index.eviction import EvictionPolicy, Evictable, lru
-from kvxfer.records import HintAction, TierKind
-from kvxfer.tables import format_table
+from kvxfer.index.eviction import Evictable, EvictionPolicy, lru
 
 NAMESPACE = "trace"
 NEVER = np.iinfo(np.int64).max  # the next use of a block never read again

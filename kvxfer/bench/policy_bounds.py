@@ -27,10 +27,10 @@ import numpy as np
 
 from kvxfer.bench import policy
 from kvxfer.bench.common import Progress, save
+from kvxfer.core.records import TierKind
+from kvxfer.core.text_table import format_table
 from kvxfer.index.block_index import BlockIndex
-from kvxfer.index.eviction import EvictionPolicy, Evictable
-from kvxfer.records import TierKind
-from kvxfer.tables import format_table
+from kvxfer.index.eviction import Evictable, EvictionPolicy
 
 MAX_COUNT = 6  # reads so far, capped: the hazard table's rows
 QUEUES = (8, 32, 128)

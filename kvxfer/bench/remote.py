@@ -23,15 +23,15 @@ import redis
 import torch
 
 from kvxfer.bench.common import FASTER, GB, Progress, add_block_arguments, human_bytes
+from kvxfer.core.records import TierKind
+from kvxfer.core.text_table import format_table
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
+from kvxfer.tiers.registry import lower_tiers
 from kvxfer.tiers.remote.settings import RemoteSettings
 from kvxfer.tiers.remote.store import BATCH
-from kvxfer.tables import format_table
-from kvxfer.tiers.registry import lower_tiers
-from kvxfer.records import TierKind
 
 
 def _local_server() -> tuple[subprocess.Popen, str, str]:

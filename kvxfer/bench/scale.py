@@ -25,9 +25,9 @@ import time
 import numpy as np
 
 from kvxfer.bench.common import SLOWER, Progress, save
+from kvxfer.core.records import TierKind
+from kvxfer.core.text_table import format_table
 from kvxfer.index.block_index import BlockIndex
-from kvxfer.records import TierKind
-from kvxfer.tables import format_table
 
 NS = "bench"
 FILL_BATCH = 65536

@@ -10,7 +10,7 @@ query, then batch gets), as its radix cache drives the controller:
 - ``kvxfer zero copy``: interface_v1, the host pool in SGLang's memfd (``allocator: shm``):
   the daemon copies pages out of it and into it;
 - ``kvxfer zero copy, gRPC only``: the same with the backend's ``lane`` off: every batch and hit
-  query a gRPC call (the baseline of the local lane, ``kvxfer.lane``);
+  query a gRPC call (the baseline of the local lane, ``kvxfer.client.lane_client``);
 - ``kvxfer staged``: the same with SGLang's default (private) host memory: one copy through
   the backend's staging area;
 - ``file``: SGLang's ``HiCacheFile`` (``--hicache-storage-backend file``) in ``--dir``;
@@ -42,11 +42,11 @@ import time
 
 import torch
 
-from kvxfer.bench.common import GB, Progress, human_bytes, save
-from kvxfer.bench.cpu import CPU_NOTE, CpuMeter
 from kvxfer.bench import launch
-from kvxfer.defaults import DEFAULT_POOL
-from kvxfer.tables import format_table
+from kvxfer.bench.common import GB, Progress, human_bytes, save
+from kvxfer.bench.cpu_time import CPU_NOTE, CpuMeter
+from kvxfer.core.defaults import DEFAULT_POOL
+from kvxfer.core.text_table import format_table
 
 BATCH = 128
 #: kvxfer's subjects: (name, SGLang's host allocator, the backend's lane setting).

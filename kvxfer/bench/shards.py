@@ -27,13 +27,13 @@ from collections.abc import Callable
 import torch
 
 from kvxfer.bench.common import GB, SLOWER, Progress, human_bytes, interleaved, save
+from kvxfer.core.text_table import format_table
 from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
 from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.transfer.shard import blocks_view
-from kvxfer.tables import format_table
 
 NS, BLOCK_SIZE, HEAD_SIZE = "bench", 16, 128
 

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvxfer.bench import step_hooks
-from kvxfer.tables import format_table
+from kvxfer.core.text_table import format_table
 
 #: Named sets of steps: a peer pull as the restoring daemon (B) and the holding one (A) run it; SGLang's
 #: write-through and prefetch through its kvxfer backend, and the daemon's side of them.
 STEP_SETS = {
     "peer-pull": [
-        "service.lane:Lane._answer",
-        "kvxfer.serving.manager:PoolManager.run",
+        "service.lane_server:Lane._answer",
+        "kvxfer.serving.pool_manager:PoolManager.run",
         "kvxfer.serving.group:CacheGroup.pin",
         "kvxfer.serving.promotion:promote",
         "kvxfer.tiers.peer:PeerTier.fetch",
@@ -61,9 +61,9 @@ STEP_SETS = {
         "kvxfer.integrations.sglang.backend:KvxferStore.batch_set_v1",
         "kvxfer.integrations.sglang.backend:KvxferStore.batch_get_v1",
         "kvxfer.integrations.sglang.pages:PageMover._move",
-        "kvxfer.client:Client._transfer",
-        "service.lane:Lane._answer",
-        "kvxfer.serving.manager:PoolManager.run",
+        "kvxfer.client.daemon_client:Client._transfer",
+        "service.lane_server:Lane._answer",
+        "kvxfer.serving.pool_manager:PoolManager.run",
         "kvxfer.serving.group:CacheGroup.prepare_store",
         "kvxfer.serving.group:CacheGroup.pin",
         "kvxfer.transfer.pipeline:CheckedCopier.to_host",

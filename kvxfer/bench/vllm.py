@@ -27,12 +27,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvxfer.bench.common import GB, Progress, human_bytes
-from kvxfer.bench.cpu import CPU_NOTE, CpuMeter
-from kvxfer.geometry.checksum import rows_checksums
 from kvxfer.bench import launch
-from kvxfer.defaults import DEFAULT_POOL
-from kvxfer.tables import format_table
+from kvxfer.bench.common import GB, Progress, human_bytes
+from kvxfer.bench.cpu_time import CPU_NOTE, CpuMeter
+from kvxfer.core.defaults import DEFAULT_POOL
+from kvxfer.core.text_table import format_table
+from kvxfer.geometry.block_checksum import rows_checksums
 
 
 class _Timed:
@@ -115,8 +115,9 @@ def _busy_step_cost(engine, blocks: int, polls: int = 200) -> float:
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from kvxfer.bench.vllm_engine import Engine, Model
         from vllm.config import KVTransferConfig
+
+        from kvxfer.bench.vllm_engine import Engine, Model
     except ImportError as exc:
         raise SystemExit(f"kvxfer bench vllm needs vLLM (make test-vllm installs it into .venv-vllm): {exc}")
     model = Model(num_layers=args.layers, num_kv_heads=args.heads, head_size=args.head_size)

@@ -33,8 +33,8 @@ import torch
 from kvxfer.bench import launch
 from kvxfer.bench.common import Progress, save
 from kvxfer.bench.hints import drained, drop_page_cache
-from kvxfer.records import TierKind
-from kvxfer.tables import format_table
+from kvxfer.core.records import TierKind
+from kvxfer.core.text_table import format_table
 
 SUBJECTS = ("prefetch off", "prefetch on", "host hit")
 
@@ -99,8 +99,9 @@ def _load(engine, prompt: list[int], req: str, wait_s: float) -> tuple[float, fl
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        from kvxfer.bench.vllm_engine import Engine, Model
         from vllm.config import KVTransferConfig
+
+        from kvxfer.bench.vllm_engine import Engine, Model
     except ImportError as exc:
         raise SystemExit(f"kvxfer bench vllm-prefetch needs vLLM (make test-vllm installs it into .venv-vllm): {exc}")
     progress = Progress(1 + args.reps)

@@ -21,8 +21,8 @@ from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.memory import cuda_driver
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
-from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.serving.pool_manager import PoolManager
+from kvxfer.transfer.copy_engine import CopyBatch, Direction
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.pipeline import CheckedCopier
 from kvxfer.transfer.plan import plan_copies

@@ -1,9 +1,9 @@
-"""The device check's stage on the block checksum's format (issue 47 item 6).
+"""The device check's stage on the block checksum's format (64 KiB pieces).
 
 The checksum was XXH3-64 of a block's one span: one Triton program per block, whose 1 KiB
 steps are sequential (XXH3 scrambles its lanes between them), so a single 2 MiB block
 hashed in about 0.8 ms against about 40 us of copy (H200). It is now XXH3-64 over the
-little-endian XXH3-64s of fixed 64 KiB pieces (``kvxfer.geometry.checksum``), one program
+little-endian XXH3-64s of fixed 64 KiB pieces (``kvxfer.geometry.block_checksum``), one program
 per piece, and the host computes the same value. This stage measures both on the same bytes
 beside the copy alone (a pinned device-to-host copy of them), for a single 2 MiB block (a
 decode-time store) and for 16 MiB chunks, and checks the device's values against the host's.
@@ -16,7 +16,8 @@ import torch
 import xxhash
 
 from kvxfer.devcheck.bandwidth import timed
-from kvxfer.geometry.checksum import PIECE_BYTES as PIECE, block_checksum
+from kvxfer.geometry.block_checksum import PIECE_BYTES as PIECE
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.transfer import device_checksum
 
 REPS = 20

@@ -20,9 +20,9 @@ import urllib.request
 
 import torch
 
-from kvxfer.client import Client
-from kvxfer.records import Outcome
 from kvxfer.bench import launch
+from kvxfer.client import Client
+from kvxfer.core.records import Outcome
 
 #: 512 KiB blocks (16 layers, 16 tokens, 4 KV heads of 128, bf16), as the round trip stage.
 SPEC = {"num_layers": 16, "block_size": 16, "num_kv_heads": 4, "head_size": 128, "dtype": "bfloat16"}

@@ -24,7 +24,7 @@ ENGINE = """
     from kvxfer import Client
     from kvxfer.engine.kernels import write_kv
     from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
-    from kvxfer.records import Outcome
+    from kvxfer.core.records import Outcome
     spec, layout = {spec}, PRESETS["BLHNC"]
     kv = torch.empty(spec.nbytes, dtype=torch.uint8, device="cuda")  # one allocation, per-layer views
     views = PoolLayout(spec, layout).views(kv)

@@ -1,4 +1,4 @@
-"""The device check's failure path (issue 47): an engine whose ready event stalls past a short
+"""The device check's failure path: an engine whose ready event stalls past a short
 deadline, then dies while the daemon polls that event.
 
 What the first GPU run must show: the stalled offload fails at the daemon's deadline (the event is
@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from kvxfer.client import Client
 from kvxfer.bench import launch
+from kvxfer.client import Client
+from kvxfer.core.records import Outcome
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
-from kvxfer.records import Outcome
 from kvxfer.transfer.plan import plan_copies
 
 DEADLINE_S = 2.0  # the daemon's gpu_copy_deadline_s here

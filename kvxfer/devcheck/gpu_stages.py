@@ -13,14 +13,14 @@ import numpy as np
 import torch
 import xxhash
 
+from kvxfer.core.errors import KvxferError
+from kvxfer.core.records import Medium, Outcome, PoolRef
 from kvxfer.engine.block_table import BlockTable, batch_metadata
 from kvxfer.engine.kernels import Kernel, compute_slot_mapping, write_kv
-from kvxfer.errors import KvxferError
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.memory import cuda_mem
 from kvxfer.memory.pool import Pool, PoolHandle
-from kvxfer.records import Medium, Outcome, PoolRef
-from kvxfer.serving.registry import Limits, PoolRegistry
+from kvxfer.serving.pool_registry import Limits, PoolRegistry
 from kvxfer.transfer import device_checksum
 
 ENV = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -45,7 +45,7 @@ def child_maps_owned_pool(ctx: dict) -> dict:
         import json, sys, torch
         from kvxfer.geometry.layout import KVSpec, Layout
         from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
-        from kvxfer.records import Medium
+        from kvxfer.core.records import Medium
         d = json.loads(sys.argv[1])
         handle = PoolHandle(Medium.CUDA, ipc_handle=bytes.fromhex(d["handle"]), device_uuid=d["uuid"])
         pool = Pool.attach(PoolDescriptor("owned", KVSpec.from_dict(d["spec"]), Layout.parse(d["layout"]), handle))

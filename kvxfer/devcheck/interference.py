@@ -1,4 +1,4 @@
-"""The device check's stages for issue 28: staged copies of layer-major pools on the GPU, and
+"""The device check's stages for layer-major pools: staged copies of layer-major pools on the GPU, and
 what the copies cost the model (a matmul's TFLOPS alone and while copies run).
 
 ``staging_on_the_gpu`` runs on the CUDA simulator too (its test keeps it honest on every CI
@@ -20,7 +20,7 @@ from kvxfer.memory import cuda_driver
 from kvxfer.memory.pool import Pool
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import device_checksum
-from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.transfer.copy_engine import CopyBatch, Direction
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.planner import CostTable, Method
 

@@ -11,15 +11,15 @@ import sys
 
 import torch
 
-from kvxfer.devcheck.checksum_formats import checksum_formats
+from kvxfer.core.records import Outcome
 from kvxfer.devcheck import daemon_stage, engine_stages, failure_stage, gpu_stages, interference, shard_stage
 from kvxfer.devcheck.bandwidth import bandwidth
-from kvxfer.geometry.checksum import block_checksum
+from kvxfer.devcheck.checksum_formats import checksum_formats
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.geometry.layout import PRESETS, KVSpec
 from kvxfer.memory import cuda_driver
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 
 #: 2,048 blocks of 512 KiB moved in the round trip (a 2 GiB pool of 4,096 blocks).
 ROUND_TRIP = KVSpec(16, 4096, 16, 4, 128, torch.bfloat16)

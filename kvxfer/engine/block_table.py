@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvxfer.errors import InvalidArgument
-from kvxfer.records import NULL_BLOCK
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import NULL_BLOCK
 
 
 class BlockTable:

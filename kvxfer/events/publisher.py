@@ -29,10 +29,10 @@ from collections import deque
 import zmq
 from zmq import ZMQError
 
-from kvxfer.events.hub import EventHub
+from kvxfer.core.records import TierKind
+from kvxfer.events.event_hub import EventHub
 from kvxfer.events.settings import EventSettings
 from kvxfer.events.vllm_wire import VllmEncoder
-from kvxfer.records import TierKind
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

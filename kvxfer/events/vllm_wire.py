@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat, TierEvent, engine_hash
-from kvxfer.records import TierKind
+from kvxfer.core.records import TierKind
+from kvxfer.events.event_records import EngineBlocks, EventKind, KeyFormat, TierEvent, engine_hash
 
 OWNERSHIP = "kvxfer"
 

@@ -21,7 +21,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
 
 DOMAIN = b"kvxfer-block-key-v1"
 

@@ -18,8 +18,7 @@ from functools import cached_property
 
 import torch
 
-from kvxfer.errors import InvalidArgument
-
+from kvxfer.core.errors import InvalidArgument
 
 #: dtypes a pool may hold, by their canonical name.
 DTYPES: dict[str, torch.dtype] = {

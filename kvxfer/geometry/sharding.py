@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.geometry.layout import BLHNC, KVSpec, PoolLayout, dtype_name, parse_dtype
 
 #: The canonical block's format; a change of its byte order is a new version (never served as the old).

@@ -21,18 +21,18 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from kvxfer.errors import FailedPrecondition, Internal
-from kvxfer.events.hub import TierEvents
-from kvxfer.events.records import EngineBlocks, Reason, described, format_code
+from kvxfer.core.errors import FailedPrecondition, Internal
+from kvxfer.core.records import Outcome, TierKind
+from kvxfer.core.slots import SlotAllocator, int_array, slot_array
+from kvxfer.events.event_hub import TierEvents
+from kvxfer.events.event_records import EngineBlocks, Reason, described, format_code
 from kvxfer.index.entries import Entry, Evicted, IndexStats, Plan, Victim
 from kvxfer.index.eviction import EvictionPolicy
 from kvxfer.index.hintbook import DEFAULT_SHARE, IndexHints, book_for
 from kvxfer.index.hinted import default_policy
+from kvxfer.index.keytable import KeyTable
 from kvxfer.index.refaults import Refaults
 from kvxfer.index.tenancy import Tenancy, Tenant
-from kvxfer.index.keytable import KeyTable
-from kvxfer.slots import SlotAllocator, int_array, slot_array
-from kvxfer.records import Outcome, TierKind
 
 FREE, PENDING, READY, DROPPED = 0, 1, 2, 3  # slot states; DROPPED: gone from the index, still pinned
 _OUTCOMES = list(Outcome)
@@ -69,7 +69,7 @@ class BlockIndex:
         self._refaults = Refaults(capacity)
         self._tenancy = Tenancy(tenants, capacity) if tenants else None
         if tenants and not self._policy.keeps_passed_over:
-            raise FailedPrecondition("tenants' shares need the C use order (kvxfer/_use_order.c), which is not "
+            raise FailedPrecondition("tenants' shares need the C use order (kvxfer/index/_use_order.c), which is not "
                                      "built here: install with a C compiler")
         self._ready_count = self._pinned_count = 0  # kept as entries change: Stats reads them in O(1)
         self._pin_runs: np.ndarray | None = None  # per slot: how many times its pins rose from 0 (if tracked)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.records import Outcome, TierKind
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Victim:
     tier: TierKind
     checksum: int
     slot: int  # the tier slot it held (reused by the batch that evicted it: copy its bytes first)
-    key_format: int = 0  # its key format's code (``kvxfer.events.records.format_code``), kept with it below
+    key_format: int = 0  # its key format's code (``kvxfer.events.event_records.format_code``), kept with it below
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvxfer.fastpath import USE_ORDER
+from kvxfer.core.c_modules import load
 
+USE_ORDER = load("kvxfer.index._use_order")  # the linked LRU order in C (_use_order.c), or None
 MAX_CHUNK = 1 << 16  # slots ``LinkedLRU.victims`` reads from its order at once, at most
 #: Given slots, whether each may be evicted now (complete and unpinned).
 Evictable = Callable[[np.ndarray], np.ndarray]
@@ -56,7 +57,7 @@ def lru(capacity: int) -> EvictionPolicy:
 class LinkedLRU(EvictionPolicy):
     """Least recently used first: a slot is used when its block is stored and when it is loaded.
 
-    The slots in the order of their last use, as a linked list in C (``kvxfer/_use_order.c``):
+    The slots in the order of their last use, as a linked list in C (``kvxfer/index/_use_order.c``):
     a use moves a slot to the end in O(1), so nothing is ever compacted. Victims are the first
     evictable slots from the front; a slot that is not evictable now (pinned by a load) keeps
     its place, and is used again when its load completes.

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvxfer.core.records import HintAction
 from kvxfer.index.eviction import EvictionPolicy
 from kvxfer.index.hinted import HintedLRU
-from kvxfer.records import HintAction
 
 DEFAULT_SHARE = 0.5  # of a tier, per tenant: retained plus prefetched-unread blocks
 

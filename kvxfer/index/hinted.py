@@ -2,7 +2,7 @@
 
 Engines, routers and applications know what the daemon cannot: that a session ended (its blocks
 are dead unless someone else reads them) or that a block will be needed soon. ``HintedLRU`` keeps
-two use orders (``kvxfer/_use_order.c``): the ordinary blocks' LRU order and the released blocks'
+two use orders (``kvxfer/index/_use_order.c``): the ordinary blocks' LRU order and the released blocks'
 order. A victim is taken
 
 1. from the released blocks, oldest release first;
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvxfer.core.records import EvictionReason
 from kvxfer.index import eviction
 from kvxfer.index.eviction import Evictable, EvictionPolicy, LinkedLRU
-from kvxfer.records import EvictionReason
 
 _NONE = np.empty(0, dtype=np.int64)
 

@@ -1,7 +1,7 @@
 """The keys of one tier: (namespace, key) -> slot, with each key's bytes kept by its slot.
 
 A slot holds at most one key, so a key is removed by naming its slot, and the keys of the
-entries an eviction takes are read from their slots. In C (``kvxfer/_tables.c``: one table
+entries an eviction takes are read from their slots. In C (``kvxfer/index/_tables.c``: one table
 sized once for the tier, never rebuilt, about 55 bytes a block) where it is built; else
 ``PyKeys``, dicts with the same answers. Namespaces get small ids while they hold a key; the
 id of an emptied one is reused, so clients naming ever new namespaces cost nothing once
@@ -16,8 +16,9 @@ from itertools import repeat
 
 import numpy as np
 
-from kvxfer.fastpath import TABLES
+from kvxfer.core.c_modules import load
 
+TABLES = load("kvxfer.index._tables")  # the key table in C (_tables.c), or None
 MAX_NATIVE_SLOTS = 1 << 31  # the C table's limit (slot + 1 in 32 bits)
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.core.records import digest
 from kvxfer.index.eviction import Evictable, EvictionPolicy
-from kvxfer.records import digest
 
 OTHER = "other"  # namespaces no tenant names
 MAX_TENANTS = 16

@@ -28,13 +28,14 @@ from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_
 
 import numpy as np
 
-from kvxfer.errors import FailedPrecondition, InvalidArgument
-from kvxfer.memory.cuda_abi import (  # (the codes and flags other modules read are here too)
-    BATCH_ABI_VERSION, CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED, CU_EVENT_DISABLE_TIMING,
-    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_MEMHOSTREGISTER_DEVICEMAP,
-    CU_MEMHOSTREGISTER_PORTABLE, CU_MEMORYTYPE_HOST, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_STREAM_NON_BLOCKING,
-    CUDA_ERROR_NOT_READY, CUDA_SUCCESS, HOST_FN, IPC_HANDLE_BYTES, LIBRARY, STICKY, BatchFn, IpcEventHandle,
-    IpcMemHandle, MemcpyAttributes, Uuid)
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument
+from kvxfer.memory.cuda_abi import (BATCH_ABI_VERSION,  # (the codes and flags other modules read are here too)
+                                    CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED, CU_EVENT_DISABLE_TIMING,
+                                    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_MEMHOSTREGISTER_DEVICEMAP,
+                                    CU_MEMHOSTREGISTER_PORTABLE, CU_MEMORYTYPE_HOST, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                    CU_STREAM_NON_BLOCKING, CUDA_ERROR_NOT_READY, CUDA_SUCCESS, HOST_FN,
+                                    IPC_HANDLE_BYTES, LIBRARY, STICKY, BatchFn, IpcEventHandle, IpcMemHandle,
+                                    MemcpyAttributes, Uuid)
 
 
 class CudaError(FailedPrecondition):

@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from kvxfer.errors import FailedPrecondition, Internal, InvalidArgument
+from kvxfer.core.errors import FailedPrecondition, Internal, InvalidArgument
 from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES, Driver, driver
 
 #: The type byte of torch's shared-storage handle (c10's CUDACachingAllocator::shareIpcHandle).

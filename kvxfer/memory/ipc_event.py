@@ -6,7 +6,7 @@ from typing import Union
 
 import torch
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES
 
 #: What an offload waits for on the GPU: a ``torch.cuda.Event(interprocess=True)`` recorded

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-from kvxfer.memory import cuda_mem, shm
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import NULL_BLOCK, Medium
 from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
-from kvxfer.records import NULL_BLOCK
 from kvxfer.geometry.sharding import Sharding
-from kvxfer.records import Medium
+from kvxfer.memory import cuda_mem, shm
 
 
 class Access(enum.Enum):

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvxfer.errors import ResourceExhausted
+from kvxfer.core.errors import ResourceExhausted
 
 GIB = 1 << 30
 

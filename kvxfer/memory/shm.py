@@ -5,7 +5,7 @@ Why sealed memfds for the daemon's pools: a mapping of a file that someone shrin
 faults with SIGBUS on the next access, and a daemon that copies from such a mapping
 dies. A memfd sealed with F_SEAL_SHRINK and F_SEAL_GROW cannot change size, whoever
 holds it (root too), so its mappings cannot fault that way. Clients receive the
-descriptor over the daemon's descriptor socket (``kvxfer.fdpass``).
+descriptor over the daemon's descriptor socket (``kvxfer.client.fdpass``).
 
 Why files and mmap, not ``multiprocessing.shared_memory``: on Python 3.11 even an
 attached segment is registered with the resource tracker, which unlinks the pool
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvxfer.validate import shown
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvxfer.core.validate import shown
 
 log = logging.getLogger(__name__)
 

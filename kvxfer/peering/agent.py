@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvxfer.errors import FailedPrecondition, PermissionDenied
+from kvxfer.core.errors import FailedPrecondition, PermissionDenied
 from kvxfer.peering.settings import PeeringSettings
 
 log = logging.getLogger("kvxfer.peering")

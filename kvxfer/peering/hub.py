@@ -9,16 +9,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import TierKind
+from kvxfer.core.validate import shown
 from kvxfer.peering.agent import Agent
 from kvxfer.peering.counters import PeerCounters
+from kvxfer.peering.group_access import PeeredGroup
 from kvxfer.peering.leases import LeaseTable
 from kvxfer.peering.link import PeerLink
 from kvxfer.peering.push import Pushed, push
-from kvxfer.peering.served import PeeredGroup
 from kvxfer.peering.settings import PeeringSettings
-from kvxfer.records import TierKind
-from kvxfer.validate import shown
 
 RELEASES_DRAIN_S = 2.0  # at shutdown, how long the releases still queued may take to leave (all peers together)
 

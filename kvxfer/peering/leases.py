@@ -19,18 +19,17 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvxfer.errors import InvalidArgument, ResourceExhausted
+from kvxfer.core.errors import InvalidArgument, ResourceExhausted
+from kvxfer.core.records import Outcome
+from kvxfer.core.validate import shown
 from kvxfer.peering.agent import Agent
 from kvxfer.peering.counters import PeerCounters
-from kvxfer.peering.served import PeeredGroup
+from kvxfer.peering.group_access import PeeredGroup
 from kvxfer.peering.settings import PeeringSettings
-from kvxfer.records import Outcome
-from kvxfer.validate import shown
-
 
 log = logging.getLogger("kvxfer.peering")
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import grpc
 
-from kvxfer.errors import PermissionDenied, Unavailable
+from kvxfer.core.breaker import Breaker
+from kvxfer.core.errors import PermissionDenied, Unavailable
 from kvxfer.peering.agent import Agent
-from kvxfer.peering.settings import PeerAddress
-from kvxfer.breaker import Breaker
 from kvxfer.peering.releaser import Releaser
+from kvxfer.peering.settings import PeerAddress
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 

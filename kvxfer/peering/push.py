@@ -12,13 +12,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvxfer.errors import PermissionDenied
+from kvxfer.core.errors import PermissionDenied
+from kvxfer.core.records import Outcome
 from kvxfer.peering.agent import Agent, XferResult
 from kvxfer.peering.counters import PeerCounters
+from kvxfer.peering.group_access import PeeredGroup
 from kvxfer.peering.link import PeerLink, PeerUnavailable
-from kvxfer.peering.served import PeeredGroup
-from kvxfer.records import Outcome
-
 
 log = logging.getLogger("kvxfer.peering")
 MARGIN_S = 0.05  # the write must end this long before the reservation does

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvxfer.core.records import Outcome
 from kvxfer.index.entries import Plan
-from kvxfer.records import Outcome
 
 #: How long an entry may wait for its other ranks' slices (the engine's ranks offload the same step).
 ASSEMBLY_TIMEOUT_S = 60.0

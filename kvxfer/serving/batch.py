@@ -14,12 +14,12 @@ from operator import itemgetter
 
 import numpy as np
 
-from kvxfer.errors import InvalidArgument
-from kvxfer.events.records import EngineBlocks, KeyFormat
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import HintAction
+from kvxfer.core.validate import (MAX_BATCH_BLOCKS, MAX_KEY_BYTES, check_blocks, check_namespace, checked_extra_keys,
+                                  checked_keys)
+from kvxfer.events.event_records import EngineBlocks, KeyFormat
 from kvxfer.memory.cuda_driver import IPC_HANDLE_BYTES
-from kvxfer.records import HintAction
-from kvxfer.validate import (MAX_BATCH_BLOCKS, MAX_KEY_BYTES, check_blocks, check_namespace, checked_extra_keys,
-                             checked_keys)
 
 MAX_BLOCK_TOKENS = 1 << 12  # an engine's block of tokens, at most
 MAX_EVENT_TOKENS = 1 << 20  # token ids one offload may describe

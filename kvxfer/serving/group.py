@@ -20,17 +20,17 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvxfer.events.hub import EventHub, ScopedEvents
-from kvxfer.events.records import EngineBlocks, Reason
-from kvxfer.errors import FailedPrecondition
-from kvxfer.geometry.checksum import FORMAT as CHECKSUM_FORMAT
+from kvxfer.core.errors import FailedPrecondition
+from kvxfer.core.records import HintAction, Outcome, TierKind, TierStats
+from kvxfer.events.event_hub import EventHub, ScopedEvents
+from kvxfer.events.event_records import EngineBlocks, Reason
+from kvxfer.geometry.block_checksum import FORMAT as CHECKSUM_FORMAT
 from kvxfer.geometry.layout import PoolLayout, dtype_name
 from kvxfer.geometry.sharding import Manifest
 from kvxfer.index.admission import Admission, AdmissionSettings
 from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.index.hintbook import DEFAULT_SHARE, HintStats
 from kvxfer.index.tenancy import Tenant
-from kvxfer.records import HintAction, Outcome, TierKind, TierStats
 from kvxfer.serving.assembly import Assembly, Verified
 from kvxfer.serving.promotion import InFlight, promote
 from kvxfer.tiers.host import HostTier
@@ -68,7 +68,7 @@ class BlockFormat:
     def fingerprint(self) -> bytes:
         """Stored with every block below host memory, and what peers match groups by: a block of another
         format is never served or exchanged. It covers the block checksum's format
-        (``kvxfer.geometry.checksum.FORMAT``): blocks stored with another (the whole-span XXH3 before
+        (``kvxfer.geometry.block_checksum.FORMAT``): blocks stored with another (the whole-span XXH3 before
         2026-12) are dropped once, as foreign."""
         text = repr(self).replace(", manifest='')", ")")
         text = text if self.kv_parts != 2 else text.replace(", kv_parts=2)", ")")

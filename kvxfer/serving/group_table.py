@@ -14,11 +14,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvxfer.errors import FailedPrecondition, PermissionDenied, ResourceExhausted, Unavailable
+from kvxfer.core.errors import FailedPrecondition, PermissionDenied, ResourceExhausted, Unavailable
+from kvxfer.core.validate import shown
 from kvxfer.serving.group import CacheGroup
-from kvxfer.validate import shown
 
-log = logging.getLogger("kvxfer.serving.registry")
+log = logging.getLogger("kvxfer.serving.pool_registry")
 RELEASE_DEMOTE_S = 30.0  # how long a released group's host tier may take to be written down to disk
 
 

@@ -1,7 +1,7 @@
 """Descriptors clients hand over to register their memory: the proof of access.
 
 A client that registers shared memory opens the file itself and passes the open
-descriptor over the daemon's descriptor socket (SCM_RIGHTS, ``kvxfer.fdpass``). The
+descriptor over the daemon's descriptor socket (SCM_RIGHTS, ``kvxfer.client.fdpass``). The
 daemon therefore maps or copies only memory the client could open read-write with
 its own credentials: it never opens a path a client names (no confused deputy, no
 link race). The socket also tells the peer's uid (SO_PEERCRED), the identity that
@@ -20,8 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvxfer.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from kvxfer.validate import shown
+from kvxfer.core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from kvxfer.core.validate import shown
 
 TOKEN_BYTES = 16
 EXPIRY_S = 10.0

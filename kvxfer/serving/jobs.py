@@ -25,10 +25,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvxfer.errors import FailedPrecondition, InvalidArgument, KvxferError, ResourceExhausted
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument, KvxferError, ResourceExhausted
+from kvxfer.core.records import JobStats, Outcome, TransferResult
 from kvxfer.serving.batch import TransferBatch
-from kvxfer.serving.manager import PoolManager
-from kvxfer.records import JobStats, Outcome, TransferResult
+from kvxfer.serving.pool_manager import PoolManager
 
 SWEEP_S = 0.05  # how often leases are checked while the runner is idle
 STOP_S = 0.2  # how often a wait looks at its ``stop`` (a finished job wakes it at once)

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.errors import KvxferError, ResourceExhausted, Unavailable
-from kvxfer.records import HintAction
+from kvxfer.core.errors import KvxferError, ResourceExhausted, Unavailable
+from kvxfer.core.records import HintAction
 
 if TYPE_CHECKING:
     from kvxfer.serving.group import CacheGroup

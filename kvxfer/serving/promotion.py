@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from kvxfer.records import Outcome
+from kvxfer.core.records import Outcome
 from kvxfer.tiers.lower import LowerTier
 
 if TYPE_CHECKING:

@@ -15,12 +15,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvxfer.errors import Internal, InvalidArgument, ResourceExhausted
-from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.core.errors import Internal, InvalidArgument, ResourceExhausted
+from kvxfer.core.records import TierKind
+from kvxfer.geometry.block_checksum import rows_checksums
 from kvxfer.memory.cuda_driver import driver
 from kvxfer.memory.room import gib
-from kvxfer.records import TierKind
-from kvxfer.tiers.base import Tier
+from kvxfer.tiers.tier import Tier
 
 
 class HostTier(Tier):
@@ -73,7 +73,7 @@ class HostTier(Tier):
         return memoryview(self._rows[slot])
 
     def checksums(self, slots: list[int]) -> list[int]:
-        """The block checksum (kvxfer.geometry.checksum) of each slot's bytes."""
+        """The block checksum (kvxfer.geometry.block_checksum) of each slot's bytes."""
         spans = np.fromiter(slots, dtype=np.int64, count=len(slots))
         if len(spans) and (spans.min() < 0 or spans.max() >= self.capacity):  # (a negative one would wrap)
             raise Internal(f"host tier slots outside [0, {self.capacity})")

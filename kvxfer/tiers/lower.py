@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
-from kvxfer.events.hub import EventHub, ScopedEvents
+from kvxfer.core.records import Outcome, TierKind, TierStats
+from kvxfer.events.event_hub import EventHub, ScopedEvents
 from kvxfer.index.block_index import BlockIndex
-from kvxfer.records import Outcome, TierKind, TierStats
 
 #: (key, checksum, the block's bytes in a host slot) as staged into a lower tier.
 StagedBlock = tuple[bytes, int, torch.Tensor]

@@ -21,13 +21,13 @@ from typing import Protocol
 
 import torch
 
-from kvxfer.errors import PermissionDenied
-from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.core.errors import PermissionDenied
+from kvxfer.core.records import Outcome, TierKind, TierStats
+from kvxfer.geometry.block_checksum import rows_checksums
 from kvxfer.peering.agent import Agent, XferResult
 from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.link import PeerLink, PeerUnavailable
 from kvxfer.peering.settings import PeeringSettings
-from kvxfer.records import Outcome, TierKind, TierStats
 from kvxfer.tiers.lower import GroupContext, StagedBlock
 
 log = logging.getLogger("kvxfer.peering")

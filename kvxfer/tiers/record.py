@@ -17,7 +17,7 @@ import struct
 import zlib
 from typing import NamedTuple
 
-from kvxfer.geometry.checksum import block_checksum
+from kvxfer.geometry.block_checksum import block_checksum
 
 MAGIC = b"KVXFDSK1"
 VERSION = 2
@@ -33,7 +33,7 @@ class Header(NamedTuple):
     namespace: str
     key: bytes
     checksum: int
-    key_format: int = 0  # ``kvxfer.events.records.format_code``
+    key_format: int = 0  # ``kvxfer.events.event_records.format_code``
 
 
 class DiskCorrupt(Exception):

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.errors import Internal
-from kvxfer.records import TierKind
+from kvxfer.core.errors import Internal
+from kvxfer.core.records import TierKind
 from kvxfer.tiers import peer
 from kvxfer.tiers.disk import settings as disk
 from kvxfer.tiers.disk.store import DiskStore

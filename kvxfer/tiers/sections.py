@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvxfer.errors import ConfigError
-from kvxfer.validate import shown
-
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 
 #: One unit style: every size a setting gives is in MiB (``_mib``). Keys that gave GiB or bytes are read
 #: still, as the new key (``renamed``), and named in a warning at start (``service.config.renamed_keys``):

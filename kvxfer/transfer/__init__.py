@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvxfer.errors import FailedPrecondition
+from kvxfer.core.errors import FailedPrecondition
+from kvxfer.core.records import Medium, TierKind
 from kvxfer.geometry.layout import PoolLayout
-from kvxfer.memory.pool import Access, Pool
-from kvxfer.records import Medium
-from kvxfer.records import TierKind
-from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.memory import cuda_driver
+from kvxfer.memory.pool import Access, Pool
+from kvxfer.tiers.host import HostTier
+from kvxfer.transfer.copy_engine import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.fdcopy import FdCopyEngine

@@ -9,7 +9,7 @@
  * for a short while (the next request usually follows at once), then sleep. A batch
  * of one step, or for one thread, runs in the caller alone (no lock, no wake-up).
  *
- * Each block's checksum is kvxfer's (kvxfer/geometry/checksum.py): the hash of the
+ * Each block's checksum is kvxfer's (kvxfer/geometry/block_checksum.py): the hash of the
  * little-endian hashes of its pieces of `piece_bytes`. A block larger than a piece is
  * copied a piece at a time, each piece hashed right after its copy (so a 2 MiB block is
  * hashed from L2, not L3). The hash function is passed in (python-xxhash's XXH3 entry

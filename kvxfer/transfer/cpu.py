@@ -28,13 +28,13 @@ from itertools import count
 import numpy as np
 import torch
 
-from kvxfer.errors import Internal
-from kvxfer.geometry.checksum import rows_checksums, runs_checksum
+from kvxfer.core.errors import Internal
+from kvxfer.core.slots import slot_array
+from kvxfer.geometry.block_checksum import rows_checksums, runs_checksum
 from kvxfer.geometry.layout import PoolLayout
-from kvxfer.slots import slot_array
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
-from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.transfer.copy_engine import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 
 log = logging.getLogger(__name__)
 

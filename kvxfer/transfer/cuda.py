@@ -32,19 +32,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from kvxfer.errors import FailedPrecondition, Internal
-from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.core.errors import FailedPrecondition, Internal
+from kvxfer.geometry.block_checksum import rows_checksums
 from kvxfer.geometry.layout import PoolLayout
 from kvxfer.memory.cuda_abi import CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 from kvxfer.memory.cuda_driver import CudaError, Driver
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import LANDING_S, CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
+from kvxfer.transfer.copy_engine import LANDING_S, CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 from kvxfer.transfer.device_checksum import pieces_on_device
 from kvxfer.transfer.plan import CopyPlan, plan_copies, plan_shard_copies, shard_pieces
 from kvxfer.transfer.planner import CostTable, Method, Planner

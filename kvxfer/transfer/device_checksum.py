@@ -1,5 +1,5 @@
 """XXH3-64 (xxHash 0.8, seed 0) computed where the bytes are: on the GPU; and from it the block
-checksum (``kvxfer.geometry.checksum``: XXH3-64 of the XXH3-64s of a block's 64 KiB pieces), one
+checksum (``kvxfer.geometry.block_checksum``: XXH3-64 of the XXH3-64s of a block's 64 KiB pieces), one
 program per piece, so that the pieces of one block are hashed at once.
 
 XXH3 splits inputs over 240 bytes into 64-byte stripes folded into eight 64-bit
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvxfer.geometry.checksum import PIECE_BYTES, combine_rows
+from kvxfer.geometry.block_checksum import PIECE_BYTES, combine_rows
 
 #: XXH3's default secret (192 bytes) and constants, from the xxHash 0.8 specification.
 SECRET = bytes([

@@ -13,11 +13,11 @@ from __future__ import annotations
 import fcntl
 import os
 
-from kvxfer.geometry.checksum import rows_checksums
-from kvxfer.errors import Internal
+from kvxfer.core.errors import Internal
+from kvxfer.geometry.block_checksum import rows_checksums
 from kvxfer.geometry.layout import PoolLayout
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.transfer.copy_engine import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer.plan import file_calls, plan_copies
 
 

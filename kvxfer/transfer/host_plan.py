@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvxfer.errors import Internal
-from kvxfer.geometry.checksum import rows_checksums, runs_checksum
+from kvxfer.core.errors import Internal
+from kvxfer.geometry.block_checksum import rows_checksums, runs_checksum
 from kvxfer.geometry.layout import PoolLayout
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.transfer.copy_engine import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer.plan import plan_copies
 
 

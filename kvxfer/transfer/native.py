@@ -9,7 +9,7 @@ between requests, and copies at the speed of a plain memcpy.
 The library is built with the package (``setup.py``: an optional extension, as
 it needs a C compiler); the hash is python-xxhash's own XXH3-64 entry point,
 checked against ``xxhash.xxh3_64_intdigest`` when loaded, and the loop computes the block
-checksum from it as ``kvxfer.geometry.checksum`` defines it (pieces of ``PIECE_BYTES``), so
+checksum from it as ``kvxfer.geometry.block_checksum`` defines it (pieces of ``PIECE_BYTES``), so
 the checksum is the same function everywhere. Where the library or the entry point is missing,
 ``load()`` says why and the copy engine uses its numpy path.
 """
@@ -25,9 +25,9 @@ import os
 import numpy as np
 import xxhash
 
-from kvxfer.errors import Internal
-from kvxfer.fastpath import ENV_DISABLE
-from kvxfer.geometry.checksum import PIECE_BYTES, SEED
+from kvxfer.core.c_modules import ENV_DISABLE
+from kvxfer.core.errors import Internal
+from kvxfer.geometry.block_checksum import PIECE_BYTES, SEED
 
 log = logging.getLogger(__name__)
 

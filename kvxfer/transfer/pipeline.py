@@ -27,11 +27,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvxfer.errors import Internal
-from kvxfer.slots import slot_array
+from kvxfer.core.errors import Internal
+from kvxfer.core.slots import slot_array
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
-from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
+from kvxfer.transfer.copy_engine import CopyBatch, CopyEngine, CopyHandle, Direction, LateCopies
 
 #: Bytes per chunk: small enough that a chunk just copied is hashed from the last-level cache.
 CHUNK_BYTES = 4 << 20

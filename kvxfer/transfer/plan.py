@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.core.slots import slot_array
 from kvxfer.geometry.layout import Axis, PoolLayout
-from kvxfer.slots import slot_array
-
 
 #: A canonical block's axes, outermost first (its order; B is outside).
 _CANONICAL_AXES = (Axis.L, Axis.H, Axis.N, Axis.KV, Axis.D)

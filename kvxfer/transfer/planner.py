@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvxfer.geometry.layout import PoolLayout
-from kvxfer.transfer.base import Direction
+from kvxfer.transfer.copy_engine import Direction
 from kvxfer.transfer.staging import wants_staging
 
 COSTS = Path(__file__).with_name("costs.json")

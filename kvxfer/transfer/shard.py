@@ -9,7 +9,7 @@ of each slot, and a restore the reverse; torch makes the strided copies. Only th
 slice of a slot is touched: the other ranks write theirs at the same time.
 
 Checksums are of the whole canonical block, so they are taken once every rank's slice is
-in (``kvxfer.serving.manager``), and a restore verifies the slot before copying from it
+in (``kvxfer.serving.pool_manager``), and a restore verifies the slot before copying from it
 (``hashes_pool`` is False: a rank's pool holds only part of a block).
 """
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvxfer.errors import Internal
-from kvxfer.geometry.checksum import runs_checksum
+from kvxfer.core.errors import Internal
+from kvxfer.geometry.block_checksum import runs_checksum
 from kvxfer.geometry.layout import Axis, PoolLayout
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import native
-from kvxfer.transfer.base import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
+from kvxfer.transfer.copy_engine import CompletedHandle, CopyBatch, CopyEngine, CopyHandle, Direction
 from kvxfer.transfer.cpu import NATIVE_STEP_BYTES
 from kvxfer.transfer.plan import shard_pieces
 

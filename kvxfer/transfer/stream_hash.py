@@ -4,7 +4,7 @@ side stream, which waits (an event) for the chunk's copies.
 Offload hashes each pool block after its copy (the same bytes the copy reads: after the
 engine's ready event, which the job's thread awaited); restore hashes each block where
 it landed, after the host-to-device copy. Each of a block's 64 KiB pieces is a program of
-its own (the block checksum's format, ``kvxfer.geometry.checksum``); the eight lanes per
+its own (the block checksum's format, ``kvxfer.geometry.block_checksum``); the eight lanes per
 piece come back to pinned memory on the same stream, so the event recorded after them
 covers copy, hash and lanes, and the host only merges them (``device_checksum.merge``,
 vectorised) and hashes each block's piece sums (a few hundred bytes). A block
@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvxfer.geometry.checksum import combine_rows
-from kvxfer.slots import slot_array
+from kvxfer.core.slots import slot_array
+from kvxfer.geometry.block_checksum import combine_rows
 from kvxfer.transfer import device_checksum
 
 

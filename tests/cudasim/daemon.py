@@ -12,6 +12,6 @@ from tests.cudasim.library import CudaSim
 if __name__ == "__main__":
     sim = CudaSim(sys.argv[1])
     cuda_driver.load_library = lambda name=cuda_driver.LIBRARY: sim
-    from service.cli import main
+    from service.program import main
 
     sys.exit(main(sys.argv[2:]))

@@ -15,13 +15,12 @@ import threading
 
 import grpc
 
-from kvxfer import fdpass
-from kvxfer.client import Client
-from kvxfer.errors import KvxferError
+from kvxfer.client import Client, fdpass
+from kvxfer.client.wire import spec_from_pb
+from kvxfer.core.errors import KvxferError
+from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import Layout
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium
-from kvxfer.wire import spec_from_pb
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
@@ -163,7 +162,7 @@ def join_and_unregister(target: str, own_dir: str, victim_pool: str, victim_grou
 def lane_squat(target: str, victim_pool: str, hold_s: float) -> dict:
     """Take every local-lane connection this uid may have, move another party's pool through one of them, then
     hold them all for ``hold_s`` while the victim works (it must still have the lane)."""
-    from kvxfer import lane
+    from kvxfer.client import lane_client as lane
 
     with grpc.insecure_channel(target) as channel:
         epoch = pb_grpc.KVTransferStub(channel).GetPoolInfo(pb.GetPoolInfoRequest(pool_id=victim_pool),

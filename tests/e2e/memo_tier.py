@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvxfer.errors import ConfigError
-from kvxfer.geometry.checksum import block_checksum
-from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.records import Outcome, TierKind, TierStats
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.tiers.lower import GroupContext, StagedBlock
 from kvxfer.tiers.registry import LOWER_TIERS, TierRow
 
@@ -124,7 +124,7 @@ ROW = TierRow(TierKind.REMOTE, "memo", MemoTier, parse, frozenset({"capacity_blo
 
 def main() -> int:
     LOWER_TIERS.insert(len(LOWER_TIERS) - 1, ROW)  # below the local tiers and the peers, above Redis
-    from service.cli import main as kvxfer
+    from service.program import main as kvxfer
 
     return kvxfer()
 

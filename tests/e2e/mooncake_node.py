@@ -8,7 +8,7 @@ import pytest
 
 from kvxfer.bench import launch
 from kvxfer.bench.mooncake_master import MooncakeMaster
-from kvxfer.records import TierKind
+from kvxfer.core.records import TierKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.helpers import lookup_tiers, tier_events, until  # noqa: F401 (until: for the tests)
 

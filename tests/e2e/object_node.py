@@ -7,7 +7,7 @@ import pytest
 
 from kvxfer.bench import launch
 from kvxfer.bench.s3_server import S3Server
-from kvxfer.records import TierKind
+from kvxfer.core.records import TierKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.helpers import lookup_tiers, tier_events, until  # noqa: F401 (until: for the tests)
 

@@ -6,7 +6,7 @@ and serves, with the CLI's error handling (one line, exit 2 for a bad setting).
 
 import sys
 
-from kvxfer.errors import InvalidArgument, KvxferError
+from kvxfer.core.errors import InvalidArgument, KvxferError
 from service import config, server
 from tests.e2e.attacker import drop_to
 

@@ -11,19 +11,17 @@ import time
 import grpc
 import pytest
 
-from kvxfer import fdpass
-from kvxfer.memory import shm
-from kvxfer.client import Client
-from kvxfer.errors import FailedPrecondition, ResourceExhausted
+from kvxfer.client import Client, fdpass
+from kvxfer.core.errors import FailedPrecondition, ResourceExhausted
+from kvxfer.core.records import Medium, Outcome
 from kvxfer.geometry.layout import KVSpec, Layout
+from kvxfer.memory import shm
 from kvxfer.memory.pool import Pool, PoolHandle
-from kvxfer.records import Medium
-from kvxfer.records import Outcome
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from tests.conftest import PYTHON, ROOT, python_env
-from tests.e2e.conftest import SMALL_POOL, run_as, run_worker
 from tests.e2e.attacker import drop_to  # noqa: F401  (serve_as imports it; fail here first if broken)
+from tests.e2e.conftest import SMALL_POOL, run_as, run_worker
 
 pytestmark = pytest.mark.e2e
 SPEC = KVSpec(2, 16, 4, 2, 8, __import__("torch").float16)

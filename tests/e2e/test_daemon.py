@@ -10,9 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from kvxfer.client import BlockFailures, Client
-from kvxfer.errors import InvalidArgument, NotFound, Unavailable
-from kvxfer.records import Medium
-from kvxfer.records import Outcome
+from kvxfer.core.errors import InvalidArgument, NotFound, Unavailable
+from kvxfer.core.records import Medium, Outcome
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from tests.e2e.conftest import SMALL_POOL, run_worker, start_worker

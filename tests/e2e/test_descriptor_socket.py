@@ -8,13 +8,12 @@ import time
 import pytest
 import torch
 
-from kvxfer import fdpass
-from kvxfer.client import Client
-from kvxfer.errors import InvalidArgument, Unauthenticated
-from kvxfer.fastpath import ENV_DISABLE
+from kvxfer.client import Client, fdpass
+from kvxfer.core.c_modules import ENV_DISABLE
+from kvxfer.core.errors import InvalidArgument, Unauthenticated
+from kvxfer.core.records import Medium, Outcome
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium, Outcome
 
 pytestmark = pytest.mark.e2e
 SPEC = KVSpec(2, 16, 4, 2, 8, torch.float16)
@@ -97,10 +96,10 @@ def test_a_registered_file_in_append_mode_is_refused_and_never_grows(make_daemon
 REGISTER_ELSEWHERE = """
 import os, sys
 from kvxfer.client import Client
-from kvxfer.errors import KvxferError
+from kvxfer.core.errors import KvxferError
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium
+from kvxfer.core.records import Medium
 import torch
 spec = KVSpec(2, 16, 4, 2, 8, torch.float16)
 theirs = os.open(sys.argv[2], os.O_RDWR)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvxfer import Client
-from kvxfer.events.records import EventKind
-from kvxfer.records import Outcome, TierKind
 from kvxfer.bench import launch
+from kvxfer.core.records import Outcome, TierKind
+from kvxfer.events.event_records import EventKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.helpers import read_block, write_block
 

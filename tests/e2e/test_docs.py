@@ -1,4 +1,4 @@
-"""The docs check (issue 31, item 11): what README and docs/ say runs as they say it.
+"""The docs check: what README and docs/ say runs as they say it.
 
 - every relative link and anchor resolves;
 - every documented command parses with the real program: ``kvxfer ...`` with kvxfer's own
@@ -19,15 +19,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service import cli as service_cli
-from service import config as service_config
 from kvxfer.bench import launch
 from kvxfer.tiers.registry import LOWER_TIERS
+from service import config as service_config
 from service import config_peering, config_sections
+from service import program as service_cli
 from tests.conftest import PYTHON, ROOT, python_env
 
 pytestmark = pytest.mark.e2e
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "helm" / "kvxfer" / "README.md"]
+HISTORY = sorted((ROOT / "docs" / "benchmarks").glob("*.md"))  # past runs: their commands as they were then
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
@@ -66,7 +67,7 @@ def commands(path: Path) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("doc", DOCS + HISTORY, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_link_and_anchor_resolves(doc):
     broken = []
     for target in LINK.findall(doc.read_text()):
@@ -141,7 +142,7 @@ def test_the_quick_documented_commands_run():
                     args += ["--target", daemon.target]  # the documented default socket, moved
                 if args[0] == "serve":
                     args += ["--socket", str(daemon.dir / "check.sock")]
-                proc = subprocess.run([PYTHON, "-m", "service.cli", *args], env=python_env(), cwd=ROOT,
+                proc = subprocess.run([PYTHON, "-m", "service.program", *args], env=python_env(), cwd=ROOT,
                                       capture_output=True, text=True, timeout=120)
                 assert proc.returncode == 0, f"{doc.name}: {shlex.join(words)}\n{proc.stderr[-2000:]}"
                 ran.append(args[0])
@@ -166,7 +167,7 @@ def test_the_readme_example_prints_what_it_says():
 
 def test_the_example_configuration_checks_and_serves(tmp_path):
     example = ROOT / "docs" / "kvxfer.example.yaml"
-    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--check", "--config", str(example)],
+    proc = subprocess.run([PYTHON, "-m", "service.program", "serve", "--check", "--config", str(example)],
                           env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "configuration OK" in proc.stdout, proc.stderr
     config = yaml.safe_load(example.read_text())
@@ -194,3 +195,11 @@ def test_the_configuration_reference_lists_exactly_the_daemons_keys():
     assert set(documented["peering"]["peers"][0]) == config_peering.PEER_KEYS
     for flag in ("--device", "--layout", "--num-blocks", "--host-capacity-mib", "--allow-overcommit", "--check"):
         assert flag in text
+
+
+def test_the_docs_name_features_never_tracker_issues():
+    """A reader cannot look up the project's tracker: docs name the feature instead."""
+    pattern = re.compile(r"\b[Ii]ssues? #?\d+|\(#\d+\)")
+    found = [f"{doc.relative_to(ROOT)}: {m.group(0)}" for doc in DOCS + HISTORY
+             for m in pattern.finditer(doc.read_text())]
+    assert found == []

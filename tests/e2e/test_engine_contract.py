@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from kvxfer.client import Client
-from kvxfer.errors import PermissionDenied, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvxfer.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvxfer.core.records import Medium, Outcome, TierKind
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium
-from kvxfer.records import Outcome, TierKind
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from tests.e2e.conftest import SMALL_POOL, run_worker, start_worker

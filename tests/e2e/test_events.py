@@ -12,10 +12,10 @@ import urllib.request
 import pytest
 
 from kvxfer import Client
-from kvxfer.errors import InvalidArgument, ResourceExhausted
-from kvxfer.events.records import EventKind, Reason
-from kvxfer.records import Outcome, TierKind
 from kvxfer.bench import launch
+from kvxfer.core.errors import InvalidArgument, ResourceExhausted
+from kvxfer.core.records import Outcome, TierKind
+from kvxfer.events.event_records import EventKind, Reason
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.test_metrics import free_port
 
@@ -232,7 +232,7 @@ def test_the_cli_prints_events_and_the_metrics_count_them(tmp_path):
         with Client(daemon.target, namespace="m") as client:
             client.map_pool()
             client.offload([(b, b"c%02d" % b) for b in BLOCKS[:4]])
-        out = subprocess.run([sys.executable, "-m", "service.cli", "events", "--target", daemon.target,
+        out = subprocess.run([sys.executable, "-m", "service.program", "events", "--target", daemon.target,
                               "--namespace", "m", "--timeout", "1"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
@@ -251,11 +251,12 @@ def test_a_registrants_private_group_is_seen_only_by_whoever_holds_one_of_its_po
     import grpc
     import torch
 
+    from kvxfer.core.records import Medium
     from kvxfer.geometry.layout import KVSpec, Layout
     from kvxfer.memory import shm
     from kvxfer.memory.pool import PoolHandle
-    from kvxfer.records import Medium
-    from kvxfer.v1 import kvxfer_pb2 as pb, kvxfer_pb2_grpc as pb_grpc
+    from kvxfer.v1 import kvxfer_pb2 as pb
+    from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
     def groups_until_public(c) -> list[str]:
         """The groups of the events a caller is shown, up to the public group's (stored after the private's)."""

@@ -154,7 +154,7 @@ def test_any_descriptor_request_gets_a_proper_answer_and_changes_nothing(target,
     import os
     import socket
 
-    from kvxfer import fdpass
+    from kvxfer.client import fdpass
 
     daemon, client, epochs, _ = target
     path = fdpass.socket_path_for(daemon.target)

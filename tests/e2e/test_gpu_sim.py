@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kvxfer.client import Client
-from kvxfer.records import Medium, Outcome
 from kvxfer.bench import launch
+from kvxfer.client import Client
+from kvxfer.core.records import Medium, Outcome
 from tests.conftest import PYTHON, python_env
 from tests.cudasim.engine import SimEngine
 
@@ -75,7 +75,7 @@ from kvxfer.client import Client
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory import cuda_driver, cuda_mem
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium
+from kvxfer.core.records import Medium
 from tests.cudasim.library import CudaSim
 sim = CudaSim(sys.argv[1])
 cuda_driver.load_library = lambda name=cuda_driver.LIBRARY: sim

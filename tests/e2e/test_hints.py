@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvxfer.client import Client, KVSpec, Layout, PoolHandle
-from kvxfer.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from kvxfer.records import HintAction, Medium, Outcome, TierKind
+from kvxfer.core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from kvxfer.core.records import HintAction, Medium, Outcome, TierKind
 from kvxfer.v1 import kvxfer_pb2 as pb
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import free_port
@@ -245,7 +245,7 @@ def test_kvxfer_hint_sends_each_action_and_refuses_bad_input_in_one_line(make_da
         _fill(c, keys)
 
         def hint(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run([PYTHON, "-m", "service.cli", "hint", *args, "--target", daemon.target],
+            return subprocess.run([PYTHON, "-m", "service.program", "hint", *args, "--target", daemon.target],
                                   env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
 
         (tmp_path / "keys").write_text("\n".join(k.hex() for k in keys[8:16]) + "\n")

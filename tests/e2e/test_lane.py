@@ -1,5 +1,6 @@
-"""The local lane (kvxfer.lane, service/lane.py) against real daemons: the same answers as gRPC, bit-exact
-bytes, its bounds, and every malformed message answered with a precise status while the daemon serves on."""
+"""The local lane (kvxfer.client.lane_client, service/lane_server.py) against real daemons: the same answers as
+gRPC, bit-exact bytes, its bounds, and every malformed message answered with a precise status while the daemon
+serves on."""
 
 import os
 import signal
@@ -12,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer import lane
 from kvxfer.client import Client
-from kvxfer.errors import DeadlineExceeded, InvalidArgument, Unauthenticated, Unavailable
-from kvxfer.records import Outcome, TierKind
+from kvxfer.client import lane_client as lane
+from kvxfer.core.errors import DeadlineExceeded, InvalidArgument, Unauthenticated, Unavailable
+from kvxfer.core.records import Outcome, TierKind
 from kvxfer.v1 import kvxfer_pb2 as pb
 from tests.e2e.redis_server import free_port
 

@@ -6,9 +6,9 @@ import signal
 import pytest
 import torch
 
-from kvxfer import lane
 from kvxfer.client import Client
-from kvxfer.records import Outcome
+from kvxfer.client import lane_client as lane
+from kvxfer.core.records import Outcome
 from kvxfer.v1 import kvxfer_pb2 as pb
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import free_port

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from kvxfer import Client
-from kvxfer.errors import NotFound
+from kvxfer.core.errors import NotFound
 from service import config as service_config
 from tests.conftest import PYTHON, ROOT, python_env
 
@@ -193,9 +193,10 @@ def test_alert_rules_pass_promtool_check_and_unit_tests():
 def test_kvxfer_status_shows_pools_tiers_and_rates(make_daemon):
     daemon = make_daemon({})
     with Load(daemon.target):
-        table = subprocess.run([PYTHON, "-m", "service.cli", "status", "--target", daemon.target, "--interval", "0.5"],
+        table = subprocess.run([PYTHON, "-m", "service.program", "status", "--target", daemon.target,
+                                "--interval", "0.5"],
                                env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
-        records = subprocess.run([PYTHON, "-m", "service.cli", "status", "--target", daemon.target, "--json",
+        records = subprocess.run([PYTHON, "-m", "service.program", "status", "--target", daemon.target, "--json",
                                   "--interval", "0.5"], env=python_env(), cwd=ROOT, capture_output=True, text=True,
                                  timeout=60)
     assert table.returncode == 0, table.stderr
@@ -203,17 +204,17 @@ def test_kvxfer_status_shows_pools_tiers_and_rates(make_daemon):
     (pool,) = json.loads(records.stdout)
     assert pool["pool_id"] == "rank0" and pool["offload_rate"]["bytes"] > 0 and pool["offload_rate"]["bandwidth"] > 0
     assert 0 < pool["hit_ratio"] < 1 and pool["tiers"][0]["tier"] == "host"
-    health = subprocess.run([PYTHON, "-m", "service.cli", "health", "--target", daemon.target], env=python_env(),
+    health = subprocess.run([PYTHON, "-m", "service.program", "health", "--target", daemon.target], env=python_env(),
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (health.returncode, health.stdout.strip()) == (0, "SERVING")  # the pod's exec probe
-    down = subprocess.run([PYTHON, "-m", "service.cli", "status", "--target", "unix:/nonexistent.sock",
+    down = subprocess.run([PYTHON, "-m", "service.program", "status", "--target", "unix:/nonexistent.sock",
                            "--timeout", "1"], env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "unix:/nonexistent.sock" in down.stderr and "Traceback" not in down.stderr
 
 
 PROBE = """import sys, time
 start = time.perf_counter()
-from service import cli
+from service import program as cli
 rc = cli.main(sys.argv[1:])
 print(f"seconds={time.perf_counter() - start:.4f}")
 print("heavy=" + ",".join(m for m in ("torch", "numpy", "kvxfer.client", "kvxfer.memory") if m in sys.modules))
@@ -229,7 +230,7 @@ def test_the_health_probe_imports_grpc_only_and_answers(daemon):
     assert probe.returncode == 0 and "SERVING" in probe.stdout, probe.stderr
     assert "heavy=\n" in probe.stdout + "\n", probe.stdout  # none of them
     print(probe.stdout.strip().splitlines()[-2])
-    down = subprocess.run([PYTHON, "-m", "service.cli", "health", "--target", "unix:/nonexistent.sock", "--timeout",
+    down = subprocess.run([PYTHON, "-m", "service.program", "health", "--target", "unix:/nonexistent.sock", "--timeout",
                            "1"], env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "no answer" in down.stderr and "Traceback" not in down.stderr
 
@@ -238,7 +239,7 @@ def test_tools_say_what_went_wrong_in_one_line(daemon):
     """Issue 31, item 9: raw gRPC text for a missing daemon, a TLS hint for a socket path without
     its scheme, a BrokenPipeError traceback when the output is cut short."""
     def tool(*args: str, shell_tail: str = "") -> subprocess.CompletedProcess:
-        command = " ".join([PYTHON, "-m", "service.cli", *args]) + shell_tail
+        command = " ".join([PYTHON, "-m", "service.program", *args]) + shell_tail
         return subprocess.run(["bash", "-o", "pipefail", "-c", command] if shell_tail else command.split(),
                               env=python_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
 

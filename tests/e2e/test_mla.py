@@ -6,8 +6,8 @@ import time
 import torch
 
 from kvxfer import Client
-from kvxfer.records import TierKind
 from kvxfer.bench import launch
+from kvxfer.core.records import TierKind
 from tests.helpers import read_block, write_block
 
 # DeepSeek V3's latent (512 + 64 bf16 elements a token and layer) over 4 layers and 32 blocks of 16 tokens.

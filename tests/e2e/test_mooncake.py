@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from kvxfer import Client
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.records import Outcome, TierKind
 from tests.conftest import ROOT
 from tests.e2e.mooncake_node import KEYS, events, master, needs_mooncake, node, tiers, until  # noqa: F401
 from tests.e2e.test_remote import offload, restore
@@ -88,7 +88,7 @@ def test_forged_moved_truncated_and_grown_values_are_never_served(master, tmp_pa
 def test_a_bad_section_is_refused_by_serve_check_in_one_line(tmp_path, section, message):
     config = tmp_path / "kvxfer.yaml"
     config.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "mooncake": section}))
-    check = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--check", "--config", str(config)],
+    check = subprocess.run([sys.executable, "-m", "service.program", "serve", "--check", "--config", str(config)],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     said = (check.stderr + check.stdout).strip().splitlines()
     assert check.returncode != 0 and message in said[-1] and "Traceback" not in check.stderr, said
@@ -111,7 +111,7 @@ def test_zero_copy_puts_send_the_staged_value_itself(master, tmp_path):
 
 
 def test_bench_mooncake_reports_wall_and_cpu_beside_the_bare_client(capsys):
-    from kvxfer import cli
+    from kvxfer.cli import commands as cli
 
     assert cli.main(["bench", "mooncake", "--blocks", "32", "--block-kib", "16", "--reps", "1"]) == 0
     out = capsys.readouterr().out

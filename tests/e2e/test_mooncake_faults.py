@@ -8,10 +8,10 @@ import time
 import pytest
 
 from kvxfer import Client
-from kvxfer.errors import DeadlineExceeded
 from kvxfer.bench.mooncake_master import MooncakeMaster
-from kvxfer.events.records import EventKind, Reason
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.errors import DeadlineExceeded
+from kvxfer.core.records import Outcome, TierKind
+from kvxfer.events.event_records import EventKind, Reason
 from tests.e2e.mooncake_node import KEYS, events, master, needs_mooncake, node, tiers, until  # noqa: F401
 from tests.e2e.test_remote import offload, restore
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvxfer import Client
 from kvxfer.bench import launch
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.records import Outcome, TierKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.test_remote import offload, restore
 

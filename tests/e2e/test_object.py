@@ -10,15 +10,15 @@ import torch
 
 from kvxfer import Client
 from kvxfer.bench import launch
-from kvxfer.events.records import EventKind, Reason
-from kvxfer.records import Outcome, TierKind
-from kvxfer.geometry.checksum import block_checksum
+from kvxfer.bench.s3_server import S3Server
+from kvxfer.core.records import Outcome, TierKind
+from kvxfer.events.event_records import EventKind, Reason
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.tiers.object.client import object_name
 from kvxfer.tiers.object.settings import ObjectSettings
 from kvxfer.tiers.object.store import ObjectTier
 from kvxfer.tiers.record import MAC_BYTES
 from tests.e2e.conftest import SMALL_POOL
-from kvxfer.bench.s3_server import S3Server
 from tests.e2e.object_node import KEYS, events, node, s3, tiers, until  # noqa: F401 (s3: a fixture)
 from tests.e2e.test_remote import offload, restore
 

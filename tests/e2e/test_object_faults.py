@@ -13,7 +13,7 @@ import yaml
 
 from kvxfer.bench import launch
 from kvxfer.bench.s3_server import S3Server
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.records import Outcome, TierKind
 from tests.conftest import ROOT
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.object_node import KEYS, events, node, s3, tiers, until  # noqa: F401 (s3: a fixture)
@@ -97,7 +97,7 @@ def test_a_start_the_bucket_would_refuse_is_refused_in_one_line(s3, tmp_path, ca
         daemon = launch.spawn({"pools": [SMALL_POOL], "object": section}, wait=False, env=env)
         config = tmp_path / "check.yaml"
         config.write_text(yaml.safe_dump({"pools": [SMALL_POOL], "object": section}))
-        check = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--check", "--config", str(config)],
+        check = subprocess.run([sys.executable, "-m", "service.program", "serve", "--check", "--config", str(config)],
                                env={**os.environ, **env}, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert daemon.proc.wait(60) != 0
     finally:

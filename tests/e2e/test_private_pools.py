@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvxfer.client import Client, KVSpec, Layout, PoolHandle
-from kvxfer.errors import InvalidArgument, PermissionDenied
-from kvxfer.records import Medium, TierKind
+from kvxfer.core.errors import InvalidArgument, PermissionDenied
+from kvxfer.core.records import Medium, TierKind
 
 pytestmark = pytest.mark.e2e
 SPEC = KVSpec(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16)

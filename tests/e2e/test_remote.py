@@ -7,10 +7,10 @@ import torch
 import yaml
 
 from kvxfer import Client
-from kvxfer.events.records import EventKind, Reason
-from kvxfer.records import Outcome, TierKind
-from service import config as service_config
 from kvxfer.bench import launch
+from kvxfer.core.records import Outcome, TierKind
+from kvxfer.events.event_records import EventKind, Reason
+from service import config as service_config
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import REDIS, RedisServer
 from tests.helpers import read_block, write_block

@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 
 from kvxfer import Client
-from kvxfer.errors import KvxferError
-from kvxfer.events.records import EventKind
-from kvxfer.records import TierKind
 from kvxfer.bench import launch
+from kvxfer.core.errors import KvxferError
+from kvxfer.core.records import TierKind
+from kvxfer.events.event_records import EventKind
 from tests.conftest import PYTHON, ROOT, python_env
 from tests.e2e.conftest import SMALL_POOL
 

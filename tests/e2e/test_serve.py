@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kvxfer.client import Client
-from kvxfer.errors import Unauthenticated
+from kvxfer.core.errors import Unauthenticated
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from service import config as service_config
@@ -71,7 +71,7 @@ def test_bad_config_is_a_one_line_error(tmp_path, case):
     settings, message = BAD_CONFIGS[case]
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), **settings}))
-    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--config", str(path)], env=python_env(), cwd=ROOT,
+    proc = subprocess.run([PYTHON, "-m", "service.program", "serve", "--config", str(path)], env=python_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -171,7 +171,7 @@ def test_a_cuda_pool_without_a_gpu_is_a_one_line_error_naming_why(tmp_path):
         pytest.skip("this machine has a GPU")
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "pools": [{**SMALL_POOL, "device": "cuda:0"}]}))
-    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--config", str(path)], env=python_env(), cwd=ROOT,
+    proc = subprocess.run([PYTHON, "-m", "service.program", "serve", "--config", str(path)], env=python_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
@@ -202,7 +202,7 @@ def test_health_checks_a_tls_daemon_and_tells_a_tls_failure_from_an_absent_daemo
                  "token_file": str(token)})
 
     def health(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PYTHON, "-m", "service.cli", "health", "--timeout", "10", *args], env=python_env(),
+        return subprocess.run([PYTHON, "-m", "service.program", "health", "--timeout", "10", *args], env=python_env(),
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
 
     ok = health("--target", f"127.0.0.1:{port}", "--ca", str(served), "--token-file", str(token))

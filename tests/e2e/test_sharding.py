@@ -9,12 +9,12 @@ import grpc
 import pytest
 
 from kvxfer import Client, wire
-from kvxfer.errors import FailedPrecondition, InvalidArgument
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument
+from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.geometry.sharding import Sharding
 from kvxfer.memory import shm
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from tests.conftest import PYTHON, ROOT, python_env

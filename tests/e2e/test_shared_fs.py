@@ -5,8 +5,8 @@ import time
 import pytest
 
 from kvxfer import Client
-from kvxfer.records import Outcome, TierKind
 from kvxfer.bench import launch
+from kvxfer.core.records import Outcome, TierKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.test_remote import offload, restore
 

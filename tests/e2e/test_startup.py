@@ -10,11 +10,11 @@ import torch
 import yaml
 
 from kvxfer.client import Client
-from kvxfer.errors import ResourceExhausted
+from kvxfer.core.errors import ResourceExhausted
+from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory import room
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium
 from service import config as service_config
 from service import preflight
 from tests.conftest import PYTHON, ROOT, python_env
@@ -26,7 +26,7 @@ GIB = 1 << 30
 def serve(tmp_path: Path, *flags: str, config: dict | None = None, timeout: float = 120):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "metrics_listen": "", **(config or {})}))
-    return subprocess.run([PYTHON, "-m", "service.cli", "serve", "--config", str(path), *flags], env=python_env(),
+    return subprocess.run([PYTHON, "-m", "service.program", "serve", "--config", str(path), *flags], env=python_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -205,7 +205,7 @@ def test_publishing_events_without_pyzmq_is_refused_by_check(tmp_path):
     path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "metrics_listen": "",
                                     "events": {"publish": "tcp://127.0.0.1:5599"}}))
     env = {**python_env(), "PYTHONPATH": f"{blocker}:{python_env().get('PYTHONPATH', '')}"}
-    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--check", "--config", str(path)], env=env,
+    proc = subprocess.run([PYTHON, "-m", "service.program", "serve", "--check", "--config", str(path)], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     one_line(proc, 2, "events.publish: needs zmq", "kvxfer[events]")
 
@@ -215,7 +215,7 @@ def test_a_misspelt_kvxfer_variable_is_warned_about_with_the_name_meant(tmp_path
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "metrics_listen": ""}))
     env = {**python_env(), "KVXFER_METRIC_LISTEN": "127.0.0.1:9999", "KVXFER_NATIVE": "1"}
-    proc = subprocess.run([PYTHON, "-m", "service.cli", "serve", "--check", "--config", str(path)], env=env,
+    proc = subprocess.run([PYTHON, "-m", "service.program", "serve", "--check", "--config", str(path)], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
@@ -227,7 +227,7 @@ def test_log_format_from_the_flag(tmp_path):
     """Issue 50: ``--log-format`` (json, one object a line, or text) as a flag, like ``--log-level``."""
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"socket": str(tmp_path / "k.sock"), "metrics_listen": ""}))
-    proc = subprocess.Popen([PYTHON, "-m", "service.cli", "serve", "--config", str(path), "--log-format", "text"],
+    proc = subprocess.Popen([PYTHON, "-m", "service.program", "serve", "--config", str(path), "--log-format", "text"],
                             env=python_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         lines = []

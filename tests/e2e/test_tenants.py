@@ -8,7 +8,7 @@ import time
 import urllib.request
 
 from kvxfer.client import Client
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.records import Outcome, TierKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import free_port
 

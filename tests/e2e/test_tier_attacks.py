@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvxfer import Client
-from kvxfer.errors import ResourceExhausted
-from kvxfer.records import Outcome, TierKind
 from kvxfer.bench import launch
+from kvxfer.core.errors import ResourceExhausted
+from kvxfer.core.records import Outcome, TierKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import REDIS, RedisServer
 from tests.e2e.test_disk import Writer, check_served, wait_demoted

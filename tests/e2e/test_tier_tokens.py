@@ -4,7 +4,7 @@ tier's capacity and readable KV in tokens, on /metrics and in Stats (block_token
 import urllib.request
 
 from kvxfer.client import Client
-from kvxfer.records import TierKind
+from kvxfer.core.records import TierKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.redis_server import free_port
 

@@ -26,10 +26,10 @@ def test_the_wheel_installs_in_a_clean_venv_and_serves(tmp_path):
     wheels, sdists = list(dist.glob("kvxfer-*.whl")), list(dist.glob("kvxfer-*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1
     names = zipfile.ZipFile(wheels[0]).namelist()
-    for needed in ("kvxfer/transfer/costs.json", "kvxfer/v1/kvxfer_pb2.py", "service/cli.py",
+    for needed in ("kvxfer/transfer/costs.json", "kvxfer/v1/kvxfer_pb2.py", "service/program.py",
                    "kvxfer/integrations/vllm/__init__.py"):
         assert needed in names
-    for module in ("_fastpath", "_tables", "_use_order"):  # the C bookkeeping, built
+    for module in ("core/_fastpath", "index/_tables", "index/_use_order"):  # the C bookkeeping, built
         assert any(n.startswith(f"kvxfer/{module}.") and n.endswith(".so") for n in names), module
     assert any(n.startswith("kvxfer/transfer/_fused.") and n.endswith(".so") for n in names)
     assert not any(n.startswith("tests/") for n in names)
@@ -40,7 +40,8 @@ def test_the_wheel_installs_in_a_clean_venv_and_serves(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     kvxfer = venv / "bin" / "kvxfer"
     here = {"cwd": tmp_path, "env": env}  # outside the checkout: only the installed package is importable
-    probe = run(venv / "bin" / "python", "-c", "import kvxfer, kvxfer._fastpath, kvxfer._tables, kvxfer._use_order; "
+    probe = run(venv / "bin" / "python", "-c",
+                "import kvxfer, kvxfer.core._fastpath, kvxfer.index._tables, kvxfer.index._use_order; "
                 "from kvxfer.transfer import native, planner; planner.CostTable.load(); "
                 "print(kvxfer.__file__, native.load() is not None)", **here)
     assert str(venv) in probe.stdout and probe.stdout.split()[-1] == "True", probe.stdout

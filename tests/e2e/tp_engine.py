@@ -11,11 +11,11 @@ import sys
 import torch
 
 from kvxfer.client import Client
+from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
 from kvxfer.geometry.sharding import Sharding
 from kvxfer.memory import shm
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium
 from kvxfer.transfer.shard import blocks_view
 
 GEOMETRY = dict(num_layers=3, num_blocks=12, block_size=4, head_size=8, dtype=torch.bfloat16)

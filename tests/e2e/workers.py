@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from kvxfer.client import Client
-from kvxfer.errors import KvxferError
+from kvxfer.core.errors import KvxferError
 
 
 def _fill(views, slots: list[int], seed: int) -> list[list[torch.Tensor]]:
@@ -156,9 +156,9 @@ def submit_and_hang(target: str, pool_id: str, jobs: int, batch: int, lease_s: f
 
 def engine_pool(shm_dir: str, pool_id: str, spec: dict, layout: str) -> tuple:
     """What an engine does: allocate its own KV memory as a file under /dev/shm and map it."""
+    from kvxfer.core.records import Medium
     from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
     from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
-    from kvxfer.records import Medium
 
     kv_spec = KVSpec.from_dict(spec)
     kv_layout = Layout.parse(layout)

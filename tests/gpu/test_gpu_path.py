@@ -5,13 +5,13 @@ import subprocess
 
 import torch
 
+from kvxfer.core.records import Outcome
 from kvxfer.engine.block_table import BlockTable, batch_metadata
 from kvxfer.engine.kernels import Kernel, compute_slot_mapping, write_kv
 from kvxfer.geometry.layout import PRESETS, KVSpec
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
 from kvxfer.serving.batch import TransferBatch, TransferKind
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from tests.conftest import PYTHON, python_env
 
 SPEC = KVSpec(4, 64, 16, 2, 64, torch.bfloat16)
@@ -38,7 +38,7 @@ ENGINE = """
 import json, sys, torch
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
-from kvxfer.records import Medium
+from kvxfer.core.records import Medium
 d = json.loads(sys.argv[1])
 handle = PoolHandle(Medium.CUDA, ipc_handle=bytes.fromhex(d["handle"]), device_uuid=d["uuid"])
 pool = Pool.attach(PoolDescriptor("ev", KVSpec.from_dict(d["spec"]), Layout.parse(d["layout"]), handle))

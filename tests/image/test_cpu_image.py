@@ -12,7 +12,7 @@ import time
 import torch
 
 from kvxfer import Client
-from kvxfer.records import Outcome
+from kvxfer.core.records import Outcome
 from tests.image.conftest import IMAGE, podman
 
 CONFIG = """socket: /run/kvxfer/kvxfer.sock

@@ -25,7 +25,7 @@ STAND_IN = r'''
 import http.server, os, sys, time
 import torch
 from kvxfer import Client
-from kvxfer.records import Outcome
+from kvxfer.core.records import Outcome
 
 socket = os.environ["KVXFER_TARGET"]
 deadline = time.monotonic() + 120

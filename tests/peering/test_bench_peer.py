@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvxfer import cli
+from kvxfer.cli import commands as cli
 
 pytestmark = pytest.mark.e2e
 

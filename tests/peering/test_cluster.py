@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvxfer.errors import InvalidArgument
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import Outcome, TierKind
 from tests.peering.cluster import block, client, fill, keys
 
 pytestmark = pytest.mark.e2e

@@ -8,9 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxfer.errors import InvalidArgument
-
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import Outcome, TierKind
 from tests.peering.cluster import TOKEN, block, client, fill, keys
 from tests.peering.rogue import Rogue, flip_byte
 
@@ -121,7 +120,8 @@ def test_only_configured_authenticated_peers_over_tls_are_served(cluster, tls):
     bare.close()
     # The Unix socket (where the engine talks) does not serve peers, even with the token.
     with grpc.insecure_channel(d["a"].target) as channel:
-        from kvxfer.v1 import kvxfer_pb2 as pb, kvxfer_pb2_grpc as pb_grpc
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.KVPeerStub(channel).PeerLookup(pb.PeerLookupRequest(peer="friend", namespace="peers",
                                                                        block_format=fmt, keys=ks),
@@ -192,7 +192,7 @@ def test_a_pushed_block_is_published_only_if_its_bytes_match(cluster, tls):
         data = np.random.default_rng(1).integers(0, 256, 2 * r.block_bytes, dtype=np.uint8)
         state, _ = rogue.xfer("WRITE", "a", [b.address for b in r.blocks], r.block_bytes, r.memory_metadata, data)
         assert state == "DONE"
-        from kvxfer.geometry.checksum import rows_checksums
+        from kvxfer.geometry.block_checksum import rows_checksums
         right = rows_checksums([data[:r.block_bytes], data[r.block_bytes:]])
         stored = rogue.call("PeerCommit", reservation_id=r.reservation_id, checksums=[right[0], right[1] ^ 1]).stored
         assert list(stored) == [True, False]

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from kvxfer.bench.peering_local import peering_configs
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.records import Outcome, TierKind
 from tests.conftest import PYTHON, ROOT, python_env
 from tests.e2e.conftest import SMALL_POOL, start_daemon
 from tests.peering.cluster import block, client, fill, keys

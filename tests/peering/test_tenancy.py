@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from kvxfer.client import Client
+from kvxfer.core.records import Medium, Outcome
 from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
 from kvxfer.memory import shm
 from kvxfer.memory.pool import Pool, PoolHandle
-from kvxfer.records import Medium, Outcome
 from kvxfer.serving.group import BlockFormat
 from tests.helpers import read_block, write_block
 from tests.peering.cluster import TOKEN, client, fill, keys
@@ -142,7 +142,7 @@ def test_each_peer_holds_a_bounded_share_and_the_engine_comes_first(cluster, tls
 
 def test_an_engine_over_tcp_shows_a_certificate_of_the_peers_ca(cluster, tls):
     """With peering on, the TLS listener asks every caller for a certificate: the client can show one."""
-    from kvxfer.errors import Unavailable
+    from kvxfer.core.errors import Unavailable
 
     d = cluster(["a"])
     listen, ca = d["a"].config["listen"], tls.ca.read_bytes()

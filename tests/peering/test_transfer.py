@@ -2,8 +2,7 @@
 
 import pytest
 
-from kvxfer.records import Outcome, TierKind
-
+from kvxfer.core.records import Outcome, TierKind
 from tests.e2e.conftest import SMALL_POOL
 from tests.peering.cluster import block, client, fill, keys
 

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.errors import Internal
+from kvxfer.core.errors import Internal
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
-from kvxfer.geometry.checksum import block_checksum
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import CopyBatch, Direction
 from kvxfer.transfer.cpu import CpuCopyEngine, _Steps

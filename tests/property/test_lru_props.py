@@ -1,4 +1,4 @@
-"""The LRU policies against an ordered-dict model: the linked list in C (kvxfer/_use_order.c) and
+"""The LRU policies against an ordered-dict model: the linked list in C (kvxfer/index/_use_order.c) and
 its Python twin, a queue of uses copied a step at a time (issue 32: no pause in either)."""
 
 from collections import OrderedDict
@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.fastpath import USE_ORDER
-from kvxfer.index.eviction import LinkedLRU, QueueLRU
+from kvxfer.index.eviction import USE_ORDER, LinkedLRU, QueueLRU
 
 CAPACITY = 24
 ops = st.lists(st.one_of(

@@ -14,14 +14,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import kvxfer.core.slots
+import kvxfer.core.validate
 import kvxfer.index.eviction
 import kvxfer.index.keytable
-import kvxfer.slots
-import kvxfer.validate
+from kvxfer.core.records import Outcome
 from kvxfer.geometry.layout import PRESETS, KVSpec
-from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
+from kvxfer.serving.pool_manager import PoolManager
 from tests.helpers import read_block, write_block
 
 SPEC = KVSpec(num_layers=3, num_blocks=10, block_size=2, num_kv_heads=2, head_size=4, dtype=torch.bfloat16)
@@ -30,7 +30,7 @@ KEYS = [f"key-{i}".encode() for i in range(8)]
 NS = "model"
 
 # The C modules' users, and the name each knows its module by (None: the Python twins run).
-NATIVE_USERS = ((kvxfer.validate, "FAST"), (kvxfer.slots, "FAST"), (kvxfer.index.keytable, "TABLES"),
+NATIVE_USERS = ((kvxfer.core.validate, "FAST"), (kvxfer.core.slots, "FAST"), (kvxfer.index.keytable, "TABLES"),
                 (kvxfer.index.eviction, "USE_ORDER"))
 slots_st = st.lists(st.integers(1, SPEC.num_blocks - 1), min_size=1, max_size=5, unique=True)
 

@@ -7,13 +7,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.geometry.checksum import block_checksum
-from kvxfer.records import Outcome
+from kvxfer.core.records import Outcome
+from kvxfer.geometry.block_checksum import block_checksum
+from kvxfer.tiers.disk.files import HEADER_BYTES, Block, DiskTier
+from kvxfer.tiers.record import DiskCorrupt, encode_header, mac
 from kvxfer.tiers.remote.settings import RemoteSettings
 from kvxfer.tiers.remote.store import RemoteStore
-from kvxfer.tiers.record import mac
-from kvxfer.tiers.disk.files import HEADER_BYTES, Block, DiskTier
-from kvxfer.tiers.record import DiskCorrupt, encode_header
 
 SLOT_BYTES = 512
 FP = bytes(range(32))

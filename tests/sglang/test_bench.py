@@ -2,7 +2,7 @@
 
 import json
 
-from service import cli
+from service import program as cli
 
 
 def test_bench_sglang_splits_the_backend_from_sglang_and_checks_the_bytes(tmp_path, capsys):
@@ -32,7 +32,7 @@ def test_bench_steps_follows_a_hicache_batch_into_the_daemon(tmp_path, capsys):
         assert callable(step_hooks.resolve(step)), step
     out = tmp_path / "steps.json"
     assert cli.main(["bench", "steps", "--steps", "sglang", "--json", str(out), "--", sys.executable, "-m",
-                     "service.cli", "bench", "sglang", "--pages", "64", "--layers", "2", "--reps", "1",
+                     "service.program", "bench", "sglang", "--pages", "64", "--layers", "2", "--reps", "1",
                      "--host-mib", "64", "--subjects", "kvxfer zero copy", "--dir", str(tmp_path)]) == 0
     results = json.loads(out.read_text())
     where = {}

@@ -1,10 +1,10 @@
 """SGLang's host pools stored and loaded through kvxfer, byte-exact, in every layout and by both data paths."""
 
 import hashlib
-import time
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -137,7 +137,7 @@ def test_kv_events_name_sglangs_pages_in_chain_order(daemon, stores):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
     from kvxfer import Client
-    from kvxfer.events.records import EventKind
+    from kvxfer.events.event_records import EventKind
 
     pool = host_pool("page_first")
     store = stores(pool, extra_config(daemon.config["socket"]))

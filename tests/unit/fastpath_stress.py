@@ -9,14 +9,15 @@ from pathlib import Path
 import numpy as np
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"kvxfer.{name}", Path(sys.argv[1]) / f"{name}.so")
+def load(dotted: str):
+    spec = importlib.util.spec_from_file_location(dotted, Path(sys.argv[1]) / f"{dotted.rsplit('.', 1)[1]}.so")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-FAST, TABLES, USE_ORDER = load("_fastpath"), load("_tables"), load("_use_order")
+FAST, TABLES = load("kvxfer.core._fastpath"), load("kvxfer.index._tables")
+USE_ORDER = load("kvxfer.index._use_order")
 rng = np.random.default_rng(1)
 
 

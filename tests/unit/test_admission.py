@@ -2,16 +2,15 @@
 stores at most its first M new blocks, blocks held already always pass, and the offers table stays bounded."""
 
 import pytest
+import torch
 import yaml
 
-from kvxfer.errors import ConfigError
-from kvxfer.index.admission import Admission, AdmissionSettings
-from kvxfer.records import Outcome, TierKind
-from kvxfer.serving.group import CacheGroup
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.records import Outcome, TierKind
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
+from kvxfer.index.admission import Admission, AdmissionSettings
+from kvxfer.serving.group import CacheGroup
 from service import config as service_config
-
-import torch
 
 
 def test_a_new_block_is_stored_on_its_nth_offer_and_counts_are_per_namespace():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from service import cli
+from service import program as cli
 
 
 def test_bench_store_smoke(tmp_path, capsys):
@@ -101,14 +101,14 @@ def test_kvxfer_version_prints_the_installed_version():
 
     from tests.conftest import PYTHON, ROOT, python_env
 
-    out = subprocess.run([PYTHON, "-m", "service.cli", "--version"], env=python_env(), cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([PYTHON, "-m", "service.program", "--version"], env=python_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == f"kvxfer {version('kvxfer')}"
 
 
 HELP_WITHOUT_TORCH = """
 import sys
-from service import cli
+from service import program as cli
 try:
     cli.main(sys.argv[1:])
 except SystemExit:
@@ -132,7 +132,7 @@ def test_help_does_not_import_torch(argv):
 
 
 def test_a_tool_chosen_is_loaded_whole():
-    from kvxfer import cli
+    from kvxfer.cli import commands as cli
 
     args = cli.build_parser(argv=["bench", "checksum", "--mib", "4"]).parse_args(["bench", "checksum", "--mib", "4"])
     assert args.mib == 4 and callable(args.func)

@@ -1,4 +1,4 @@
-"""``kvxfer.bench.cpu``: the CPU time of the processes a benchmark involves, beside its wall time."""
+"""``kvxfer.bench.cpu_time``: the CPU time of the processes a benchmark involves, beside its wall time."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvxfer.bench.cpu import CpuMeter, Figures, Samples, cpu_seconds, measured
+from kvxfer.bench.cpu_time import CpuMeter, Figures, Samples, cpu_seconds, measured
 
 BURN = "import sys\nx = 0\nfor i in range(3_000_000): x += i\nsys.stdout.write('done\\n'); sys.stdout.flush()\n" \
        "sys.stdin.read()"

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from collections import OrderedDict
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvxfer.bench import policy, policy_hints
 
@@ -70,7 +71,8 @@ def test_the_command_prints_the_curve_and_writes_json_and_a_plot(tmp_path):
         lines.append(json.dumps({"timestamp": 0, "hash_ids": [root * 100 + k for k in range(rng.randrange(1, 8))]}))
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(lines) + "\n")
-    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "policy", str(trace), "--shares", "0.1,0.5,1",
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli.commands", "bench", "policy", str(trace),
+                          "--shares", "0.1,0.5,1",
                           "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -81,8 +83,8 @@ def test_the_command_prints_the_curve_and_writes_json_and_a_plot(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 1000
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"hash_ids": [1, 1]}) + "\n")
-    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "policy", str(bad)], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli.commands", "bench", "policy", str(bad)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "distinct integers" in out.stderr
 
 
@@ -134,7 +136,8 @@ def test_session_end_hints_are_never_below_lru_on_conversations(seed, capacity):
 def test_the_command_replays_hints_beside_lru_and_belady(tmp_path):
     trace = tmp_path / "chats.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 0, "hash_ids": r}) + "\n" for r in conversations(3, 300)))
-    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "policy", str(trace), "--shares", "0.05,0.2",
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli.commands", "bench", "policy", str(trace),
+                          "--shares", "0.05,0.2",
                           "--hints", "session-end", "--wrong", "0.2", "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvxfer.bench import policy, policy_bounds as pb
+from kvxfer.bench import policy
+from kvxfer.bench import policy_bounds as pb
 
 prefix_requests = st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), min_size=1, max_size=30).map(
     lambda shapes: [[100 * root + k for k in range(length)] for root, length in shapes])
@@ -63,7 +65,7 @@ def test_the_command_prints_the_bounds_and_writes_json_and_a_plot(tmp_path):
              for r in (rng.randrange(20) for _ in range(150))]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(lines) + "\n")
-    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "policy-bounds", str(trace), "--shares",
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli.commands", "bench", "policy-bounds", str(trace), "--shares",
                           "0.2,1", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -73,6 +75,7 @@ def test_the_command_prints_the_bounds_and_writes_json_and_a_plot(tmp_path):
     assert all(r["hit_ratio"]["belady"] >= r["hit_ratio"]["lru"] for r in results)
     assert all(v == results[1]["hit_ratio"]["lru"] for v in results[1]["hit_ratio"].values())
     assert (tmp_path / "r.png").stat().st_size > 1000
-    out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "policy-bounds", str(trace), "--horizon", "0"],
+    out = subprocess.run([sys.executable, "-m", "kvxfer.cli.commands", "bench", "policy-bounds", str(trace),
+                          "--horizon", "0"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "--horizon" in out.stderr

@@ -8,7 +8,7 @@ import pytest
 
 from kvxfer.bench import step_hooks
 from kvxfer.bench.steps import STEP_SETS, Call, timeline
-from service import cli
+from service import program as cli
 
 WORK = textwrap.dedent("""
     import asyncio, subprocess, sys, time

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.engine.block_table import BlockTable, batch_metadata, gather_kv
-from kvxfer.errors import InvalidArgument
 from kvxfer.engine.kernels import Kernel, compute_slot_mapping, default_kernel, write_kv
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 

@@ -12,16 +12,16 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.geometry.checksum import FORMAT, PIECE_BYTES, block_checksum, rows_checksums, runs_checksum
+from kvxfer.core.records import TierKind
+from kvxfer.geometry.block_checksum import FORMAT, PIECE_BYTES, block_checksum, rows_checksums, runs_checksum
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
-from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.serving.group import BlockFormat, CacheGroup
+from kvxfer.tiers.disk.settings import DiskSettings
+from kvxfer.tiers.registry import lower_tiers
 from kvxfer.transfer import device_checksum, native
 from kvxfer.transfer.stream_hash import StreamHasher
 from tests.unit.test_disk_tier import HOST_BLOCKS, SPEC, fill, offload_all, store
-from kvxfer.tiers.registry import lower_tiers
-from kvxfer.records import TierKind
 
 PIECE = PIECE_BYTES
 

@@ -4,9 +4,11 @@
 import pytest
 import yaml
 
-from kvxfer.errors import ConfigError
+from kvxfer.core.errors import ConfigError
 from kvxfer.tiers.sections import RENAMED, renamed
-from service import chart_schema, cli, config as service_config
+from service import chart_schema
+from service import config as service_config
+from service import program as cli
 
 UNIT_WORDS = ("gib", "kib", "bytes", "_mb", "_gb", "_kb")
 

@@ -10,18 +10,18 @@ import time
 import pytest
 import torch
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import Outcome
 from kvxfer.geometry.layout import PRESETS, KVSpec
 from kvxfer.memory import cuda_driver
 from kvxfer.memory.cuda_abi import CU_MEMCPY_SRC_ACCESS_ORDER_ANY, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 from kvxfer.memory.cuda_driver import Driver
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.transfer.copy_engine import CopyBatch, Direction
 from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.plan import plan_copies

@@ -7,13 +7,13 @@ import time
 import pytest
 import torch
 
-from kvxfer.errors import FailedPrecondition, InvalidArgument
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument
+from kvxfer.core.records import Medium, Outcome
 from kvxfer.geometry.layout import PRESETS
 from kvxfer.memory import cuda_driver, cuda_mem
 from kvxfer.memory.cuda_driver import CU_MEMHOSTREGISTER_DEVICEMAP, CU_MEMHOSTREGISTER_PORTABLE
 from kvxfer.memory.pool import PoolHandle
-from kvxfer.records import Medium, Outcome
-from kvxfer.serving.registry import Limits, PoolRegistry
+from kvxfer.serving.pool_registry import Limits, PoolRegistry
 from kvxfer.tiers.host import HostTier
 from tests.cudasim.engine import SimEngine
 from tests.unit.test_cuda_engine import SPAN, SPEC, fill, gpu_pool, offload
@@ -227,7 +227,7 @@ def test_a_copy_goes_late_at_its_jobs_deadline_not_after_the_gpu_copy_deadline(c
     """Issue 47 item 5: a chunk waited ``gpu_copy_deadline_s`` (30 s) whatever its job's deadline (vLLM's is
     5 s): one stalled store held the pool's queue for 30 s. It is late at the job's deadline + LANDING_S."""
     from kvxfer.serving.batch import TransferBatch, TransferKind
-    from kvxfer.transfer.base import LANDING_S, CopyBatch, Direction
+    from kvxfer.transfer.copy_engine import LANDING_S, CopyBatch, Direction
 
     manager = gpu_pool("d", capacity=4, deadline_s=30.0)
     fill(manager)
@@ -251,9 +251,9 @@ def test_a_looped_copy_failing_midway_holds_its_slots_until_the_copies_before_it
     midway left the copies before it in flight with no handle while their slots were freed. It goes
     through the enqueue-or-land guard now: the slots stay held until those copies land."""
     from kvxfer.memory.cuda_driver import Driver
-    from kvxfer.serving.group import CacheGroup
-    from kvxfer.serving.manager import PoolManager
     from kvxfer.memory.pool import Pool
+    from kvxfer.serving.group import CacheGroup
+    from kvxfer.serving.pool_manager import PoolManager
     from kvxfer.transfer.cuda import CudaCopyEngine
     from tests.cudasim.rules import INVALID_VALUE
 
@@ -301,7 +301,7 @@ def test_an_unregistered_pool_keeps_its_mapping_until_its_late_copy_lands(cuda_s
     """Issue 47 item 3: unregistering a pool (or its engine dying) freed the IPC mapping while a copy that
     missed its deadline could still run: a use after unmap (a sticky fault, the daemon exits). What the copy
     touches is freed once it has landed."""
-    from kvxfer.records import PoolRef
+    from kvxfer.core.records import PoolRef
     from kvxfer.serving.batch import TransferBatch, TransferKind
 
     registry = PoolRegistry(Limits(checksum_on_device=False, gpu_copy_deadline_s=0.3))

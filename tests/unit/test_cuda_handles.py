@@ -7,13 +7,14 @@ import subprocess
 import pytest
 import torch
 
+from kvxfer.core.errors import FailedPrecondition
 from kvxfer.devcheck.plot import plot
-from kvxfer.errors import FailedPrecondition
 from kvxfer.geometry.layout import PRESETS, PoolLayout
 from kvxfer.memory.cuda_driver import load_library
 from kvxfer.memory.cuda_mem import ipc_handle_from_torch
 from tests.conftest import PYTHON, ROOT, python_env
 from tests.unit.test_cuda_engine import SPEC
+
 
 def test_torchs_shared_storage_handle_yields_the_cuda_ipc_handle():
     """torch 2.x prefixes a version and a type byte (seen on an H200: 66 bytes from torch 2.11)."""
@@ -41,9 +42,9 @@ def test_devcheck_without_a_gpu_says_so_and_exits_3(tmp_path):
 
 
 def test_a_cuda_handle_and_its_gpu_uuid_survive_the_wire():
-    from kvxfer import wire
+    from kvxfer.client import wire
+    from kvxfer.core.records import Medium
     from kvxfer.memory.pool import PoolDescriptor, PoolHandle
-    from kvxfer.records import Medium
 
     handle = PoolHandle(Medium.CUDA, ipc_handle=bytes(range(64)), device=3, offset=4096,
                         device_uuid="GPU-6f1d2c3b-0000-1111-2222-333344445555")
@@ -74,7 +75,7 @@ def test_devcheck_plots_a_recorded_run(tmp_path):
 
 def test_an_offloads_event_travels_as_its_64_byte_ipc_handle():
     from kvxfer.client import event_handle
-    from kvxfer.errors import InvalidArgument
+    from kvxfer.core.errors import InvalidArgument
 
     handle = bytes(range(64))
     assert event_handle(None) == b"" and event_handle(handle) == handle and event_handle(bytearray(handle)) == handle

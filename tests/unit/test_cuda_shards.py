@@ -7,16 +7,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvxfer.core.records import Outcome
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.memory import cuda_driver
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.transfer.copy_engine import CopyBatch, Direction
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.plan import shard_pieces
 from kvxfer.transfer.shard import ShardCopyEngine, blocks_view

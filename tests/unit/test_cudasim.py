@@ -9,11 +9,10 @@ from ctypes import c_size_t, c_void_p
 
 import pytest
 
-from kvxfer.memory.cuda_abi import CU_MEMCPY_SRC_ACCESS_ORDER_ANY
-from kvxfer.memory.cuda_driver import ClientHandleError, CudaError, Driver, \
-    IpcEventHandle
+from kvxfer.core.errors import FailedPrecondition
 from kvxfer.memory import cuda_driver
-from kvxfer.errors import FailedPrecondition
+from kvxfer.memory.cuda_abi import CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+from kvxfer.memory.cuda_driver import ClientHandleError, CudaError, Driver, IpcEventHandle
 from tests.cudasim.engine import SimEngine
 from tests.cudasim.rules import (ALREADY_REGISTERED, EVENT_DISABLE_TIMING, EVENT_INTERPROCESS, ILLEGAL_ADDRESS,
                                  INVALID_CONTEXT, INVALID_HANDLE, INVALID_VALUE, NOT_PERMITTED, NOT_REGISTERED)

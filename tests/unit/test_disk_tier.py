@@ -7,13 +7,13 @@ import stat
 import pytest
 import torch
 
+from kvxfer.core.records import Outcome, TierKind
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome, TierKind
-from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.disk.files import HEADER_BYTES
+from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
 from kvxfer.tiers.registry import lower_tiers
 

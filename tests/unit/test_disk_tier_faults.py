@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from kvxfer.records import Outcome, TierKind
+from kvxfer.core.records import Outcome, TierKind
 from tests.unit.test_disk_tier import block, fill, offload_all, store, stored_and_shut_down
 
 

@@ -9,15 +9,15 @@ import pytest
 
 import kvxfer.index.eviction as eviction
 import kvxfer.index.keytable as keytable
-from kvxfer.errors import InvalidArgument
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat, Reason
-from kvxfer.tiers.registry import placements
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import TierKind
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import EngineBlocks, EventKind, KeyFormat, Reason
+from kvxfer.events.event_wire import engine_from_pb, engine_to_pb, event_from_pb, event_to_pb
 from kvxfer.events.vllm_wire import VllmEncoder
-from kvxfer.events.wire import engine_from_pb, engine_to_pb, event_from_pb, event_to_pb
 from kvxfer.index.block_index import BlockIndex
-from kvxfer.records import TierKind
 from kvxfer.serving.batch import TransferBatch, TransferKind
+from kvxfer.tiers.registry import placements
 
 
 @pytest.fixture(params=["c", "python"])
@@ -83,7 +83,7 @@ def test_the_buffer_is_bounded_by_keys_and_a_late_reader_is_told_to_resync():
 def test_the_buffer_is_bounded_by_bytes_whatever_the_namespaces_and_keys():
     """Each event holds its namespace's name and its keys: long ones, or namespaces a client invents, are
     bounded by replay_bytes even when the key count would allow far more."""
-    from kvxfer.events.hub import event_bytes
+    from kvxfer.events.event_hub import event_bytes
 
     hub = EventHub(replay_keys=1 << 30, replay_bytes=64 << 10)
     for i in range(2000):

@@ -1,4 +1,4 @@
-"""The C checks of per-key bookkeeping (kvxfer/_fastpath.c) against the Python passes they stand in for;
+"""The C checks of per-key bookkeeping (kvxfer/core/_fastpath.c) against the Python passes they stand in for;
 all three C modules under the sanitizers."""
 
 import os
@@ -11,13 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kvxfer.core.slots as slots_module
+import kvxfer.core.validate as validate
 import kvxfer.index.block_index as block_index
 import kvxfer.index.eviction as eviction
 import kvxfer.index.keytable as keytable
-import kvxfer.slots as slots_module
-import kvxfer.validate as validate
-from kvxfer.errors import InvalidArgument
-from kvxfer.fastpath import FAST, TABLES, USE_ORDER
+from kvxfer.core.c_modules import FAST
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.index.eviction import USE_ORDER
+from kvxfer.index.keytable import TABLES
 
 
 class SubBytes(bytes):
@@ -25,7 +27,7 @@ class SubBytes(bytes):
 
 
 def test_the_c_modules_are_built_and_loaded():
-    for name, module in (("_fastpath", FAST), ("_tables", TABLES), ("_use_order", USE_ORDER)):
+    for name, module in (("core._fastpath", FAST), ("index._tables", TABLES), ("index._use_order", USE_ORDER)):
         assert module is not None, f"kvxfer.{name} is not built: apt-get install gcc libc6-dev, then reinstall"
 
 
@@ -96,9 +98,10 @@ def test_the_c_modules_under_address_sanitizer_and_ubsan(tmp_path):
     if compiler is None:
         pytest.fail("no C compiler: apt-get install gcc libc6-dev")
     here = Path(__file__).parent
-    for name in ("_fastpath", "_tables", "_use_order"):
+    for package, name in (("core", "_fastpath"), ("index", "_tables"), ("index", "_use_order")):
         subprocess.run([compiler, "-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fPIC",
-                        "-shared", f"-I{sysconfig.get_paths()['include']}", str(here.parents[1] / "kvxfer" / f"{name}.c"),
+                        "-shared", f"-I{sysconfig.get_paths()['include']}",
+                        str(here.parents[1] / "kvxfer" / package / f"{name}.c"),
                         "-o", str(tmp_path / f"{name}.so")], check=True)
     runtimes = [subprocess.run([compiler, f"-print-file-name={lib}"], capture_output=True, text=True,
                                check=True).stdout.strip() for lib in ("libasan.so", "libubsan.so")]

@@ -13,9 +13,9 @@ import textwrap
 import pytest
 import torch
 
+from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import PRESETS, KVSpec, Layout, PoolLayout
 from kvxfer.memory.pool import Access, Pool, PoolDescriptor, PoolHandle
-from kvxfer.records import Medium
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import CopyBatch, Direction, engine_for, native
 from tests.helpers import read_block

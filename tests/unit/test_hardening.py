@@ -7,17 +7,16 @@ import time
 import pytest
 import torch
 
-from kvxfer.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from kvxfer.serving.handoff import HandOffs
+from kvxfer.core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from kvxfer.core.records import Medium, PoolRef
+from kvxfer.core.validate import check_namespace, check_pool_id, shown
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool, PoolHandle
-from kvxfer.records import Medium
-from kvxfer.serving.registry import Limits, PoolRegistry
-from kvxfer.records import PoolRef
 from kvxfer.memory.shm import FILE_PREFIX, create_sealed, sweep_stale
+from kvxfer.serving.handoff import HandOffs
+from kvxfer.serving.pool_registry import Limits, PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.validate import check_namespace, check_pool_id, shown
-from service.status import Malformed, parser
+from service.grpc_errors import Malformed, parser
 
 SPEC = KVSpec(2, 8, 4, 2, 8, torch.float16)
 

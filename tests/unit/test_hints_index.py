@@ -5,12 +5,13 @@ counted; and with no hints the victims are exactly LRU's (hypothesis over store,
 import time
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvxfer.core.records import EvictionReason, HintAction, Outcome, TierKind
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.index.eviction import lru
 from kvxfer.index.tenancy import Tenant
-from kvxfer.records import EvictionReason, HintAction, Outcome, TierKind
 
 NS = "ns"
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.errors import Internal
-from kvxfer.geometry.checksum import rows_checksums
+from kvxfer.core.errors import Internal
+from kvxfer.geometry.block_checksum import rows_checksums
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup

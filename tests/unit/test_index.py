@@ -1,14 +1,14 @@
 """The index alone: LRU, pins, visibility, eviction. No tensors anywhere. Every test runs on the
-C key table and use order (kvxfer/_tables.c, kvxfer/_use_order.c) and on their Python twins."""
+C key table and use order (kvxfer/index/_tables.c, kvxfer/index/_use_order.c) and on their Python twins."""
 
 import pytest
 
+import kvxfer.core.slots as slots_module
 import kvxfer.index.eviction as eviction
 import kvxfer.index.keytable as keytable
-import kvxfer.slots as slots_module
-from kvxfer.fastpath import FAST
+from kvxfer.core.c_modules import FAST
+from kvxfer.core.records import Outcome, TierKind
 from kvxfer.index.block_index import BlockIndex
-from kvxfer.records import Outcome, TierKind
 
 NS = "model-a"
 DONE, PRESENT, MISSING, FULL = Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_FOUND, Outcome.RESOURCE_EXHAUSTED

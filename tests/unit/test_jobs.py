@@ -6,13 +6,13 @@ import time
 import pytest
 import torch
 
-from kvxfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvxfer.core.records import Outcome, TransferResult
+from kvxfer.geometry.layout import PRESETS, KVSpec
+from kvxfer.memory.pool import Pool
 from kvxfer.serving.batch import TransferBatch
 from kvxfer.serving.jobs import JOB_WEIGHT, JobRunner
-from kvxfer.geometry.layout import PRESETS, KVSpec
-from kvxfer.serving.manager import PoolManager
-from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome, TransferResult
+from kvxfer.serving.pool_manager import PoolManager
 from tests.helpers import read_block
 
 # 64 KiB blocks

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.geometry.keys import block_keys
 from tests.conftest import PYTHON, python_env
 

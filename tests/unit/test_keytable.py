@@ -1,4 +1,4 @@
-"""The key table in C (kvxfer/_tables.c) against its Python twin and a dict model: full tables,
+"""The key table in C (kvxfer/index/_tables.c) against its Python twin and a dict model: full tables,
 long keys, many namespaces, removals that shift runs back, and arguments it must refuse. The C
 module must be built (no skip: test_fastpath.py says how to build it)."""
 
@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvxfer.index.keytable as keytable
-from kvxfer.fastpath import TABLES
-from kvxfer.index.keytable import KeyTable
+from kvxfer.index.keytable import TABLES, KeyTable
 
 CAPACITY = 16
 key_st = st.binary(min_size=1, max_size=3) | st.binary(min_size=38, max_size=60)  # inline and long

@@ -1,5 +1,5 @@
-"""The local lane's client side (kvxfer.lane) against a small SEQPACKET server in the test: when it sends a
-call over gRPC instead, how it reads answers, and which connections it keeps."""
+"""The local lane's client side (kvxfer.client.lane_client) against a small SEQPACKET server in the test: when it
+sends a call over gRPC instead, how it reads answers, and which connections it keeps."""
 
 import os
 import socket
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from kvxfer import lane
-from kvxfer.errors import DeadlineExceeded, FailedPrecondition, KvxferError, Unauthenticated, Unavailable
+from kvxfer.client import lane_client as lane
+from kvxfer.core.errors import DeadlineExceeded, FailedPrecondition, KvxferError, Unauthenticated, Unavailable
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 LOOKUP = pb.LookupRequest(namespace="n", keys=[b"k"])

@@ -1,13 +1,27 @@
-"""The import rules of the layers (docs/design.md): checked, not hoped for."""
+"""The layout's rules (docs/design.md, Layout): checked, not hoped for."""
 
 import ast
 import json
 import subprocess
-from pathlib import Path
+from collections import defaultdict
 
 from tests.conftest import PYTHON, ROOT, python_env
 
 SERVER_SIDE = ("kvxfer.index", "kvxfer.serving", "kvxfer.transfer", "kvxfer.tiers", "service")
+#: The library's packages, bottom floor first: a package imports only packages on lower floors (docs/design.md).
+FLOORS = [
+    ["v1"],  # the API's generated code
+    ["core"],  # the vocabulary: errors, records, validation, defaults, slots, breaker, tables; no torch
+    ["geometry", "events", "engine"],  # what a pool and a block are; what a tier announces; the engine's kernels
+    ["memory", "index"],  # pools' memory; the tiers' books (touch no bytes)
+    ["peering", "client"],  # daemon-to-daemon leases; the engine-side client
+    ["tiers", "integrations"],  # host memory and the lower tiers; the engine backends
+    ["transfer"],  # copy engines (chosen by medium; no policy)
+    ["serving", "cli"],  # pools as the daemon serves them; the command-line tools
+    ["bench"],  # benchmarks and the launcher of real daemons
+    ["devcheck"],  # the GPU machine's check
+]
+FLOOR = {package: n for n, floor in enumerate(FLOORS) for package in floor}
 
 
 def _loaded_after(statement: str) -> list[str]:
@@ -17,47 +31,86 @@ def _loaded_after(statement: str) -> list[str]:
     return json.loads(out)
 
 
+def _imports(path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names += [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+    return names
+
+
+def test_the_package_root_holds_packages_alone():
+    """Every module lives in the package of its concern; the root keeps ``__init__`` (the version, and
+    ``Client`` on first use) and nothing else, C sources included."""
+    loose = sorted(p.name for p in (ROOT / "kvxfer").iterdir() if p.is_file() and p.suffix in (".py", ".c", ".h"))
+    assert loose == ["__init__.py"]
+    packages = sorted(p.name for p in (ROOT / "kvxfer").iterdir() if (p / "__init__.py").exists())
+    assert packages == sorted(FLOOR), "a new package needs its floor in FLOORS and docs/design.md"
+
+
+def test_imports_go_down_the_floors():
+    """Every import, also one made for type checking alone, goes to a package on a lower floor: none goes
+    up and none sideways, so the packages form layers without a cycle."""
+    offenders = []
+    for path in (ROOT / "kvxfer").rglob("*.py"):
+        rel = path.relative_to(ROOT / "kvxfer")
+        if len(rel.parts) == 1:
+            continue  # kvxfer/__init__.py: the top, importing the client on first use
+        source = rel.parts[0]
+        for name in _imports(path):
+            target = name.split(".")[1] if name.startswith("kvxfer.") else None
+            if target is not None and target != source and FLOOR[target] >= FLOOR[source]:
+                offenders.append(f"{rel}: {name} ({source} is on floor {FLOOR[source]}, {target} on {FLOOR[target]})")
+    assert offenders == []
+
+
+def test_no_two_modules_share_a_name_for_different_things():
+    """A module's name says what it is without its folder. Names repeat only for one role in sibling
+    packages (each lower tier's ``store``, each engine's ``naming``) and for each package's ``settings``."""
+    by_name = defaultdict(list)
+    for path in [*(ROOT / "kvxfer").rglob("*.py"), *(ROOT / "service").rglob("*.py")]:
+        if path.name not in ("__init__.py", "__main__.py") and "v1" not in path.parts:
+            by_name[path.name].append(path.relative_to(ROOT))
+    clashes = {name: [str(p) for p in paths] for name, paths in by_name.items()
+               if len(paths) > 1 and name != "settings.py" and len({p.parent.parent for p in paths}) > 1}
+    assert clashes == {}
+
+
 def test_the_client_imports_no_server_internals():
     loaded = _loaded_after("import kvxfer.client")
     assert [m for m in loaded if m.startswith(SERVER_SIDE)] == []
-    assert "kvxfer.records" in loaded and "kvxfer.wire" in loaded
+    assert "kvxfer.core.records" in loaded and "kvxfer.client.wire" in loaded
 
 
-def test_from_kvxfer_import_client_works_and_records_stay_light():
-    loaded = _loaded_after("from kvxfer import Client; assert Client.__name__ == 'Client'")
-    assert "kvxfer.client" in loaded
-    light = _loaded_after("import kvxfer.records")
-    assert "torch" not in light and "grpc" not in light
-    vocabulary = _loaded_after("import kvxfer.validate, kvxfer.errors, kvxfer.tables")  # issue 48: no torch
-    assert "torch" not in vocabulary and "kvxfer.geometry.layout" not in vocabulary
+def test_from_kvxfer_import_client_works_and_the_core_stays_light():
+    loaded = _loaded_after("from kvxfer import Client; from kvxfer.client import Client as C; assert Client is C")
+    assert "kvxfer.client.daemon_client" in loaded
+    core = [f"kvxfer.core.{p.stem}" for p in (ROOT / "kvxfer" / "core").glob("*.py") if p.stem != "__init__"]
+    light = _loaded_after(f"import {', '.join(core)}")
+    assert [m for m in light if m.startswith(("torch", "grpc", "kvxfer.")) and not
+            m.startswith(("kvxfer.core", "kvxfer.v1"))] == []
 
 
 def test_the_library_never_imports_the_daemon():
-    offenders = []
-    for path in (ROOT / "kvxfer").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "service" or
-                          n.startswith("service.")]
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in (ROOT / "kvxfer").rglob("*.py")
+                 for name in _imports(path) if name == "service" or name.startswith("service.")]
     assert offenders == []
 
 
 def test_benchmarks_and_harnesses_live_in_kvxfer_bench_and_the_daemon_package_holds_the_daemon():
-    """Issue 48: ``service/`` is the daemon alone; every benchmark (and the launcher of real daemons that
+    """``service/`` is the daemon alone; every benchmark (and the launcher of real daemons that
     benchmarks and tests use) is a ``kvxfer.bench`` module, which starts the daemon as a program."""
-    from kvxfer.cli import BENCHES
+    from kvxfer.cli.commands import BENCHES
 
     harnesses = [p.name for p in (ROOT / "service").glob("*.py")
                  if p.name.startswith(("bench", "launch", "peer_lmcache", "peering_local"))]
     assert harnesses == [] and all(module.startswith("kvxfer.bench.") for _, module, _ in BENCHES)
-    assert "torch" not in _loaded_after("import kvxfer.defaults")
+    assert "torch" not in _loaded_after("import kvxfer.core.defaults")
 
 
 def test_peering_the_daemon_and_the_pool_managers_reach_a_cache_group_through_its_methods_alone():
-    """Issue 48: the lease and push code reached into ``group.index`` and ``group.host``, the manager completed
-    its stores on ``group.index``, promotion took the group apart into seven arguments. (The manager hands
-    ``group.host`` to its copy engine: the tier the bytes move into.)"""
+    """Peering and the pool managers use a cache group's methods, never its index or host tier directly.
+    (The manager hands ``group.host`` to its copy engine: the tier the bytes move into.)"""
     import re
 
     reach = {"kvxfer/peering": r"group\.(index|host)\b", "service": r"group\.(index|host)\b",
@@ -69,45 +122,13 @@ def test_peering_the_daemon_and_the_pool_managers_reach_a_cache_group_through_it
 
 
 def test_the_engine_integrations_use_the_client_and_the_vocabulary_alone():
-    """Issue 48: the backends reached into memory/, geometry/ and events/; they take what they need from
-    ``kvxfer.client`` (which re-exports it) and the vocabulary."""
-    allowed = ("kvxfer.client", "kvxfer.records", "kvxfer.errors", "kvxfer.validate", "kvxfer.integrations")
-    offenders = []
-    for path in (ROOT / "kvxfer" / "integrations").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
-                          if n.startswith("kvxfer") and not n.startswith(allowed)]
+    """The backends take what they need from ``kvxfer.client`` (which exports it) and the core vocabulary,
+    never from memory/, geometry/ or events/ directly."""
+    allowed = ("kvxfer.client", "kvxfer.core.records", "kvxfer.core.errors", "kvxfer.core.validate",
+               "kvxfer.integrations")
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in (ROOT / "kvxfer" / "integrations").rglob("*.py")
+                 for name in _imports(path) if name.startswith("kvxfer") and not name.startswith(allowed)]
     assert offenders == []
-
-
-def test_the_library_s_packages_import_each_other_without_a_cycle():
-    """Issue 48: serving and peering imported each other (for types). Every import counts, also one made
-    for type checking alone: the packages of ``kvxfer`` form layers, and imports go one way."""
-    graph: dict[str, set[str]] = {}
-    for path in (ROOT / "kvxfer").rglob("*.py"):
-        if "v1" in path.parts:
-            continue
-        rel = path.relative_to(ROOT / "kvxfer")
-        source = rel.parts[0] if len(rel.parts) > 1 else rel.stem
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            for name in names:
-                if name.startswith("kvxfer.") and name.split(".")[1] != source:
-                    graph.setdefault(source, set()).add(name.split(".")[1])
-    done: set[str] = set()
-
-    def visit(package: str, path: tuple[str, ...]) -> None:
-        assert package not in path, " -> ".join(path + (package,))
-        if package not in done:
-            for imported in sorted(graph.get(package, ())):
-                visit(imported, path + (package,))
-            done.add(package)
-
-    for package in sorted(graph):
-        visit(package, ())
 
 
 def test_the_torch_free_names_of_dtypes_and_presets_are_the_geometry_s():
@@ -125,8 +146,8 @@ def test_the_kvxfer_program_builds_its_command_line_without_the_optional_package
     code = ("import sys, json\n"
             "for name in ('obstore', 'boto3', 'botocore', 'nixl', 'nixl_cu13', 'zmq', 'msgspec', 'matplotlib'):\n"
             "    sys.modules[name] = None  # an import of it raises ImportError\n"
-            "import service.cli\n"
-            "service.cli.parser()\n"
+            "import service.program\n"
+            "service.program.parser()\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('obstore', 'boto3')))))")
     out = subprocess.run([PYTHON, "-c", code], env=python_env(), cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from kvxfer import cli
-from kvxfer.errors import InvalidArgument
+from kvxfer.cli import commands as cli
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.geometry.layout import PRESETS, Axis, KVSpec, Layout, PoolLayout, Run
 
 GOLDEN = KVSpec(num_layers=4, num_blocks=4, block_size=4, num_kv_heads=2, head_size=2, dtype=torch.bfloat16)

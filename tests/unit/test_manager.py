@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from kvxfer.errors import Internal, InvalidArgument
+from kvxfer.core.errors import Internal, InvalidArgument
+from kvxfer.core.records import Outcome
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
-from kvxfer.serving.batch import TransferBatch
-from kvxfer.serving.manager import PoolManager
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
+from kvxfer.serving.batch import TransferBatch
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.transfer import CompletedHandle, CopyBatch, CopyEngine
 from kvxfer.transfer.cpu import CpuCopyEngine
 from tests.helpers import read_block
@@ -184,7 +184,7 @@ class Ticking(CopyEngine):
 
 
 def test_the_engines_deadline_stops_copies_and_what_landed_after_it_never_counts(pool, monkeypatch):
-    from kvxfer.serving import manager as manager_module
+    from kvxfer.serving import pool_manager as manager_module
     from kvxfer.transfer import pipeline
     from kvxfer.transfer.pipeline import CheckedCopier
 

@@ -3,8 +3,8 @@ checksum as python-xxhash, safe with several callers at once and after fork, ref
 Its results for every layout are checked in tests/property/test_cpu_engine_props.py."""
 
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.errors import Internal
-from kvxfer.geometry.checksum import block_checksum, rows_checksums
+from kvxfer.core.errors import Internal
+from kvxfer.geometry.block_checksum import block_checksum, rows_checksums
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import CopyBatch, Direction, native

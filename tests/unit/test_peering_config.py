@@ -4,8 +4,8 @@ import subprocess
 
 import pytest
 
+from kvxfer.core.errors import ConfigError
 from service import config as cfg
-from kvxfer.errors import ConfigError
 
 
 @pytest.fixture

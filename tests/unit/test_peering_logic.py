@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvxfer.errors import ResourceExhausted
+from kvxfer.core.errors import ResourceExhausted
+from kvxfer.core.records import Outcome
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
 from kvxfer.peering.agent import XferResult
@@ -16,10 +17,9 @@ from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.leases import LeaseTable
 from kvxfer.peering.push import push
 from kvxfer.peering.settings import PeeringSettings
-from kvxfer.tiers.peer import PeerTier
-from kvxfer.records import Outcome
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
+from kvxfer.tiers.peer import PeerTier
 from tests.fake_nixl import FakeAgent, FakeLink
 
 SPEC = KVSpec(2, 16, 16, 2, 32, torch.float16)  # 8 KiB blocks

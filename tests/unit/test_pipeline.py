@@ -3,12 +3,12 @@
 import numpy as np
 import torch
 
+from kvxfer.core.records import Outcome, TierKind
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.index.eviction import EvictionPolicy
-from kvxfer.records import Outcome, TierKind
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, CopyEngine, CopyHandle
+from kvxfer.transfer.copy_engine import CopyBatch, CopyEngine, CopyHandle
 from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.pipeline import CheckedCopier
 

@@ -12,7 +12,7 @@ from kvxfer.memory import cuda_driver
 from kvxfer.memory.pool import Pool
 from kvxfer.serving.group import CacheGroup
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.transfer.copy_engine import CopyBatch, Direction
 from kvxfer.transfer.cpu import CpuCopyEngine
 from kvxfer.transfer.cuda import CudaCopyEngine
 from kvxfer.transfer.planner import COSTS, CostTable, Method, Planner, fit

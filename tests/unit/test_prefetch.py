@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvxfer.errors import ResourceExhausted, Unavailable
+from kvxfer.core.errors import ResourceExhausted, Unavailable
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.prefetch import RESULTS, HintSettings, Prefetcher

@@ -7,8 +7,8 @@ import struct
 import pytest
 import torch
 
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.engine.kernels import Kernel, cell_views, write_kv_quantized
-from kvxfer.errors import InvalidArgument
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 
 HS, HSV, HEADS, BLOCK = 8, 4, 2, 4  # a cell: 8 K codes, K's scale, 4 V codes, V's scale

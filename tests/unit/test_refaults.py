@@ -1,9 +1,9 @@
 """Refaults tell a thrashing tier from a full, healthy one (issue 50: KvxferTierThrashing fired on a
 steady 512 MiB tier, whose evictions alone exceeded its capacity every 10 minutes)."""
 
+from kvxfer.core.records import TierKind
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.index.refaults import MAX_WINDOW, Refaults
-from kvxfer.records import TierKind
 
 NS = "ns"
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.geometry.layout import PoolLayout
 from kvxfer.integrations.settings import parse_settings
 from kvxfer.integrations.sglang.naming import MHA_LAYOUTS, MLA_LAYOUTS, HostGeometry, PageNames, RankShare

@@ -13,15 +13,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.errors import FailedPrecondition, Internal, InvalidArgument
+from kvxfer.core.errors import FailedPrecondition, Internal, InvalidArgument
+from kvxfer.core.records import Outcome
 from kvxfer.geometry.layout import PRESETS, KVSpec, Layout, PoolLayout
 from kvxfer.geometry.sharding import Manifest, Sharding, head_range, stored_format
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
 from kvxfer.serving.assembly import Assembly, heads_mask
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
-from kvxfer.transfer.base import CompletedHandle
+from kvxfer.serving.pool_manager import PoolManager
+from kvxfer.transfer.copy_engine import CompletedHandle
 from kvxfer.transfer.shard import blocks_view
 from tests.strategies import layouts
 

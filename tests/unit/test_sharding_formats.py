@@ -5,19 +5,18 @@ cell with per-token-head scales worked by hand, the element format in the manife
 import pytest
 import torch
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import Outcome, TierKind
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.geometry.sharding import Manifest, Sharding, stored_format
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.tiers.registry import lower_tiers
+from kvxfer.transfer.copy_engine import CopyBatch, Direction
 from kvxfer.transfer.shard import ShardCopyEngine, blocks_view
 from tests.unit.test_sharding import BLHNC, Engine, spec_of
-from kvxfer.tiers.registry import lower_tiers
-from kvxfer.records import TierKind
 
 
 @pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "BLNHC"])
@@ -120,7 +119,7 @@ def test_kvxfer_layout_prints_a_ranks_pieces_of_the_canonical_block_worked_by_ha
     miniature: 2 layers, 4 heads, 2 tokens, 1 int8 element: its pieces [0,8) and [8,16) go to 8 and 24."""
     import json
 
-    from kvxfer import cli
+    from kvxfer.cli import commands as cli
 
     argv = ["layout", "--layers", "2", "--heads", "4", "--block-size", "2", "--head-size", "1", "--dtype", "int8",
             "--blocks", "3", "--tp-size", "2", "--tp-rank", "1"]

@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
+from kvxfer.core.records import Outcome, TierKind
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome, TierKind
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
-from kvxfer.tiers.shared_fs.settings import SharedFsSettings
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.registry import lower_tiers
+from kvxfer.tiers.shared_fs.settings import SharedFsSettings
 
 SPEC = KVSpec(2, 64, 16, 2, 32, torch.float16)  # 8 KiB blocks
 HOST_BLOCKS = 8
@@ -221,8 +221,8 @@ def test_the_shared_fs_section_is_validated(tmp_path, section, message):
 def test_the_key_format_travels_with_the_block_to_the_node_that_restores_it(tmp_path):
     """Issue 46 item 2: a block stored with vLLM's key format is announced by another node, when it restores
     it from the shared directory, in that format (its STORED event names it by vLLM's block hash)."""
-    from kvxfer.events.hub import EventHub
-    from kvxfer.events.records import EngineBlocks, EventKind, KeyFormat
+    from kvxfer.events.event_hub import EventHub
+    from kvxfer.events.event_records import EngineBlocks, EventKind, KeyFormat
     from kvxfer.serving.batch import TransferBatch, TransferKind
 
     keys = [bytes([i]) * 32 + (0).to_bytes(4, "big") for i in range(1, 13)]

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.errors import Internal
-from kvxfer.slots import SlotAllocator
+from kvxfer.core.errors import Internal
+from kvxfer.core.slots import SlotAllocator
 
 
 def test_a_fresh_tier_hands_out_runs_and_takes_back_what_was_released_first():

@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
-from kvxfer.transfer.plan import plan_copies
 from kvxfer.geometry.sharding import Sharding, stored_format
-from kvxfer.transfer.shard import ShardCopyEngine
 from kvxfer.tiers.host import HostTier
-from kvxfer.transfer.base import CopyBatch, Direction
+from kvxfer.transfer.copy_engine import CopyBatch, Direction
+from kvxfer.transfer.plan import plan_copies
+from kvxfer.transfer.shard import ShardCopyEngine
 from kvxfer.transfer.staging import Pieces, move_pieces, move_pieces_torch, pieces_want_staging, upload, wants_staging
 
 

@@ -1,7 +1,7 @@
 """``kvxfer status``'s tables from given Stats: what an operator reads at a glance (issue 50: drops shown)."""
 
-from kvxfer.records import PoolStats, TierKind, TierStats, TransferStats
-from kvxfer.status import render
+from kvxfer.cli.status_cmd import render
+from kvxfer.core.records import PoolStats, TierKind, TierStats, TransferStats
 
 
 def test_blocks_dropped_on_their_way_down_are_shown_per_lower_tier():

@@ -11,9 +11,10 @@ import platform
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvxfer.geometry.checksum import block_checksum
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.tiers.host import HostTier
 from kvxfer.transfer import CopyBatch, Direction, native

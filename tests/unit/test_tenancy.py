@@ -8,22 +8,23 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvxfer.errors import ConfigError, FailedPrecondition
+from kvxfer.core.errors import ConfigError, FailedPrecondition
+from kvxfer.core.records import Outcome, TierKind, digest
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.index.eviction import QueueLRU
-from kvxfer.index.tenancy import Tenant, Tenancy
-from kvxfer.records import digest
+from kvxfer.index.tenancy import Tenancy, Tenant
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome, TierKind
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.disk.files import HEADER_BYTES
 from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.tiers.registry import lower_tiers
-from service import config as service_config, config_sections
+from service import config as service_config
+from service import config_sections
 
 TENANTS = (Tenant("a", 0.5, namespace_prefix="a/"), Tenant("b", 0.25, namespace_prefix="b/"))
 NAMESPACE = {0: "c/x", 1: "a/x", 2: "b/x"}  # tenant -> a namespace of it (0: other)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvxfer import cli
 from kvxfer.bench.traces import KINDS, make
+from kvxfer.cli import commands as cli
 
 
 def _requests(kind: str, n: int = 600, seed: int = 3) -> list[dict]:

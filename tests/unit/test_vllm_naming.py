@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.validate import NAMESPACE_RE, POOL_ID_RE
 from kvxfer.geometry.layout import KVSpec, Layout
 from kvxfer.integrations.vllm.naming import VLLM_LAYOUTS, EngineNames, kvxfer_layout
-from kvxfer.validate import NAMESPACE_RE, POOL_ID_RE
 
 NAMES = EngineNames(engine_id="3f2b-engine", model="Qwen/Qwen2.5-0.5B",
                     spec=KVSpec(24, 1000, 16, 2, 64, torch.bfloat16), layout=kvxfer_layout("BLHNC"), world_size=1)

@@ -7,17 +7,17 @@ import time
 
 import torch
 
+from kvxfer.core.records import Outcome, TierKind
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import EventKind, Reason
 from kvxfer.geometry.layout import Layout
 from kvxfer.memory.pool import Pool
-from kvxfer.records import Outcome, TierKind
-from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.manager import PoolManager
+from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.disk.files import DiskTier
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import EventKind, Reason
-from tests.unit.test_disk_tier import HOST_BLOCKS, SPEC, block, fill, offload_all, store, stored_and_shut_down
+from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.tiers.registry import lower_tiers
+from tests.unit.test_disk_tier import HOST_BLOCKS, SPEC, block, fill, offload_all, store, stored_and_shut_down
 
 KEYS = [b"k%d" % b for b in range(1, 9)]  # on disk after stored_and_shut_down(..., 16): the oldest eight
 
@@ -98,12 +98,12 @@ def test_blocks_loaded_from_disk_are_announced_by_the_engines_hashes_after_a_res
     """Issue 46 item 2: the key format is kept with every block below host memory (file header, journal,
     checkpoint), so that after a restart the vLLM-format stream names blocks by vLLM's block hash and group
     index: when loaded, promoted, evicted and deleted, as before the restart."""
-    from kvxfer.events.hub import EventHub
-    from kvxfer.events.records import EngineBlocks, KeyFormat
+    from kvxfer.events.event_hub import EventHub
+    from kvxfer.events.event_records import EngineBlocks, KeyFormat
     from kvxfer.events.vllm_wire import BlockRemoved, BlockStored, VllmEncoder
-    from kvxfer.tiers.registry import placements
     from kvxfer.serving.batch import TransferBatch, TransferKind
     from kvxfer.tiers.disk import checkpoint as disk_checkpoint
+    from kvxfer.tiers.registry import placements
 
     keys = [bytes([i]) * 32 + (2).to_bytes(4, "big") for i in range(1, 17)]  # vLLM offload keys, group 2
 

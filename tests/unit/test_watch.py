@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from kvxfer.errors import InvalidArgument
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import EventKind, TierEvent
-from kvxfer.records import TierKind
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import TierKind
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import EventKind, TierEvent
 from kvxfer.v1 import kvxfer_pb2 as pb
 from service.watch import Encoded, watch
 

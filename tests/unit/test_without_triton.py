@@ -18,7 +18,7 @@ class NoTriton:
 
 sys.meta_path.insert(0, NoTriton())
 import kvxfer.client, kvxfer.integrations.sglang, service.server  # noqa: E401,F401
-from service import cli
+from service import program as cli
 
 code = cli.main(["bench", "store", "--spans-kib", "16", "--batch", "8", "--layouts", "BLHNC,LBHNC",
                  "--pool-mib", "4", "--min-mib", "1", "--reps", "1"])

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from kvxfer import Client
-from kvxfer.errors import PermissionDenied
 from kvxfer.bench import launch
 from kvxfer.bench.vllm_engine import Engine, Model
-from kvxfer.integrations.link import LinkDown
-from tests.vllm.conftest import DAEMON, RETRY_S, kv_transfer
+from kvxfer.core.errors import PermissionDenied
+from kvxfer.integrations.sidecar_link import LinkDown
 from tests.helpers import stop_process
 from tests.tiermem import flip_byte
+from tests.vllm.conftest import DAEMON, RETRY_S, kv_transfer
 
 PROMPT = list(range(10, 74))  # 64 tokens: 4 blocks of 16
 TAIL = [900, 901, 902, 903, 904, 905, 906, 907]
@@ -132,7 +132,7 @@ def test_a_daemon_killed_mid_run_costs_hits_never_requests(daemon, make_engine):
 
 def test_the_scheduler_logs_the_namespace_kvxfer_events_takes(daemon, make_engine, caplog, capsys):
     """Issue 50: ``kvxfer events --namespace`` needs the engine's namespace, which nothing said."""
-    from kvxfer import cli
+    from kvxfer.cli import commands as cli
 
     caplog.set_level(logging.INFO, logger="kvxfer.vllm")
     engine = make_engine(daemon.config["socket"])

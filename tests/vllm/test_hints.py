@@ -11,7 +11,7 @@ from vllm.v1.request import RequestStatus
 
 from kvxfer import Client
 from kvxfer.bench import launch
-from kvxfer.records import TierKind
+from kvxfer.core.records import TierKind
 from tests.e2e.redis_server import free_port
 from tests.vllm.conftest import DAEMON
 
@@ -118,8 +118,8 @@ def test_the_field_of_vllms_openai_api_reaches_the_request_as_the_backend_reads_
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.v1.request import Request
 
-    from kvxfer.integrations.vllm.hints import store_hint
-    from kvxfer.records import HintAction
+    from kvxfer.core.records import HintAction
+    from kvxfer.integrations.vllm.scheduler_hints import store_hint
 
     body = {"model": "m", "messages": [{"role": "user", "content": "bye"}], "max_tokens": 8,
             "kv_transfer_params": {"kvxfer": {"hint": "retain", "ttl_s": 600}}}

@@ -9,7 +9,7 @@ import pytest
 
 from kvxfer import Client
 from kvxfer.bench import launch
-from kvxfer.errors import PermissionDenied
+from kvxfer.core.errors import PermissionDenied
 from tests.vllm.conftest import DAEMON
 from tests.vllm.test_backend import PROMPT, TAIL, external_hits, run_alone
 

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from kvxfer.client import FinishedJobs
-from kvxfer.integrations.vllm.manager import KvxferBlocks
+from kvxfer.core.records import Outcome, TransferResult
 from kvxfer.integrations.vllm import worker as worker_module
+from kvxfer.integrations.vllm.manager import KvxferBlocks
 from kvxfer.integrations.vllm.worker import KvxferWorker, no_event
-from kvxfer.records import Outcome, TransferResult
 
 
 class ReadyEvent:

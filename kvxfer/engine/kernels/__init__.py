@@ -12,11 +12,10 @@ import enum
 
 import torch
 
-from kvxfer.errors import InvalidArgument
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.engine.kernels.cache_write import cache_write_torch, cache_write_triton
 from kvxfer.engine.kernels.quantized_write import cell_views, quantized_write_torch, quantized_write_triton
 from kvxfer.engine.kernels.slot_mapping import PAD_SLOT_ID, slot_mapping_torch, slot_mapping_triton
-
 
 
 class Kernel(enum.Enum):

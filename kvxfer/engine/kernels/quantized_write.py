@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvxfer.core.errors import InvalidArgument
 from kvxfer.engine.kernels.cache_write import slot_place
-from kvxfer.errors import InvalidArgument
 
 #: Code type -> (QMAX, QMIN).
 QUANT_RANGE = {torch.float8_e4m3fn: (448.0, -448.0), torch.int8: (127.0, -128.0)}

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvxfer.errors import InvalidArgument
-from kvxfer.integrations.identity import safe_group_prefix
-from kvxfer.records import digest
 from kvxfer.client import KVSpec, Layout, dtype_name
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import digest
+from kvxfer.integrations.identity import safe_group_prefix
 
 #: SGLang's host layouts (``--hicache-mem-layout``) in kvxfer's axes: MHA pools hold K and V
 #: outermost ([2, ...]); MLA pools one latent a token (KV and H of size 1).

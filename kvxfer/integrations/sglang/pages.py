@@ -10,7 +10,7 @@ Two pools per engine process, in one cache group (so their pages are the same bl
   memory, host page 0 (kvxfer's null block), and SGLang's generic (non-zero-copy) interface.
 
 Every call has a deadline; a daemon that is down, slow or restarted turns into misses
-(``False``) and the link rests for ``retry_s`` (``kvxfer.integrations.link``). A restore
+(``False``) and the link rests for ``retry_s`` (``kvxfer.integrations.sidecar_link``). A restore
 starts no copy after its deadline, so pages SGLang reclaims after a failed prefetch are never
 written later; a store whose deadline passed stores nothing.
 """
@@ -29,10 +29,10 @@ from typing import TypeVar
 import torch
 
 from kvxfer.client import Client, EngineBlocks, KeyFormat, PoolHandle, PoolLayout, create_sealed
-from kvxfer.errors import KvxferError
-from kvxfer.integrations.link import DaemonLink, LinkDown
+from kvxfer.core.errors import KvxferError
+from kvxfer.core.records import NULL_BLOCK, Medium, Outcome
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames
-from kvxfer.records import NULL_BLOCK, Medium, Outcome
+from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 
 log = logging.getLogger("kvxfer.sglang")
 T = TypeVar("T")
@@ -57,7 +57,7 @@ class Settings:
     staging_pages: int = 0  # pages of the staging area; 0: 1 beside a shared host pool (host page 0), else 128
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the pages' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this cache group's pages
-    lane: bool = True  # batches and lookups over the daemon's local lane (kvxfer.lane); False: gRPC only
+    lane: bool = True  # batches and lookups over the daemon's local lane (kvxfer.client.lane_client); False: gRPC only
 
     @property
     def target(self) -> str:

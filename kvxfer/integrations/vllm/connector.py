@@ -19,7 +19,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
-
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
@@ -27,16 +26,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVQuantMode, MLAAttentionSpec
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVQuantMode, MLAAttentionSpec
 from vllm.v1.request import Request
 
-from kvxfer.errors import KvxferError
 from kvxfer.client import KVSpec
+from kvxfer.core.errors import KvxferError
 from kvxfer.integrations import identity
-from kvxfer.integrations.vllm.hints import prompt_keys
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames, kvxfer_layout
+from kvxfer.integrations.vllm.scheduler_hints import prompt_keys
 from kvxfer.integrations.vllm.spec import KvxferOffloadingSpec, Settings
 
 

@@ -15,19 +15,18 @@ import logging
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingManager, OffloadKey, PrepareStoreOutput,
-                                     ReqContext, RequestOffloadingContext, ScheduleEndContext,
-                                     get_offload_block_hash)
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingManager, OffloadKey, PrepareStoreOutput,
+                                     ReqContext, RequestOffloadingContext, ScheduleEndContext, get_offload_block_hash)
 from vllm.v1.request import RequestStatus
 
 from kvxfer.client import ExtraKeys
-from kvxfer.errors import InvalidArgument, KvxferError
-from kvxfer.integrations.link import DaemonLink, LinkDown
-from kvxfer.integrations.vllm.hints import HintCall, request_id, store_hint
+from kvxfer.core.errors import InvalidArgument, KvxferError
+from kvxfer.core.records import HintAction
+from kvxfer.core.validate import checked_extra_keys
+from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.naming import EngineNames
-from kvxfer.records import HintAction
-from kvxfer.validate import checked_extra_keys
+from kvxfer.integrations.vllm.scheduler_hints import HintCall, request_id, store_hint
 
 log = logging.getLogger("kvxfer.vllm")
 
@@ -62,7 +61,7 @@ class KvxferManager(OffloadingManager):
                  prefetch: bool = True) -> None:
         """``forget_on_reset``: a reset of vLLM's prefix cache (after a weight update in place) starts a
         new generation of namespaces, so that no block stored before it is served again. ``prefetch``: new
-        requests' blocks are prefetched while they wait (``kvxfer.integrations.vllm.hints``)."""
+        requests' blocks are prefetched while they wait (``kvxfer.integrations.vllm.scheduler_hints``)."""
         self._link = link
         self._names = names
         self._forget_on_reset = forget_on_reset

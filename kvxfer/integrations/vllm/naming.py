@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvxfer.errors import InvalidArgument
-from kvxfer.integrations.identity import safe_group_prefix
-from kvxfer.records import digest
 from kvxfer.client import KVSpec, Layout, Sharding, dtype_name
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import digest
+from kvxfer.integrations.identity import safe_group_prefix
 
 #: vLLM's KV-cache layouts (vllm.v1.kv_cache_layout) in kvxfer's axes. vLLM's content axis C
 #: holds a token's K then its V vector, which is kvxfer's KV,D.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from kvxfer.client import Axis, Client, PoolHandle, PoolLayout
+from kvxfer.core.records import Medium
 from kvxfer.integrations.vllm.allocation import SharedKVAllocation
 from kvxfer.integrations.vllm.naming import EngineNames
-from kvxfer.records import Medium
 
 
 def whole_cache(kv: torch.Tensor, nbytes: int) -> torch.Tensor:

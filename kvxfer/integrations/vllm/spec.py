@@ -15,10 +15,10 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, Offloa
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvxfer.client import PoolLayout
-from kvxfer.integrations.vllm.allocation import SharedKVAllocation
-from kvxfer.errors import KvxferError
-from kvxfer.integrations.link import DaemonLink, LinkDown
+from kvxfer.core.errors import KvxferError
 from kvxfer.integrations.settings import parse_settings
+from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
+from kvxfer.integrations.vllm.allocation import SharedKVAllocation
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames
 from kvxfer.integrations.vllm.registration import check_memory, register_rank
@@ -46,7 +46,7 @@ class Settings:
     forget_on_reset: bool = False  # reset_prefix_cache (a weight update in place) stops serving older blocks
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the blocks' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this engine's cache groups
-    lane: bool = True  # submits and lookups over the daemon's local lane (kvxfer.lane); False: gRPC only
+    lane: bool = True  # submits and lookups over the daemon's local lane (kvxfer.client.lane_client); False: gRPC only
     prefetch: bool = True  # a request joining the queue has its blocks brought up to host memory while it waits
 
     @classmethod
@@ -118,7 +118,7 @@ class KvxferOffloadingSpec(OffloadingSpec):
             self.worker.idle_step = idle
 
     def send_hints(self, calls: list) -> None:
-        """The scheduler's hints of this step (``kvxfer.integrations.vllm.hints``): rank 0 sends them."""
+        """The scheduler's hints of this step (``kvxfer.integrations.vllm.scheduler_hints``): rank 0 sends them."""
         if calls and self.worker is not None and self.rank == 0:
             self.worker.send_hints(calls)
 

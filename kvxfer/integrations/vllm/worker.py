@@ -36,16 +36,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvxfer.client import SUCCESS, Client, CudaEvent, EngineBlocks, KeyFormat
-from kvxfer.client_results import PendingJobs
-from kvxfer.errors import KvxferError
-from kvxfer.integrations.link import DaemonLink, LinkDown
-from kvxfer.integrations.vllm.hints import HintCall
+from kvxfer.client.results import PendingJobs
+from kvxfer.core.errors import KvxferError
+from kvxfer.core.records import Outcome
+from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.manager import KvxferBlocks
-from kvxfer.records import Outcome
+from kvxfer.integrations.vllm.scheduler_hints import HintCall
 
 log = logging.getLogger("kvxfer.vllm")
 

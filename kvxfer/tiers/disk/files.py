@@ -37,11 +37,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvxfer.errors import FailedPrecondition
-from kvxfer.geometry.checksum import block_checksum
-from kvxfer.records import TierKind
-from kvxfer.tiers.base import Tier
+from kvxfer.core.errors import FailedPrecondition
+from kvxfer.core.records import TierKind
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.tiers.record import DiskCorrupt, decode_header, encode_header
+from kvxfer.tiers.tier import Tier
 
 HEADER_BYTES = 4096  # page-aligned data; 2% of a 192 KiB block
 _DIR_SLOTS = 4096  # files per directory

@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvxfer.errors import ConfigError
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 from kvxfer.tiers.sections import bounded, mapping
-from kvxfer.validate import shown
 
 KEYS = frozenset({"path", "capacity_mib", "queue_blocks", "workers"})
 

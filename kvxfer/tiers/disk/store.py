@@ -41,18 +41,19 @@ from pathlib import Path
 
 import torch
 
-from kvxfer.errors import FailedPrecondition, InvalidArgument
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import Reason
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument
+from kvxfer.core.records import Outcome, TierKind, TierStats
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import Reason
 from kvxfer.index.block_index import BlockIndex
 from kvxfer.index.tenancy import Tenant
-from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.tiers.disk.settings import DiskSettings
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue
-from kvxfer.tiers.disk import checkpoint as disk_checkpoint, journal as disk_journal
+from kvxfer.tiers.disk import checkpoint as disk_checkpoint
+from kvxfer.tiers.disk import journal as disk_journal
 from kvxfer.tiers.disk.files import HEADER_BYTES, Block, DiskTier
-from kvxfer.tiers.record import DiskCorrupt
+from kvxfer.tiers.disk.settings import DiskSettings
 from kvxfer.tiers.lower import StagedBlock
+from kvxfer.tiers.record import DiskCorrupt
+from kvxfer.tiers.write_queue import EventCounts, Staged, WriteQueue
 
 log = logging.getLogger(__name__)
 BATCH = 64  # blocks made durable per directory fsync

@@ -15,8 +15,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from kvxfer.events.hub import TierEvents
-from kvxfer.events.records import Reason, described
+from kvxfer.events.event_hub import TierEvents
+from kvxfer.events.event_records import Reason, described
 from kvxfer.tiers.mooncake.client import MooncakeClient, Unanswered
 
 FOLLOWED = 65_536

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvxfer.breaker import Breaker
+from kvxfer.core.breaker import Breaker
 from kvxfer.tiers.mooncake.settings import MooncakeSettings
 
 T = TypeVar("T")

@@ -11,9 +11,9 @@ import re
 import socket
 from dataclasses import dataclass, field
 
-from kvxfer.errors import ConfigError
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 from kvxfer.tiers.sections import bounded, mapping, mib, secret
-from kvxfer.validate import shown
 
 KEYS = frozenset({"master", "metadata", "protocol", "device", "local_hostname", "segment_mib", "buffer_mib",
                   "key_prefix", "timeout_ms", "max_inflight", "write_through", "secret_file", "workers", "audit_s"})

@@ -26,15 +26,15 @@ import time
 import numpy as np
 import torch
 
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import Reason
-from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.core.records import Outcome, TierKind, TierStats
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import Reason
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.mooncake.audit import EvictionAudit
 from kvxfer.tiers.mooncake.client import ABSENT, Code, MooncakeClient, NotSent, Unanswered
 from kvxfer.tiers.mooncake.settings import MooncakeSettings
 from kvxfer.tiers.record import MAC_BYTES, MAX_HEADER, DiskCorrupt, header, mac, unpack
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
+from kvxfer.tiers.write_queue import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
 
 BATCH = 32  # blocks a put or a get moves at once (the bounce buffer holds one batch)
 

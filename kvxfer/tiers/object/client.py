@@ -14,10 +14,10 @@ import obstore
 from obstore.exceptions import BaseError, NotFoundError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import from_url
 
-from kvxfer.errors import ConfigError
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 from kvxfer.tiers.object.credentials import from_files
 from kvxfer.tiers.object.settings import ObjectSettings
-from kvxfer.validate import shown
 
 #: What a failing or refusing server raises (a missing object is ``MISSING``, never a failure).
 FAILURES = (BaseError, OSError, TimeoutError, RuntimeError)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvxfer.errors import ConfigError
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 from kvxfer.tiers.sections import bounded, mapping, secret
-from kvxfer.validate import shown
 
 KEYS = frozenset({"url", "endpoint", "region", "allow_http", "timeout_ms", "workers", "max_inflight",
                   "write_through", "secret_file", "max_mib", "negative_cache_ms"})

@@ -30,15 +30,15 @@ import obstore
 import torch
 from obstore.exceptions import AlreadyExistsError, PermissionDeniedError
 
-from kvxfer.breaker import Breaker
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import Reason
-from kvxfer.records import Outcome, TierKind, TierStats
+from kvxfer.core.breaker import Breaker
+from kvxfer.core.records import Outcome, TierKind, TierStats
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import Reason
 from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.object.client import FAILURES, MISSING, may_have_landed, object_name, open_store
 from kvxfer.tiers.object.settings import ObjectSettings
 from kvxfer.tiers.record import MAX_HEADER, DiskCorrupt, header, sealed, unpack
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
+from kvxfer.tiers.write_queue import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
 
 ABSENT_KEYS = 65536  # names the negative cache remembers at most
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvxfer.errors import ConfigError
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 from kvxfer.tiers.sections import bounded, mapping, secret
-from kvxfer.validate import shown
 
 KEYS = frozenset({"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
                   "write_through", "max_inflight", "secret_file"})

@@ -29,17 +29,16 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import Reason
-from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.tiers.remote.watch import RemovalWatch
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
+from kvxfer.core.breaker import Breaker
+from kvxfer.core.records import Outcome, TierKind, TierStats
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import Reason
 from kvxfer.tiers.lower import Nothing, StagedBlock
-from kvxfer.tiers.record import DiskCorrupt
-from kvxfer.breaker import Breaker
-from kvxfer.tiers.record import MAX_HEADER, header, sealed, unpack
+from kvxfer.tiers.record import MAX_HEADER, DiskCorrupt, header, sealed, unpack
 from kvxfer.tiers.remote.client import BATCH, FAILURES, connect
+from kvxfer.tiers.remote.keyspace_events import RemovalWatch
 from kvxfer.tiers.remote.settings import RemoteSettings
+from kvxfer.tiers.write_queue import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
 
 __all__ = ["BATCH", "RemoteStore"]
 
@@ -55,7 +54,7 @@ class RemoteStore:
                  kv_events: EventHub | None = None) -> None:
         """``fingerprint``: the group's block format (``BlockFormat.fingerprint``), in every value's header;
         ``kv_events``: where this daemon's stores, deletes and corrupt finds are announced, and Redis's own
-        evictions and expiries where it publishes them (``kvxfer.tiers.remote.watch``)."""
+        evictions and expiries where it publishes them (``kvxfer.tiers.remote.keyspace_events``)."""
         self.kv_events = kv_events.tier(TierKind.REMOTE, group) if kv_events else None
         self.settings = settings
         self.takes_stores = settings.write_through  # else blocks go to Redis when the host tier evicts them

@@ -37,9 +37,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from kvxfer.geometry.checksum import block_checksum
+from kvxfer.core.breaker import Breaker
+from kvxfer.geometry.block_checksum import block_checksum
 from kvxfer.tiers.record import MAC_BYTES, DiskCorrupt, decode_header, encode_header
-from kvxfer.breaker import Breaker
 from kvxfer.tiers.shared_fs.settings import SharedFsSettings
 
 HEADER_BYTES = 4096

@@ -6,9 +6,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvxfer.errors import ConfigError
+from kvxfer.core.errors import ConfigError
+from kvxfer.core.validate import shown
 from kvxfer.tiers.sections import bounded, secret
-from kvxfer.validate import shown
 
 KEYS = frozenset({"path", "timeout_ms", "workers", "max_inflight", "secret_file"})
 

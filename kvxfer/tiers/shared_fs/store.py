@@ -15,14 +15,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvxfer.records import Outcome, TierKind, TierStats
-from kvxfer.events.hub import EventHub
-from kvxfer.events.records import Reason
-from kvxfer.tiers.staging import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored
+from kvxfer.core.records import Outcome, TierKind, TierStats
+from kvxfer.events.event_hub import EventHub
+from kvxfer.events.event_records import Reason
 from kvxfer.tiers.lower import StagedBlock
 from kvxfer.tiers.record import DiskCorrupt
 from kvxfer.tiers.shared_fs.files import SharedFs, Stalled
 from kvxfer.tiers.shared_fs.settings import SharedFsSettings
+from kvxfer.tiers.write_queue import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored
 
 __all__ = ["SharedFsSettings", "SharedFsStore"]
 BATCH = 16  # blocks a writer pass takes from the queue

@@ -1,0 +1,82 @@
+"""``kvxfer hint ACTION``: tell a daemon what is coming, as a router or an application would.
+
+    kvxfer hint prefetch --pool P --namespace NS --keys KEY...   # bring the keys up to host memory now
+    kvxfer hint retain --ttl 600 --pool P --namespace NS --keys KEY...
+    kvxfer hint release --pool P --namespace NS --keys KEY...    # the session ended: evict these first
+    kvxfer hint cancel --pool P --request-id R                   # drop the prefetches queued under R
+
+Keys are hex, after ``--keys`` or one a line in ``--keys-file`` (``-``: standard input), in
+prefix order. The daemon's own pools (``pools:`` in its config) and pools registered with
+``share_events`` take hints from anyone who may call the daemon; another registered pool takes
+them from its registrant only (its registration token), as its Restores do. The daemon answers the same whatever it
+holds (a hint never says which keys are cached); ``kvxfer status`` and the ``kvxfer_tier_hinted_blocks``
+and ``kvxfer_prefetch_keys`` metrics show what hints did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvxfer.cli.status_cmd import connect
+from kvxfer.core.errors import InvalidArgument
+from kvxfer.core.records import HintAction
+
+
+def keys_of(args: argparse.Namespace) -> list[bytes]:
+    """The keys named on the command line and in ``--keys-file``, decoded from hex (InvalidArgument if one is not)."""
+    words = list(args.keys)
+    if args.keys_file:
+        text = sys.stdin.read() if args.keys_file == "-" else _read(args.keys_file)
+        words += [w for w in text.split() if w]
+    try:
+        return [bytes.fromhex(w) for w in words]
+    except ValueError:
+        bad = next(w for w in words if not _is_hex(w))
+        raise InvalidArgument(f"key {bad[:40]!r} is not hex") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    action = HintAction(args.action)
+    keys = keys_of(args)
+    if action is HintAction.CANCEL and not args.request_id:
+        raise InvalidArgument("cancel names the prefetches it drops with --request-id")
+    if action is not HintAction.CANCEL and not keys:
+        raise InvalidArgument(f"{action.value} names at least one key (hex), or --keys-file")
+    client = connect(args, args.timeout)
+    with client:
+        client.hint(action, keys, ttl_s=args.ttl, request_id=args.request_id, pool_id=args.pool,
+                    namespace=args.namespace)
+    print(f"{action.value}: sent for {len(keys)} keys" if keys else f"{action.value}: sent for {args.request_id}")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=[a.value for a in HintAction], help="what the keys are for")
+    p.add_argument("--keys", nargs="+", default=[], metavar="KEY", help="keys, hex, in prefix order")
+    p.add_argument("--pool", required=True, help="the pool whose cache group holds the keys")
+    p.add_argument("--namespace", default="default", help="the keys' namespace")
+    p.add_argument("--ttl", type=int, default=0, help="retain: seconds (1 to hints.max_ttl_s); prefetch: retain "
+                   "what it brings up this long (0: not retained)")
+    p.add_argument("--request-id", default="", help="prefetch: names it for a later cancel; cancel: the one dropped")
+    p.add_argument("--keys-file", help="more keys, hex, one a line ('-': standard input)")
+    p.add_argument("--target", default="unix:/tmp/kvxfer.sock", help="the daemon (unix:PATH or HOST:PORT)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    p.add_argument("--token-file", help="for a TCP target: the bearer token")
+    p.add_argument("--ca", help="for a TCP target: the CA certificate (PEM)")
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"{path}: {exc.strerror}") from None
+
+
+def _is_hex(word: str) -> bool:
+    try:
+        bytes.fromhex(word)
+        return True
+    except ValueError:
+        return False
