@@ -8,7 +8,8 @@ import subprocess
 import grpc
 import pytest
 
-from kvxfer import Client, wire
+from kvxfer import Client
+from kvxfer.client import wire
 from kvxfer.core.errors import FailedPrecondition, InvalidArgument
 from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import KVSpec, Layout
