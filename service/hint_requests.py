@@ -83,8 +83,8 @@ def hint(registry: PoolRegistry, max_keys: int, request: pb.HintRequest) -> Call
             registry.prefetcher.cancel(owner)
         elif action is HintAction.PREFETCH:
             keys = checked_keys(request.keys, limit=max_keys)
-            group.hints[action] += 1
-            registry.prefetcher.submit(group, namespace, keys, owner, ttl_s)
+            registry.prefetcher.submit(group, namespace, keys, owner, ttl_s)  # (raises when its queue is full)
+            group.hints[action] += 1  # counted once taken: a refused hint is no hint taken
         else:
             group.hint(namespace, checked_keys(request.keys, limit=max_keys), action, time.monotonic() + ttl_s)
         return pb.HintResponse()

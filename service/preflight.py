@@ -1,4 +1,5 @@
-"""Start-up checks that run before anything is allocated: devices first, then memory.
+"""Start-up checks that run before anything is allocated: devices first, then memory; and what
+``serve --check`` asks the servers lower tiers need (``reachable``).
 
 A daemon that cannot hold its configuration says so at once, in one line naming the
 figures, instead of reserving memory until the OOM killer comes (``allow_overcommit``
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvxfer.core.errors import FailedPrecondition, ResourceExhausted
+from kvxfer.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from kvxfer.memory import cuda_mem, room
 from kvxfer.tiers.host import capacity_blocks
-from kvxfer.tiers.registry import staged_blocks
+from kvxfer.tiers.mooncake.reachable import missing_devices
+from kvxfer.tiers.registry import client_bytes, staged_blocks, unanswered
 from service.config import Config
 
 
@@ -24,15 +26,16 @@ class MemoryNeed:
     host_tiers: int  # one per cache group, sized by the group's first pool
     staging: int  # each lower tier's write queue, per cache group (disk, shared filesystem, Redis)
     registered: int = 0  # the host tiers of the engine ranks expected to register (registered_ranks)
+    clients: int = 0  # each cache group's lower-tier clients (a Mooncake segment and transfer buffer), all groups
 
     @property
     def total(self) -> int:
-        return self.pools + self.host_tiers + self.staging + self.registered
+        return self.pools + self.host_tiers + self.staging + self.registered + self.clients
 
     def describe(self) -> str:
         return (f"{room.gib(self.total)} (CPU pools {room.gib(self.pools)}, host tiers {room.gib(self.host_tiers)}, "
                 f"lower-tier staging {room.gib(self.staging)}, registered pools' host tiers "
-                f"{room.gib(self.registered)})")
+                f"{room.gib(self.registered)}, lower-tier clients {room.gib(self.clients)})")
 
 
 def resolve_devices(config: Config) -> Config:
@@ -57,20 +60,35 @@ def memory_need(config: Config) -> MemoryNeed:
             groups[p.cache_group or p.id] = p.spec.block_bytes
             tiers += capacity_blocks(p.host_capacity_mib, p.spec.block_bytes) * p.spec.block_bytes
     queued = staged_blocks(config.tiers)
-    registered = config.registered_ranks * config.registered_host_capacity_mib << 20 if config.allow_register else 0
-    return MemoryNeed(pools, tiers, queued * sum(groups.values()), registered)
+    ranks = config.registered_ranks if config.allow_register else 0  # (each registered rank: a group of its own)
+    registered = ranks * config.registered_host_capacity_mib << 20
+    return MemoryNeed(pools, tiers, queued * sum(groups.values()), registered,
+                      (len(groups) + ranks) * client_bytes(config.tiers))
 
 
 def check(config: Config, measured: room.Room | None = None) -> Config:
     """The config with devices resolved, or FailedPrecondition/ResourceExhausted in one line."""
     config = resolve_devices(config)
+    mooncake = config.tiers.get("mooncake")
+    why = missing_devices(mooncake) if mooncake is not None else None
+    if why is not None:  # (a transport that cannot work here: the tier would never join)
+        raise FailedPrecondition(why)
     need = memory_need(config)
     measured = room.measure() if measured is None else measured
     if not config.allow_overcommit and need.total > measured.usable:
         raise ResourceExhausted(f"memory: this configuration needs {need.describe()}; {measured.describe()}; "
-                                "lower spec.num_blocks, host_capacity_mib or registered_host_capacity_mib, or pass "
+                                f"lower spec.num_blocks, host_capacity_mib, registered_host_capacity_mib"
+                                f"{', mooncake.segment_mib or buffer_mib' if need.clients else ''}, or pass "
                                 "--allow-overcommit")
     return config
 
 
-__all__ = ["MemoryNeed", "check", "memory_need", "resolve_devices"]
+def reachable(config: Config) -> None:
+    """``serve --check``'s question to the servers the lower tiers need: Unavailable, one line naming the setting,
+    if one would not answer a start now (the daemon would then serve with that tier degraded)."""
+    lines = unanswered(config.tiers)
+    if lines:
+        raise Unavailable(f"{lines[0]}: a start would serve with this tier degraded until it answers")
+
+
+__all__ = ["MemoryNeed", "check", "memory_need", "reachable", "resolve_devices"]

@@ -18,6 +18,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     if not args.check:
         return server.serve(cfg)
     cfg = preflight.check(cfg)
+    preflight.reachable(cfg)
     for line in [*config.unknown_variables(), *cfg.notes]:
         print(f"warning: {line}")
     for p in cfg.pools:

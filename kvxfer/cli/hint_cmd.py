@@ -22,6 +22,7 @@ from pathlib import Path
 from kvxfer.cli.status_cmd import connect
 from kvxfer.core.errors import InvalidArgument
 from kvxfer.core.records import HintAction
+from kvxfer.core.validate import check_uint32
 
 
 def keys_of(args: argparse.Namespace) -> list[bytes]:
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("cancel names the prefetches it drops with --request-id")
     if action is not HintAction.CANCEL and not keys:
         raise InvalidArgument(f"{action.value} names at least one key (hex), or --keys-file")
+    check_uint32(args.ttl, "--ttl (seconds)")  # before anything is sent (the daemon bounds it by hints.max_ttl_s)
     client = connect(args, args.timeout)
     with client:
         client.hint(action, keys, ttl_s=args.ttl, request_id=args.request_id, pool_id=args.pool,

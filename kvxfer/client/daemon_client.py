@@ -24,6 +24,7 @@ from kvxfer.client.channel import monotonic_ns, open_channel, rpc_error, time_le
 from kvxfer.client.results import DROPPABLE, FinishedJobs, PendingJobs, failures, finished
 from kvxfer.core.errors import FailedPrecondition, InvalidArgument, KvxferError
 from kvxfer.core.records import PB_TO_TIER, HintAction, LookupResult, Medium, PoolStats, TransferResult
+from kvxfer.core.validate import check_uint32, checked_keys, shown
 from kvxfer.events.event_records import EngineBlocks
 from kvxfer.events.event_stream import EventBatch, SnapshotBatch, event_batches, snapshot_batches
 from kvxfer.events.event_wire import engine_to_pb
@@ -298,8 +299,16 @@ class Client:
              pool_id: str | None = None, namespace: str | None = None, timeout: float | None = None) -> None:
         """What is coming (docs/api.md, Hints): PREFETCH ``keys`` (retained ``ttl_s`` once up; ``request_id``
         cancels it), RETAIN them ``ttl_s``, RELEASE them, or CANCEL ``request_id``'s. Says nothing of what is held."""
+        try:
+            pb_action = wire.HINT_TO_PB[HintAction(action)]
+        except (ValueError, TypeError):
+            raise InvalidArgument(f"hint action {shown(action)} is none of "
+                                  f"{', '.join(a.value for a in HintAction)}") from None
+        if not isinstance(request_id, str):
+            raise InvalidArgument(f"request_id must be a str, got {shown(request_id)}")
         request = pb.HintRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
-                                 action=wire.HINT_TO_PB[action], keys=list(keys), ttl_s=ttl_s, request_id=request_id)
+                                 action=pb_action, keys=checked_keys(keys) if keys else [],
+                                 ttl_s=check_uint32(ttl_s, "ttl_s"), request_id=request_id)
         self._call(self._stub.Hint, request, timeout)
 
     def delete(self, keys: Sequence[bytes], *, pool_id: str | None = None, namespace: str | None = None,

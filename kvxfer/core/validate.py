@@ -18,6 +18,7 @@ from kvxfer.core.errors import InvalidArgument
 from kvxfer.core.records import NULL_BLOCK
 
 MAX_KEY_BYTES = 256
+UINT32_MAX = (1 << 32) - 1
 MAX_BATCH_BLOCKS = 65536
 MAX_EVENT_EXTRAS = 1 << 16  # extra keys one offload may describe, all blocks together
 MAX_EXTRA_CHARS = 1024  # a LoRA name, cache salt or media identifier, at most
@@ -50,6 +51,14 @@ def check_namespace(namespace: str) -> None:
 
 def check_pool_id(pool_id: str, what: str = "pool id") -> str:
     return check_name(pool_id, POOL_ID_RE, what, "1-64 letters, digits, '_', '.', '-'")
+
+
+def check_uint32(value: object, what: str) -> int:
+    """``value`` if it is an int the wire's ``uint32`` carries (0 to 2**32 - 1); InvalidArgument naming ``what``
+    otherwise (protobuf's own ``ValueError`` would reach the caller as a traceback)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32_MAX:
+        raise InvalidArgument(f"{what} must be a whole number from 0 to {UINT32_MAX}, got {shown(value)}")
+    return value
 
 
 def check_count(n: int, limit: int, what: str) -> None:

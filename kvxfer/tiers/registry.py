@@ -21,6 +21,7 @@ from kvxfer.tiers import peer
 from kvxfer.tiers.disk import settings as disk
 from kvxfer.tiers.disk.store import DiskStore
 from kvxfer.tiers.lower import GroupContext, LowerTier, LowerTierFactory
+from kvxfer.tiers.mooncake import reachable as mooncake_reach
 from kvxfer.tiers.mooncake import settings as mooncake
 from kvxfer.tiers.object import settings as object_settings
 from kvxfer.tiers.remote import settings as remote
@@ -41,6 +42,8 @@ class TierRow:
     keys: frozenset[str] = frozenset()  # the section's keys (documented in docs/storage.md; a test checks it)
     medium: str = "REMOTE"  # what its vLLM-format KV events call its medium (vLLM's names: CPU, DISK, STORAGE...)
     locality: str = "REMOTE"  # LOCAL (this node's own) or REMOTE, in the same events
+    #: what ``kvxfer serve --check`` asks before a start (settings -> why it would not work now, or None)
+    ask: Callable[[Any], str | None] | None = None
 
 
 def _store(cls: type) -> Callable[[Any, GroupContext], LowerTier]:
@@ -69,7 +72,8 @@ LOWER_TIERS: list[TierRow] = [
     TierRow(TierKind.SHARED_FS, "shared_fs", _store(SharedFsStore), shared_fs.parse, shared_fs.KEYS, "SHARED_FS"),
     TierRow(TierKind.PEER, "peering", peer.PeerTier),  # other nodes' daemons: after the local tiers, before Redis
     # the cluster's pooled memory: "CPU", as vLLM's own Mooncake Store connector names it
-    TierRow(TierKind.MOONCAKE, "mooncake", _mooncake, mooncake.parse, mooncake.KEYS, "CPU"),
+    TierRow(TierKind.MOONCAKE, "mooncake", _mooncake, mooncake.parse, mooncake.KEYS, "CPU",
+            ask=mooncake_reach.unreachable),
     TierRow(TierKind.REMOTE, "remote", _store(RemoteStore), remote.parse, remote.KEYS),
     # the bucket: shared, slowest, last ("STORAGE": what vLLM 0.33's own object tier publishes)
     TierRow(TierKind.OBJECT, "object", _object, object_settings.parse, object_settings.KEYS, "STORAGE"),
@@ -85,6 +89,25 @@ def staged_blocks(sources: Mapping[str, object]) -> int:
     """Blocks of each cache group's that its lower tiers may hold in memory on their way down (the settings
     of a tier with a write queue say how many: ``staged_blocks``)."""
     return sum(int(getattr(source, "staged_blocks", 0)) for source in sources.values())
+
+
+def client_bytes(sources: Mapping[str, object]) -> int:
+    """Host memory each cache group's lower tiers take beside their write queues (a Mooncake client's segment and
+    transfer buffer: the settings of such a tier say how much, ``client_bytes``)."""
+    return sum(int(getattr(source, "client_bytes", 0)) for source in sources.values())
+
+
+def unanswered(sources: Mapping[str, object]) -> list[str]:
+    """What a start would find: for each configured tier that can be asked before it is made, why it would not
+    work now (its server not answering, a device missing), one line naming the setting."""
+    lines = []
+    for row in LOWER_TIERS:
+        source = sources.get(row.section)
+        if source is not None and row.ask is not None:
+            why = row.ask(source)
+            if why is not None:
+                lines.append(why)
+    return lines
 
 
 def lower_tiers(sources: Mapping[str, object] | None = None, /, **named: object) -> LowerTierFactory:

@@ -165,3 +165,43 @@ def test_a_slow_network_to_the_master_holds_no_call_past_its_deadline(master, tm
     finally:
         daemon.cleanup()
         proxy.close()
+
+
+def test_a_master_down_at_start_leaves_the_daemon_serving_and_the_tier_joins_once_it_answers(master, tmp_path):
+    """Mooncake's setup against a master that does not answer retries for tens of seconds holding the GIL: the
+    daemon must not call it then. It answers health, serves its host tier, says the tier is degraded, stops on
+    SIGTERM at once, and joins by itself when the master comes up (no restart)."""
+    master.stop()
+    daemon = node(master, tmp_path)  # (spawn waits until health says SERVING)
+    try:
+        until(lambda: events(daemon)["degraded"], "the tier says it is degraded", seconds=30)
+        shadow = offload(daemon, KEYS[:8])  # the host tier serves meanwhile
+        outcomes, blocks = restore(daemon, KEYS[:8])
+        assert outcomes == [Outcome.DONE] * 8 and all(d.equal(shadow[k]) for k, d in zip(KEYS[:8], blocks))
+        assert tiers(daemon, [b"never"]) == [None]
+        master.start()
+        until(lambda: not events(daemon)["degraded"], "joined once the master answers", seconds=60)
+        shadow.update(offload(daemon, KEYS[8:48]))
+        until(lambda: tiers(daemon, KEYS[:8]) == [TierKind.MOONCAKE] * 8, "demoted to the cluster it joined late")
+        master.stop()  # and a daemon whose master is gone again stops at once on SIGTERM
+        start = time.monotonic()
+        assert daemon.stop(timeout=60) == 0
+        assert time.monotonic() - start < 30  # (a hang guard: it ignored SIGTERM for 30 s while setup held the GIL)
+    finally:
+        daemon.cleanup()
+
+
+def test_a_daemon_whose_master_never_answers_stops_on_sigterm(tmp_path):
+    """No master at all (a port nothing listens on): health answers and SIGTERM ends the daemon."""
+    cluster = MooncakeMaster()
+    cluster.stop()
+    daemon = node(cluster, tmp_path)
+    try:
+        until(lambda: events(daemon)["degraded"], "degraded", seconds=30)
+        assert daemon.health() == 1
+        start = time.monotonic()
+        assert daemon.stop(timeout=60) == 0
+        assert time.monotonic() - start < 30  # (a hang guard, as above)
+    finally:
+        daemon.cleanup()
+        cluster.close()

@@ -1,7 +1,8 @@
 """The Mooncake Store client as the tier uses it: every call bounded, the store's codes read.
 
-One ``MooncakeDistributedStore`` per tier, made on first use (the master may be down at start)
-and made again after the master lost it (a restarted master knows no client). Every call runs
+One ``MooncakeDistributedStore`` per tier, joined in the background at start; a master down then
+leaves the tier degraded (its breaker open) until the breaker's probe joins it, within about a
+second of the master answering. Every call runs
 on a bounded pool of threads and is waited for at most ``timeout_s``: a stalled master or peer
 never holds a request longer; a call past it is abandoned (its thread is freed when the store
 answers) and opens the tier's circuit breaker, whose probe (a health check) closes it again.
@@ -12,16 +13,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvxfer.core.breaker import Breaker
+from kvxfer.tiers.mooncake.reachable import CONNECT_S, unreachable
 from kvxfer.tiers.mooncake.settings import MooncakeSettings
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
 
 class Code(enum.IntEnum):
@@ -104,14 +104,18 @@ class MooncakeClient:
         return fn(self._joined(), *args)
 
     def _joined(self) -> Any:
-        """The store, joined to the cluster now if it is not (on a store thread: with the master down, setup
-        waits about 90 s before it fails; the caller has long stopped waiting by then)."""
+        """The store, joined to the cluster now if it is not (on a store thread). Mooncake's setup is called only
+        once the master and metadata server answer (``reachable``): against a master that does not, it retries
+        for tens of seconds holding the GIL, and the whole daemon would stand still meanwhile."""
         with self._made:
             if self._store is None:
                 from mooncake.store import MooncakeDistributedStore  # (the wheel: only where this tier is used)
 
-                store = MooncakeDistributedStore()
                 s = self.settings
+                why = unreachable(s, min(CONNECT_S, s.timeout_s))
+                if why is not None:
+                    raise Unanswered(f"not joined: {why}")
+                store = MooncakeDistributedStore()
                 code = store.setup(s.hostname, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol, s.device,
                                    s.master)
                 if code != 0:
@@ -124,10 +128,12 @@ class MooncakeClient:
             return self._store
 
     def _join_quietly(self) -> None:
+        """The join at start: one that fails opens the breaker (the tier says it is degraded), whose probe joins
+        as soon as the cluster answers."""
         try:
             self._joined()
         except Unanswered as exc:
-            log.warning("mooncake tier: not joined yet", extra={"error": str(exc)})
+            self.breaker.failed(exc)
 
     def _probe(self) -> None:
         """The breaker's question while the store failed: a lookup of a name no block has answers (its health

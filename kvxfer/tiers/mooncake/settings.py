@@ -49,6 +49,11 @@ class MooncakeSettings:
         return self.max_inflight
 
     @property
+    def client_bytes(self) -> int:
+        """Host memory each cache group's client takes at its join: the segment it lends and its transfer buffer."""
+        return self.segment_bytes + self.buffer_bytes
+
+    @property
     def hostname(self) -> str:
         """Where other clients reach this one's segment: ``local_hostname``, else this host's name resolved (in
         Kubernetes, the pod's IP: the kubelet's /etc/hosts maps its name to it). Asked on a store thread."""

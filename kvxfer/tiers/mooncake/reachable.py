@@ -1,0 +1,64 @@
+"""What a join to a Mooncake Store cluster would find, asked before the store's client is called.
+
+Mooncake's ``setup`` retries an unreachable master for tens of seconds while holding the GIL: the
+daemon's event loop, its workers and its SIGTERM handler all wait behind it. So the client is
+called only once these cheap questions pass (``MooncakeClient`` asks them before every join,
+``kvxfer serve --check`` before a start): the master's RPC port and the metadata server take a
+TCP connection within a second, and an RDMA transport has its devices on this node. Each answer
+is one line naming the setting.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from kvxfer.tiers.mooncake.settings import MooncakeSettings
+
+RDMA_DEVICES = Path("/sys/class/infiniband")  # where the kernel lists this node's RDMA devices
+CONNECT_S = 1.0  # a listening master answers a connection on loopback or a LAN well within this
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _answers(host: str, port: int, timeout: float) -> str | None:
+    """None if ``host:port`` takes a TCP connection within ``timeout``; else why not, in a few words."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except socket.timeout:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+
+
+def missing_devices(settings: MooncakeSettings, root: Path = RDMA_DEVICES) -> str | None:
+    """Why ``protocol: rdma`` cannot work on this node (no RDMA device, or a named one absent), or None."""
+    if settings.protocol != "rdma":
+        return None
+    present = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    if not present:
+        return f"mooncake.protocol: rdma, but this node has no RDMA device ({root} is empty or absent); use tcp"
+    named = [d for d in settings.device.split(",") if d]
+    absent = [d for d in named if d not in present]
+    if absent:
+        return f"mooncake.device: {', '.join(absent)} not on this node (it has {', '.join(present)})"
+    return None
+
+
+def unreachable(settings: MooncakeSettings, timeout: float = CONNECT_S) -> str | None:
+    """Why a join would fail now (the master or the metadata server not answering, no RDMA device), or None."""
+    why = _answers(*_split(settings.master), timeout)
+    if why is not None:
+        return f"mooncake.master: {settings.master} does not answer ({why})"
+    if settings.metadata != "P2PHANDSHAKE":
+        url = urlsplit(settings.metadata)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        why = _answers(url.hostname or "", port, timeout)
+        if why is not None:
+            return f"mooncake.metadata: {settings.metadata} does not answer ({why})"
+    return missing_devices(settings)
