@@ -170,10 +170,18 @@ def test_bad_hints_get_a_precise_status_and_change_nothing(make_daemon):
                 c._call(stub.Hint, pb.HintRequest(pool=ref, namespace="app", **fields))
         with pytest.raises(InvalidArgument, match="namespace"):
             c.hint(HintAction.RELEASE, keys[:1], namespace="bad namespace")
-        with pytest.raises(InvalidArgument, match="more than 65536 keys"):
+        with pytest.raises(InvalidArgument, match="at most 65536"):  # (refused by the library, before sending)
             c.hint(HintAction.RELEASE, [b"%d" % i for i in range(65537)])
         with pytest.raises(ResourceExhausted, match="at most 16"):
             c.hint(HintAction.PREFETCH, [b"q%d" % i for i in range(17)])
+        for ttl in (-1, 1 << 40, 2.5, "600", None):  # the library refuses what the wire cannot carry
+            with pytest.raises(InvalidArgument, match="ttl_s"):
+                c.hint(HintAction.RETAIN, keys[:1], ttl_s=ttl)
+        for action, words in (("keep", "hint action"), (7, "hint action")):
+            with pytest.raises(InvalidArgument, match=words):
+                c.hint(action, keys[:1])
+        with pytest.raises(InvalidArgument, match="key"):
+            c.hint(HintAction.RELEASE, ["not bytes"])
         c.hint(HintAction.RELEASE, [b"unknown-%d" % i for i in range(100)])  # unknown keys: OK, no effect
         c.hint(HintAction.RELEASE, keys[:8], namespace="another")  # another namespace's keys: OK, no effect
         _fill(c, [b"n%03d" % i for i in range(8)])
@@ -258,6 +266,25 @@ def test_kvxfer_hint_sends_each_action_and_refuses_bad_input_in_one_line(make_da
         for args, words in [(("retain", "--pool", "rank0", "--keys", "zz"), "not hex"),
                             (("retain", "--pool", "rank0", "--ttl", "0", "--keys", "00ff"), "ttl_s 0 is out of range"),
                             (("cancel", "--pool", "rank0"), "--request-id"),
-                            (("release", "--pool", "rank0"), "at least one key")]:
+                            (("release", "--pool", "rank0"), "at least one key"),
+                            (("retain", "--pool", "rank0", "--ttl", "-1", "--keys", "00ff"), "--ttl"),
+                            (("retain", "--pool", "rank0", "--ttl", "1099511627776", "--keys", "00ff"), "--ttl")]:
             out = hint(*args)
             assert out.returncode == 2 and words in out.stderr and len(out.stderr.strip().splitlines()) == 1, out
+
+
+def test_a_prefetch_refused_for_a_full_queue_is_not_counted_as_a_hint_taken(make_daemon, tmp_path):
+    """kvxfer_hints_total counts hints taken: a PREFETCH refused with RESOURCE_EXHAUSTED adds nothing."""
+    port = free_port()
+    disk = {"path": str(tmp_path / "disk"), "capacity_mib": 4}
+    daemon = make_daemon({"pools": [{**SMALL_POOL, "host_capacity_mib": 0.5}], "disk": disk,
+                          "metrics_listen": f"127.0.0.1:{port}", "hints": {"prefetch_queue_keys": 16}})
+    labels = 'action="prefetch",cache_group="rank0"'
+    with Client(daemon.target, "app", pool_id="rank0") as c:
+        refused = 0
+        for _ in range(20):
+            with pytest.raises(ResourceExhausted, match="at most 16"):
+                c.hint(HintAction.PREFETCH, [b"q%02d" % i for i in range(17)])
+            refused += 1
+        c.hint(HintAction.PREFETCH, [b"q%02d" % i for i in range(4)])
+        assert refused == 20 and _metric(port, "kvxfer_hints_total", labels) == 1
