@@ -35,6 +35,7 @@ from kvxfer.serving.assembly import Assembly, Verified
 from kvxfer.serving.promotion import InFlight, promote
 from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.lower import GroupContext, LowerTier, LowerTierFactory
+from kvxfer.tiers.reach import SHARED, Reach
 from kvxfer.transfer import native
 
 
@@ -90,7 +91,7 @@ class CacheGroup:
                  lower: LowerTierFactory | None = None, kv_events: EventHub | ScopedEvents | None = None,
                  manifest: Manifest | None = None, reservations: Reservations | None = None,
                  admission: AdmissionSettings | None = None, tenants: Sequence[Tenant] = (),
-                 hash_threads: int = 1, hint_share: float = DEFAULT_SHARE) -> None:
+                 hash_threads: int = 1, hint_share: float = DEFAULT_SHARE, reach: Reach = SHARED) -> None:
         """``lower``: makes the group's lower tiers, top down (``kvxfer.tiers.registry.lower_tiers``).
         ``kv_events``: where every tier of the group announces blocks becoming restorable and going.
         ``manifest``: the group holds canonical blocks (``layout`` is theirs), assembled from rank pools.
@@ -98,7 +99,8 @@ class CacheGroup:
         ``admission``: which new blocks engines' offloads store (``kvxfer.index.admission``; none: all).
         ``tenants``: their guaranteed shares of the host tier and of the disk tier (``kvxfer.index.tenancy``).
         ``hash_threads``: threads that checksum host slots (what peers and lower tiers read into them).
-        ``hint_share``: of the host tier, per tenant, what retained and prefetched blocks may hold."""
+        ``hint_share``: of the host tier, per tenant, what retained and prefetched blocks may hold.
+        ``reach``: who may find its blocks on the tiers other nodes read (``kvxfer.tiers.reach``)."""
         self.name = name
         self.event_scope = kv_events.scope if kv_events is not None else 0  # who sees its events (EventHub.scoped)
         self.format = BlockFormat.of(layout, manifest)
@@ -122,7 +124,7 @@ class CacheGroup:
         #: what the group's lower tiers are told of it
         self.context = GroupContext(name, layout.block_bytes, self.format.bound_to(name), self.format.fingerprint,
                                     (self.host.buffer.data_ptr(), self.host.buffer.numel()), kv_events,
-                                    self.host.checksums, tuple(tenants))
+                                    self.host.checksums, tuple(tenants), reach)
         self.lower_tiers: list[LowerTier] = lower(self.context) if lower is not None else []
 
     def tier(self, kind: TierKind) -> LowerTier | None:

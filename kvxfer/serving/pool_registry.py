@@ -44,6 +44,7 @@ from kvxfer.serving.pool_manager import PoolManager, TransferObserver
 from kvxfer.serving.prefetch import HintSettings, Prefetcher
 from kvxfer.serving.served_pool import DAEMON, ServedPool
 from kvxfer.tiers.host import capacity_blocks
+from kvxfer.tiers.reach import NODE, SHARED, Reach
 from kvxfer.tiers.registry import lower_tiers as make_lower_tiers
 from kvxfer.transfer import native
 
@@ -87,12 +88,14 @@ class PoolRegistry:
         self._lower_tiers = make_lower_tiers({**(lower_tiers or {}), "peering": self.peering})
 
     def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
-            token: bytes = b"", registrant_pid: int = 0, sharing: Sharing | None = None) -> ServedPool:
+            token: bytes = b"", registrant_pid: int = 0, sharing: Sharing | None = None,
+            chosen: bytes = b"") -> ServedPool:
         """Serve a mapped pool (owned, or registered) in a cache group (default: its own id).
 
         A new group gets a host tier of ``host_capacity_blocks`` and ``sharing`` (default: the
         daemon's groups shared, others private); an existing group keeps its own, admits only its
-        ``owner``, and refuses a pool that asks for other sharing.
+        ``owner``, and refuses a pool that asks for other sharing. A new private group reaches the
+        tiers other nodes read through ``chosen`` (its registrant's chosen token), or not at all.
         """
         sharing = sharing if sharing is not None else DAEMON_SHARING if owner == DAEMON else Sharing()
         pool_id = pool.descriptor.pool_id
@@ -119,7 +122,8 @@ class PoolRegistry:
                                               if self.kv_events is not None else None, manifest=manifest,
                                               reservations=self.peering.leases if self.peering else None,
                                               admission=self.admission, tenants=self.tenants,
-                                              hash_threads=self.limits.copy_threads, hint_share=self.hints.share),
+                                              hash_threads=self.limits.copy_threads, hint_share=self.hints.share,
+                                              reach=_reach(name, owner, sharing, chosen)),
                                        owner, sharing)
                 # PoolManager refuses a pool whose block format differs from the group's.
                 manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
@@ -169,7 +173,7 @@ class PoolRegistry:
         unregister_token = chosen or secrets.token_bytes(16)
         try:
             served = self.add(pool, capacity, cache_group, owner=f"uid:{handoff.uid}", token=unregister_token,
-                              registrant_pid=handoff.pid, sharing=sharing)
+                              registrant_pid=handoff.pid, sharing=sharing, chosen=chosen)
         except BaseException:
             pool.close()
             raise
@@ -397,3 +401,11 @@ class PoolRegistry:
 
 
 __all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool", "Sharing"]
+
+
+def _reach(group: str, owner: str, sharing: Sharing, chosen: bytes) -> Reach:
+    """A new group's reach on the tiers other nodes read: shared if the daemon made it or its registrant shares it
+    with peers; else its chosen token's, or this node's alone (``kvxfer.tiers.reach``)."""
+    if owner == DAEMON or sharing.peers:
+        return SHARED
+    return Reach.of_token(group, chosen) if chosen else NODE

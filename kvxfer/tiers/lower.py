@@ -21,6 +21,7 @@ import torch
 from kvxfer.core.records import Outcome, TierKind, TierStats
 from kvxfer.events.event_hub import EventHub, ScopedEvents
 from kvxfer.index.block_index import BlockIndex
+from kvxfer.tiers.reach import SHARED, Reach
 
 #: (key, checksum, the block's bytes in a host slot) as staged into a lower tier.
 StagedBlock = tuple[bytes, int, torch.Tensor]
@@ -39,6 +40,7 @@ class GroupContext:
     #: the checksum of each host slot's bytes (host slots numbered from ``host_memory``'s address), off the GIL
     checksums: Callable[[list[int]], list[int]] | None = None
     tenants: tuple = ()  # the configured tenants (``kvxfer.index.tenancy.Tenant``): a tier of its own divides by them
+    reach: Reach = SHARED  # who may find its blocks on the tiers other nodes read (``kvxfer.tiers.reach``)
 
 
 class Fetch(Protocol):

@@ -12,7 +12,7 @@ every cache group take it from this table.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvxfer.core.errors import Internal
@@ -24,6 +24,7 @@ from kvxfer.tiers.lower import GroupContext, LowerTier, LowerTierFactory
 from kvxfer.tiers.mooncake import reachable as mooncake_reach
 from kvxfer.tiers.mooncake import settings as mooncake
 from kvxfer.tiers.object import settings as object_settings
+from kvxfer.tiers.reach import ReachKind
 from kvxfer.tiers.remote import settings as remote
 from kvxfer.tiers.remote.store import RemoteStore
 from kvxfer.tiers.shared_fs import settings as shared_fs
@@ -44,6 +45,7 @@ class TierRow:
     locality: str = "REMOTE"  # LOCAL (this node's own) or REMOTE, in the same events
     #: what ``kvxfer serve --check`` asks before a start (settings -> why it would not work now, or None)
     ask: Callable[[Any], str | None] | None = None
+    shared: bool = False  # other nodes read it: a group reaches it as its ``Reach`` says (``kvxfer.tiers.reach``)
 
 
 def _store(cls: type) -> Callable[[Any, GroupContext], LowerTier]:
@@ -69,15 +71,36 @@ def _mooncake(settings: Any, group: GroupContext) -> LowerTier:
 LOWER_TIERS: list[TierRow] = [
     # this node's own: divided between tenants as the host tier
     TierRow(TierKind.DISK, "disk", _disk, disk.parse, disk.KEYS, "DISK", "LOCAL"),
-    TierRow(TierKind.SHARED_FS, "shared_fs", _store(SharedFsStore), shared_fs.parse, shared_fs.KEYS, "SHARED_FS"),
+    TierRow(TierKind.SHARED_FS, "shared_fs", _store(SharedFsStore), shared_fs.parse, shared_fs.KEYS, "SHARED_FS",
+            shared=True),
     TierRow(TierKind.PEER, "peering", peer.PeerTier),  # other nodes' daemons: after the local tiers, before Redis
     # the cluster's pooled memory: "CPU", as vLLM's own Mooncake Store connector names it
     TierRow(TierKind.MOONCAKE, "mooncake", _mooncake, mooncake.parse, mooncake.KEYS, "CPU",
-            ask=mooncake_reach.unreachable),
-    TierRow(TierKind.REMOTE, "remote", _store(RemoteStore), remote.parse, remote.KEYS),
+            ask=mooncake_reach.unreachable, shared=True),
+    TierRow(TierKind.REMOTE, "remote", _store(RemoteStore), remote.parse, remote.KEYS, shared=True),
     # the bucket: shared, slowest, last ("STORAGE": what vLLM 0.33's own object tier publishes)
-    TierRow(TierKind.OBJECT, "object", _object, object_settings.parse, object_settings.KEYS, "STORAGE"),
+    TierRow(TierKind.OBJECT, "object", _object, object_settings.parse, object_settings.KEYS, "STORAGE", shared=True),
 ]
+
+
+class _Named:
+    """A group's events under its own name, whatever the tier calls the group (a token's group: its digest)."""
+
+    def __init__(self, events: Any, name: str) -> None:
+        self._events, self._name = events, name
+
+    def tier(self, kind: TierKind, cache_group: str) -> Any:
+        return self._events.tier(kind, self._name)
+
+
+def _reached(settings: Any, group: GroupContext) -> tuple[Any, GroupContext]:
+    """A shared tier's settings and group context with the group's reach applied: its name there, its MAC key."""
+    reach = group.reach
+    if reach.kind is ReachKind.SHARED:
+        return settings, group
+    events = _Named(group.events, group.name) if group.events is not None else None
+    return (replace(settings, secret=reach.secret(settings.secret)),
+            replace(group, name=reach.name(group.name), events=events))
 
 
 def placements() -> dict[TierKind, tuple[str, str]]:
@@ -123,7 +146,10 @@ def lower_tiers(sources: Mapping[str, object] | None = None, /, **named: object)
         made: list[LowerTier] = []
         try:
             for r, source in present:
-                made.append(r.make(source, group))
+                if not r.shared:
+                    made.append(r.make(source, group))
+                elif group.reach.kind is not ReachKind.NODE:  # (a group kept to this node has no shared tier)
+                    made.append(r.make(*_reached(source, group)))
         except BaseException:  # a tier that cannot start: those made before it stop (threads, locks)
             for tier in made:
                 tier.close()
