@@ -174,8 +174,10 @@ def test_a_checkpoint_that_is_not_ours_is_ignored_and_the_files_are_scanned(tmp_
     group2.close(5)
 
 
-def test_a_background_load_serves_misses_drops_demotions_and_applies_deletes(tmp_path, monkeypatch):
-    """The daemon's way: the index loads on a thread while the daemon serves (issue 32)."""
+def test_a_background_load_serves_misses_queues_demotions_and_applies_deletes(tmp_path, monkeypatch):
+    """The daemon's way: the index loads on a thread while the daemon serves. What the host tier evicts meanwhile
+    is queued and written once the index is loaded (it was dropped: a host tier filled right after a start left
+    nothing on disk), unless a Delete of it came meanwhile."""
     import threading
 
     from kvxfer.tiers.disk.files import DiskTier
@@ -189,8 +191,10 @@ def test_a_background_load_serves_misses_drops_demotions_and_applies_deletes(tmp
     disk = group2.tier(TierKind.DISK)
     assert disk.stats().loading and disk.contains("ns", [b"k1"]) == [False]  # a miss, not a wait
     assert manager2.delete("ns", [b"k2"]) >= 0  # applied once the files are known
-    disk.stage("ns", [(b"new", 1, torch.zeros(4, dtype=torch.uint8))])
-    assert disk.stats().events["demotions_dropped_loading"] == 1
+    block = torch.full((disk.queue.staging.nbytes,), 7, dtype=torch.uint8)
+    disk.stage("ns", [(b"new", 1, block), (b"gone", 2, block)])
+    manager2.delete("ns", [b"gone"])
+    assert disk.stats().events.get("demotions_dropped_loading", 0) == 0 and disk.contains("ns", [b"new"]) == [False]
     release.set()
     for _ in range(300):
         if not disk.stats().loading:
@@ -200,6 +204,7 @@ def test_a_background_load_serves_misses_drops_demotions_and_applies_deletes(tmp
     assert not stats.loading and stats.events["found_at_start"] == 16
     assert disk.contains("ns", [b"k1", b"k2"]) == [True, False]
     assert not any(f.name == "k2" for f in (tmp_path / "g").rglob("*.kvb"))
+    assert disk.flush(30) and disk.contains("ns", [b"new", b"gone"]) == [True, False]
     group2.close(5)
 
 

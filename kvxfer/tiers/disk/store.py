@@ -5,8 +5,8 @@ base and journal a crash left (``kvxfer.tiers.disk.journal``), else from the blo
 headers (a scan: minutes for millions of blocks). Then a new base is written and every change
 is journaled until the next clean shutdown. With ``load_in_background``
 (the daemon) it is loaded on a thread while the daemon serves: until it is done the tier
-holds nothing for lookups, demotions are dropped and counted, and Stats
-says ``loading``; a Delete meanwhile is applied to what the load finds. A Lookup or Restore meanwhile
+holds nothing for lookups, demotions are queued (written once it is loaded; past the
+queue's bound dropped and counted, ``demotions_dropped_loading``), and Stats says ``loading``; a Delete meanwhile is applied to what the load finds. A Lookup or Restore meanwhile
 waits for the load (``wait_ready``, within its deadline), so that the first requests after a restart hit
 what the disk holds.
 
@@ -146,15 +146,13 @@ class DiskStore:
     def stage(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> None:
         """Copy blocks the host tier evicted out of their slots and queue them for the disk.
         Call before the slots are written again (the group's store lock held)."""
-        if self.loading:  # nothing is written before the index knows what the files hold
-            self.events.add("demotions_dropped_loading", len(blocks))
-            return
-        present = self.index.contains(namespace, [key for key, _, _ in blocks])
+        loading = self.loading  # queued all the same: the writer waits for the load (``write``)
+        present = [False] * len(blocks) if loading else self.index.contains(namespace, [k for k, _, _ in blocks])
         for (key, checksum, data), there in zip(blocks, present):
             if there:
                 continue
             if not self.queue.stage(namespace, key, checksum, data.numpy(), key_format):  # the disk is behind
-                self.events.add("demotions_dropped", 1)
+                self.events.add("demotions_dropped_loading" if loading else "demotions_dropped", 1)
 
     def write_now(self, namespace: str, blocks: list[StagedBlock], key_format: int = 0) -> int:
         """Write (key, checksum, bytes) blocks not on disk yet, on this thread; returns how many were."""
@@ -172,7 +170,13 @@ class DiskStore:
 
     def write(self, staged: list[Staged]) -> int:
         """Make blocks durable and publish them in the disk index; returns how many were. A block
-        whose key was deleted after it was staged is not published, and its file is removed."""
+        whose key was deleted after it was staged is not published, and its file is removed. Blocks
+        staged while the index loads wait here for it (nothing is written before the index knows
+        what the files hold); a store closed before the load ended drops them, counted."""
+        self._loaded.wait()
+        if self.loading:
+            self.events.add("demotions_dropped_loading", len(staged))
+            return 0
         if self.journal.due and self._rebasing.acquire(blocking=False):  # the journal outgrew its base
             try:
                 self._begin_journal()
@@ -255,7 +259,9 @@ class DiskStore:
     def delete(self, namespace: str, keys: list[bytes]) -> int:
         """Remove the keys' blocks, and the writes of them still queued or half-written."""
         with self._load_lock:
-            if self.loading:  # applied to what the load finds (nothing is queued meanwhile)
+            if self.loading:  # applied to what the load finds; writes queued meanwhile are dropped now
+                with self.tombstones.publishing:
+                    self.tombstones.delete(namespace, keys)
                 self._deleted_while_loading.append((namespace, list(keys)))
                 return 0
         return self._delete_loaded(namespace, keys)
