@@ -141,6 +141,8 @@ BENCHES: list[tuple[str, str, str]] = [
     ("remote", "kvxfer.bench.remote", "the remote tier's stores and fetches beside raw redis-py SET/GET"),
     ("object", "kvxfer.bench.object", "the object tier against obstore's and boto3's PUT/GET on a real S3 server"),
     ("mooncake", "kvxfer.bench.mooncake", "the Mooncake Store tier beside the store's own put/get and batch calls"),
+    ("mooncake-restore", "kvxfer.bench.mooncake_restore",
+     "a Restore of blocks only Mooncake holds, through a daemon, beside the bare batch_get_into"),
     ("scale", "kvxfer.bench.scale", "the index of a tier of millions of blocks, fragmented and shuffled"),
     ("shards", "kvxfer.bench.shards", "cross-rank canonical blocks beside the same bytes per rank"),
     ("policy", "kvxfer.bench.policy", "a request trace through the index: LRU and Belady's hit ratio by tier size"),

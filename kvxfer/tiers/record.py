@@ -106,17 +106,31 @@ def unpack(value: bytes, name: bytes, namespace: str, key: bytes, fingerprint: b
     """The block's checksum, bytes and key format code from a value, checked: its MAC (with a secret), its length, its
     header (format, namespace, key) and its checksum. ``DiskCorrupt`` names what failed
     ("foreign_format": a block of another format under this name, not ours to judge)."""
+    value = memoryview(value)
+    tag = b""
     if secret:
         value, tag = value[:-MAC_BYTES], value[-MAC_BYTES:]
-        if not hmac.compare_digest(mac(secret, name, value), tag):
-            raise DiskCorrupt("forged")
     split = len(value) - slot_bytes
-    if split != header_length(namespace, key):
+    head, data = value[:max(split, 0)], value[max(split, 0):]
+    checksum, key_format = unpack_parts(head, data, tag, name, namespace, key, fingerprint, slot_bytes, secret)
+    return checksum, data, key_format
+
+
+def unpack_parts(head, data, tag, name: bytes, namespace: str, key: bytes, fingerprint: bytes, slot_bytes: int,
+                 secret: bytes) -> tuple[int, int]:
+    """``unpack`` of a value read in its parts (header, block, MAC: each where it was read to, the block straight
+    into its host slot): the block's checksum and key format code, or ``DiskCorrupt``."""
+    if secret:
+        digest = hmac.new(secret, name, hashlib.sha256)
+        digest.update(head)
+        digest.update(data)
+        if not hmac.compare_digest(digest.digest(), bytes(tag)):
+            raise DiskCorrupt("forged")
+    if len(data) != slot_bytes or len(head) != header_length(namespace, key):
         raise DiskCorrupt("truncated")
-    got = decode_header(bytes(value[:split]), fingerprint, slot_bytes)  # (a value may be a memoryview)
+    got = decode_header(bytes(head), fingerprint, slot_bytes)
     if got[:2] != (namespace, key):
         raise DiskCorrupt("bad_header")
-    data = memoryview(value)[split:]
-    if block_checksum(data) != got[2]:
+    if block_checksum(data) != got.checksum:
         raise DiskCorrupt("checksum")
-    return got.checksum, data, got.key_format
+    return got.checksum, got.key_format

@@ -65,7 +65,7 @@ def _object(settings: Any, group: GroupContext) -> LowerTier:
 def _mooncake(settings: Any, group: GroupContext) -> LowerTier:
     from kvxfer.tiers.mooncake.store import MooncakeTier  # (the Mooncake wheel: only when configured)
 
-    return MooncakeTier(settings, group.name, group.fingerprint, group.block_bytes, group.events)
+    return MooncakeTier(settings, group.name, group.fingerprint, group.block_bytes, group.events, group.host_memory)
 
 
 LOWER_TIERS: list[TierRow] = [

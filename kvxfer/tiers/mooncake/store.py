@@ -8,8 +8,12 @@ prefix, truncated or forged is DATA_LOSS (and removed), never served.
 
 Bytes move without copies the API can spare: blocks leaving the host tier are copied once into
 staging buffers registered with the store, the header before and the MAC after them in place,
-and put from there in batches (``batch_put_from``); a restore reads values into a registered
-bounce buffer (``batch_get_into``), checks them and copies the block into its host slot.
+and put from there in batches (``batch_put_from``). A restore reads each value in its parts
+(``batch_get_into_multi_buffers``): the block straight into its host slot (the group's host tier
+is registered with the store, as SGLang's and vLLM's Mooncake connectors register their host
+buffers), the header and MAC beside it, and checks them there; a block that fails its checks is
+never published in the host tier. (Into memory that is not the host tier's, values go through a
+registered bounce buffer and are copied.)
 
 Mooncake evicts on its own: a value gone is a miss, never an error, and its eviction is announced
 by the audit (``kvxfer.tiers.mooncake.audit``) since the store tells no one. Every call is
@@ -33,10 +37,11 @@ from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.mooncake.audit import EvictionAudit
 from kvxfer.tiers.mooncake.client import ABSENT, Code, MooncakeClient, NotSent, Unanswered
 from kvxfer.tiers.mooncake.settings import MooncakeSettings
-from kvxfer.tiers.record import MAC_BYTES, MAX_HEADER, DiskCorrupt, header, mac, unpack
+from kvxfer.tiers.record import MAC_BYTES, MAX_HEADER, DiskCorrupt, header, header_length, mac, unpack, unpack_parts
 from kvxfer.tiers.write_queue import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
 
-BATCH = 32  # blocks a put or a get moves at once (the bounce buffer holds one batch)
+BATCH = 32  # blocks a put, or a get through the bounce buffer, moves at once (the bounce buffer holds one batch)
+READ_BATCH = 256  # blocks a get straight into host slots moves at once
 
 
 class MooncakeTier:
@@ -47,7 +52,9 @@ class MooncakeTier:
     index = None  # (the store is asked: it evicts on its own)
 
     def __init__(self, settings: MooncakeSettings, group: str, fingerprint: bytes, slot_bytes: int,
-                 kv_events: EventHub | None = None) -> None:
+                 kv_events: EventHub | None = None, host_memory: tuple[int, int] = (0, 0)) -> None:
+        """``host_memory``: (address, bytes) of the group's host tier, registered with the store: blocks are read
+        straight into their host slots there (anywhere else, through the bounce buffer)."""
         self.settings, self.group, self.fingerprint, self.slot_bytes = settings, group, fingerprint, slot_bytes
         self.kv_events = kv_events.tier(TierKind.MOONCAKE, group) if kv_events else None
         self.takes_stores, self.takes_evictions = settings.write_through, not settings.write_through
@@ -58,8 +65,12 @@ class MooncakeTier:
         self.tombstones = self.queue.tombstones
         self._bounce = np.ones((BATCH, self.value_bytes), dtype=np.uint8)  # touched now
         self._bounce_lock = threading.Lock()
-        self.client = MooncakeClient(settings, group, [self.queue.staging.memory,
-                                                       (self._bounce.ctypes.data, self._bounce.nbytes)])
+        self._host = host_memory
+        self._parts = np.ones((READ_BATCH, MAX_HEADER + MAC_BYTES), dtype=np.uint8)  # each value's header and MAC
+        self._parts_lock = threading.Lock()
+        registered = [self.queue.staging.memory, (self._bounce.ctypes.data, self._bounce.nbytes),
+                      (self._parts.ctypes.data, self._parts.nbytes)]
+        self.client = MooncakeClient(settings, group, registered + ([host_memory] if host_memory[1] else []))
         self.audit = EvictionAudit(self.client, self.kv_events, settings.audit_s) if self.kv_events is not None \
             else None
 
@@ -150,11 +161,63 @@ class MooncakeTier:
 
     def read_into(self, namespace: str, keys: list[bytes], targets: list[torch.Tensor]
                   ) -> list[tuple[Outcome, int, int]]:
-        """(verdict, checksum, key format) of each key read into its host slot, a batch at a time."""
+        """(verdict, checksum, key format) of each key read into its host slot, a batch at a time: straight into
+        the slots where they are the host tier's (registered), else through the bounce buffer."""
+        start, end = self._host[0], self._host[0] + self._host[1]
+        if all(start <= t.data_ptr() and t.data_ptr() + self.slot_bytes <= end for t in targets):
+            return [v for first in range(0, len(keys), READ_BATCH)
+                    for v in self._read_parts(namespace, keys[first:first + READ_BATCH],
+                                              targets[first:first + READ_BATCH])]
         out: list[tuple[Outcome, int, int]] = []
         for first in range(0, len(keys), BATCH):
             out += self._read_batch(namespace, keys[first:first + BATCH], targets[first:first + BATCH])
         return out
+
+    def _read_parts(self, namespace: str, keys: list[bytes], targets: list[torch.Tensor]):
+        """One call reads each value in its parts: the header and MAC into a row of ``_parts``, the block into its
+        host slot; then each is checked there. A value of another length (not ours, or the call failed for it) is
+        read again through the bounce buffer, which tells which (the store says -800 for either)."""
+        names = [self.name(namespace, k) for k in keys]
+        mac_bytes = MAC_BYTES if self.settings.secret else 0
+        heads = [header_length(namespace, k) for k in keys]
+        with self._parts_lock:
+            rows = [self._parts[i] for i in range(len(keys))]
+            ptrs = [[r.ctypes.data, t.data_ptr()] + ([r.ctypes.data + MAX_HEADER] if mac_bytes else [])
+                    for r, t in zip(rows, targets)]
+            sizes = [[h, self.slot_bytes] + ([mac_bytes] if mac_bytes else []) for h in heads]
+            try:
+                codes = self.client.call(lambda store: store.batch_get_into_multi_buffers(names, ptrs, sizes))
+            except Unanswered:
+                return [(Outcome.FAILED, 0, 0)] * len(keys)  # there (it said), not read: the medium failed
+            out: list[tuple[Outcome, int, int] | None] = [None] * len(keys)
+            read = []  # (position, its check) of the values read whole
+            for i, (key, name, row, target, head, code) in enumerate(zip(keys, names, rows, targets, heads, codes)):
+                if code in ABSENT:
+                    out[i] = (Outcome.NOT_FOUND, 0, 0)  # evicted since it was asked: a miss
+                elif code == head + self.slot_bytes + mac_bytes:  # (else asked again below)
+                    read.append((i, (namespace, key, name, row[:head], target.numpy(),
+                                     row[MAX_HEADER:MAX_HEADER + mac_bytes])))
+            for i, entry in read:  # (on this thread: checks spread over threads cost more CPU, measured)
+                out[i] = self._checked(*entry)
+        again = [i for i, verdict in enumerate(out) if verdict is None]
+        if again:
+            redone = self._read_batch(namespace, [keys[i] for i in again], [targets[i] for i in again])
+            for i, verdict in zip(again, redone):
+                out[i] = verdict
+        return out
+
+    def _checked(self, namespace: str, key: bytes, name: str, head, data, tag) -> tuple[Outcome, int, int]:
+        """The verdict on a value read in its parts (the block in its host slot already)."""
+        try:
+            checksum, key_format = unpack_parts(head, data, tag, name.encode(), namespace, key, self.fingerprint,
+                                                self.slot_bytes, self.settings.secret)
+        except DiskCorrupt as bad:
+            if str(bad) == "foreign_format":
+                return Outcome.NOT_FOUND, 0, 0  # another format's block under this name: not ours to judge
+            self._corrupt(namespace, key, name)
+            return Outcome.DATA_LOSS, 0, 0
+        self.events.add("promoted")
+        return Outcome.DONE, checksum, key_format
 
     def _read_batch(self, namespace: str, keys: list[bytes], targets: list[torch.Tensor]):
         names = [self.name(namespace, k) for k in keys]
