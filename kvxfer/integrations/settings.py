@@ -48,3 +48,16 @@ def _checked(where: str, default: object, value: object) -> object:
     if not isinstance(value, str) or (where.endswith(".socket") and not value):
         raise ValueError(f"{where}: a string, got {value!r}")
     return value
+
+
+def group_token(where: str, path: str) -> bytes:
+    """A cache group's token from the file ``path`` names (16 to 64 bytes, surrounding whitespace dropped): engines
+    given one file register their private groups with it, and so reach each other's blocks on the tiers other
+    nodes read, on any node and after any restart (``kvxfer.tiers.reach``)."""
+    try:
+        token = open(path, "rb").read().strip()
+    except OSError as exc:
+        raise ValueError(f"{where}: {path}: {exc.strerror}") from None
+    if not 16 <= len(token) <= 64:
+        raise ValueError(f"{where}: {path} holds {len(token)} bytes; a token is 16 to 64 (openssl rand -hex 32)")
+    return token

@@ -94,3 +94,17 @@ def test_settings_are_checked_and_misspellings_named():
         parse({"timeout_s": "1"})
     with pytest.raises(ValueError, match=r"x\.socket: a string"):
         parse({"socket": ""})
+
+
+def test_a_group_token_file_is_read_whole_and_checked(tmp_path):
+    from kvxfer.integrations.settings import group_token
+
+    good = tmp_path / "token"
+    good.write_text("a" * 64 + "\n")
+    assert group_token("x.token_file", str(good)) == b"a" * 64
+    for text, words in (("short\n", "holds 5 bytes"), ("b" * 65, "holds 65 bytes")):
+        good.write_text(text)
+        with pytest.raises(ValueError, match=words):
+            group_token("x.token_file", str(good))
+    with pytest.raises(ValueError, match="x.token_file: .*No such file"):
+        group_token("x.token_file", str(tmp_path / "absent"))

@@ -174,7 +174,9 @@ def test_no_daemon_at_start_then_one_arrives(tmp_path, make_engine, caplog):
     ({"flush_wait_s": 30}, "flush_wait_s: not a setting"),  # replaced by deadline_s
     ({"timout_s": 1}, "timout_s: not a setting.*did you mean 'timeout_s'"),
     ({"cpu_bytes_to_use": 1 << 30}, "cpu_bytes_to_use: not a setting"),  # vLLM's CPU backend's: no effect here
-    ({"blocks_per_chunk": 2}, "one GPU block under each key"), ({"block_size": 32}, "groups 2 under one")])
+    ({"blocks_per_chunk": 2}, "one GPU block under each key"), ({"block_size": 32}, "groups 2 under one"),
+    ({"token_file": "/nonexistent/token"}, "token_file: /nonexistent/token"),
+    ({"token_file": "/dev/null"}, "token_file: /dev/null holds 0 bytes")])
 def test_bad_settings_stop_vllm_at_start_with_the_setting_named(daemon, make_engine, extra, message):
     with pytest.raises(ValueError, match=message):
         make_engine(daemon.config["socket"], settings=extra)

@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvxfer.client import PoolLayout
 from kvxfer.core.errors import KvxferError
-from kvxfer.integrations.settings import parse_settings
+from kvxfer.integrations.settings import group_token, parse_settings
 from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.allocation import SharedKVAllocation
 from kvxfer.integrations.vllm.manager import KvxferManager
@@ -46,6 +46,7 @@ class Settings:
     forget_on_reset: bool = False  # reset_prefix_cache (a weight update in place) stops serving older blocks
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the blocks' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this engine's cache groups
+    token_file: str = ""  # the private groups' token: engines given the same file share them on shared tiers
     lane: bool = True  # submits and lookups over the daemon's local lane (kvxfer.client.lane_client); False: gRPC only
     prefetch: bool = True  # a request joining the queue has its blocks brought up to host memory while it waits
 
@@ -74,8 +75,11 @@ class KvxferOffloadingSpec(OffloadingSpec):
         self.allocation = SharedKVAllocation(names.pool_id(self.rank))
         self.worker: KvxferWorker | None = None
         #: the worker's registration token, chosen here so that it outlives a daemon's restart: vLLM hands it to
-        #: the scheduler (``KvxferConnector.get_handshake_metadata``), whose Lookups of a private group need it
-        self.token = secrets.token_bytes(32)
+        #: the scheduler (``KvxferConnector.get_handshake_metadata``), whose Lookups of a private group need it.
+        #: From ``token_file``, the same for every engine given that file: their private groups then reach each
+        #: other's blocks on the tiers other nodes read (else those blocks are this engine's alone)
+        self.token = group_token("kv_connector_extra_config.token_file", self.settings.token_file) \
+            if self.settings.token_file else secrets.token_bytes(32)
 
     def get_manager(self) -> OffloadingManager:
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
