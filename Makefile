@@ -85,7 +85,7 @@ devcheck:
 # lacks (about 9 MB, git-ignored). Carry devcheck-wheels/ with the tree; the check unpacks them first on
 # the path (no pip), whatever versions the machine has.
 DEVCHECK_WHEELS := grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
-	pyyaml==6.0.4 redis==8.1.0 prometheus-client==0.26.0 xxhash==4.1.0
+	pyyaml==6.0.4 redis==8.1.0 prometheus-client==0.26.0 xxhash==4.1.0 blake3==1.0.11
 devcheck-wheels:
 	$(PYTHON) -m pip download -q --dest devcheck-wheels --only-binary=:all: --no-deps --python-version 3.12 \
 		--implementation cp --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \

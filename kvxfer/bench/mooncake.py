@@ -2,8 +2,8 @@
 
 ``--blocks`` blocks of ``--block-kib`` KiB go down through the tier (copied into its registered staging
 buffers, header and MAC written in place, ``batch_put_from`` a batch at a time) and come back (one
-``batch_is_exist``, then ``batch_get_into`` a registered bounce buffer, header, MAC and XXH3 checked, the
-block copied into a host-slot-sized buffer). Beside them, in the same process and run, on the same
+``batch_is_exist``, then ``batch_get_into_multi_buffers``: each block straight into its slot of a registered
+host-tier-like buffer, its header and MAC beside it, all three checked there). Beside them, in the same process and run, on the same
 bytes and through the same client (its segment, its transport): the store's plain ``put`` and ``get``
 of each block (what a client that does not register memory does), and its zero-copy ``batch_put_from``
 and ``batch_get_into`` of the bare blocks (the floor: the API alone, no record, no checks). Wall and CPU
@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = parse({**master.section(), "segment_mib": segment_mib, "max_inflight": n, "timeout_ms": 30_000,
                           "secret_file": ""})
-        tier = MooncakeTier(settings, "bench", b"f" * 32, nbytes)
+        host = torch.empty((n, nbytes), dtype=torch.uint8)  # the host tier's slots (registered: read straight in)
+        tier = MooncakeTier(settings, "bench", b"f" * 32, nbytes, host_memory=(host.data_ptr(), host.numel()))
         plain = tier.client.call(lambda store: store)  # the same client: the same segment, the same transport
         blocks = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8)
         bare = np.ascontiguousarray(blocks.numpy())
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         assert plain.register_buffer(bare.ctypes.data, bare.nbytes) == 0
         assert plain.register_buffer(landing.ctypes.data, landing.nbytes) == 0
         sums = [block_checksum(b) for b in bare]
-        slots = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
+        slots = list(host)
         for rep in range(args.reps):
             keys = [b"r%d-%05d" % (rep, i) for i in range(n)]
             names = [f"plain/{rep}/{i}" for i in range(n)]

@@ -31,7 +31,7 @@ from pathlib import Path
 #: The daemon's imports a lent machine may lack (or have at other versions) -> the distribution of each.
 PACKAGES = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection",
             "google.protobuf": "protobuf", "yaml": "pyyaml", "redis": "redis",
-            "prometheus_client": "prometheus-client", "xxhash": "xxhash"}
+            "prometheus_client": "prometheus-client", "xxhash": "xxhash", "blake3": "blake3"}
 WHEELS = "devcheck-wheels"
 REEXEC = "KVXFER_DEVCHECK_SITE"  # set in the restarted check: the directory the wheels were unpacked into
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvxfer.core.errors import ConfigError
 from kvxfer.core.validate import shown
+from kvxfer.tiers.record import Seal
 
 #: One unit style: every size a setting gives is in MiB (``_mib``). Keys that gave GiB or bytes are read
 #: still, as the new key (``renamed``), and named in a warning at start (``service.config.renamed_keys``):
@@ -73,3 +74,15 @@ def secret(section: str, raw: dict) -> bytes:
     if path and len(key) < 16:
         raise ConfigError(f"{section}.secret_file: at least 16 bytes (the key that authenticates every value)")
     return key
+
+
+def seal(section: str, raw: dict) -> Seal:
+    """The section's ``mac``: the MAC its values are sealed with (with ``secret_file``). ``blake3`` (the default)
+    costs several times less CPU than ``hmac-sha256`` and is read by kvxfer from this version on; ``hmac-sha256``
+    is read by every kvxfer: keep it while daemons of an earlier version share the medium (they take blake3
+    values for forged and drop them). Both are always read."""
+    value = raw.get("mac", Seal.BLAKE3.value)
+    try:
+        return Seal(value)
+    except ValueError:
+        raise ConfigError(f"{section}.mac: one of {', '.join(s.value for s in Seal)}, got {shown(value)}") from None

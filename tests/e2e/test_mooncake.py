@@ -2,6 +2,7 @@
 restored bit-exact by another; a value forged, moved from another prefix, truncated or grown under a block's
 name is DATA_LOSS and removed, never served; deletes stick; a bad section is refused in one line."""
 
+import json
 import subprocess
 import sys
 
@@ -84,6 +85,7 @@ def test_forged_moved_truncated_and_grown_values_are_never_served(master, tmp_pa
     ({"master": "127.0.0.1:1", "metadata": "P2PHANDSHAKE", "key_prefix": "a b"}, "mooncake.key_prefix"),
     ({"master": "127.0.0.1:1", "metadata": "P2PHANDSHAKE", "secret_file": "/nonexistent"}, "secret_file"),
     ({"master": "127.0.0.1:1", "metadata": "P2PHANDSHAKE", "bogus": 1}, "unknown keys"),
+    ({"master": "127.0.0.1:1", "metadata": "P2PHANDSHAKE", "mac": "md5"}, "mooncake.mac: one of hmac-sha256, blake3"),
 ])
 def test_a_bad_section_is_refused_by_serve_check_in_one_line(tmp_path, section, message):
     config = tmp_path / "kvxfer.yaml"
@@ -94,17 +96,19 @@ def test_a_bad_section_is_refused_by_serve_check_in_one_line(tmp_path, section, 
     assert check.returncode != 0 and message in said[-1] and "Traceback" not in check.stderr, said
 
 
-def test_zero_copy_puts_send_the_staged_value_itself(master, tmp_path):
+@pytest.mark.parametrize("mac", ["blake3", "hmac-sha256"])
+def test_zero_copy_puts_send_the_staged_value_itself(master, tmp_path, mac):
     """The value the tier puts is the staging buffer (header, block, MAC in place): read back whole by a plain
-    client, it is the header, the block's bytes, and 32 bytes of MAC."""
-    daemon = node(master, tmp_path, "zc:")
+    client, it is the header, 32 bytes of MAC and the block's bytes (blake3), or the header, the block's bytes and
+    32 bytes of MAC (hmac-sha256)."""
+    daemon = node(master, tmp_path, "zc:", mac=mac)
     store = _store(master)
     try:
         shadow = offload(daemon, KEYS[:40])
         until(lambda: events(daemon).get("stored", 0) >= 8, "demoted")
         value = np.frombuffer(store.get(_name("zc:", KEYS[0])), dtype=np.uint8)
         block = shadow[KEYS[0]].numpy()
-        assert np.array_equal(value[-32 - len(block):-32], block)
+        assert np.array_equal(value[-len(block):] if mac == "blake3" else value[-32 - len(block):-32], block)
     finally:
         store.close()
         daemon.cleanup()
@@ -116,3 +120,34 @@ def test_bench_mooncake_reports_wall_and_cpu_beside_the_bare_client(capsys):
     assert cli.main(["bench", "mooncake", "--blocks", "32", "--block-kib", "16", "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert "CPU / bare" in out and "tier: fetch" in out
+
+
+def test_bench_mooncake_restore_reports_a_daemons_restore_beside_the_bare_batch_call(capsys, tmp_path):
+    from kvxfer.cli import commands as cli
+
+    figures = tmp_path / "restore.json"
+    assert cli.main(["bench", "mooncake-restore", "--blocks", "16", "--block-kib", "32", "--reps", "1",
+                     "--json", str(figures)]) == 0
+    out = capsys.readouterr().out
+    assert "Restore / bare: wall" in out and "batch_get_into (bare)" in out
+    (run,) = json.loads(figures.read_text())
+    assert {"wall_ratio", "cpu_ratio", "mac"} <= set(run) and run["mac"] == "blake3"
+
+
+def test_a_node_sealing_with_blake3_and_one_with_hmac_read_each_others_blocks(master, tmp_path):
+    """``mac: blake3`` changes what a daemon writes, never what it reads: in a rollout both seals are served."""
+    a, b = node(master, tmp_path, "seal:", mac="blake3"), node(master, tmp_path, "seal:")
+    try:
+        shadow_a = offload(a, KEYS)
+        until(lambda: events(a).get("stored", 0) >= 16, "a demoted 16")
+        outcomes, blocks = restore(b, KEYS[:8])
+        assert outcomes == [Outcome.DONE] * 8 and all(d.equal(shadow_a[k]) for k, d in zip(KEYS[:8], blocks))
+        keys_b = [b"hm%02d" % i for i in range(48)]
+        shadow_b = offload(b, keys_b)
+        until(lambda: events(b).get("stored", 0) >= 16, "b demoted 16")
+        outcomes, blocks = restore(a, keys_b[:8])
+        assert outcomes == [Outcome.DONE] * 8 and all(d.equal(shadow_b[k]) for k, d in zip(keys_b[:8], blocks))
+        assert events(a).get("corrupt", 0) == events(b).get("corrupt", 0) == 0
+    finally:
+        a.cleanup()
+        b.cleanup()

@@ -224,6 +224,7 @@ def test_tls_only_redis_works_over_tls_and_refuses_plaintext_quickly():
     ({"url": "redis://h:1", "tls_ca": "/etc/hostname"}, "not rediss"),
     ({"url": "redis://h:1", "password_file": "/nonexistent"}, "password_file"),
     ({"url": "redis://h:1", "write_through": "yes"}, "write_through"),
+    ({"url": "redis://h:1", "mac": "sha1"}, "remote.mac: one of hmac-sha256, blake3"),
 ])
 def test_remote_settings_are_validated(tmp_path, remote, message):
     path = tmp_path / "kvxfer.yaml"

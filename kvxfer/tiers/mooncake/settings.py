@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 from kvxfer.core.errors import ConfigError
 from kvxfer.core.validate import shown
-from kvxfer.tiers.sections import bounded, mapping, mib, secret
+from kvxfer.tiers.record import Seal
+from kvxfer.tiers.sections import bounded, mapping, mib, seal, secret
 
 KEYS = frozenset({"master", "metadata", "protocol", "device", "local_hostname", "segment_mib", "buffer_mib",
-                  "key_prefix", "timeout_ms", "max_inflight", "write_through", "secret_file", "workers", "audit_s"})
+                  "key_prefix", "timeout_ms", "max_inflight", "write_through", "secret_file", "workers", "audit_s",
+                  "mac"})
 PROTOCOLS = ("tcp", "rdma")
 HOST_PORT = re.compile(r"[A-Za-z0-9_.:\[\]-]{1,253}:[0-9]{1,5}")
 METADATA = re.compile(r"(https?://[A-Za-z0-9_.:\[\]-]{1,253}(/[A-Za-z0-9_./-]{0,200})?|P2PHANDSHAKE)")
@@ -42,6 +44,7 @@ class MooncakeSettings:
     workers: int = 4  # threads calling into the store (stuck ones included)
     audit_s: int = 30  # how often the blocks this daemon put are asked after (Mooncake's evictions, announced)
     secret: bytes = field(default=b"", repr=False)  # shared by the daemons of a cluster: values carry a MAC
+    seal: Seal = Seal.BLAKE3  # the MAC values are written with (``mac``; both are read)
 
     @property
     def staged_blocks(self) -> int:
@@ -104,4 +107,4 @@ def parse(raw) -> MooncakeSettings | None:
                             prefix, bounded("mooncake", raw, "timeout_ms", 2000, 60_000) / 1000,
                             bounded("mooncake", raw, "max_inflight", 256, 65536), write_through,
                             bounded("mooncake", raw, "workers", 4, 64), bounded("mooncake", raw, "audit_s", 30, 3600),
-                            secret("mooncake", raw))
+                            secret("mooncake", raw), seal("mooncake", raw))

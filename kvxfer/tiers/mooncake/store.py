@@ -37,7 +37,8 @@ from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.mooncake.audit import EvictionAudit
 from kvxfer.tiers.mooncake.client import ABSENT, Code, MooncakeClient, NotSent, Unanswered
 from kvxfer.tiers.mooncake.settings import MooncakeSettings
-from kvxfer.tiers.record import MAC_BYTES, MAX_HEADER, DiskCorrupt, header, header_length, mac, unpack, unpack_parts
+from kvxfer.tiers.record import (MAC_BYTES, MAX_HEADER, VERSION_OF_SEAL, DiskCorrupt, Seal, header, header_length,
+                                 mac, seal_parts, unpack, unpack_parts)
 from kvxfer.tiers.write_queue import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
 
 BATCH = 32  # blocks a put, or a get through the bounce buffer, moves at once (the bounce buffer holds one batch)
@@ -61,7 +62,7 @@ class MooncakeTier:
         self.value_bytes = MAX_HEADER + slot_bytes + MAC_BYTES  # the most any value of ours holds
         self.events = EventCounts()
         self.queue = WriteQueue(f"kvxfer-mooncake-{group}", settings.max_inflight, slot_bytes, self._write, BATCH,
-                                headroom=MAX_HEADER, tailroom=MAC_BYTES)
+                                headroom=MAX_HEADER + MAC_BYTES, tailroom=MAC_BYTES)
         self.tombstones = self.queue.tombstones
         self._bounce = np.ones((BATCH, self.value_bytes), dtype=np.uint8)  # touched now
         self._bounce_lock = threading.Lock()
@@ -90,10 +91,15 @@ class MooncakeTier:
                 self.events.add("stores_dropped")
 
     def _value(self, s: Staged) -> np.ndarray:
-        """The block's value in its staging buffer, in place: header, bytes, and the MAC with a secret."""
-        head = header(self.fingerprint, s.namespace, s.key, s.checksum, self.slot_bytes, s.key_format)
+        """The block's value in its staging buffer, in place: header, bytes, and with a secret the MAC where the
+        seal puts it (BLAKE3: between header and bytes; HMAC-SHA256: after them)."""
+        seal, staging = self.settings.seal, self.queue.staging
+        head = header(self.fingerprint, s.namespace, s.key, s.checksum, self.slot_bytes, s.key_format, seal)
         secret, name = self.settings.secret, self.name(s.namespace, s.key).encode()
-        return self.queue.staging.with_trailer(s.buffer, head, lambda v: mac(secret, name, v) if secret else b"")
+        if secret and seal.tag_first:
+            tag = seal_parts(secret, name, head, staging.block(s.buffer), seal)
+            return np.frombuffer(staging.with_header(s.buffer, head + tag), dtype=np.uint8)
+        return staging.with_trailer(s.buffer, head, lambda v: mac(secret, name, v, seal) if secret else b"")
 
     def _write(self, batch: list[Staged]) -> None:
         # Decided and sent under ``publishing``: a Delete of a key either comes after the put (and removes it)
@@ -175,16 +181,22 @@ class MooncakeTier:
 
     def _read_parts(self, namespace: str, keys: list[bytes], targets: list[torch.Tensor]):
         """One call reads each value in its parts: the header and MAC into a row of ``_parts``, the block into its
-        host slot; then each is checked there. A value of another length (not ours, or the call failed for it) is
-        read again through the bounce buffer, which tells which (the store says -800 for either)."""
+        host slot; then each is checked there. Parts are laid out as this tier seals (BLAKE3: header and MAC as
+        one part before the block; HMAC-SHA256: the MAC a part of its own after it). A value sealed the other way,
+        or of another length (not ours, or the call failed for it: the store says -800 for either), is read again
+        through the bounce buffer, which tells which."""
         names = [self.name(namespace, k) for k in keys]
         mac_bytes = MAC_BYTES if self.settings.secret else 0
+        first = self.settings.seal.tag_first
         heads = [header_length(namespace, k) for k in keys]
         with self._parts_lock:
             rows = [self._parts[i] for i in range(len(keys))]
-            ptrs = [[r.ctypes.data, t.data_ptr()] + ([r.ctypes.data + MAX_HEADER] if mac_bytes else [])
-                    for r, t in zip(rows, targets)]
-            sizes = [[h, self.slot_bytes] + ([mac_bytes] if mac_bytes else []) for h in heads]
+            if first or not mac_bytes:
+                ptrs = [[r.ctypes.data, t.data_ptr()] for r, t in zip(rows, targets)]
+                sizes = [[h + mac_bytes, self.slot_bytes] for h in heads]
+            else:
+                ptrs = [[r.ctypes.data, t.data_ptr(), r.ctypes.data + MAX_HEADER] for r, t in zip(rows, targets)]
+                sizes = [[h, self.slot_bytes, mac_bytes] for h in heads]
             try:
                 codes = self.client.call(lambda store: store.batch_get_into_multi_buffers(names, ptrs, sizes))
             except Unanswered:
@@ -194,9 +206,10 @@ class MooncakeTier:
             for i, (key, name, row, target, head, code) in enumerate(zip(keys, names, rows, targets, heads, codes)):
                 if code in ABSENT:
                     out[i] = (Outcome.NOT_FOUND, 0, 0)  # evicted since it was asked: a miss
-                elif code == head + self.slot_bytes + mac_bytes:  # (else asked again below)
-                    read.append((i, (namespace, key, name, row[:head], target.numpy(),
-                                     row[MAX_HEADER:MAX_HEADER + mac_bytes])))
+                elif code == head + self.slot_bytes + mac_bytes and (not mac_bytes or _sealed_first(row) == first):
+                    tag = row[head:head + mac_bytes] if first else row[MAX_HEADER:MAX_HEADER + mac_bytes]
+                    read.append((i, (namespace, key, name, row[:head], target.numpy(), tag)))
+                # (else asked again below)
             for i, entry in read:  # (on this thread: checks spread over threads cost more CPU, measured)
                 out[i] = self._checked(*entry)
         again = [i for i, verdict in enumerate(out) if verdict is None]
@@ -313,3 +326,8 @@ class _MooncakeFetch:
 
     def end(self, corrupt: set[int]) -> None:
         return None  # (corrupt values were removed when found)
+
+
+def _sealed_first(row: np.ndarray) -> bool:
+    """Whether the value whose header ``row`` starts with carries its MAC right after the header (its version)."""
+    return int.from_bytes(row[8:12].tobytes(), "little") == VERSION_OF_SEAL[Seal.BLAKE3]

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from kvxfer.core.errors import ConfigError
 from kvxfer.core.validate import shown
-from kvxfer.tiers.sections import bounded, mapping, secret
+from kvxfer.tiers.record import Seal
+from kvxfer.tiers.sections import bounded, mapping, seal, secret
 
 KEYS = frozenset({"url", "endpoint", "region", "allow_http", "timeout_ms", "workers", "max_inflight",
-                  "write_through", "secret_file", "max_mib", "negative_cache_ms"})
+                  "write_through", "secret_file", "max_mib", "negative_cache_ms", "mac"})
 SCHEMES = ("s3", "gs", "az", "abfs")
 
 
@@ -33,6 +34,7 @@ class ObjectSettings:
     secret: bytes = field(default=b"", repr=False)  # shared by the daemons of a bucket: objects carry a MAC
     max_bytes: int = 0  # what this daemon keeps in the bucket, oldest written first out (0: no bound)
     negative_cache_s: float = 1.0  # a key found absent is not asked again for this long (a store clears it)
+    seal: Seal = Seal.BLAKE3  # the MAC objects are written with (``mac``; both are read)
 
     @property
     def staged_blocks(self) -> int:
@@ -82,7 +84,8 @@ def parse(raw) -> ObjectSettings | None:
         url, text["endpoint"], text["region"], raw.get("allow_http", False),
         bounded("object", raw, "timeout_ms", 2000, 60_000) / 1000, bounded("object", raw, "workers", 16, 256),
         bounded("object", raw, "max_inflight", 256, 65536), raw.get("write_through", False), key,
-        int(max_mib * (1 << 20)), bounded("object", raw, "negative_cache_ms", 1000, 600_000, 0) / 1000)
+        int(max_mib * (1 << 20)), bounded("object", raw, "negative_cache_ms", 1000, 600_000, 0) / 1000,
+        seal("object", raw))
     from kvxfer.tiers.object.client import check_reachable  # (the client library: only when configured)
 
     check_reachable(settings)

@@ -151,8 +151,9 @@ class ObjectTier:
     def _put(self, staged: Staged) -> str:
         name = self.name(staged.namespace, staged.key)
         head = header(self.fingerprint, staged.namespace, staged.key, staged.checksum, self.slot_bytes,
-                      staged.key_format)
-        value = sealed(self.settings.secret, self.full_name(name), self.queue.staging.with_header(staged.buffer, head))
+                      staged.key_format, self.settings.seal)
+        value = sealed(self.settings.secret, self.full_name(name), self.queue.staging.with_header(staged.buffer, head),
+                       self.settings.seal)
         try:
             obstore.put(self.store, name, value, mode="create", use_multipart=False)
         except AlreadyExistsError:

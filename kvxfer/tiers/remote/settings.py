@@ -11,10 +11,11 @@ from pathlib import Path
 
 from kvxfer.core.errors import ConfigError
 from kvxfer.core.validate import shown
-from kvxfer.tiers.sections import bounded, mapping, secret
+from kvxfer.tiers.record import Seal
+from kvxfer.tiers.sections import bounded, mapping, seal, secret
 
 KEYS = frozenset({"url", "username", "password_file", "tls_ca", "tls_cert", "tls_key", "key_prefix", "timeout_ms",
-                  "write_through", "max_inflight", "secret_file"})
+                  "write_through", "max_inflight", "secret_file", "mac"})
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 
 
@@ -33,6 +34,7 @@ class RemoteSettings:
     write_through: bool = False  # every stored block goes to Redis too, not only those leaving the host tier
     max_inflight: int = 256
     secret: bytes = field(default=b"", repr=False)  # shared by the daemons of a tier: values carry a MAC under it
+    seal: Seal = Seal.BLAKE3  # the MAC values are written with (``mac``; both are read)
 
     @property
     def cluster(self) -> bool:
@@ -73,4 +75,5 @@ def parse(raw) -> RemoteSettings | None:
     if not isinstance(write_through, bool):
         raise ConfigError(f"remote.write_through: true or false, got {shown(write_through)}")
     return RemoteSettings(url, text["username"], password, text["tls_ca"], text["tls_cert"], text["tls_key"],
-                          text["key_prefix"], timeout / 1000, write_through, inflight, secret("remote", raw))
+                          text["key_prefix"], timeout / 1000, write_through, inflight, secret("remote", raw),
+                          seal("remote", raw))

@@ -118,9 +118,11 @@ class RemoteStore:
     def _send(self, batch: list[Staged]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for s in batch:
-            head = header(self.fingerprint, s.namespace, s.key, s.checksum, self.slot_bytes, s.key_format)
+            head = header(self.fingerprint, s.namespace, s.key, s.checksum, self.slot_bytes, s.key_format,
+                          self.settings.seal)
             name = self.key(s.namespace, s.key)
-            pipe.set(name, sealed(self.settings.secret, name, self.queue.staging.with_header(s.buffer, head)))
+            pipe.set(name, sealed(self.settings.secret, name, self.queue.staging.with_header(s.buffer, head),
+                                  self.settings.seal))
         pipe.execute()
 
     # -- lookups and restores ---------------------------------------------------------
