@@ -8,12 +8,13 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from kvxfer import Client
 from kvxfer.core.records import Outcome, TierKind
 from tests.conftest import ROOT
-from tests.e2e.mooncake_node import KEYS, events, master, needs_mooncake, node, tiers, until  # noqa: F401
+from tests.e2e.mooncake_node import KEYS, SECRET, events, master, needs_mooncake, node, tiers, until  # noqa: F401
 from tests.e2e.test_remote import offload, restore
 
 pytestmark = [pytest.mark.e2e, needs_mooncake]
@@ -136,7 +137,7 @@ def test_bench_mooncake_restore_reports_a_daemons_restore_beside_the_bare_batch_
 
 def test_a_node_sealing_with_blake3_and_one_with_hmac_read_each_others_blocks(master, tmp_path):
     """``mac: blake3`` changes what a daemon writes, never what it reads: in a rollout both seals are served."""
-    a, b = node(master, tmp_path, "seal:", mac="blake3"), node(master, tmp_path, "seal:")
+    a, b = node(master, tmp_path, "seal:", mac="blake3"), node(master, tmp_path, "seal:", mac="hmac-sha256")
     try:
         shadow_a = offload(a, KEYS)
         until(lambda: events(a).get("stored", 0) >= 16, "a demoted 16")
@@ -151,3 +152,29 @@ def test_a_node_sealing_with_blake3_and_one_with_hmac_read_each_others_blocks(ma
     finally:
         a.cleanup()
         b.cleanup()
+
+
+def test_values_sealed_the_other_way_are_read_again_whole_in_batches_past_the_bounce_buffer(master, tmp_path):
+    """A tier reads values in the parts its own seal lays out; 40 values sealed the other way (more than the
+    bounce buffer's 32) are each read again whole, checked and copied into their slots."""
+    from kvxfer.geometry.block_checksum import block_checksum
+    from kvxfer.tiers.mooncake.settings import parse
+    from kvxfer.tiers.mooncake.store import MooncakeTier
+
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    section = master.section(segment_mib=64, secret_file=str(secret), timeout_ms=10_000)
+    slot, keys = 16384, [b"w%02d" % i for i in range(40)]
+    blocks = torch.randint(0, 256, (40, slot), dtype=torch.uint8)
+    host = torch.zeros((48, slot), dtype=torch.uint8)
+    writer = MooncakeTier(parse({**section, "mac": "blake3"}), "g", b"f" * 32, slot)
+    reader = MooncakeTier(parse({**section, "mac": "hmac-sha256", "segment_mib": 0}), "g", b"f" * 32, slot,
+                          host_memory=(host.data_ptr(), host.numel()))
+    try:
+        writer.stage("ns", [(k, block_checksum(b.numpy()), b) for k, b in zip(keys, blocks)])
+        assert writer.flush(60) and writer.stats().events.get("stored") == 40
+        verdicts = reader.read_into("ns", keys, list(host[:40]))
+        assert [v[0] for v in verdicts] == [Outcome.DONE] * 40 and torch.equal(host[:40], blocks)
+    finally:
+        writer.close(5)
+        reader.close(5)

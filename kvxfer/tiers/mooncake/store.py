@@ -174,6 +174,11 @@ class MooncakeTier:
             return [v for first in range(0, len(keys), READ_BATCH)
                     for v in self._read_parts(namespace, keys[first:first + READ_BATCH],
                                               targets[first:first + READ_BATCH])]
+        return self._read_bounced(namespace, keys, targets)
+
+    def _read_bounced(self, namespace: str, keys: list[bytes], targets: list[torch.Tensor]
+                      ) -> list[tuple[Outcome, int, int]]:
+        """Values read whole into the bounce buffer, a batch at a time, checked there and copied into the slots."""
         out: list[tuple[Outcome, int, int]] = []
         for first in range(0, len(keys), BATCH):
             out += self._read_batch(namespace, keys[first:first + BATCH], targets[first:first + BATCH])
@@ -214,7 +219,7 @@ class MooncakeTier:
                 out[i] = self._checked(*entry)
         again = [i for i, verdict in enumerate(out) if verdict is None]
         if again:
-            redone = self._read_batch(namespace, [keys[i] for i in again], [targets[i] for i in again])
+            redone = self._read_bounced(namespace, [keys[i] for i in again], [targets[i] for i in again])
             for i, verdict in zip(again, redone):
                 out[i] = verdict
         return out
