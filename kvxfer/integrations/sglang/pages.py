@@ -31,6 +31,7 @@ import torch
 from kvxfer.client import Client, EngineBlocks, KeyFormat, PoolHandle, PoolLayout, create_sealed
 from kvxfer.core.errors import KvxferError
 from kvxfer.core.records import NULL_BLOCK, Medium, Outcome
+from kvxfer.integrations.settings import group_token
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames
 from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 
@@ -57,6 +58,7 @@ class Settings:
     staging_pages: int = 0  # pages of the staging area; 0: 1 beside a shared host pool (host page 0), else 128
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the pages' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this cache group's pages
+    token_file: str = ""  # the private group's token: replicas given the same file share its pages on shared tiers
     lane: bool = True  # batches and lookups over the daemon's local lane (kvxfer.client.lane_client); False: gRPC only
 
     @property
@@ -98,6 +100,9 @@ class PageMover:
         ``host_fd``: its memfd when SGLang allocated it in one (zero copy), else None."""
         self.names = names
         self.settings = settings
+        # A private group's pages reach the tiers other nodes read only under a chosen token (kvxfer.tiers.reach).
+        self.token = group_token("hicache-storage-backend-extra-config.token_file", settings.token_file) \
+            if settings.token_file else b""
         g = names.geometry
         self.host = host.view(-1).view(g.shape) if host is not None else None
         self.host_fd = host_fd
@@ -111,7 +116,8 @@ class PageMover:
     def _register(self, client: Client) -> None:
         """Register this process's pools (on every (re)connection: a restarted daemon knows none)."""
         n = self.names
-        shared = {"share_events": self.settings.share_events, "share_with_peers": self.settings.share_with_peers}
+        shared = {"share_events": self.settings.share_events, "share_with_peers": self.settings.share_with_peers,
+                  "chosen_token": self.token}
         if self.host_fd is not None:
             client.register_pool(n.pool_id("host"), n.geometry.spec, n.geometry.layout, PoolHandle(Medium.SHM),
                                  fd=self.host_fd, cache_group=n.cache_group, **shared)
