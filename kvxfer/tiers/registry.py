@@ -6,7 +6,9 @@ section gave (its settings, or what the daemon built: peering is the daemon's NI
 links); it says how the tier's KV events name its medium and locality. A new tier is one package
 under ``kvxfer.tiers``, a row here and its value in the proto's ``Tier`` enum (``TierKind`` is made
 from it); the config, the daemon, ``serve --check``, the chart's schema, the wire, the events and
-every cache group take it from this table.
+every cache group take it from this table. A row marked ``shared`` (other nodes read the medium) is
+made for a group as the group's reach says (``kvxfer.tiers.reach``): under the group's name, under
+its token's, or not at all.
 """
 
 from __future__ import annotations
