@@ -205,3 +205,22 @@ def test_a_daemon_whose_master_never_answers_stops_on_sigterm(tmp_path):
     finally:
         daemon.cleanup()
         cluster.close()
+
+
+def test_a_master_stopped_at_start_still_takes_connections_and_leaves_the_daemon_serving(master, tmp_path):
+    """A SIGSTOPped master's ports take connections (the kernel's backlog) but answer nothing: the join waits for
+    its HTTP metadata server to answer, and the daemon serves meanwhile."""
+    master.pause()
+    daemons = []
+    try:
+        daemons.append(daemon := node(master, tmp_path))
+        until(lambda: events(daemon)["degraded"], "degraded", seconds=30)
+        assert daemon.health() == 1
+        master.resume()
+        until(lambda: not events(daemon)["degraded"], "joined once the master answers", seconds=60)
+        start = time.monotonic()
+        assert daemon.stop(timeout=60) == 0 and time.monotonic() - start < 30  # (a hang guard)
+    finally:
+        master.resume()
+        for daemon in daemons:
+            daemon.cleanup()

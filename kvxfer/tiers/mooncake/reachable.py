@@ -3,13 +3,17 @@
 Mooncake's ``setup`` retries an unreachable master for tens of seconds while holding the GIL: the
 daemon's event loop, its workers and its SIGTERM handler all wait behind it. So the client is
 called only once these cheap questions pass (``MooncakeClient`` asks them before every join,
-``kvxfer serve --check`` before a start): the master's RPC port and the metadata server take a
-TCP connection within a second, and an RDMA transport has its devices on this node. Each answer
+``kvxfer serve --check`` before a start): the master's RPC port takes a TCP connection and an HTTP
+metadata server answers a request within a second (a stopped master's ports still take
+connections: its HTTP server answers nothing), and an RDMA transport has its devices on this node.
+A master whose RPC port takes connections but answers nothing, behind etcd or P2PHANDSHAKE
+metadata, is not told apart here. Each answer
 is one line naming the setting.
 """
 
 from __future__ import annotations
 
+import http.client
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -56,9 +60,26 @@ def unreachable(settings: MooncakeSettings, timeout: float = CONNECT_S) -> str |
     if why is not None:
         return f"mooncake.master: {settings.master} does not answer ({why})"
     if settings.metadata != "P2PHANDSHAKE":
-        url = urlsplit(settings.metadata)
-        port = url.port or (443 if url.scheme == "https" else 80)
-        why = _answers(url.hostname or "", port, timeout)
+        why = _http_answers(settings.metadata, timeout)
         if why is not None:
             return f"mooncake.metadata: {settings.metadata} does not answer ({why})"
     return missing_devices(settings)
+
+
+def _http_answers(address: str, timeout: float) -> str | None:
+    """None if the metadata server answers an HTTP request within ``timeout`` (any status: it is alive); a master
+    that is stopped (SIGSTOP) or stalled still takes connections, but answers nothing."""
+    url = urlsplit(address)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    connection = kind(url.hostname or "", port, timeout=timeout)
+    try:
+        connection.request("GET", url.path or "/")
+        connection.getresponse().read(0)
+        return None
+    except socket.timeout:
+        return f"no answer within {timeout:g} s"
+    except (OSError, http.client.HTTPException) as exc:
+        return getattr(exc, "strerror", None) or type(exc).__name__
+    finally:
+        connection.close()
