@@ -337,6 +337,10 @@ def test_values_redis_evicts_or_expires_are_announced_when_redis_notifies():
         keys = [b"e%03d" % i for i in range(400)]  # 6.4 MB of blocks into 4 MB of Redis
         offload(a, keys)
         name = b"\0".join([b"kvxfer:rank0", b"default", b"e399"])  # a value Redis expires on its own
+        written = time.monotonic() + 30
+        while not small.client().exists(name):  # (written through in the background: on a busy machine, later)
+            assert time.monotonic() < written, "e399 never reached Redis"
+            time.sleep(0.05)
         assert small.client().pexpire(name, 50)
         evicted, expired = set(), set()
         deadline = time.monotonic() + 30
