@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from kvxfer.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from kvxfer.memory import cuda_mem, room
 from kvxfer.tiers.host import capacity_blocks
-from kvxfer.tiers.mooncake.reachable import missing_devices
 from kvxfer.tiers.registry import client_bytes, staged_blocks, unanswered
 from service.config import Config
 
@@ -69,10 +68,6 @@ def memory_need(config: Config) -> MemoryNeed:
 def check(config: Config, measured: room.Room | None = None) -> Config:
     """The config with devices resolved, or FailedPrecondition/ResourceExhausted in one line."""
     config = resolve_devices(config)
-    mooncake = config.tiers.get("mooncake")
-    why = missing_devices(mooncake) if mooncake is not None else None
-    if why is not None:  # (a transport that cannot work here: the tier would never join)
-        raise FailedPrecondition(why)
     need = memory_need(config)
     measured = room.measure() if measured is None else measured
     if not config.allow_overcommit and need.total > measured.usable:

@@ -3,8 +3,8 @@
 ``--blocks`` blocks of ``--block-kib`` KiB go down through the tier (copied into its registered staging
 buffers, header and MAC written in place, ``batch_put_from`` a batch at a time) and come back (one
 ``batch_is_exist``, then ``batch_get_into_multi_buffers``: each block straight into its slot of a registered
-host-tier-like buffer, its header and MAC beside it, all three checked there). Beside them, in the same process and run, on the same
-bytes and through the same client (its segment, its transport): the store's plain ``put`` and ``get``
+host-tier-like buffer, its header beside it, both checked there). Beside them, in the same process and run, on
+the same bytes and through the same client (its segment, its transport): the store's plain ``put`` and ``get``
 of each block (what a client that does not register memory does), and its zero-copy ``batch_put_from``
 and ``batch_get_into`` of the bare blocks (the floor: the API alone, no record, no checks). Wall and CPU
 time of each (this process's and the master's, ``kvxfer.bench.cpu_time``); against a ``mooncake_master``

@@ -2,7 +2,8 @@
 beside the store's own client reading the same values.
 
 A daemon (its own process, one CPU pool whose host tier holds ``--blocks`` blocks of ``--block-kib`` KiB, a
-``mooncake`` section whose values carry the MAC ``--mac`` names: keyed BLAKE3 by default), a ``mooncake_master``, and a second daemon that
+``mooncake`` section whose values carry the MAC ``--mac`` names: keyed BLAKE3 by default), a
+``mooncake_master``, and a second daemon that
 only lends the cluster its memory (so that the daemon and the baseline both read over the network, as from
 another node), all on loopback over TCP.
 Each round, untimed: ``--blocks`` new blocks of random bytes are offloaded, as many more push them out of the
@@ -117,7 +118,7 @@ def _run_one(args: argparse.Namespace, mac: str) -> dict:
         storage[nbytes:(n + 1) * nbytes].copy_(data.view(-1))
         assert client.offload(list(zip(range(1, n + 1), keys))).outcomes == [Outcome.DONE] * n
         assert client.offload(list(zip(range(1, n + 1), filler))).outcomes == [Outcome.DONE] * n
-        launch_wait(lambda: client.lookup(keys).tiers == [TierKind.MOONCAKE] * n, "the blocks reached the cluster")
+        _wait_for(lambda: client.lookup(keys).tiers == [TierKind.MOONCAKE] * n, "the blocks reached the cluster")
         client.delete(filler)
         storage[nbytes:(n + 1) * nbytes].zero_()
         state.update(keys=keys, data=data)
@@ -165,7 +166,7 @@ def _run_one(args: argparse.Namespace, mac: str) -> dict:
             "base_wall_ms": base.median_wall() * 1e3, "base_cpu_ms": base.median_cpu() * 1e3}
 
 
-def launch_wait(check, what: str, seconds: float = 120) -> None:
+def _wait_for(check, what: str, seconds: float = 120) -> None:
     import time
 
     deadline = time.monotonic() + seconds

@@ -307,7 +307,7 @@ class Client:
         if not isinstance(request_id, str):
             raise InvalidArgument(f"request_id must be a str, got {shown(request_id)}")
         request = pb.HintRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
-                                 action=pb_action, keys=checked_keys(keys) if keys else [],
+                                 action=pb_action, keys=checked_keys(keys),
                                  ttl_s=check_uint32(ttl_s, "ttl_s"), request_id=request_id)
         self._call(self._stub.Hint, request, timeout)
 

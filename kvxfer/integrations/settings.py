@@ -55,7 +55,8 @@ def group_token(where: str, path: str) -> bytes:
     given one file register their private groups with it, and so reach each other's blocks on the tiers other
     nodes read, on any node and after any restart (``kvxfer.tiers.reach``)."""
     try:
-        token = open(path, "rb").read().strip()
+        with open(path, "rb") as f:
+            token = f.read(4096).strip()  # (at most a page: /dev/zero named by mistake is refused, not read for ever)
     except OSError as exc:
         raise ValueError(f"{where}: {path}: {exc.strerror}") from None
     if not 16 <= len(token) <= 64:

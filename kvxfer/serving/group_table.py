@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kvxfer.core.errors import FailedPrecondition, PermissionDenied, ResourceExhausted, Unavailable
 from kvxfer.core.validate import shown
 from kvxfer.serving.group import CacheGroup
+from kvxfer.tiers.reach import NODE, SHARED, Reach
 
 log = logging.getLogger("kvxfer.serving.pool_registry")
 RELEASE_DEMOTE_S = 30.0  # how long a released group's host tier may take to be written down to disk
@@ -29,6 +30,13 @@ class Sharing:
 
     peers: bool = False  # other nodes' daemons may read its blocks and push into it (peering)
     events: bool = False  # any WatchEvents / Snapshot caller and the ZeroMQ publisher see its keys
+
+    def reach(self, group: str, chosen: bytes) -> Reach:
+        """The group's reach on the tiers other nodes read (``kvxfer.tiers.reach``): any node's group of its name
+        if it is shared with peers (the daemon's own are); else its registrant's chosen token's, or this node's."""
+        if self.peers:
+            return SHARED
+        return Reach.of_token(group, chosen) if chosen else NODE
 
 
 DAEMON_SHARING = Sharing(peers=True, events=True)

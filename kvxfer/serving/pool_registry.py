@@ -44,7 +44,6 @@ from kvxfer.serving.pool_manager import PoolManager, TransferObserver
 from kvxfer.serving.prefetch import HintSettings, Prefetcher
 from kvxfer.serving.served_pool import DAEMON, ServedPool
 from kvxfer.tiers.host import capacity_blocks
-from kvxfer.tiers.reach import NODE, SHARED, Reach
 from kvxfer.tiers.registry import lower_tiers as make_lower_tiers
 from kvxfer.transfer import native
 
@@ -123,7 +122,7 @@ class PoolRegistry:
                                               reservations=self.peering.leases if self.peering else None,
                                               admission=self.admission, tenants=self.tenants,
                                               hash_threads=self.limits.copy_threads, hint_share=self.hints.share,
-                                              reach=_reach(name, owner, sharing, chosen)),
+                                              reach=sharing.reach(name, chosen)),
                                        owner, sharing)
                 # PoolManager refuses a pool whose block format differs from the group's.
                 manager = PoolManager(pool, entry.group, checksum_on_device=self.limits.checksum_on_device,
@@ -401,11 +400,3 @@ class PoolRegistry:
 
 
 __all__ = ["DAEMON", "Limits", "PoolRegistry", "ServedPool", "Sharing"]
-
-
-def _reach(group: str, owner: str, sharing: Sharing, chosen: bytes) -> Reach:
-    """A new group's reach on the tiers other nodes read: shared if the daemon made it or its registrant shares it
-    with peers; else its chosen token's, or this node's alone (``kvxfer.tiers.reach``)."""
-    if owner == DAEMON or sharing.peers:
-        return SHARED
-    return Reach.of_token(group, chosen) if chosen else NODE

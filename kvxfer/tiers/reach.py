@@ -39,7 +39,8 @@ class Reach:
     @classmethod
     def of_token(cls, group: str, token: bytes) -> Reach:
         """The reach of a private group registered with ``token`` (its ``chosen_token``)."""
-        return cls(ReachKind.TOKEN, hmac.new(token, b"kvxfer private group\0" + group.encode(), hashlib.sha256).digest())
+        key = hmac.new(token, b"kvxfer private group\0" + group.encode(), hashlib.sha256).digest()
+        return cls(ReachKind.TOKEN, key)
 
     def name(self, group: str) -> str:
         """What the shared tiers call the group (its own name unless it is a token's)."""

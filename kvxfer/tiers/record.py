@@ -49,7 +49,12 @@ class Seal(enum.Enum):
 
 
 _SEAL_OF_VERSION = {1: Seal.HMAC_SHA256, 2: Seal.HMAC_SHA256, 3: Seal.BLAKE3}
-VERSION_OF_SEAL = {Seal.HMAC_SHA256: 2, Seal.BLAKE3: 3}
+_VERSION_OF_SEAL = {Seal.HMAC_SHA256: 2, Seal.BLAKE3: 3}
+
+
+def seal_of(head) -> Seal | None:
+    """The seal a value's header names (its version), or None for a header too short or of no known version."""
+    return _SEAL_OF_VERSION.get(int.from_bytes(bytes(head[8:12]), "little")) if len(head) >= 12 else None
 _CRC = slice(12, 16)
 MAC_BYTES = 32
 #: a sealed value's header at most: the fixed part, a namespace (UTF-8), a key, and room
@@ -109,13 +114,9 @@ def decode_header(header: bytes, fingerprint: bytes, nbytes: int, padded_to: int
     return Header(namespace, bytes(header[fixed.size + ns_len:end]), checksum, key_format)
 
 
-def mac(secret: bytes, name: bytes, value, seal: Seal = Seal.HMAC_SHA256) -> bytes:
-    """The MAC of a value under its full name (a Redis key, an object's path): whoever lacks the secret
-    can neither forge a value nor move one to another key."""
-    return _mac(secret, name, seal, value)
-
-
-def _mac(secret: bytes, name: bytes, seal: Seal, *parts) -> bytes:
+def mac(secret: bytes, name: bytes, *parts, seal: Seal = Seal.HMAC_SHA256) -> bytes:
+    """The MAC of a value (``parts``: its header and block, whole or apart) under its full name (a Redis key, an
+    object's path): whoever lacks the secret can neither forge a value nor move one to another key."""
     if seal is Seal.BLAKE3:  # (the name's length first: no name and value pair reads as another)
         digest = blake3.blake3(len(name).to_bytes(4, "little") + name, key=_blake3_key(secret))
     else:
@@ -135,23 +136,18 @@ def header(fingerprint: bytes, namespace: str, key: bytes, checksum: int, slot_b
            seal: Seal = Seal.HMAC_SHA256) -> bytes:
     """The header written just before a block's bytes in its value (its version names the ``seal``)."""
     return encode_header(fingerprint, namespace, key, checksum, slot_bytes, key_format=key_format,
-                         version=VERSION_OF_SEAL[seal])
+                         version=_VERSION_OF_SEAL[seal])
 
 
 def sealed(secret: bytes, name: bytes, value, seal: Seal = Seal.HMAC_SHA256) -> bytes | memoryview:
     """The value as stored (``value``: the header and the block): with a secret, its MAC where ``seal`` puts it."""
     if not secret:
         return value
-    tag = mac(secret, name, value, seal)
+    tag = mac(secret, name, value, seal=seal)
     if not seal.tag_first:
-        return bytes(value) + tag
+        return b"".join((value, tag))  # (one copy of the block)
     split = _header_size(value)
-    return bytes(value[:split]) + tag + bytes(value[split:])
-
-
-def seal_parts(secret: bytes, name: bytes, head: bytes, data, seal: Seal) -> bytes:
-    """The MAC of a header and a block kept apart (a staging buffer's), for a writer that places it itself."""
-    return _mac(secret, name, seal, head, data)
+    return b"".join((value[:split], tag, value[split:]))
 
 
 def _header_size(value) -> int:
@@ -170,7 +166,7 @@ def unpack(value: bytes, name: bytes, namespace: str, key: bytes, fingerprint: b
     value = memoryview(value)
     tag = b""
     split = header_length(namespace, key)
-    if secret and len(value) >= 12 and _SEAL_OF_VERSION.get(int.from_bytes(value[8:12], "little")) is Seal.BLAKE3:
+    if secret and seal_of(value) is Seal.BLAKE3:
         head, tag, data = value[:split], value[split:split + MAC_BYTES], value[split + MAC_BYTES:]
     else:
         if secret:
@@ -186,8 +182,8 @@ def unpack_parts(head, data, tag, name: bytes, namespace: str, key: bytes, finge
     """``unpack`` of a value read in its parts (header, block, MAC: each where it was read to, the block straight
     into its host slot): the block's checksum and key format code, or ``DiskCorrupt``."""
     if secret:
-        seal = _SEAL_OF_VERSION.get(int.from_bytes(bytes(head[8:12]), "little")) if len(head) >= 12 else None
-        if seal is None or not hmac.compare_digest(_mac(secret, name, seal, head, data), bytes(tag)):
+        seal = seal_of(head)
+        if seal is None or not hmac.compare_digest(mac(secret, name, head, data, seal=seal), bytes(tag)):
             raise DiskCorrupt("forged")
     if len(data) != slot_bytes or len(head) != header_length(namespace, key):
         raise DiskCorrupt("truncated")

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kvxfer.bench.mooncake_master import MooncakeMaster, _free_port
-from kvxfer.tiers.mooncake.reachable import missing_devices, unreachable
-from kvxfer.tiers.mooncake.settings import MooncakeSettings
+from kvxfer.tiers.mooncake.reachable import unreachable
+from kvxfer.tiers.mooncake.settings import MooncakeSettings, missing_devices
 from tests.conftest import ROOT
 from tests.e2e.conftest import SMALL_POOL
 from tests.e2e.mooncake_node import master, needs_mooncake  # noqa: F401

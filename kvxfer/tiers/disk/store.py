@@ -6,7 +6,8 @@ headers (a scan: minutes for millions of blocks). Then a new base is written and
 is journaled until the next clean shutdown. With ``load_in_background``
 (the daemon) it is loaded on a thread while the daemon serves: until it is done the tier
 holds nothing for lookups, demotions are queued (written once it is loaded; past the
-queue's bound dropped and counted, ``demotions_dropped_loading``), and Stats says ``loading``; a Delete meanwhile is applied to what the load finds. A Lookup or Restore meanwhile
+queue's bound dropped and counted, ``demotions_dropped_loading``), and Stats says ``loading``;
+a Delete meanwhile is applied to what the load finds. A Lookup or Restore meanwhile
 waits for the load (``wait_ready``, within its deadline), so that the first requests after a restart hit
 what the disk holds.
 

@@ -5,7 +5,8 @@ daemon's event loop, its workers and its SIGTERM handler all wait behind it. So 
 called only once these cheap questions pass (``MooncakeClient`` asks them before every join,
 ``kvxfer serve --check`` before a start): the master's RPC port takes a TCP connection and an HTTP
 metadata server answers a request within a second (a stopped master's ports still take
-connections: its HTTP server answers nothing), and an RDMA transport has its devices on this node.
+connections: its HTTP server answers nothing). (An RDMA transport without its devices on this node
+is refused with the section: ``settings.missing_devices``.)
 A master whose RPC port takes connections but answers nothing, behind etcd or P2PHANDSHAKE
 metadata, is not told apart here. Each answer
 is one line naming the setting.
@@ -15,12 +16,10 @@ from __future__ import annotations
 
 import http.client
 import socket
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvxfer.tiers.mooncake.settings import MooncakeSettings
 
-RDMA_DEVICES = Path("/sys/class/infiniband")  # where the kernel lists this node's RDMA devices
 CONNECT_S = 1.0  # a listening master answers a connection on loopback or a LAN well within this
 
 
@@ -40,22 +39,8 @@ def _answers(host: str, port: int, timeout: float) -> str | None:
         return exc.strerror or type(exc).__name__
 
 
-def missing_devices(settings: MooncakeSettings, root: Path = RDMA_DEVICES) -> str | None:
-    """Why ``protocol: rdma`` cannot work on this node (no RDMA device, or a named one absent), or None."""
-    if settings.protocol != "rdma":
-        return None
-    present = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-    if not present:
-        return f"mooncake.protocol: rdma, but this node has no RDMA device ({root} is empty or absent); use tcp"
-    named = [d for d in settings.device.split(",") if d]
-    absent = [d for d in named if d not in present]
-    if absent:
-        return f"mooncake.device: {', '.join(absent)} not on this node (it has {', '.join(present)})"
-    return None
-
-
 def unreachable(settings: MooncakeSettings, timeout: float = CONNECT_S) -> str | None:
-    """Why a join would fail now (the master or the metadata server not answering, no RDMA device), or None."""
+    """Why a join would fail now (the master or the metadata server not answering), or None."""
     why = _answers(*_split(settings.master), timeout)
     if why is not None:
         return f"mooncake.master: {settings.master} does not answer ({why})"
@@ -63,7 +48,7 @@ def unreachable(settings: MooncakeSettings, timeout: float = CONNECT_S) -> str |
         why = _http_answers(settings.metadata, timeout)
         if why is not None:
             return f"mooncake.metadata: {settings.metadata} does not answer ({why})"
-    return missing_devices(settings)
+    return None
 
 
 def _http_answers(address: str, timeout: float) -> str | None:

@@ -10,6 +10,7 @@ import importlib.util
 import re
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvxfer.core.errors import ConfigError
 from kvxfer.core.validate import shown
@@ -20,6 +21,7 @@ KEYS = frozenset({"master", "metadata", "protocol", "device", "local_hostname", 
                   "key_prefix", "timeout_ms", "max_inflight", "write_through", "secret_file", "workers", "audit_s",
                   "mac"})
 PROTOCOLS = ("tcp", "rdma")
+RDMA_DEVICES = Path("/sys/class/infiniband")  # where the kernel lists this node's RDMA devices
 HOST_PORT = re.compile(r"[A-Za-z0-9_.:\[\]-]{1,253}:[0-9]{1,5}")
 METADATA = re.compile(r"(https?://[A-Za-z0-9_.:\[\]-]{1,253}(/[A-Za-z0-9_./-]{0,200})?|P2PHANDSHAKE)")
 PREFIX = re.compile(r"[A-Za-z0-9_.:/-]{0,64}")
@@ -102,9 +104,28 @@ def parse(raw) -> MooncakeSettings | None:
         if nbytes and nbytes < 16 << 20:  # (Mooncake refuses less at setup)
             raise ConfigError(f"mooncake.{key}: at least 16 MiB (Mooncake's least){' or 0' * (key == 'segment_mib')}, "
                               f"got {shown(raw[key])}")
-    return MooncakeSettings(master, metadata, protocol, device, hostname, segment,
-                            buffer,
-                            prefix, bounded("mooncake", raw, "timeout_ms", 2000, 60_000) / 1000,
-                            bounded("mooncake", raw, "max_inflight", 256, 65536), write_through,
-                            bounded("mooncake", raw, "workers", 4, 64), bounded("mooncake", raw, "audit_s", 30, 3600),
-                            secret("mooncake", raw), seal("mooncake", raw))
+    settings = MooncakeSettings(master, metadata, protocol, device, hostname, segment, buffer, prefix,
+                                bounded("mooncake", raw, "timeout_ms", 2000, 60_000) / 1000,
+                                bounded("mooncake", raw, "max_inflight", 256, 65536), write_through,
+                                bounded("mooncake", raw, "workers", 4, 64),
+                                bounded("mooncake", raw, "audit_s", 30, 3600), secret("mooncake", raw),
+                                seal("mooncake", raw))
+    why = missing_devices(settings)
+    if why is not None:  # (a transport that cannot work on this node: the tier would never join)
+        raise ConfigError(why)
+    return settings
+
+
+def missing_devices(settings: MooncakeSettings, root: Path = RDMA_DEVICES) -> str | None:
+    """Why ``protocol: rdma`` cannot work on this node (no RDMA device, or a named one absent), or None."""
+    if settings.protocol != "rdma":
+        return None
+    present = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    if not present:
+        return f"mooncake.protocol: rdma, but this node has no RDMA device ({root} is empty or absent); use tcp"
+    named = [d for d in settings.device.split(",") if d]
+    absent = [d for d in named if d not in present]
+    if absent:
+        return f"mooncake.device: {', '.join(absent)} not on this node (it has {', '.join(present)})"
+    return None
+

@@ -7,7 +7,8 @@ value's full name, prefix included), so a value written by anyone else, moved to
 prefix, truncated or forged is DATA_LOSS (and removed), never served.
 
 Bytes move without copies the API can spare: blocks leaving the host tier are copied once into
-staging buffers registered with the store, the header before and the MAC after them in place,
+staging buffers registered with the store, the header before them and the MAC where the seal
+puts it (BLAKE3: after the header; HMAC-SHA256: after the block) written in place,
 and put from there in batches (``batch_put_from``). A restore reads each value in its parts
 (``batch_get_into_multi_buffers``): the block straight into its host slot (the group's host tier
 is registered with the store, as SGLang's and vLLM's Mooncake connectors register their host
@@ -37,8 +38,8 @@ from kvxfer.tiers.lower import Nothing, StagedBlock
 from kvxfer.tiers.mooncake.audit import EvictionAudit
 from kvxfer.tiers.mooncake.client import ABSENT, Code, MooncakeClient, NotSent, Unanswered
 from kvxfer.tiers.mooncake.settings import MooncakeSettings
-from kvxfer.tiers.record import (MAC_BYTES, MAX_HEADER, VERSION_OF_SEAL, DiskCorrupt, Seal, header, header_length,
-                                 mac, seal_parts, unpack, unpack_parts)
+from kvxfer.tiers.record import (MAC_BYTES, MAX_HEADER, DiskCorrupt, header, header_length, mac, seal_of, unpack,
+                                 unpack_parts)
 from kvxfer.tiers.write_queue import EventCounts, Staged, WriteQueue, announce_corrupt, announce_stored, to_send
 
 BATCH = 32  # blocks a put, or a get through the bounce buffer, moves at once (the bounce buffer holds one batch)
@@ -97,9 +98,9 @@ class MooncakeTier:
         head = header(self.fingerprint, s.namespace, s.key, s.checksum, self.slot_bytes, s.key_format, seal)
         secret, name = self.settings.secret, self.name(s.namespace, s.key).encode()
         if secret and seal.tag_first:
-            tag = seal_parts(secret, name, head, staging.block(s.buffer), seal)
+            tag = mac(secret, name, head, staging.block(s.buffer), seal=seal)
             return np.frombuffer(staging.with_header(s.buffer, head + tag), dtype=np.uint8)
-        return staging.with_trailer(s.buffer, head, lambda v: mac(secret, name, v, seal) if secret else b"")
+        return staging.with_trailer(s.buffer, head, lambda v: mac(secret, name, v, seal=seal) if secret else b"")
 
     def _write(self, batch: list[Staged]) -> None:
         # Decided and sent under ``publishing``: a Delete of a key either comes after the put (and removes it)
@@ -192,7 +193,8 @@ class MooncakeTier:
         through the bounce buffer, which tells which."""
         names = [self.name(namespace, k) for k in keys]
         mac_bytes = MAC_BYTES if self.settings.secret else 0
-        first = self.settings.seal.tag_first
+        seal = self.settings.seal
+        first = seal.tag_first
         heads = [header_length(namespace, k) for k in keys]
         with self._parts_lock:
             rows = [self._parts[i] for i in range(len(keys))]
@@ -211,7 +213,7 @@ class MooncakeTier:
             for i, (key, name, row, target, head, code) in enumerate(zip(keys, names, rows, targets, heads, codes)):
                 if code in ABSENT:
                     out[i] = (Outcome.NOT_FOUND, 0, 0)  # evicted since it was asked: a miss
-                elif code == head + self.slot_bytes + mac_bytes and (not mac_bytes or _sealed_first(row) == first):
+                elif code == head + self.slot_bytes + mac_bytes and (not mac_bytes or seal_of(row) is seal):
                     tag = row[head:head + mac_bytes] if first else row[MAX_HEADER:MAX_HEADER + mac_bytes]
                     read.append((i, (namespace, key, name, row[:head], target.numpy(), tag)))
                 # (else asked again below)
@@ -331,8 +333,3 @@ class _MooncakeFetch:
 
     def end(self, corrupt: set[int]) -> None:
         return None  # (corrupt values were removed when found)
-
-
-def _sealed_first(row: np.ndarray) -> bool:
-    """Whether the value whose header ``row`` starts with carries its MAC right after the header (its version)."""
-    return int.from_bytes(row[8:12].tobytes(), "little") == VERSION_OF_SEAL[Seal.BLAKE3]
