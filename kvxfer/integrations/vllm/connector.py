@@ -15,10 +15,12 @@ offloading scheduler and worker logic whole and adds the three things an
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+import vllm
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
@@ -33,6 +35,7 @@ from vllm.v1.request import Request
 from kvxfer.client import KVSpec
 from kvxfer.core.errors import KvxferError
 from kvxfer.integrations import identity
+from kvxfer.integrations.vllm import SUPPORTED_VLLM
 from kvxfer.integrations.vllm.manager import KvxferManager
 from kvxfer.integrations.vllm.naming import EngineNames, kvxfer_layout
 from kvxfer.integrations.vllm.scheduler_hints import prompt_keys
@@ -108,6 +111,16 @@ def kv_element(spec: FullAttentionSpec, latent: bool, cache_dtype: str) -> tuple
 INLINE_SCALES = frozenset({KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD})
 
 
+def check_version(version: str) -> bool:
+    """Whether this vLLM release is one the backend is tested with; a warning names the others."""
+    release = ".".join(version.split(".")[:2])
+    if release in SUPPORTED_VLLM:
+        return True
+    logging.getLogger("kvxfer.vllm").warning("kvxfer: vLLM %s is untested with this backend (tested: %s)", version,
+                                             ", ".join(SUPPORTED_VLLM))
+    return False
+
+
 def model_identity(vllm_config: VllmConfig, settings: Settings) -> str:
     """The weights (by content, or ``model_id``), the architecture and the precision: replicas
     loading the same weights from different paths share blocks; other weights never match."""
@@ -130,6 +143,7 @@ class KvxferConnector(OffloadingConnector):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # OffloadingConnector.__init__, with the spec built here: it needs the geometry.
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        check_version(vllm.__version__)
         if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
             raise ValueError('kvxfer: set "kv_load_failure_policy": "recompute" in --kv-transfer-config, so '
                              "that a block the daemon cannot return is recomputed instead of failing the request")
