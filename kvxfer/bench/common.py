@@ -69,3 +69,12 @@ def save(args, results, plot: Callable[[object, str], None] | None = None) -> No
             json.dump(results, f, indent=2)
     if plot is not None and getattr(args, "plot", None):
         plot(results, args.plot)
+
+
+def wait_for(check, what: str, seconds: float = 120) -> None:
+    """Poll ``check`` until it holds; a bench that waits longer than ``seconds`` stops, saying for what."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench: {what}: not within {seconds:g} s")
+        time.sleep(0.02)

@@ -22,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvxfer.bench.common import GB
+from kvxfer.bench.common import GB, wait_for
 
 NAMESPACE = "bench"
 MACS = ("blake3", "hmac-sha256", "none")
@@ -118,7 +118,7 @@ def _run_one(args: argparse.Namespace, mac: str) -> dict:
         storage[nbytes:(n + 1) * nbytes].copy_(data.view(-1))
         assert client.offload(list(zip(range(1, n + 1), keys))).outcomes == [Outcome.DONE] * n
         assert client.offload(list(zip(range(1, n + 1), filler))).outcomes == [Outcome.DONE] * n
-        _wait_for(lambda: client.lookup(keys).tiers == [TierKind.MOONCAKE] * n, "the blocks reached the cluster")
+        wait_for(lambda: client.lookup(keys).tiers == [TierKind.MOONCAKE] * n, "the blocks reached the cluster")
         client.delete(filler)
         storage[nbytes:(n + 1) * nbytes].zero_()
         state.update(keys=keys, data=data)
@@ -165,12 +165,3 @@ def _run_one(args: argparse.Namespace, mac: str) -> dict:
     return {"blocks": n, "block_kib": args.block_kib, "mac": mac, **figures.as_dict(),
             "base_wall_ms": base.median_wall() * 1e3, "base_cpu_ms": base.median_cpu() * 1e3}
 
-
-def _wait_for(check, what: str, seconds: float = 120) -> None:
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench: {what}: not within {seconds:g} s")
-        time.sleep(0.05)

@@ -154,6 +154,9 @@ BENCHES: list[tuple[str, str, str]] = [
     ("daemon", "kvxfer.bench.daemon", "throughput and latency through a real daemon"),
     ("lane", "kvxfer.bench.lane", "Offload, Restore and Lookup over the local lane against gRPC"),
     ("vllm", "kvxfer.bench.vllm", "vLLM's scheduler loading 1,024 blocks through the kvxfer backend"),
+    ("engine", "kvxfer.bench.engine.ttft", "a real vLLM CPU engine's time to first token with kvxfer and without"),
+    ("engine-replay", "kvxfer.bench.engine.replay",
+     "a multi-turn trace through a real vLLM CPU engine: TTFT p50/p99, tokens/s, hit ratio, with kvxfer and without"),
     ("vllm-prefetch", "kvxfer.bench.vllm_prefetch", "a request whose blocks are on disk, prefetched while it waits"),
     ("lmcache", "kvxfer.bench.lmcache", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy"),
     ("demotion", "kvxfer.bench.demotion", "host-tier evictions reaching the disk under several clients"),
@@ -173,7 +176,9 @@ COMMANDS: list[Command | Tool] = [
     Tool("health", "exit 0 when the daemon is SERVING (a Kubernetes exec probe)", "kvxfer.cli.health_cmd"),
     Tool("events", "the tiers' KV events, a line a batch (--follow: like kubectl get --watch)",
          "kvxfer.cli.events_cmd"),
-    Tool("hint", "tell the daemon what is coming: prefetch, retain, release keys", "kvxfer.cli.hint_cmd")]
+    Tool("hint", "tell the daemon what is coming: prefetch, retain, release keys", "kvxfer.cli.hint_cmd"),
+    Tool("demo", "a conversation with a small vLLM CPU engine, with kvxfer and without: TTFT and hits "
+         "(needs vLLM's CPU build: make demo)", "kvxfer.bench.engine.demo")]
 
 
 def _version() -> str:

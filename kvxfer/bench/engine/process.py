@@ -11,7 +11,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,16 +43,20 @@ class EngineSpec:
     max_model_len: int = 0  # 0: what the engine cache holds (less its null block), at most 16 K
     max_batched_tokens: int = 2048
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype ("fp8": one byte an element)
     kv_bytes_per_token: int = 0
     threads: str = "0"  # VLLM_CPU_OMP_THREADS_BIND
     env: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
-        cache = self.num_blocks * BLOCK_SIZE * max(self.kv_bytes_per_token, 1)
+        # Twice the KV bytes: headroom for vLLM's check of this budget against its own page sizes, while
+        # num_gpu_blocks_override fixes what is allocated.
+        cache = 2 * self.num_blocks * BLOCK_SIZE * max(self.kv_bytes_per_token, 1)
         return json.dumps({"model": str(self.model), "num_blocks": self.num_blocks, "block_size": BLOCK_SIZE,
                            "kv_cache_bytes": cache,
                            "max_model_len": self.max_model_len or min(16384, (self.num_blocks - 1) * BLOCK_SIZE), "kvxfer": self.kvxfer,
-                           "max_batched_tokens": self.max_batched_tokens, "dtype": self.dtype})
+                           "max_batched_tokens": self.max_batched_tokens, "dtype": self.dtype,
+                           "kv_cache_dtype": self.kv_cache_dtype})
 
 
 class EngineError(RuntimeError):
@@ -137,9 +140,3 @@ class EngineProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
 
-
-def wait_gone(path: Path, timeout_s: float = 30) -> None:
-    """Until ``path`` no longer exists (a helper for files an exiting engine removes)."""
-    give_up = time.monotonic() + timeout_s
-    while path.exists() and time.monotonic() < give_up:
-        time.sleep(0.05)

@@ -27,7 +27,7 @@ def build_engine(spec: dict):
                block_size=block_size, num_gpu_blocks_override=blocks, kv_cache_memory_bytes=spec["kv_cache_bytes"],
                max_model_len=spec["max_model_len"], max_num_batched_tokens=spec.get("max_batched_tokens", 2048),
                max_num_seqs=spec.get("max_num_seqs", 8), enable_prefix_caching=True, kv_transfer_config=transfer,
-               seed=0, disable_log_stats=False)
+               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), seed=0, disable_log_stats=False)
 
 
 def run_one(llm, request: dict) -> dict:
