@@ -1,8 +1,10 @@
 """A real vLLM engine (vLLM's CPU build, ``make test-engine``) generating tokens through a real daemon.
 
 Every engine is a process of its own (``kvxfer.bench.engine.process``) on a model whose seeded random weights
-the session writes. ``baseline`` holds what an engine without the connector generates: each test's tokens and
-logprobs must equal it bit for bit, and a control prompt (its first block changed) must not."""
+the session writes. ``baseline`` holds what an engine without the connector generates, computing a prompt
+whole and again with its prefix in vLLM's own cache (the two may differ in the last bits: the tokens after a
+cached prefix are computed in another split); ``expected`` picks the one an answer must equal bit for bit, by
+how many of its prompt tokens came from a cache. A control prompt (its first block changed) must differ."""
 
 from __future__ import annotations
 
@@ -47,12 +49,24 @@ def baseline(model_dir, tmp_path_factory) -> dict[str, Answer]:
     engine = EngineProcess(EngineSpec(model_dir, kv_bytes_per_token=MODEL.kv_bytes_per_token()),
                            tmp_path_factory.mktemp("baseline") / "engine.log")
     try:
-        out = {"prompt": engine.generate(PROMPT), "control": engine.generate(CONTROL),
-               "long": engine.generate(PROMPT, max_tokens=96)}
+        out = {"prompt": engine.generate(PROMPT), "prompt cached": engine.generate(PROMPT),
+               "control": engine.generate(CONTROL)}
+        engine.reset_prefix_cache()
+        out |= {"long": engine.generate(PROMPT, max_tokens=96), "long cached": engine.generate(PROMPT, max_tokens=96)}
     finally:
         engine.close()
     assert not out["control"].same_as(out["prompt"]), "the model's output does not depend on its prefix"
+    assert out["prompt cached"].cached == out["long cached"].cached == RESTORED
     return out
+
+
+def expected(baseline: dict[str, Answer], answer: Answer, name: str = "prompt") -> Answer:
+    """The engine's own answer without kvxfer that ``answer`` must equal: computed whole, or with the same
+    prefix in vLLM's own cache."""
+    if answer.cached == 0:
+        return baseline[name]
+    assert answer.cached == RESTORED, f"a partial hit of {answer.cached} tokens"
+    return baseline[name + " cached"]
 
 
 @pytest.fixture

@@ -78,6 +78,8 @@ def test_a_chat_request_restored_from_kvxfer(server):
     port, daemon = server
     first = chat(port)
     assert first["usage"]["prompt_tokens"] >= 9 * BLOCK_SIZE
+    reference = chat(port)  # vLLM's own cache hit: the split a restored request computes in
+    assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     answers = []
 
     def restored() -> bool:  # (a store still running when the next request looks up: that one recomputes)
@@ -88,8 +90,8 @@ def test_a_chat_request_restored_from_kvxfer(server):
     cached = answers[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == first["usage"]["prompt_tokens"] // BLOCK_SIZE * BLOCK_SIZE
     for answer in answers:
-        assert answer["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
-        assert answer["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert answer["choices"][0] == (reference if cached else first)["choices"][0]
 
 
 def test_kv_transfer_params_hint_reaches_the_daemon(server):

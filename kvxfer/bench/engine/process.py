@@ -54,7 +54,8 @@ class EngineSpec:
         cache = 2 * self.num_blocks * BLOCK_SIZE * max(self.kv_bytes_per_token, 1)
         return json.dumps({"model": str(self.model), "num_blocks": self.num_blocks, "block_size": BLOCK_SIZE,
                            "kv_cache_bytes": cache,
-                           "max_model_len": self.max_model_len or min(16384, (self.num_blocks - 1) * BLOCK_SIZE), "kvxfer": self.kvxfer,
+                           "max_model_len": self.max_model_len or min(16384, (self.num_blocks - 1) * BLOCK_SIZE),
+                           "kvxfer": self.kvxfer,
                            "max_batched_tokens": self.max_batched_tokens, "dtype": self.dtype,
                            "kv_cache_dtype": self.kv_cache_dtype})
 

@@ -13,8 +13,9 @@ Subjects, each a fresh engine (the model of ``kvxfer bench engine``) and a fresh
 ``--host-share`` of the KV of the requests' distinct blocks: *without kvxfer*; *kvxfer*; *kvxfer, session-end
 hints*: a request no later request continues (a conversation's last turn) carries
 ``kv_transfer_params: {"kvxfer": {"hint": "release"}}``, so its blocks leave the host tier first. Printed: TTFT
-p50 and p99, generated tokens per second of wall time, the share of prompt tokens served from a cache, and
-answers unlike those without kvxfer (token ids or logprobs).
+p50 and p99, generated tokens per second of wall time, the share of prompt tokens served from a cache, wrong
+answers (token ids unlike vLLM alone computing the prompt after the same cached prefix) and answers whose
+logprobs differ from it in any bit (``_check`` says why some may).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvxfer.bench.common import Progress, save
@@ -85,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
     answers: dict[str, list] = {}
     with tempfile.TemporaryDirectory(prefix="kvxfer-bench-replay-") as tmp:
         model = MODEL.write(Path(tmp) / "model")
+        plain = EngineSpec(model, num_blocks=blocks, kv_bytes_per_token=MODEL.kv_bytes_per_token(),
+                           max_model_len=(blocks - 1) * BLOCK_SIZE, max_batched_tokens=args.max_prompt + 64)
         for subject in SUBJECTS:
             daemon = None if subject == "without kvxfer" else launch.spawn(
                 {"log_level": "warning", "pools": [POOL], "registered_host_capacity_mib": host_mib})
-            spec = EngineSpec(model, num_blocks=blocks, kv_bytes_per_token=MODEL.kv_bytes_per_token(),
-                              kvxfer=None if daemon is None else {"socket": daemon.socket},
-                              max_model_len=(blocks - 1) * BLOCK_SIZE, max_batched_tokens=args.max_prompt + 64)
+            spec = replace(plain, kvxfer=None if daemon is None else {"socket": daemon.socket})
             engine = EngineProcess(spec, Path(tmp) / f"engine-{len(answers)}.log")
             try:
                 engine.generate([5, 6, 7], max_tokens=2)  # (a process's first request pays for warming up)
@@ -111,20 +113,53 @@ def run(args: argparse.Namespace) -> int:
                 "ttft_p50_ms": statistics.median(ttfts) * 1e3,
                 "ttft_p99_ms": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] * 1e3,
                 "tokens_per_s": sum(len(a.tokens) for a in got) / wall,
-                "hit_ratio": sum(a.cached for a in got) / sum(len(r["prompt"]) for r in requests),
-                "wrong_answers": sum(not a.same_as(b) for a, b in zip(got, answers["without kvxfer"]))}
+                "hit_ratio": sum(a.cached for a in got) / sum(len(r["prompt"]) for r in requests)}
+        _check(answers, requests, results, plain, Path(tmp))
     _print(results)
     save(args, results, _plot)
     return 1 if any(s["wrong_answers"] for s in results["subjects"].values()) else 0
 
 
+def _check(answers: dict[str, list], requests: list[dict], results: dict, spec, tmp: Path) -> None:
+    """Each answer against vLLM alone computing the same prompt after the same cached prefix (put in its own
+    cache first): ``wrong_answers`` counts token ids unlike it, ``logprobs_unlike`` answers whose logprobs
+    differ in any bit. The latter is expected in a replay, with or without kvxfer: a restored prefix's KV was
+    computed over earlier turns, each after its own cached prefix, and a prompt computed in other splits differs
+    in the last bits (the engine tests and ``kvxfer bench engine`` compare restores bit for bit where the
+    prefix was computed the same way)."""
+    from kvxfer.bench.engine.process import EngineProcess
+
+    computed = answers["without kvxfer"]
+    reference = EngineProcess(spec, tmp / "reference.log")
+    try:
+        for subject, got in answers.items():
+            wrong, unlike = [], []
+            for i, answer in enumerate(got):
+                expected = computed[i]
+                if answer.cached != expected.cached:
+                    request = requests[i]
+                    reference.reset_prefix_cache()
+                    if answer.cached:
+                        reference.generate(request["prompt"][:answer.cached], max_tokens=1)
+                    expected = reference.generate(request["prompt"], max_tokens=request["max_tokens"])
+                if answer.tokens != expected.tokens:
+                    wrong.append(i)
+                elif not answer.same_as(expected):
+                    unlike.append(i)
+            results["subjects"][subject] |= {"wrong_answers": len(wrong), "wrong_requests": wrong,
+                                             "logprobs_unlike": len(unlike), "logprobs_unlike_requests": unlike}
+    finally:
+        reference.close()
+
+
 def _print(results: dict) -> None:
     print(f"{results['requests']} requests; engine cache {results['engine_blocks']} blocks; daemon host tier "
           f"{results['host_tier_mib']} MiB")
-    print(f"{'subject':>27} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens/s':>9} {'hit ratio':>10} {'wrong':>6}")
+    print(f"{'subject':>27} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tokens/s':>9} {'hit ratio':>10} {'wrong':>6} "
+          f"{'logprobs unlike':>16}")
     for name, s in results["subjects"].items():
         print(f"{name:>27} {s['ttft_p50_ms']:>12.1f} {s['ttft_p99_ms']:>12.1f} {s['tokens_per_s']:>9.2f} "
-              f"{s['hit_ratio']:>10.3f} {s['wrong_answers']:>6}")
+              f"{s['hit_ratio']:>10.3f} {s['wrong_answers']:>6} {s['logprobs_unlike']:>16}")
 
 
 def _plot(results: dict, path: str) -> None:

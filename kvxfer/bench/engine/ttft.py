@@ -18,7 +18,9 @@ its kernels), then per length and repetition, on a prompt no engine has seen, ea
   them.
 
 TTFT is vLLM's own (the request's arrival to its first token, from its stats). CPU seconds are the engine's
-and its daemon's over the request. Every answer's token ids and logprobs are compared with ``plain``'s.
+and its daemon's over the request. Every answer's token ids and logprobs are compared bit for bit with vLLM's
+own: a restored one with the engine-cache hit's (the same tokens computed after the same cached prefix), one
+with no hit with ``plain``'s.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def _print(results: dict) -> None:
     for row in results["rows"]:
         print(f"{row['tokens']:>7} {row['no_hit_ratio']:>16.3f}x {row['restored_vs_engine_cache']:>23.2f}x "
               f"{row['speedup_restored']:>18.1f}x")
-    print(f"wrong answers (token ids or logprobs unlike the engine's without kvxfer): {results['wrong_answers']}")
+    print(f"wrong answers (token ids or logprobs unlike vLLM's own with as many tokens cached): "
+          f"{results['wrong_answers']}")
 
 
 def _plot(results: dict, path: str) -> None:
