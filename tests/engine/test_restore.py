@@ -29,8 +29,9 @@ def test_evicted_prefix_restored_from_host_tier(make_daemon, make_engine, baseli
 
 def test_restored_from_disk_when_host_tier_is_too_small(make_daemon, make_engine, baseline, tmp_path):
     # A host tier of 1 MiB holds 32 blocks of 32 KiB: the fillers' push the prompt's 18 down to disk.
+    # No prefetch: the load itself reads every block from disk (a prefetch racing it would bring some up first).
     daemon = make_daemon(registered_host_capacity_mib=1, disk={"path": str(tmp_path / "disk"), "capacity_mib": 64})
-    engine = make_engine(daemon.socket)
+    engine = make_engine(daemon.socket, prefetch=False)
     engine.generate(PROMPT)
     evict(engine)
     # (the host tier evicts its oldest first: the prompt's 18 blocks go down before any filler's)
