@@ -11,7 +11,7 @@ import select
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
@@ -46,7 +46,6 @@ class EngineSpec:
     kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype ("fp8": one byte an element)
     kv_bytes_per_token: int = 0
     threads: str = "0"  # VLLM_CPU_OMP_THREADS_BIND
-    env: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         # Twice the KV bytes: headroom for vLLM's check of this budget against its own page sizes, while
@@ -71,7 +70,7 @@ class EngineProcess:
         self.log_path = log
         read_fd, write_fd = os.pipe()
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": spec.threads,
-               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **spec.env}
+               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with log.open("ab") as log_file:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvxfer.bench.engine.runner", spec.to_json(),
                                           str(write_fd)], stdin=subprocess.PIPE, stdout=log_file,
@@ -84,7 +83,10 @@ class EngineProcess:
         ready, _, _ = select.select([self._answers], [], [], timeout_s)
         line = self._answers.readline() if ready else ""
         if line:
-            return json.loads(line)
+            answer = json.loads(line)
+            if "error" in answer:  # (the runner refused a request it does not know)
+                raise EngineError(f"engine refused the request: {answer['error']}")
+            return answer
         if ready:  # end of file: the engine exited (wait for its last words in the log)
             try:
                 self.proc.wait(timeout=30)
