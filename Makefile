@@ -37,10 +37,11 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # vLLM 0.33 in an environment of its own, on the same CPU torch: vLLM declares torch==2.14.0
-# and CUDA-only packages, so it goes in with --no-deps after its pure-Python requirements.
+# and CUDA-only packages, so it goes in with --no-deps after its pure-Python requirements. NIXL
+# (peering) too: a router's kv.fetch is tested between peered daemons under vLLM's scheduler.
 $(VLLM_STAMP): pyproject.toml constraints.txt tests/vllm/requirements.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q -c constraints.txt -e '.[test]' -r tests/vllm/requirements.txt
+	$(VLLM_PY) -m pip install -q -c constraints.txt -e '.[test,peering]' -r tests/vllm/requirements.txt
 	$(VLLM_PY) -m pip install -q --no-deps vllm==0.33.0
 	touch $(VLLM_STAMP)
 

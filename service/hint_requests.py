@@ -23,6 +23,7 @@ from kvxfer.core.validate import check_name, check_namespace, checked_keys
 from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.serving.prefetch import HintSettings
 from kvxfer.v1 import kvxfer_pb2 as pb
+from service import hint_envelopes
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 STORE_HINTS = (HintAction.RETAIN, HintAction.RELEASE)  # what an Offload's blocks may carry
@@ -36,7 +37,7 @@ def checked_ttl(action: HintAction, ttl_s: int, settings: HintSettings) -> int:
     if action is HintAction.PREFETCH and ttl_s > top:
         raise InvalidArgument(f"ttl_s {ttl_s} is out of range: PREFETCH retains what it brings up for 0 to {top} "
                               "seconds (hints.max_ttl_s)")
-    if action in (HintAction.RELEASE, HintAction.CANCEL) and ttl_s:
+    if action in (HintAction.RELEASE, HintAction.CANCEL, HintAction.ENVELOPE) and ttl_s:
         raise InvalidArgument(f"ttl_s goes with RETAIN and PREFETCH; {action.name} takes none")
     return ttl_s
 
@@ -72,6 +73,8 @@ def hint(registry: PoolRegistry, max_keys: int, request: pb.HintRequest) -> Call
             raise InvalidArgument("a CANCEL names its prefetches by request_id, and no keys")
     else:
         check_namespace(namespace)
+    if (action is HintAction.ENVELOPE) != bool(request.envelope):
+        raise InvalidArgument("an envelope goes with action ENVELOPE, and ENVELOPE with an envelope")
 
     def run() -> pb.HintResponse:
         with registry.hint_gate:
@@ -81,6 +84,11 @@ def hint(registry: PoolRegistry, max_keys: int, request: pb.HintRequest) -> Call
         if action is HintAction.CANCEL:
             group.hints[action] += 1
             registry.prefetcher.cancel(owner)
+        elif action is HintAction.ENVELOPE:
+            keys = checked_keys(request.keys, unique=False, limit=max_keys)
+            hint_envelopes.carry_out(registry, group, namespace, keys, request.key_format == pb.KEY_FORMAT_VLLM,
+                                     request.envelope, owner, max_keys)
+            group.hints[action] += 1
         elif action is HintAction.PREFETCH:
             keys = checked_keys(request.keys, limit=max_keys)
             registry.prefetcher.submit(group, namespace, keys, owner, ttl_s)  # (raises when its queue is full)

@@ -29,6 +29,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from kvxfer.core.envelope import EnvelopeCounts
 from kvxfer.core.records import PoolStats, TransferResult
 from kvxfer.events.event_hub import EventHub
 from kvxfer.peering.hub import Peering
@@ -75,6 +76,7 @@ class DaemonCollector(Collector):
         yield from _tiers(stats)
         yield from _tenants(stats)
         yield from _hints(served, self.pools.prefetcher.counts())
+        yield from _envelopes(self.pools.envelopes)
         yield from _jobs(stats)
         limit = GaugeMetricFamily("kvxfer_jobs_max_queued", "Jobs a pool holds queued or uncollected at most "
                                   "(max_queued_jobs): beyond it submissions are refused.", labels=["pool"])
@@ -251,6 +253,20 @@ def _hints(served: list, prefetch: PrefetchCounts) -> Iterator[Metric]:
     queued = GaugeMetricFamily("kvxfer_prefetch_queued_keys", "Keys waiting in the prefetch queue.")
     queued.add_metric([], prefetch.queued_keys)
     yield from (taken, hinted, by_reason, wasted, results, queued)
+
+
+def _envelopes(counts: EnvelopeCounts) -> Iterator[Metric]:
+    """Routers' hint envelopes, and their actions by type and outcome."""
+    envelopes, actions = counts.snapshot()
+    taken = CounterMetricFamily("kvxfer_hint_envelopes", "Hint envelopes taken (Hint calls of action ENVELOPE).")
+    taken.add_metric([], envelopes)
+    by_outcome = CounterMetricFamily("kvxfer_hint_envelope_actions", "Hint envelopes' actions by type (kv.fetch, "
+                                     "kv.prefetch, kv.retain, kv.release, other) and outcome: taken, or why it was "
+                                     "set aside (unknown_type, unknown_version, malformed, oversized, unknown_peer, "
+                                     "unresolved, refused).", labels=["action", "outcome"])
+    for (action, outcome), n in sorted(actions.items()):
+        by_outcome.add_metric([action, outcome], n)
+    yield from (taken, by_outcome)
 
 
 def _tenants(stats: list[PoolStats]) -> Iterator[Metric]:

@@ -197,10 +197,12 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
     def add(self, req_id: str, tokens: list[int], *, cache_salt: str | None = None, max_tokens: int = 1,
-            **extra_args) -> None:  # (extra_args: kv_transfer_params, as vLLM's OpenAI API passes it)
+            kv_hints=None, **extra_args) -> None:
+        """``kv_hints``: a router's ``KvHintsEnvelope``; ``extra_args``: kv_transfer_params, as vLLM's OpenAI API
+        passes it."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args or None)
         self.scheduler.add_request(Request(req_id, tokens, params, None, cache_salt=cache_salt,
-                                           block_hasher=self._hasher))
+                                           block_hasher=self._hasher, kv_hints=kv_hints))
 
     def offload_keys(self, tokens: list[int], cache_salt: str | None = None) -> list[bytes]:
         """The keys vLLM's offloading scheduler gives the full blocks of a request with ``tokens``."""

@@ -158,6 +158,8 @@ BENCHES: list[tuple[str, str, str]] = [
     ("engine-replay", "kvxfer.bench.engine.replay",
      "a multi-turn trace through a real vLLM CPU engine: TTFT p50/p99, tokens/s, hit ratio, with kvxfer and without"),
     ("vllm-prefetch", "kvxfer.bench.vllm_prefetch", "a request whose blocks are on disk, prefetched while it waits"),
+    ("vllm-fetch", "kvxfer.bench.vllm_fetch",
+     "a request whose prefix only a peer holds, with a router's kv.fetch and without"),
     ("lmcache", "kvxfer.bench.lmcache", "kvxfer beside LMCache 0.5.6 on CPU, each against a plain copy"),
     ("demotion", "kvxfer.bench.demotion", "host-tier evictions reaching the disk under several clients"),
     ("events", "kvxfer.bench.events", "offloads with 100 KV event subscribers against none"),

@@ -4,9 +4,12 @@
     kvxfer hint retain --ttl 600 --pool P --namespace NS --keys KEY...
     kvxfer hint release --pool P --namespace NS --keys KEY...    # the session ended: evict these first
     kvxfer hint cancel --pool P --request-id R                   # drop the prefetches queued under R
+    kvxfer hint --envelope FILE --pool P --namespace NS [--keys KEY...]   # a router's hint envelope (JSON)
 
 Keys are hex, after ``--keys`` or one a line in ``--keys-file`` (``-``: standard input), in
-prefix order. The daemon's own pools (``pools:`` in its config) and pools registered with
+prefix order. With ``--envelope`` (vLLM's ``KvHintsEnvelope`` as JSON, ``-``: standard input; docs/api.md,
+The hint envelope) they are the request's blocks: the scope of its actions that name none, and what
+their 64-bit block hashes are matched against (``--vllm-keys``: keys are vLLM's offload keys). The daemon's own pools (``pools:`` in its config) and pools registered with
 ``share_events`` take hints from anyone who may call the daemon; another registered pool takes
 them from its registrant only (its registration token), as its Restores do. The daemon answers the same whatever it
 holds (a hint never says which keys are cached); ``kvxfer status`` and the ``kvxfer_tier_hinted_blocks``
@@ -20,9 +23,12 @@ import sys
 from pathlib import Path
 
 from kvxfer.cli.status_cmd import connect
+from kvxfer.core.envelope import loads, parse
 from kvxfer.core.errors import InvalidArgument
 from kvxfer.core.records import HintAction
 from kvxfer.core.validate import check_uint32
+
+U32 = (1 << 32) - 1
 
 
 def keys_of(args: argparse.Namespace) -> list[bytes]:
@@ -39,6 +45,10 @@ def keys_of(args: argparse.Namespace) -> list[bytes]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.envelope or args.action == HintAction.ENVELOPE.value:
+        return _envelope(args)
+    if args.action is None:
+        raise InvalidArgument("name an action, or an envelope with --envelope FILE")
     action = HintAction(args.action)
     keys = keys_of(args)
     if action is HintAction.CANCEL and not args.request_id:
@@ -54,8 +64,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _envelope(args: argparse.Namespace) -> int:
+    if not args.envelope:
+        raise InvalidArgument("envelope: name the envelope's file with --envelope FILE ('-': standard input)")
+    data = (sys.stdin.read() if args.envelope == "-" else _read(args.envelope)).encode()
+    parse(loads(data), max_ttl_s=U32, max_names=U32)  # no envelope at all: refused here, before anything is sent
+    keys = keys_of(args)
+    with connect(args, args.timeout) as client:
+        client.hint_envelope(data, keys, vllm_keys=args.vllm_keys, request_id=args.request_id, pool_id=args.pool,
+                             namespace=args.namespace)
+    print(f"envelope: sent with {len(keys)} request keys (kvxfer_hint_envelope_actions_total says what it did)")
+    return 0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=[a.value for a in HintAction], help="what the keys are for")
+    p.add_argument("action", nargs="?", choices=[a.value for a in HintAction], help="what the keys are for")
+    p.add_argument("--envelope", help="a router's hint envelope, JSON ('-': standard input)")
+    p.add_argument("--vllm-keys", action="store_true", help="envelope: the keys are vLLM offload keys")
     p.add_argument("--keys", nargs="+", default=[], metavar="KEY", help="keys, hex, in prefix order")
     p.add_argument("--pool", required=True, help="the pool whose cache group holds the keys")
     p.add_argument("--namespace", default="default", help="the keys' namespace")

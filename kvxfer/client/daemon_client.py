@@ -8,6 +8,7 @@ daemon raises the kvxfer exception of that code. A well-formed request whose blo
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -306,9 +307,25 @@ class Client:
                                   f"{', '.join(a.value for a in HintAction)}") from None
         if not isinstance(request_id, str):
             raise InvalidArgument(f"request_id must be a str, got {shown(request_id)}")
+        if pb_action == pb.HINT_ACTION_ENVELOPE:
+            raise InvalidArgument("an envelope is sent with hint_envelope")
         request = pb.HintRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                  action=pb_action, keys=checked_keys(keys),
                                  ttl_s=check_uint32(ttl_s, "ttl_s"), request_id=request_id)
+        self._call(self._stub.Hint, request, timeout)
+
+    def hint_envelope(self, envelope: Mapping | bytes, keys: Sequence[bytes] = (), *, vllm_keys: bool = False,
+                      request_id: str = "", pool_id: str | None = None, namespace: str | None = None,
+                      timeout: float | None = None) -> None:
+        """A router's hint envelope (vLLM's ``KvHintsEnvelope`` as a mapping, or its JSON; docs/api.md, The hint
+        envelope): ``keys``, the request's blocks in prefix order, are its scope and what 64-bit block hashes are
+        matched against (``vllm_keys``: they are vLLM's offload keys). Actions the daemon cannot carry out are
+        counted there, never an error; an envelope that is not one is INVALID_ARGUMENT."""
+        data = envelope if isinstance(envelope, bytes) else json.dumps(envelope).encode()
+        request = pb.HintRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
+                                 action=pb.HINT_ACTION_ENVELOPE, keys=checked_keys(keys, unique=False),
+                                 request_id=request_id, envelope=data,
+                                 key_format=pb.KEY_FORMAT_VLLM if vllm_keys else pb.KEY_FORMAT_OPAQUE)
         self._call(self._stub.Hint, request, timeout)
 
     def delete(self, keys: Sequence[bytes], *, pool_id: str | None = None, namespace: str | None = None,

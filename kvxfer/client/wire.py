@@ -30,7 +30,8 @@ STATUS_TO_OUTCOME = {status: outcome for outcome, status in OUTCOME_TO_STATUS.it
 MEDIUM_TO_PB = {Medium.SHM: pb.MEDIUM_SHM, Medium.CUDA: pb.MEDIUM_CUDA, Medium.MEMFD: pb.MEDIUM_MEMFD}
 PB_TO_MEDIUM = {v: k for k, v in MEDIUM_TO_PB.items()}
 HINT_TO_PB = {HintAction.PREFETCH: pb.HINT_ACTION_PREFETCH, HintAction.RETAIN: pb.HINT_ACTION_RETAIN,
-              HintAction.RELEASE: pb.HINT_ACTION_RELEASE, HintAction.CANCEL: pb.HINT_ACTION_CANCEL}
+              HintAction.RELEASE: pb.HINT_ACTION_RELEASE, HintAction.CANCEL: pb.HINT_ACTION_CANCEL,
+              HintAction.ENVELOPE: pb.HINT_ACTION_ENVELOPE}
 PB_TO_HINT = {v: k for k, v in HINT_TO_PB.items()}
 
 

@@ -59,6 +59,7 @@ class HintAction(enum.Enum):
     RETAIN = "retain"  # evicted last until a TTL passes
     RELEASE = "release"  # the session ended: evicted first (a later read makes them ordinary again)
     CANCEL = "cancel"  # drop the prefetches queued under a request id
+    ENVELOPE = "envelope"  # a router's hint envelope (kvxfer.core.envelope): its actions, each one of the above
 
 
 class EvictionReason(enum.Enum):

@@ -50,6 +50,21 @@ def _checked(where: str, default: object, value: object) -> object:
     return value
 
 
+def daemon_token(where: str, path: str) -> str | None:
+    """The daemon's bearer token from the file ``path`` names (None: no file named). A daemon with a TCP listener
+    (peering, remote clients) asks every caller for it, on its Unix sockets too."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="ascii") as f:
+            token = f.read(4096).strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: {path} cannot be read ({exc})") from None
+    if not token or not token.isprintable():
+        raise ValueError(f"{where}: {path} must hold the daemon's token (printable ASCII)")
+    return token
+
+
 def group_token(where: str, path: str) -> bytes:
     """A cache group's token from the file ``path`` names (16 to 64 bytes, surrounding whitespace dropped): engines
     given one file register their private groups with it, and so reach each other's blocks on the tiers other

@@ -53,8 +53,9 @@ class DaemonLink:
 
     def __init__(self, target: str, *, timeout_s: float, retry_s: float, role: str,
                  on_connect: Callable[[Client], None] | None = None, engine: str = "vLLM",
-                 lane: bool = True) -> None:
+                 lane: bool = True, token: str | None = None) -> None:
         self.target = target
+        self.token = token  # the daemon's bearer token, where it asks for one (a daemon with a TCP listener)
         self.lane = lane  # the daemon's local lane for transfers and lookups (``Client``'s ``lane``)
         self.engine = engine
         self.log = logging.getLogger(f"kvxfer.{engine.lower()}")  # the backend's own logger: kvxfer.vllm, ...
@@ -113,7 +114,7 @@ class DaemonLink:
 
     def _connect(self) -> Client:
         """A new session: a fresh Client, and ``on_connect`` (registration) run on it."""
-        client = Client(self.target, timeout=self.timeout_s, lane=self.lane)
+        client = Client(self.target, timeout=self.timeout_s, lane=self.lane, token=self.token)
         try:
             if self._on_connect is not None:
                 self._on_connect(client)

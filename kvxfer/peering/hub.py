@@ -44,10 +44,20 @@ class Peering:
 
     def pull(self, group: PeeredGroup, namespace: str, keys: list[bytes], peer: str) -> None:
         """Read the keys the group lacks from peer ``peer`` into its host tier (a caller said it holds them)."""
-        link = self._link(peer)
+        tiers = self.reading(group, self._link(peer))
+        if tiers:
+            group.promote(namespace, keys, tiers=tiers)
+
+    def reading(self, group: PeeredGroup, link: PeerLink) -> list:
+        """The group's peer tier reading from ``link`` alone (none where the group has no peer tier)."""
         tier = group.tier(TierKind.PEER)
-        if tier is not None:
-            group.promote(namespace, keys, tiers=[tier.only(link)])
+        return [tier.only(link)] if tier is not None else []
+
+    def named(self, source: str) -> PeerLink | None:
+        """The configured peer a router names: by its name, or by its address (``HOST:PORT``, ``tcp://`` or not).
+        Nothing else is ever dialled."""
+        address = source.removeprefix("tcp://")
+        return next((link for link in self.links if source == link.name or address == link.peer.address), None)
 
     def _link(self, peer: str) -> PeerLink:
         link = next((link for link in self.links if link.name == peer), None)

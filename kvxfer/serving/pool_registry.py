@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from kvxfer.core.envelope import EnvelopeCounts
 from kvxfer.core.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                 ResourceExhausted)
 from kvxfer.core.records import LookupResult, Medium, PoolRef
@@ -72,6 +73,7 @@ class PoolRegistry:
         self.tenants = tuple(tenants)
         self.hints = hints if hints is not None else HintSettings()
         self.prefetcher = Prefetcher(self.hints)  # PREFETCH hints, every group's, at the lowest priority
+        self.envelopes = EnvelopeCounts()  # routers' hint envelopes: their actions by outcome
         # Hints run one at a time: a storm of them takes one thread's share of the GIL, not every worker's.
         self.hint_gate = threading.Lock()
         self.observer = observer  # told of every transfer of every pool (the daemon's metrics)

@@ -54,6 +54,7 @@ class _Prefetch:
     keys: list[bytes]
     owner: tuple[str, str]  # (pool id, request id): who may cancel it
     until: float = 0.0  # retain what it brings up until then (time.monotonic(); 0: no retention)
+    tiers: list | None = None  # read from these lower tiers alone (a router's kv.fetch: one peer); None: all
     cancelled: bool = False
 
 
@@ -77,9 +78,9 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
 
     def submit(self, group: CacheGroup, namespace: str, keys: list[bytes], owner: tuple[str, str],
-               ttl_s: float = 0.0) -> None:
-        """Queue a prefetch of ``keys`` (distinct, checked); RESOURCE_EXHAUSTED past the queue's bound, UNAVAILABLE
-        once stopped."""
+               ttl_s: float = 0.0, tiers: list | None = None) -> None:
+        """Queue a prefetch of ``keys`` (distinct, checked) from the group's lower tiers (or ``tiers`` alone);
+        RESOURCE_EXHAUSTED past the queue's bound, UNAVAILABLE once stopped."""
         if not keys:
             return
         with self._cond:
@@ -89,7 +90,7 @@ class Prefetcher:
             if self._counts.queued_keys + len(keys) > bound:
                 raise ResourceExhausted(f"the prefetch queue holds {self._counts.queued_keys} keys; at most {bound}")
             until = self._clock() + ttl_s if ttl_s else 0.0
-            self._queue.append(_Prefetch(group, namespace, list(keys), owner, until))
+            self._queue.append(_Prefetch(group, namespace, list(keys), owner, until, tiers))
             self._counts.queued_keys += len(keys)
             if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._run, name="kvxfer-prefetch", daemon=True)
@@ -166,8 +167,8 @@ class Prefetcher:
         missing = [k for k, there in zip(keys, group.holds(namespace, keys)) if not there]
         room = group.prefetch_room(namespace, len(missing))
         wanted = missing[:room]
-        if wanted and group.lower:
-            group.promote(namespace, wanted, deadline=self._clock() + PROMOTION_WAIT_S)
+        if wanted and group.lower and work.tiers != []:
+            group.promote(namespace, wanted, tiers=work.tiers, deadline=self._clock() + PROMOTION_WAIT_S)
         done = group.prefetched(namespace, wanted) if wanted else 0
         if work.until:
             group.hint(namespace, keys, HintAction.RETAIN, work.until, counted=False)  # (the PREFETCH was counted)

@@ -21,6 +21,7 @@ class HintAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HINT_ACTION_RETAIN: _ClassVar[HintAction]
     HINT_ACTION_RELEASE: _ClassVar[HintAction]
     HINT_ACTION_CANCEL: _ClassVar[HintAction]
+    HINT_ACTION_ENVELOPE: _ClassVar[HintAction]
 
 class KeyFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -75,6 +76,7 @@ HINT_ACTION_PREFETCH: HintAction
 HINT_ACTION_RETAIN: HintAction
 HINT_ACTION_RELEASE: HintAction
 HINT_ACTION_CANCEL: HintAction
+HINT_ACTION_ENVELOPE: HintAction
 KEY_FORMAT_OPAQUE: KeyFormat
 KEY_FORMAT_VLLM: KeyFormat
 BLOCK_STATUS_UNSPECIFIED: BlockStatus
@@ -250,20 +252,24 @@ class BlockHint(_message.Message):
     def __init__(self, action: _Optional[_Union[HintAction, str]] = ..., ttl_s: _Optional[int] = ...) -> None: ...
 
 class HintRequest(_message.Message):
-    __slots__ = ("pool", "namespace", "action", "keys", "ttl_s", "request_id")
+    __slots__ = ("pool", "namespace", "action", "keys", "ttl_s", "request_id", "envelope", "key_format")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FORMAT_FIELD_NUMBER: _ClassVar[int]
     pool: PoolRef
     namespace: str
     action: HintAction
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_s: int
     request_id: str
-    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., action: _Optional[_Union[HintAction, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    envelope: bytes
+    key_format: KeyFormat
+    def __init__(self, pool: _Optional[_Union[PoolRef, _Mapping]] = ..., namespace: _Optional[str] = ..., action: _Optional[_Union[HintAction, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[int] = ..., request_id: _Optional[str] = ..., envelope: _Optional[bytes] = ..., key_format: _Optional[_Union[KeyFormat, str]] = ...) -> None: ...
 
 class HintResponse(_message.Message):
     __slots__ = ()

@@ -1,6 +1,7 @@
 """``vllm serve`` (vLLM's OpenAI server) with the kvxfer connector, a model whose tokenizer the session built
 (``tokenizers``): a chat request comes back from kvxfer with the same answer, and a request's
-``kv_transfer_params`` hint reaches the daemon."""
+``kv_transfer_params`` hint reaches the daemon, in kvxfer's own words and as a router's hint envelope
+(``kv_transfer_params.kv_hint``: vLLM's OpenAI server has no field of its own for ``kv_hints``)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,19 @@ def test_kv_transfer_params_hint_reaches_the_daemon(server):
     chat(port, kv_transfer_params={"kvxfer": {"hint": "retain", "ttl_s": 600}})
     until(lambda: metric(daemon.metrics_port, "kvxfer_tier_hinted_blocks", 'state="retained"') >= 9,
           "the request's blocks were stored retained", 60)
+
+
+def test_a_routers_envelope_in_kv_transfer_params_reaches_the_daemon(server):
+    port, daemon = server
+    bye = [{"role": "system", "content": " ".join(f"w{i}" for i in range(500, 800))}, *CHAT[1:]]
+    envelope = {"protocol_version": "0.1", "message_id": "chat-42", "actions": [
+        {"action_id": "end", "action_type": "kv.release", "action_version": "1.0", "payload": {}},
+        {"action_id": "pin", "action_type": "kv.pin", "action_version": "1.0", "payload": {"ttl_s": 60}}]}
+    answer = post(port, "/v1/chat/completions", {"model": "tiny", "messages": bye, "max_tokens": 4,
+                                                 "temperature": 0, "kv_transfer_params": {"kv_hint": envelope}})
+    assert answer["choices"][0]["message"]["content"]  # an action the daemon cannot take costs nothing
+    until(lambda: metric(daemon.metrics_port, "kvxfer_tier_hinted_blocks", 'state="released"') >= 9,
+          "the request's blocks were stored released", 60)
+    actions = "kvxfer_hint_envelope_actions_total"
+    assert metric(daemon.metrics_port, actions, 'action="kv.release",outcome="taken"') == 1
+    assert metric(daemon.metrics_port, actions, 'action="other",outcome="unknown_type"') == 1

@@ -31,7 +31,7 @@ import torch
 from kvxfer.client import Client, EngineBlocks, KeyFormat, PoolHandle, PoolLayout, create_sealed
 from kvxfer.core.errors import KvxferError
 from kvxfer.core.records import NULL_BLOCK, Medium, Outcome
-from kvxfer.integrations.settings import group_token
+from kvxfer.integrations.settings import daemon_token, group_token
 from kvxfer.integrations.sglang.naming import HostGeometry, PageNames
 from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 
@@ -58,6 +58,7 @@ class Settings:
     staging_pages: int = 0  # pages of the staging area; 0: 1 beside a shared host pool (host page 0), else 128
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the pages' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this cache group's pages
+    daemon_token_file: str = ""  # the daemon's own token (token_file), where it has a TCP listener (peering)
     token_file: str = ""  # the private group's token: replicas given the same file share its pages on shared tiers
     lane: bool = True  # batches and lookups over the daemon's local lane (kvxfer.client.lane_client); False: gRPC only
 
@@ -110,7 +111,8 @@ class PageMover:
         self.staging = Staging(g.with_pages(pages + 1), names.pool_id("staging"))
         self.link = DaemonLink(settings.target, timeout_s=settings.timeout_s, retry_s=settings.retry_s,
                                role=f"HiCache rank {names.share.tp_rank}", on_connect=self._register, engine="SGLang",
-                               lane=settings.lane)
+                               lane=settings.lane, token=daemon_token("hicache-storage-backend-extra-config."
+                                                                      "daemon_token_file", settings.daemon_token_file))
 
     # -- the session -----------------------------------------------------------------
     def _register(self, client: Client) -> None:

@@ -12,6 +12,7 @@ evicted meanwhile fails per block and vLLM recomputes it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -26,9 +27,11 @@ from kvxfer.core.records import HintAction
 from kvxfer.core.validate import checked_extra_keys
 from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.naming import EngineNames
-from kvxfer.integrations.vllm.scheduler_hints import HintCall, request_id, store_hint
+from kvxfer.integrations.vllm.scheduler_hints import (HintCall, envelope_json, envelope_of, envelope_store_hint,
+                                                      request_id, store_hint)
 
 log = logging.getLogger("kvxfer.vllm")
+WARN_EVERY_S = 60.0  # a warning about kv_hints not sent, at most this often
 
 
 class KvxferBlocks(LoadStoreSpec):
@@ -58,10 +61,11 @@ class KvxferManager(OffloadingManager):
     """Answers vLLM's offloading scheduler from the daemon; keeps no copy of its index."""
 
     def __init__(self, link: DaemonLink, names: EngineNames, forget_on_reset: bool = False,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, hint_max_ttl_s: int = 3600) -> None:
         """``forget_on_reset``: a reset of vLLM's prefix cache (after a weight update in place) starts a
         new generation of namespaces, so that no block stored before it is served again. ``prefetch``: new
-        requests' blocks are prefetched while they wait (``kvxfer.integrations.vllm.scheduler_hints``)."""
+        requests' blocks are prefetched while they wait (``kvxfer.integrations.vllm.scheduler_hints``).
+        ``hint_max_ttl_s``: a router's kv.retain of a request's blocks is their stores' hint up to this TTL."""
         self._link = link
         self._names = names
         self._forget_on_reset = forget_on_reset
@@ -77,6 +81,10 @@ class KvxferManager(OffloadingManager):
         self._store_hints: dict[str, tuple[HintAction, int]] = {}  # req id -> its stores' hint
         self._prefetching: set[str] = set()  # req ids whose prefetch may still be queued at the daemon
         self._hint_calls: list[HintCall] = []  # for the workers, with this step's metadata
+        self._hint_max_ttl_s = hint_max_ttl_s
+        self._envelopes: dict[str, bytes] = {}  # req id -> its router's kv_hints (JSON), until its keys are known
+        self.envelopes_dropped = 0  # kv_hints that could not be sent (not JSON, too large)
+        self._warned_at = float("-inf")
 
     def set_tenant(self, req_id: str, cache_salt: str | None) -> None:
         self._salts[req_id] = cache_salt
@@ -147,15 +155,34 @@ class KvxferManager(OffloadingManager):
 
     # -- hints -----------------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        kv_hints = envelope_of(req_context)
         hint = store_hint(req_context.kv_transfer_params)
+        if hint is None and kv_hints is not None:
+            hint = envelope_store_hint(kv_hints, self._hint_max_ttl_s)
         if hint is not None:
             self._store_hints[req_context.req_id] = hint
+        if kv_hints is not None:
+            try:
+                self._envelopes[req_context.req_id] = envelope_json(kv_hints)
+            except ValueError as exc:  # the request goes on without them
+                self.envelopes_dropped += 1
+                if time.monotonic() - self._warned_at >= WARN_EVERY_S:
+                    self._warned_at = time.monotonic()
+                    log.warning("kvxfer: a request's kv_hints were not sent: %s (%d so far)", exc,
+                                self.envelopes_dropped)
         return RequestOffloadingContext()
 
     def prefetch_request(self, req_id: str, keys: list[OffloadKey]) -> None:
-        """A request joined the waiting queue: its blocks (``keys``, in prefix order) are prefetched."""
-        if self.prefetch and keys and not self._link.resting:
-            namespace = self._names.namespace(self._salts.get(req_id), self.generation)
+        """A request joined the waiting queue: its router's envelope, if any, goes to the daemon with its blocks
+        (``keys``, in prefix order), then its blocks are prefetched."""
+        envelope = self._envelopes.pop(req_id, None)
+        if self._link.resting:
+            return
+        namespace = self._names.namespace(self._salts.get(req_id), self.generation)
+        if envelope is not None:
+            self._hint_calls.append(HintCall(HintAction.ENVELOPE, namespace, tuple(keys), request_id(req_id),
+                                             envelope))
+        if self.prefetch and keys:
             self._hint_calls.append(HintCall(HintAction.PREFETCH, namespace, tuple(keys), request_id(req_id)))
             self._prefetching.add(req_id)
 
@@ -170,7 +197,7 @@ class KvxferManager(OffloadingManager):
         if req_id in self._prefetching and getattr(request, "status", None) is RequestStatus.FINISHED_ABORTED:
             self._hint_calls.append(HintCall(HintAction.CANCEL, "", (), request_id(req_id)))  # never loaded
         self._prefetching.discard(req_id)
-        for table in (self._salts, self._answers, self._asked, self._requests, self._store_hints):
+        for table in (self._salts, self._answers, self._asked, self._requests, self._store_hints, self._envelopes):
             table.pop(req_id, None)
 
     def reset_cache(self) -> None:

@@ -10,6 +10,12 @@
 - RETAIN / RELEASE: a request whose ``kv_transfer_params`` carry ``{"kvxfer": {"hint": "release"}}``
   (the conversation ends with this turn) or ``{"kvxfer": {"hint": "retain", "ttl_s": 600}}`` has
   its blocks stored with that hint (an Offload's ``hint``).
+- ENVELOPE: a request that carries a router's ``kv_hints`` (vLLM's ``KvHintsEnvelope``, vLLM 0.32 and
+  0.33), or ``kv_transfer_params: {"kv_hint": <envelope>}`` (through vLLM's OpenAI server), has it
+  sent whole to the daemon with the request's keys, ahead of its own PREFETCH, so that a ``kv.fetch``
+  reads the router's peer first; the daemon carries out, counts and logs each action
+  (``kvxfer.core.envelope``). Its ``kv.retain`` or ``kv.release`` of the request's own blocks is also the
+  hint their stores carry, as ``kv_transfer_params`` would give it (``kv_transfer_params`` come first).
 """
 
 from __future__ import annotations
@@ -21,12 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
 
+from kvxfer.core.envelope import MAX_ENVELOPE_BYTES
+from kvxfer.core.envelope import store_hint as envelope_hint
 from kvxfer.core.records import HintAction
 
 log = logging.getLogger("kvxfer.vllm")
 PARAMS_KEY = "kvxfer"  # kv_transfer_params' field for this backend
+ENVELOPE_PARAM = "kv_hint"  # kv_transfer_params' field for a router's envelope (KVCR's ROUTER_HINT_KEY)
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 STORE_HINTS = {"retain": HintAction.RETAIN, "release": HintAction.RELEASE}
 
@@ -39,6 +49,7 @@ class HintCall:
     namespace: str
     keys: tuple[bytes, ...]
     request_id: str
+    envelope: bytes = b""  # ENVELOPE: the router's envelope, JSON
 
 
 def store_hint(params: dict[str, Any] | None) -> tuple[HintAction, int] | None:
@@ -56,6 +67,37 @@ def store_hint(params: dict[str, Any] | None) -> tuple[HintAction, int] | None:
                     '"ttl_s": seconds}; got %.200r (ignored)', field)
         return None
     return action, ttl
+
+
+def envelope_of(req_context: Any) -> Any:
+    """A request's router envelope: vLLM's ``kv_hints`` (0.32 and 0.33 carry it from ``LLMEngine.add_request`` and
+    ``AsyncLLM.generate``), else ``kv_transfer_params["kv_hint"]``, where routers put it for vLLM's OpenAI server
+    (which has no field of its own for it; Dynamo's vLLM bridge and KVCR's parser read it there); None: neither."""
+    kv_hints = getattr(req_context, "kv_hints", None)
+    if kv_hints is not None:
+        return kv_hints
+    params = req_context.kv_transfer_params
+    return params.get(ENVELOPE_PARAM) if isinstance(params, dict) else None
+
+
+def envelope_json(kv_hints: Any) -> bytes:
+    """A request's ``kv_hints`` as the daemon takes them: JSON, at most ``MAX_ENVELOPE_BYTES`` (else ValueError,
+    saying why: the request goes on without them)."""
+    try:
+        data = msgspec.json.encode(kv_hints)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if len(data) > MAX_ENVELOPE_BYTES:
+        raise ValueError(f"{len(data)} bytes, past {MAX_ENVELOPE_BYTES}")
+    return data
+
+
+def envelope_store_hint(kv_hints: Any, max_ttl_s: int) -> tuple[HintAction, int] | None:
+    """The retention an envelope gives the request's own blocks as they are stored (``kvxfer.core.envelope``)."""
+    try:
+        return envelope_hint(msgspec.to_builtins(kv_hints), max_ttl_s)
+    except (TypeError, ValueError, msgspec.EncodeError):
+        return None
 
 
 def request_id(req_id: str) -> str:

@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvxfer.client import PoolLayout
 from kvxfer.core.errors import KvxferError
-from kvxfer.integrations.settings import group_token, parse_settings
+from kvxfer.integrations.settings import daemon_token, group_token, parse_settings
 from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.allocation import SharedKVAllocation
 from kvxfer.integrations.vllm.manager import KvxferManager
@@ -46,9 +46,11 @@ class Settings:
     forget_on_reset: bool = False  # reset_prefix_cache (a weight update in place) stops serving older blocks
     share_events: bool = True  # routers (WatchEvents, the ZeroMQ publisher) see the blocks' keys
     share_with_peers: bool = False  # other nodes' daemons may read and push this engine's cache groups
+    daemon_token_file: str = ""  # the daemon's own token (token_file), where it has a TCP listener (peering)
     token_file: str = ""  # the private groups' token: engines given the same file share them on shared tiers
     lane: bool = True  # submits and lookups over the daemon's local lane (kvxfer.client.lane_client); False: gRPC only
     prefetch: bool = True  # a request joining the queue has its blocks brought up to host memory while it waits
+    hint_max_ttl_s: int = 3600  # a router's kv.retain TTL for the blocks a request stores, at most (hints.max_ttl_s)
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> Settings:
@@ -80,15 +82,17 @@ class KvxferOffloadingSpec(OffloadingSpec):
         #: other's blocks on the tiers other nodes read (else those blocks are this engine's alone)
         self.token = group_token("kv_connector_extra_config.token_file", self.settings.token_file) \
             if self.settings.token_file else secrets.token_bytes(32)
+        self.daemon_token = daemon_token("kv_connector_extra_config.daemon_token_file", self.settings.daemon_token_file)
 
     def get_manager(self) -> OffloadingManager:
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
-                          role="scheduler", lane=self.settings.lane)
+                          role="scheduler", lane=self.settings.lane, token=self.daemon_token)
         shared = self.names.namespace(None)
         log.info("kvxfer: this engine's blocks are stored in namespace %s (a request with a cache_salt: %s:<its "
                  "digest>), cache group %s; watch them with: kvxfer events --namespace %s", shared,
                  shared.rsplit(":", 1)[0], self.names.cache_group(self.rank), shared)
-        return KvxferManager(link, self.names, self.settings.forget_on_reset, self.settings.prefetch)
+        return KvxferManager(link, self.names, self.settings.forget_on_reset, self.settings.prefetch,
+                             self.settings.hint_max_ttl_s)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         kv = kv_caches.tensors[0].tensor
@@ -101,7 +105,8 @@ class KvxferOffloadingSpec(OffloadingSpec):
                           self.settings.share_with_peers, self.token)
 
         link = DaemonLink(self.settings.target, timeout_s=self.settings.timeout_s, retry_s=self.settings.retry_s,
-                          role=f"worker rank {self.rank}", on_connect=on_connect, lane=self.settings.lane)
+                          role=f"worker rank {self.rank}", on_connect=on_connect, lane=self.settings.lane,
+                          token=self.daemon_token)
         log.info("kvxfer: rank %d serves its KV cache (%d blocks of %d bytes, %s) as pool %s",
                  self.rank, self.names.spec.num_blocks, expected.block_bytes, self.names.layout.spelled, pool_id)
         ready = cuda_ready_event(kv.device) if kv.device.type == "cuda" else no_event

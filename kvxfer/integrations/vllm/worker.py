@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingW
 from kvxfer.client import SUCCESS, Client, CudaEvent, EngineBlocks, KeyFormat
 from kvxfer.client.results import PendingJobs
 from kvxfer.core.errors import KvxferError
-from kvxfer.core.records import Outcome
+from kvxfer.core.records import HintAction, Outcome
 from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.manager import KvxferBlocks
 from kvxfer.integrations.vllm.scheduler_hints import HintCall
@@ -182,12 +182,19 @@ class KvxferWorker(OffloadingWorker):
         costs that hint only."""
         for call in calls:
             try:
-                self._link.call(lambda c: c.hint(call.action, call.keys, request_id=call.request_id,
-                                                 pool_id=self._pool_id, namespace=call.namespace or None))
+                self._link.call(lambda c: self._hint(c, call))
                 self.hints_sent += 1
             except (LinkDown, KvxferError) as exc:
                 self.hints_dropped += 1
                 log.debug("kvxfer: %s hint for %s not sent: %s", call.action.value, call.request_id, exc)
+
+    def _hint(self, client: Client, call: HintCall) -> None:
+        namespace = call.namespace or None
+        if call.action is HintAction.ENVELOPE:
+            client.hint_envelope(call.envelope, call.keys, vllm_keys=True, request_id=call.request_id,
+                                 pool_id=self._pool_id, namespace=namespace)
+        else:
+            client.hint(call.action, call.keys, request_id=call.request_id, pool_id=self._pool_id, namespace=namespace)
 
     # -- collecting ----------------------------------------------------------------
     def get_finished(self) -> list[TransferResult]:

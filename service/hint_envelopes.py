@@ -1,0 +1,80 @@
+"""A router's hint envelope, carried out: each action it holds becomes a hint of the pool's cache group.
+
+``kvxfer.core.envelope`` reads the envelope; here each action it understood is resolved to keys (the
+request's, or those its block hashes name) and done as the Hint RPC does it, within the same shares
+and bounds: kv.prefetch and kv.fetch queue a prefetch (kv.fetch reading from the peer it names alone:
+a source that is none of ``peering.peers`` is never dialled), kv.retain and kv.release change the
+eviction order. Every action ends with one outcome, counted by action type
+(``kvxfer_hint_envelope_actions``): ``taken``, or why it was set aside. An envelope with an action set
+aside is logged as a warning (at most one line every ``EnvelopeCounts.LOG_EVERY_S``, with how many were
+not shown); one fully taken, at debug. Both name its ``message_id`` and each ``action_id``, so a router
+can trace what it asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvxfer.core.envelope import Action, Envelope, EnvelopeCounts, Kind, Reason, loads, parse, resolve
+from kvxfer.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvxfer.core.validate import checked_keys
+from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.pool_registry import PoolRegistry
+
+log = logging.getLogger("kvxfer.hints")
+TAKEN = "taken"
+
+
+def carry_out(registry: PoolRegistry, group: CacheGroup, namespace: str, keys: list[bytes], vllm_keys: bool,
+              data: bytes, owner: tuple[str, str], max_keys: int) -> None:
+    """Carry out the envelope ``data`` (JSON) for the request whose blocks are ``keys``; InvalidArgument only
+    where it is no envelope at all."""
+    envelope = parse(loads(data), registry.hints.max_ttl_s, max_keys)
+    done = [(a.action_id, a.label, a.reason.value, 0) for a in envelope.set_aside]
+    for action in envelope.actions:
+        outcome, blocks = _one(registry, group, namespace, keys, vllm_keys, action, owner, max_keys)
+        done.append((action.action_id, action.kind.value, outcome, blocks))
+    registry.envelopes.add([(label, outcome) for _, label, outcome, _ in done])
+    _log(envelope, done, registry.envelopes, owner)
+
+
+def _one(registry: PoolRegistry, group: CacheGroup, namespace: str, keys: list[bytes], vllm_keys: bool, action: Action,
+         owner: tuple[str, str], max_keys: int) -> tuple[str, int]:
+    """One action done: (its outcome, how many blocks it named)."""
+    tiers = None
+    if action.kind is Kind.FETCH:  # a source that is none of the peers is never dialled, whatever it names
+        link = registry.peering.named(action.source) if registry.peering is not None else None
+        if link is None:
+            return Reason.UNKNOWN_PEER.value, 0
+        tiers = registry.peering.reading(group, link)
+    try:
+        named = checked_keys(resolve(action.names, keys, vllm_keys), limit=max_keys)
+    except InvalidArgument:  # a key in full that no tier would take (empty, too long)
+        return Reason.MALFORMED.value, 0
+    if not named:
+        return Reason.UNRESOLVED.value, 0
+    hint = action.kind.hint
+    if action.kind in (Kind.RETAIN, Kind.RELEASE):
+        group.hint(namespace, named, hint, time.monotonic() + action.ttl_s)
+        return TAKEN, len(named)
+    try:
+        registry.prefetcher.submit(group, namespace, named, owner, action.ttl_s, tiers=tiers)
+    except (ResourceExhausted, Unavailable):
+        return Reason.REFUSED.value, len(named)
+    group.hints[hint] += 1
+    return TAKEN, len(named)
+
+
+def _log(envelope: Envelope, done: list[tuple[str, str, str, int]], counts: EnvelopeCounts,
+         owner: tuple[str, str]) -> None:
+    actions = [{"action_id": action_id, "action_type": label, "outcome": outcome, "blocks": blocks}
+               for action_id, label, outcome, blocks in done]
+    extra = {"message_id": envelope.message_id, "protocol_version": envelope.protocol_version,
+             "pool": owner[0], "request_id": owner[1], "actions": actions}
+    if all(a["outcome"] == TAKEN for a in actions):
+        log.debug("hint envelope taken", extra=extra)
+        return
+    quiet = counts.may_log()
+    if quiet is not None:
+        log.warning("hint envelope: actions set aside", extra={**extra, "not_shown_since": quiet})
