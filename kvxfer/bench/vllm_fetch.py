@@ -14,8 +14,9 @@ its load. Timed: that step to the step whose ``get_finished`` reports the blocks
 - **kv.fetch**: prefetch off, the router's envelope names ``source`` and the blocks: pulled from it alone;
 - **host hit**: the engine's daemon holds the prompt already (the baseline a pull aims at).
 
-Reported: medians, each over the host hit, and the share of the blocks the engine's host tier held when the
-load was scheduled. Needs vLLM and NIXL (``make test-vllm`` installs both into .venv-vllm).
+Reported: medians, each over the host hit, the share of the blocks the engine's host tier held when the
+load was scheduled, and the CPU time of every process from the request's arrival to its load (a pull
+made while the request waited is counted there). Needs vLLM and NIXL (``make test-vllm`` installs both into .venv-vllm).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from kvxfer.bench import launch
 from kvxfer.bench.common import Progress, save, wait_for
+from kvxfer.bench.cpu_time import CpuMeter
 from kvxfer.bench.peering_local import peering_configs, self_signed
 from kvxfer.core.envelope import event_hash
 from kvxfer.core.records import TierKind
@@ -56,8 +58,11 @@ def _in_host(engine, prompt: list[int]) -> float:
     return sum(t is TierKind.HOST for t in tiers) / len(tiers)
 
 
-def _load(engine, prompt: list[int], req: str, wait_s: float, kv_hints=None) -> tuple[float, float]:
-    """(scheduled -> loaded seconds, the share of the prompt's blocks in host memory when the load was scheduled)."""
+def _load(engine, prompt: list[int], req: str, wait_s: float, meter: CpuMeter,
+          kv_hints=None) -> tuple[float, float, float]:
+    """(scheduled -> loaded seconds, the share of the prompt's blocks in host memory when the load was scheduled,
+    CPU seconds of every process from the request's arrival to its load: the pull while it waited included)."""
+    cpu = meter.now()
     engine.add(req, prompt + [7, 8, 9], kv_hints=kv_hints)
     engine.step()  # vLLM asks about every block (one Lookup); the step's metadata carries the hints
     time.sleep(wait_s)
@@ -71,8 +76,9 @@ def _load(engine, prompt: list[int], req: str, wait_s: float, kv_hints=None) -> 
             if report.external_hits[req] != len(prompt):
                 raise SystemExit(f"expected a hit of {len(prompt)} tokens, got {report.external_hits[req]}")
         if req in report.loaded:
+            loaded, used = time.perf_counter() - start if start is not None else 0.0, meter.now() - cpu
             engine.run({req})
-            return time.perf_counter() - start if start is not None else 0.0, in_host
+            return loaded, in_host, used
     raise SystemExit(f"{req}: no load of its blocks was scheduled")
 
 
@@ -114,8 +120,10 @@ def run(args: argparse.Namespace) -> int:
             block = engine.worker.spec.names.spec.block_bytes
             progress.step(f"engines up: blocks of {block >> 10} KiB, {args.blocks} a request, {args.transport}")
             gen = torch.Generator().manual_seed(0)
+            meter = CpuMeter([d.proc.pid for d in daemons.values()])
             times: dict[str, list[float]] = {s: [] for s in SUBJECTS}
             served: dict[str, list[float]] = {s: [] for s in SUBJECTS}
+            cpu: dict[str, list[float]] = {s: [] for s in SUBJECTS}
             for rep in range(args.reps):
                 for i, subject in enumerate(SUBJECTS):
                     prompt = [1000 + rep * 10 + i] + torch.randint(3, 999, (args.blocks * 16 - 1,),
@@ -128,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
                     holder.reset_prefix_cache()
                     manager.prefetch = subject == "no word, prefetch"
                     hints = _envelope(engine, prompt) if subject == "kv.fetch" else None
-                    loaded, in_host = _load(engine, prompt, f"{tag}-load", args.wait_ms / 1000, hints)
+                    loaded, in_host, used = _load(engine, prompt, f"{tag}-load", args.wait_ms / 1000, meter, hints)
                     times[subject].append(loaded)
                     served[subject].append(in_host)
+                    cpu[subject].append(used)
                 progress.step(f"rep {rep + 1}: " + ", ".join(f"{s} {times[s][-1] * 1e3:.1f} ms" for s in SUBJECTS))
         finally:
             for e in engines:
@@ -139,14 +148,36 @@ def run(args: argparse.Namespace) -> int:
                 d.cleanup()
     med = {s: statistics.median(t) for s, t in times.items()}
     share = {s: statistics.median(v) for s, v in served.items()}
+    cpu_med = {s: statistics.median(v) for s, v in cpu.items()}
     print(f"{args.blocks} blocks of {block >> 10} KiB a request, held by a peer (NIXL over {args.transport}), "
           f"waiting {args.wait_ms:.0f} ms in the queue; median of {args.reps}")
-    print(format_table(["subject", "scheduled -> loaded", "/ host hit", "in host memory when scheduled"],
-                       [[s, f"{med[s] * 1e3:.2f} ms", f"{med[s] / med['host hit']:.2f}x", f"{share[s]:.0%}"]
-                        for s in SUBJECTS]))
+    print(format_table(["subject", "scheduled -> loaded", "/ host hit", "in host memory when scheduled", "CPU"],
+                       [[s, f"{med[s] * 1e3:.2f} ms", f"{med[s] / med['host hit']:.2f}x", f"{share[s]:.0%}",
+                         f"{cpu_med[s] * 1e3:.1f} ms"] for s in SUBJECTS],
+                       {"CPU": "every process (engine, the three daemons), from the request's arrival to its load"}))
     save(args, {"blocks": args.blocks, "block_bytes": block, "wait_ms": args.wait_ms, "transport": args.transport,
-                "times_s": times, "median_s": med, "in_host": served})
+                "times_s": times, "median_s": med, "in_host": served, "cpu_s": cpu, "median_cpu_s": cpu_med}, _plot)
     return 0
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (wall, cpu) = plt.subplots(1, 2, figsize=(9, 3.8))
+    labels = [s.replace(", ", ",\n") for s in SUBJECTS]
+    for ax, key, title in ((wall, "times_s", "scheduled -> loaded"), (cpu, "cpu_s", "CPU, arrival -> loaded")):
+        ax.boxplot([[v * 1e3 for v in results[key][s]] for s in SUBJECTS], tick_labels=labels)
+        ax.set_ylabel("ms")
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"a prefix only a peer holds: {results['blocks']} blocks of {results['block_bytes'] >> 10} KiB, "
+                 f"NIXL over {results['transport']}, vLLM's scheduler", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -156,3 +187,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=["shm", "tcp"], default="tcp", help="NIXL's UCX transport between peers")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="a PNG of each subject's times, wall and CPU")

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 from kvxfer.core.records import TierKind
-from kvxfer.events.event_records import EngineBlocks, EventKind, Reason, TierEvent
+from kvxfer.events.event_records import EngineBlocks, EventKind, HintTrace, Reason, TierEvent
 
 
 class EventHub:
@@ -71,10 +71,11 @@ class EventHub:
         return ScopedEvents(self, next(self._scopes) if private else 0)
 
     def emit(self, kind: EventKind, tier: TierKind, cache_group: str, namespace: str, keys: Sequence[bytes],
-             reason: Reason | None = None, engine: EngineBlocks | None = None, scope: int = 0) -> None:
+             reason: Reason | None = None, engine: EngineBlocks | None = None, scope: int = 0,
+             hint: HintTrace | None = None) -> None:
         with self._lock:
             event = TierEvent(self._next, time.time(), kind, tier, cache_group, namespace, tuple(keys), reason, engine,
-                              scope)
+                              scope, hint)
             self._next += 1
             self._events.append(event)
             self._held += len(event.keys) + 1

@@ -13,6 +13,7 @@ class EventKind(enum.Enum):
     STORED = "stored"  # restorable from this tier now (copied and checksummed)
     REMOVED = "removed"  # not restorable from this tier any more
     CLEARED = "cleared"  # the tier of this cache group was dropped whole (its blocks' REMOVED came first)
+    HINTED = "hinted"  # a router's hint envelope action for these blocks (residency unchanged): see its ``hint``
 
 
 class Reason(enum.Enum):
@@ -89,6 +90,16 @@ class EngineBlocks:
 
 
 @dataclass(frozen=True)
+class HintTrace:
+    """A router's envelope action, by its ids, and what became of it (``outcome``: taken, or why it was set aside)."""
+
+    message_id: str
+    action_id: str
+    action_type: str
+    outcome: str
+
+
+@dataclass(frozen=True)
 class TierEvent:
     """One batch of blocks of one namespace in one tier of one cache group."""
 
@@ -102,6 +113,7 @@ class TierEvent:
     reason: Reason | None = None  # REMOVED only
     engine: EngineBlocks | None = None  # the blocks' key format (and, STORED by an offload, what it said of them)
     scope: int = 0  # who may see it: 0 anyone; else only holders of a pool of that cache group (EventHub.scoped)
+    hint: HintTrace | None = None  # HINTED only
 
 
 KEY_FORMATS: tuple[KeyFormat, ...] = tuple(KeyFormat)  # a stored block's key format as one byte: its place here

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from kvxfer.core.errors import InvalidArgument
 from kvxfer.core.records import PB_TO_TIER, TIER_TO_PB
-from kvxfer.events.event_records import EngineBlocks, EventKind, ExtraKeys, KeyFormat, Reason, TierEvent, engine_hash
+from kvxfer.events.event_records import (EngineBlocks, EventKind, ExtraKeys, HintTrace, KeyFormat, Reason, TierEvent,
+                                         engine_hash)
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 KIND_TO_PB = {EventKind.STORED: pb.EVENT_KIND_STORED, EventKind.REMOVED: pb.EVENT_KIND_REMOVED,
-              EventKind.CLEARED: pb.EVENT_KIND_CLEARED}
+              EventKind.CLEARED: pb.EVENT_KIND_CLEARED, EventKind.HINTED: pb.EVENT_KIND_HINTED}
 PB_TO_KIND = {v: k for k, v in KIND_TO_PB.items()}
 REASON_TO_PB = {Reason.EVICTED: pb.REMOVAL_REASON_EVICTED, Reason.DELETED: pb.REMOVAL_REASON_DELETED,
                 Reason.CORRUPTED: pb.REMOVAL_REASON_CORRUPTED, Reason.EXPIRED: pb.REMOVAL_REASON_EXPIRED,
@@ -59,6 +60,10 @@ def event_to_pb(event: TierEvent) -> pb.KVEvent:
     msg = pb.KVEvent(sequence=event.sequence, timestamp=event.timestamp, kind=KIND_TO_PB[event.kind],
                      tier=TIER_TO_PB[event.tier], cache_group=event.cache_group, namespace=event.namespace,
                      keys=event.keys, reason=REASON_TO_PB[event.reason] if event.reason else 0)
+    if event.hint is not None:
+        h = event.hint
+        msg.hint.CopyFrom(pb.HintTrace(message_id=h.message_id, action_id=h.action_id, action_type=h.action_type,
+                                       outcome=h.outcome))
     if event.engine is not None:  # the part of the offload's description these blocks are
         engine = event.engine
         tokens = [t for key in event.keys for t in engine.tokens_of(key)] if len(engine.token_ids) else []
@@ -78,8 +83,10 @@ def event_from_pb(msg: pb.KVEvent) -> TierEvent:
                               msg.engine.parent_block_hash, msg.engine.block_size, tuple(msg.engine.token_ids),
                               msg.engine.lora_name, msg.engine.lora_id,
                               tuple(_extras_from_pb(block) for block in msg.engine.extra_keys))
+    hint = HintTrace(msg.hint.message_id, msg.hint.action_id, msg.hint.action_type, msg.hint.outcome) \
+        if msg.HasField("hint") else None
     return TierEvent(msg.sequence, msg.timestamp, PB_TO_KIND[msg.kind], PB_TO_TIER[msg.tier], msg.cache_group,
-                     msg.namespace, tuple(msg.keys), PB_TO_REASON.get(msg.reason), engine)
+                     msg.namespace, tuple(msg.keys), PB_TO_REASON.get(msg.reason), engine, hint=hint)
 
 
 __all__ = ["engine_from_pb", "engine_to_pb", "event_from_pb", "event_to_pb"]

@@ -92,8 +92,9 @@ class VllmEncoder:
         return self._encoder.encode(KVEventBatch(ts, [AllBlocksCleared()], self._rank))
 
     def convert(self, event: TierEvent) -> list[KVCacheEvent]:
-        """vLLM's events for one of kvxfer's (a CLEARED tier was announced block by block already)."""
-        if event.kind is EventKind.CLEARED:
+        """vLLM's events for one of kvxfer's (a CLEARED tier was announced block by block already; vLLM has no
+        event for a router's hint)."""
+        if event.kind in (EventKind.CLEARED, EventKind.HINTED):
             return []
         engine = event.engine
         if engine is not None and engine.block_size:

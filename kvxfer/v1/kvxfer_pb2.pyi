@@ -58,6 +58,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_STORED: _ClassVar[EventKind]
     EVENT_KIND_REMOVED: _ClassVar[EventKind]
     EVENT_KIND_CLEARED: _ClassVar[EventKind]
+    EVENT_KIND_HINTED: _ClassVar[EventKind]
 
 class RemovalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -101,6 +102,7 @@ EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_STORED: EventKind
 EVENT_KIND_REMOVED: EventKind
 EVENT_KIND_CLEARED: EventKind
+EVENT_KIND_HINTED: EventKind
 REMOVAL_REASON_UNSPECIFIED: RemovalReason
 REMOVAL_REASON_EVICTED: RemovalReason
 REMOVAL_REASON_DELETED: RemovalReason
@@ -568,7 +570,7 @@ class JobResult(_message.Message):
     def __init__(self, job_id: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("sequence", "timestamp", "kind", "tier", "cache_group", "namespace", "keys", "reason", "engine")
+    __slots__ = ("sequence", "timestamp", "kind", "tier", "cache_group", "namespace", "keys", "reason", "engine", "hint")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -578,6 +580,7 @@ class KVEvent(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     timestamp: float
     kind: EventKind
@@ -587,7 +590,20 @@ class KVEvent(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     reason: RemovalReason
     engine: EngineBlocks
-    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., kind: _Optional[_Union[EventKind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., cache_group: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., reason: _Optional[_Union[RemovalReason, str]] = ..., engine: _Optional[_Union[EngineBlocks, _Mapping]] = ...) -> None: ...
+    hint: HintTrace
+    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., kind: _Optional[_Union[EventKind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., cache_group: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., reason: _Optional[_Union[RemovalReason, str]] = ..., engine: _Optional[_Union[EngineBlocks, _Mapping]] = ..., hint: _Optional[_Union[HintTrace, _Mapping]] = ...) -> None: ...
+
+class HintTrace(_message.Message):
+    __slots__ = ("message_id", "action_id", "action_type", "outcome")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_TYPE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    action_id: str
+    action_type: str
+    outcome: str
+    def __init__(self, message_id: _Optional[str] = ..., action_id: _Optional[str] = ..., action_type: _Optional[str] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_sequence", "namespaces", "stream_id", "pools")

@@ -14,6 +14,7 @@ from kvxfer.client import Client
 from kvxfer.core.envelope import event_hash
 from kvxfer.core.errors import InvalidArgument
 from kvxfer.core.records import HintAction, TierKind
+from kvxfer.events.event_records import EventKind, HintTrace
 from kvxfer.v1 import kvxfer_pb2 as pb
 from tests.conftest import PYTHON, ROOT, python_env
 from tests.e2e.conftest import SMALL_POOL
@@ -145,3 +146,20 @@ def test_kvxfer_hint_envelope_sends_a_file_and_refuses_a_bad_one_in_one_line(mak
                         ((HintAction.ENVELOPE.value,), "--envelope")):
         out = hint(*args)
         assert out.returncode == 2 and words in out.stderr and len(out.stderr.strip().splitlines()) == 1, out
+
+
+def test_each_action_is_in_the_event_stream_with_the_routers_ids(make_daemon):
+    daemon = make_daemon()
+    with Client(daemon.target, "app", pool_id="rank0") as c:
+        _fill(c, KEYS[:8])
+        c.hint_envelope(envelope(act("kv.retain", {"ttl_s": 60}, "keep"), act("kv.pin", {}, "pin"),
+                                 message_id="trace-me"), KEYS[:4])
+        hinted = []
+        for batch in c.watch_events(["app"], from_sequence=1, timeout=60):  # (ends once both are read)
+            hinted += [e for e in batch.events if e.kind is EventKind.HINTED]
+            if len(hinted) == 2:
+                break
+    by_id = {e.hint.action_id: e for e in hinted}
+    assert by_id["keep"].hint == HintTrace("trace-me", "keep", "kv.retain", "taken")
+    assert by_id["keep"].keys == tuple(KEYS[:4]) and by_id["keep"].tier is TierKind.HOST
+    assert by_id["pin"].hint.outcome == "unknown_type" and by_id["pin"].keys == ()
