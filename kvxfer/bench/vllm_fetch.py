@@ -34,6 +34,7 @@ from kvxfer.bench import launch
 from kvxfer.bench.common import Progress, save, wait_for
 from kvxfer.bench.cpu_time import CpuMeter
 from kvxfer.bench.peering_local import peering_configs, self_signed
+from kvxfer.bench.vllm_prefetch import scheduled_to_loaded
 from kvxfer.core.envelope import event_hash
 from kvxfer.core.records import TierKind
 from kvxfer.core.text_table import format_table
@@ -67,19 +68,10 @@ def _load(engine, prompt: list[int], req: str, wait_s: float, meter: CpuMeter,
     engine.step()  # vLLM asks about every block (one Lookup); the step's metadata carries the hints
     time.sleep(wait_s)
     in_host = _in_host(engine, prompt)
-    start = None
-    for _ in range(10_000):
-        step_start = time.perf_counter()
-        report = engine.step()
-        if req in report.external_hits:
-            start = step_start
-            if report.external_hits[req] != len(prompt):
-                raise SystemExit(f"expected a hit of {len(prompt)} tokens, got {report.external_hits[req]}")
-        if req in report.loaded:
-            loaded, used = time.perf_counter() - start if start is not None else 0.0, meter.now() - cpu
-            engine.run({req})
-            return loaded, in_host, used
-    raise SystemExit(f"{req}: no load of its blocks was scheduled")
+    loaded = scheduled_to_loaded(engine, req, len(prompt))
+    used = meter.now() - cpu
+    engine.run({req})
+    return loaded, in_host, used
 
 
 def _stored(engine, prompt: list[int]) -> None:

@@ -79,21 +79,25 @@ def _load(engine, prompt: list[int], req: str, wait_s: float) -> tuple[float, fl
     keys = engine.offload_keys(prompt)
     tiers = client.lookup(keys, pool_ids=[names.pool_id(0)], namespace=names.namespace(None)).tiers
     in_host = sum(t is TierKind.HOST for t in tiers) / len(keys)
+    loaded = scheduled_to_loaded(engine, req, len(prompt))
+    engine.run({req})
+    return loaded, in_host
+
+
+def scheduled_to_loaded(engine, req: str, hit_tokens: int) -> float:
+    """Step the engine until ``req``'s load is reported done: seconds from the start of the step that scheduled it
+    (a hit of ``hit_tokens``, else SystemExit) to the end of the step that reported it loaded."""
     start = None
     for _ in range(10_000):
         step_start = time.perf_counter()
         report = engine.step()
         if req in report.external_hits:
             start = step_start
-            if report.external_hits[req] != len(prompt):
-                raise SystemExit(f"expected a hit of {len(prompt)} tokens, got {report.external_hits[req]}")
-        if req in report.loaded:
-            loaded = time.perf_counter() - start
-            break
-    else:
-        raise SystemExit(f"{req}: no load of its blocks was scheduled")
-    engine.run({req})
-    return loaded, in_host
+            if report.external_hits[req] != hit_tokens:
+                raise SystemExit(f"expected a hit of {hit_tokens} tokens, got {report.external_hits[req]}")
+        if req in report.loaded and start is not None:
+            return time.perf_counter() - start
+    raise SystemExit(f"{req}: no load of its blocks was scheduled")
 
 
 def run(args: argparse.Namespace) -> int:

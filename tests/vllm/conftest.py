@@ -30,6 +30,19 @@ def daemon():
 
 
 @pytest.fixture
+def disk_daemon(tmp_path):
+    """A daemon with a host tier of 1 MiB (256 blocks of the tiny model's 4 KiB), a disk tier below it, /metrics."""
+    from tests.e2e.redis_server import free_port
+
+    port = free_port()
+    d = launch.spawn({**DAEMON, "registered_host_capacity_mib": 1, "metrics_listen": f"127.0.0.1:{port}",
+                      "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 8}})
+    d.metrics_port = port
+    yield d
+    d.cleanup()
+
+
+@pytest.fixture
 def make_engine():
     engines = []
 

@@ -13,9 +13,8 @@ from kvxfer.bench import launch
 from kvxfer.bench.peering_local import peering_configs, self_signed
 from kvxfer.core.envelope import event_hash
 from kvxfer.core.records import TierKind
-from tests.e2e.redis_server import free_port
 from tests.vllm.conftest import DAEMON
-from tests.vllm.test_hints import OTHER, PROMPT, metric, prefetched, until, where
+from tests.vllm.test_hints import OTHER, PROMPT, metric, on_disk, prefetched, until, where
 
 
 TOKEN = "vllm-peers-token"
@@ -34,20 +33,9 @@ def outcome(port: int, action: str, result: str) -> float:
     return metric(port, "kvxfer_hint_envelope_actions_total", f'action="{action}",outcome="{result}"')
 
 
-@pytest.fixture
-def watched(tmp_path):
-    """A daemon with a host tier of 256 of the tiny model's blocks, a disk tier below it and /metrics."""
-    port = free_port()
-    d = launch.spawn({**DAEMON, "registered_host_capacity_mib": 1, "metrics_listen": f"127.0.0.1:{port}",
-                      "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 8}})
-    d.metrics_port = port
-    yield d
-    d.cleanup()
-
-
-def test_retain_and_release_of_the_requests_blocks_and_what_cannot_be_taken(watched, make_engine):
-    port = watched.metrics_port
-    engine = make_engine(watched.config["socket"])
+def test_retain_and_release_of_the_requests_blocks_and_what_cannot_be_taken(disk_daemon, make_engine):
+    port = disk_daemon.metrics_port
+    engine = make_engine(disk_daemon.config["socket"])
     engine.add("kept", PROMPT, kv_hints=hints(("kv.retain", "1.0", {"ttl_s": 600})))
     engine.add("last", OTHER[0], kv_hints=hints(("kv.release", "1.0", {})))
     engine.add("odd", OTHER[1], kv_hints=hints(
@@ -67,27 +55,18 @@ def test_retain_and_release_of_the_requests_blocks_and_what_cannot_be_taken(watc
                            ("kv.retain", "unknown_version"), ("kv.retain", "malformed"),
                            ("kv.prefetch", "oversized")):
         assert outcome(port, action, result) == 1, (action, result)
-    log = watched.log_text()
+    log = disk_daemon.log_text()
     assert "odd-one" in log and "unknown_peer" in log  # the router's ids, to trace what it asked
 
 
-def test_a_routers_prefetch_brings_the_named_blocks_up_from_disk_and_they_load_bit_exact(watched, make_engine):
-    engine = make_engine(watched.config["socket"], settings={"prefetch": False})  # the router's word alone
-    engine.add("A", PROMPT)
-    engine.run({"A"})
-    stored = engine.block_bytes(engine.block_tables["A"][:4])
-    names, client = engine.worker.spec.names, engine.worker.spec.worker._link.client
-    for batch in range(5):  # 5 x 60 blocks through a host tier of 256: A's 4 go down to disk
-        client.offload([(1 + j, b"other-%d-%d" % (batch, j)) for j in range(60)], pool_id=names.pool_id(0),
-                       namespace=names.namespace(None))
-    until(lambda: where(engine, watched, PROMPT) == [TierKind.DISK] * 4, "A's blocks went down to disk")
-    engine.reset_prefix_cache()
-    engine.zero_kv()
+def test_a_routers_prefetch_brings_the_named_blocks_up_from_disk_and_they_load_bit_exact(disk_daemon, make_engine):
+    engine = make_engine(disk_daemon.config["socket"], settings={"prefetch": False})  # the router's word alone
+    stored = on_disk(engine, disk_daemon)
     engine.add("B", PROMPT + [900], kv_hints=hints(("kv.prefetch", "1.0", {"block_hashes": hashes(engine, PROMPT)})))
     engine.step()  # the step that adds B sends the envelope; B waits for its lookup's answer
-    until(lambda: where(engine, watched, PROMPT) == [TierKind.HOST] * 4, "the router's prefetch brought them up")
+    until(lambda: where(engine, disk_daemon, PROMPT) == [TierKind.HOST] * 4, "the router's prefetch brought them up")
     reports = engine.run({"B"})
-    assert prefetched(watched.metrics_port) == 4 and outcome(watched.metrics_port, "kv.prefetch", "taken") == 1
+    assert prefetched(disk_daemon.metrics_port) == 4 and outcome(disk_daemon.metrics_port, "kv.prefetch", "taken") == 1
     assert not any(r.load_errors for r in reports)
     assert torch.equal(engine.block_bytes(engine.block_tables["B"][:4]), stored)  # bit-exact, in vLLM's memory
     assert engine.outputs["B"] == [engine.expected_token(PROMPT + [900])]

@@ -5,7 +5,6 @@ whose kv_transfer_params say {"kvxfer": {"hint": "release"}} has its blocks stor
 import time
 import urllib.request
 
-import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
@@ -30,17 +29,6 @@ def prefetched(port: int) -> float:
                for r in ("done", "present", "absent", "over_share", "cancelled"))
 
 
-@pytest.fixture
-def disk_daemon(tmp_path):
-    port = free_port()
-    # A host tier of 1 MiB: 256 blocks of the tiny model's 4 KiB.
-    d = launch.spawn({**DAEMON, "registered_host_capacity_mib": 1, "metrics_listen": f"127.0.0.1:{port}",
-                      "disk": {"path": str(tmp_path / "disk"), "capacity_mib": 8}})
-    d.metrics_port = port
-    yield d
-    d.cleanup()
-
-
 def where(engine, daemon, tokens) -> list:
     names = engine.worker.spec.names
     with Client(daemon.target) as client:
@@ -55,8 +43,9 @@ def until(condition, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_a_new_requests_blocks_are_prefetched_from_disk_and_load_bit_exact(disk_daemon, make_engine):
-    engine = make_engine(disk_daemon.config["socket"])
+def on_disk(engine, daemon) -> torch.Tensor:
+    """PROMPT computed (request "A"), then pushed down to the disk tier by other traffic; vLLM's own cache and KV
+    emptied. Returns what its 4 blocks held."""
     engine.add("A", PROMPT)
     engine.run({"A"})
     stored = engine.block_bytes(engine.block_tables["A"][:4])
@@ -65,9 +54,15 @@ def test_a_new_requests_blocks_are_prefetched_from_disk_and_load_bit_exact(disk_
     for batch in range(5):  # 5 x 60 blocks through a host tier of 256: A's 4 go down to disk
         client.offload([(1 + j, b"other-%d-%d" % (batch, j)) for j in range(60)], pool_id=names.pool_id(0),
                        namespace=names.namespace(None))
-    until(lambda: where(engine, disk_daemon, PROMPT) == [TierKind.DISK] * 4, "A's blocks went down to disk")
+    until(lambda: where(engine, daemon, PROMPT) == [TierKind.DISK] * 4, "A's blocks went down to disk")
     engine.reset_prefix_cache()
     engine.zero_kv()
+    return stored
+
+
+def test_a_new_requests_blocks_are_prefetched_from_disk_and_load_bit_exact(disk_daemon, make_engine):
+    engine = make_engine(disk_daemon.config["socket"])
+    stored = on_disk(engine, disk_daemon)
     engine.add("B", PROMPT + [900])
     reports = engine.run({"B"})
     port = disk_daemon.metrics_port
