@@ -59,6 +59,28 @@ def test_retain_and_release_of_the_requests_blocks_and_what_cannot_be_taken(disk
     assert "odd-one" in log and "unknown_peer" in log  # the router's ids, to trace what it asked
 
 
+def test_a_release_of_the_requests_own_blocks_is_sent_when_it_ends_and_takes_the_prefix_it_loaded(disk_daemon,
+                                                                                                    make_engine):
+    port = disk_daemon.metrics_port
+    engine = make_engine(disk_daemon.config["socket"])
+    engine.add("turn-1", PROMPT)
+    engine.run({"turn-1"})
+    until(lambda: where(engine, disk_daemon, PROMPT) == [TierKind.HOST] * 4, "turn 1 stored")
+    engine.reset_prefix_cache()
+    last = PROMPT + OTHER[2]  # the last turn: the history (4 blocks, loaded) and 4 new blocks
+    engine.add("turn-2", last, kv_hints=hints(("kv.release", "1.0", {}), ("kv.retain", "1.0", {"ttl_s": 60,
+                                                                          "block_hashes": [7]}), message_id="bye"))
+    engine.step()  # the arrival: the retain is sent (and set aside: none of the request's), the release is kept
+    until(lambda: outcome(port, "kv.retain", "unresolved") == 1, "the arrival's part")
+    assert outcome(port, "kv.release", "taken") == 0
+    reports = engine.run({"turn-2"})
+    assert sum(r.external_hits.get("turn-2", 0) for r in reports) == 64
+    assert engine.outputs["turn-2"] == [engine.expected_token(last)]
+    labels = f'cache_group="{engine.worker.spec.names.cache_group(0)}",state="released",tier="host"'
+    until(lambda: metric(port, "kvxfer_tier_hinted_blocks", labels) == 8, "the whole session released")
+    assert outcome(port, "kv.release", "taken") == 1
+
+
 def test_a_routers_prefetch_brings_the_named_blocks_up_from_disk_and_they_load_bit_exact(disk_daemon, make_engine):
     engine = make_engine(disk_daemon.config["socket"], settings={"prefetch": False})  # the router's word alone
     stored = on_disk(engine, disk_daemon)

@@ -27,7 +27,7 @@ from kvxfer.core.records import HintAction
 from kvxfer.core.validate import checked_extra_keys
 from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.naming import EngineNames
-from kvxfer.integrations.vllm.scheduler_hints import (HintCall, envelope_json, envelope_of, envelope_store_hint,
+from kvxfer.integrations.vllm.scheduler_hints import (HintCall, envelope_of, envelope_parts, envelope_store_hint,
                                                       request_id, store_hint)
 
 log = logging.getLogger("kvxfer.vllm")
@@ -82,7 +82,8 @@ class KvxferManager(OffloadingManager):
         self._prefetching: set[str] = set()  # req ids whose prefetch may still be queued at the daemon
         self._hint_calls: list[HintCall] = []  # for the workers, with this step's metadata
         self._hint_max_ttl_s = hint_max_ttl_s
-        self._envelopes: dict[str, bytes] = {}  # req id -> its router's kv_hints (JSON), until its keys are known
+        self._envelopes: dict[str, tuple[bytes | None, bytes | None]] = {}  # req id -> its kv_hints, until its keys
+        self._at_end: dict[str, HintCall] = {}  # req id -> the part of its kv_hints sent when it ends
         self.envelopes_dropped = 0  # kv_hints that could not be sent (not JSON, too large)
         self._warned_at = float("-inf")
 
@@ -163,7 +164,7 @@ class KvxferManager(OffloadingManager):
             self._store_hints[req_context.req_id] = hint
         if kv_hints is not None:
             try:
-                self._envelopes[req_context.req_id] = envelope_json(kv_hints)
+                self._envelopes[req_context.req_id] = envelope_parts(kv_hints)
             except ValueError as exc:  # the request goes on without them
                 self.envelopes_dropped += 1
                 if time.monotonic() - self._warned_at >= WARN_EVERY_S:
@@ -175,13 +176,14 @@ class KvxferManager(OffloadingManager):
     def prefetch_request(self, req_id: str, keys: list[OffloadKey]) -> None:
         """A request joined the waiting queue: its router's envelope, if any, goes to the daemon with its blocks
         (``keys``, in prefix order), then its blocks are prefetched."""
-        envelope = self._envelopes.pop(req_id, None)
+        now, at_end = self._envelopes.pop(req_id, (None, None))
         if self._link.resting:
             return
         namespace = self._names.namespace(self._salts.get(req_id), self.generation)
-        if envelope is not None:
-            self._hint_calls.append(HintCall(HintAction.ENVELOPE, namespace, tuple(keys), request_id(req_id),
-                                             envelope))
+        if now is not None:
+            self._hint_calls.append(HintCall(HintAction.ENVELOPE, namespace, tuple(keys), request_id(req_id), now))
+        if at_end is not None:
+            self._at_end[req_id] = HintCall(HintAction.ENVELOPE, namespace, tuple(keys), request_id(req_id), at_end)
         if self.prefetch and keys:
             self._hint_calls.append(HintCall(HintAction.PREFETCH, namespace, tuple(keys), request_id(req_id)))
             self._prefetching.add(req_id)
@@ -197,6 +199,8 @@ class KvxferManager(OffloadingManager):
         if req_id in self._prefetching and getattr(request, "status", None) is RequestStatus.FINISHED_ABORTED:
             self._hint_calls.append(HintCall(HintAction.CANCEL, "", (), request_id(req_id)))  # never loaded
         self._prefetching.discard(req_id)
+        if req_id in self._at_end:  # the session's blocks, the prefix it loaded among them, to the eviction front
+            self._hint_calls.append(self._at_end.pop(req_id))
         for table in (self._salts, self._answers, self._asked, self._requests, self._store_hints, self._envelopes):
             table.pop(req_id, None)
 

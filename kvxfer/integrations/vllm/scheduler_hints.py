@@ -12,8 +12,9 @@
   its blocks stored with that hint (an Offload's ``hint``).
 - ENVELOPE: a request that carries a router's ``kv_hints`` (vLLM's ``KvHintsEnvelope``, vLLM 0.32 and
   0.33), or ``kv_transfer_params: {"kv_hint": <envelope>}`` (through vLLM's OpenAI server), has it
-  sent whole to the daemon with the request's keys, ahead of its own PREFETCH, so that a ``kv.fetch``
-  reads the router's peer first; the daemon carries out, counts and logs each action
+  sent to the daemon with the request's keys, ahead of its own PREFETCH, so that a ``kv.fetch``
+  reads the router's peer first; a ``kv.release`` of the request's own blocks is sent when the request
+  ends (``envelope_parts``). The daemon carries out, counts and logs each action
   (``kvxfer.core.envelope``). Its ``kv.retain`` or ``kv.release`` of the request's own blocks is also the
   hint their stores carry, as ``kv_transfer_params`` would give it (``kv_transfer_params`` come first).
 """
@@ -90,6 +91,29 @@ def envelope_json(kv_hints: Any) -> bytes:
     if len(data) > MAX_ENVELOPE_BYTES:
         raise ValueError(f"{len(data)} bytes, past {MAX_ENVELOPE_BYTES}")
     return data
+
+
+def envelope_parts(kv_hints: Any) -> tuple[bytes | None, bytes | None]:
+    """A request's envelope as the daemon takes it, in two parts with the router's ids (``envelope_json`` each):
+    what is sent when the request arrives, and its ``kv.release`` of the request's own blocks, sent when it ends.
+    Released on arrival, the prefix it is about to load would stand at the eviction front; at its end the whole
+    session's blocks go there, as the router meant."""
+    try:
+        envelope = msgspec.to_builtins(kv_hints)
+    except (TypeError, ValueError, msgspec.EncodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    actions = envelope.get("actions") if isinstance(envelope, dict) else None
+    at_end = [a for a in actions if _own_release(a)] if isinstance(actions, list) else []
+    if not at_end:
+        return envelope_json(envelope), None  # (whatever it is: the daemon judges and counts it)
+    first = [a for a in actions if not _own_release(a)]
+    return (envelope_json({**envelope, "actions": first}) if first else None,
+            envelope_json({**envelope, "actions": at_end}))
+
+
+def _own_release(action: Any) -> bool:
+    return isinstance(action, dict) and action.get("action_type") == "kv.release" and \
+        isinstance(action.get("payload"), dict) and "block_hashes" not in action["payload"]
 
 
 def envelope_store_hint(kv_hints: Any, max_ttl_s: int) -> tuple[HintAction, int] | None:
