@@ -7,10 +7,9 @@ a source that is none of ``peering.peers`` is never dialled), kv.retain and kv.r
 eviction order. Every action ends with one outcome, counted by action type
 (``kvxfer_hint_envelope_actions``): ``taken``, or why it was set aside, and announced in the group's
 KV event stream as a HINTED event (its blocks, the envelope's ``message_id``, the ``action_id``, the
-outcome). An envelope with an action set
-aside is logged as a warning (at most one line every ``EnvelopeCounts.LOG_EVERY_S``, with how many were
-not shown); one fully taken, at debug. Both name its ``message_id`` and each ``action_id``, so a router
-can trace what it asked.
+outcome). An envelope with an action set aside is logged as a warning (at most one line every
+``EnvelopeCounts.LOG_EVERY_S``, with how many were not shown); one fully taken, at debug. Both name its
+``message_id`` and each ``action_id``, so a router can trace what it asked.
 """
 
 from __future__ import annotations
@@ -57,6 +56,8 @@ def _one(registry: PoolRegistry, group: CacheGroup, namespace: str, keys: list[b
         if link is None:
             return Reason.UNKNOWN_PEER.value, []
         tiers = registry.peering.reading(group, link)
+        if not tiers:  # (a group without a peer tier reads from no peer)
+            return Reason.UNKNOWN_PEER.value, []
     try:
         named = checked_keys(resolve(action.names, keys, vllm_keys), limit=max_keys)
     except InvalidArgument:  # a key in full that no tier would take (empty, too long)

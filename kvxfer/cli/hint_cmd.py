@@ -9,7 +9,8 @@
 Keys are hex, after ``--keys`` or one a line in ``--keys-file`` (``-``: standard input), in
 prefix order. With ``--envelope`` (vLLM's ``KvHintsEnvelope`` as JSON, ``-``: standard input; docs/api.md,
 The hint envelope) they are the request's blocks: the scope of its actions that name none, and what
-their 64-bit block hashes are matched against (``--vllm-keys``: keys are vLLM's offload keys). The daemon's own pools (``pools:`` in its config) and pools registered with
+their 64-bit block hashes are matched against (``--vllm-keys``: keys are vLLM's offload keys).
+The daemon's own pools (``pools:`` in its config) and pools registered with
 ``share_events`` take hints from anyone who may call the daemon; another registered pool takes
 them from its registrant only (its registration token), as its Restores do. The daemon answers the same whatever it
 holds (a hint never says which keys are cached); ``kvxfer status`` and the ``kvxfer_tier_hinted_blocks``
@@ -46,6 +47,8 @@ def keys_of(args: argparse.Namespace) -> list[bytes]:
 
 def run(args: argparse.Namespace) -> int:
     if args.envelope or args.action == HintAction.ENVELOPE.value:
+        if args.action not in (None, HintAction.ENVELOPE.value):
+            raise InvalidArgument(f"--envelope carries its own actions; drop {args.action!r}")
         return _envelope(args)
     if args.action is None:
         raise InvalidArgument("name an action, or an envelope with --envelope FILE")

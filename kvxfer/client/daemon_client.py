@@ -321,7 +321,12 @@ class Client:
         envelope): ``keys``, the request's blocks in prefix order, are its scope and what 64-bit block hashes are
         matched against (``vllm_keys``: they are vLLM's offload keys). Actions the daemon cannot carry out are
         counted there, never an error; an envelope that is not one is INVALID_ARGUMENT."""
-        data = envelope if isinstance(envelope, bytes) else json.dumps(envelope).encode()
+        if not isinstance(request_id, str):
+            raise InvalidArgument(f"request_id must be a str, got {shown(request_id)}")
+        try:
+            data = envelope if isinstance(envelope, bytes) else json.dumps(envelope).encode()
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"the envelope is not JSON: {str(exc)[:120]}") from None
         request = pb.HintRequest(pool=self._ref(pool_id), namespace=namespace or self.namespace,
                                  action=pb.HINT_ACTION_ENVELOPE, keys=checked_keys(keys, unique=False),
                                  request_id=request_id, envelope=data,

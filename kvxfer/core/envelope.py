@@ -40,7 +40,6 @@ from typing import Any, ClassVar
 from kvxfer.core.errors import InvalidArgument
 from kvxfer.core.records import HintAction
 
-PROTOCOL_VERSION = "0.1"
 MAX_ACTIONS = 16  # actions read from one envelope; those past it are set aside (OVERSIZED)
 MAX_ENVELOPE_BYTES = 1 << 20  # an envelope's JSON, at most
 ID_RE = re.compile(r"[\x20-\x7e]{0,128}")  # message and action ids: printable ASCII, as logs show them
@@ -210,7 +209,7 @@ def resolve(names: tuple[BlockName, ...] | None, request_keys: Sequence[bytes], 
     """The keys an action names: the request's (``names`` None); else, in the request's order, those of its keys
     an event hash names (each cache group's), then the keys named in full."""
     if names is None:
-        return list(request_keys)
+        return list(dict.fromkeys(request_keys))
     hashes = {n for n in names if isinstance(n, int)}
     matched = [k for k in request_keys if event_hash(k, vllm_keys) in hashes] if hashes else []
     return list(dict.fromkeys([*matched, *(n for n in names if isinstance(n, bytes))]))

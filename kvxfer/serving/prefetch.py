@@ -167,7 +167,7 @@ class Prefetcher:
         missing = [k for k, there in zip(keys, group.holds(namespace, keys)) if not there]
         room = group.prefetch_room(namespace, len(missing))
         wanted = missing[:room]
-        if wanted and group.lower and work.tiers != []:
+        if wanted and group.lower:
             group.promote(namespace, wanted, tiers=work.tiers, deadline=self._clock() + PROMOTION_WAIT_S)
         done = group.prefetched(namespace, wanted) if wanted else 0
         if work.until:

@@ -102,6 +102,10 @@ def test_what_is_no_envelope_gets_invalid_argument_and_changes_nothing(make_daem
                 c._call(c._stub.Hint, pb.HintRequest(pool=ref, namespace="app", **fields))
         with pytest.raises(InvalidArgument, match="namespace"):
             c.hint_envelope(envelope(act("kv.release", {}, "r")), KEYS[:4], namespace="bad namespace")
+        with pytest.raises(InvalidArgument, match="not JSON"):  # (refused by the library, before sending)
+            c.hint_envelope({"actions": [object()]}, KEYS[:4])
+        with pytest.raises(InvalidArgument, match="request_id"):
+            c.hint_envelope(envelope(), KEYS[:4], request_id=7)
         _fill(c, [b"n%03d" % i for i in range(8)])
         assert _where(c, KEYS[:8]) == [None] * 8 and _where(c, KEYS[8:16]) == [TierKind.HOST] * 8  # plain LRU
     assert _metric(port, "kvxfer_hint_envelopes_total", "") == 0
@@ -143,7 +147,8 @@ def test_kvxfer_hint_envelope_sends_a_file_and_refuses_a_bad_one_in_one_line(mak
     (tmp_path / "bad.json").write_text("{oops")
     for args, words in ((("--envelope", str(tmp_path / "bad.json")), "not JSON"),
                         (("--envelope", str(tmp_path / "missing.json")), "missing.json"),
-                        ((HintAction.ENVELOPE.value,), "--envelope")):
+                        ((HintAction.ENVELOPE.value,), "--envelope"),
+                        (("release", "--envelope", str(good)), "its own actions")):
         out = hint(*args)
         assert out.returncode == 2 and words in out.stderr and len(out.stderr.strip().splitlines()) == 1, out
 

@@ -101,6 +101,7 @@ def test_block_hashes_name_the_requests_keys_by_their_64_bit_event_hash_in_every
     assert env.event_hash(KEYS[0], vllm_keys=True) == low_a == env.event_hash(KEYS[2], vllm_keys=True)
     assert env.resolve((low_a,), KEYS, vllm_keys=True) == [KEYS[0], KEYS[2]]  # the request's order
     assert env.resolve(None, KEYS, vllm_keys=True) == KEYS
+    assert env.resolve(None, KEYS + KEYS[:1], vllm_keys=True) == KEYS  # a key named twice is one block
     assert env.resolve((12345,), KEYS, vllm_keys=True) == []  # none of the request's
     assert env.resolve((b"full-key",), KEYS, vllm_keys=True) == [b"full-key"]
     opaque = [b"key-one", b"key-two"]

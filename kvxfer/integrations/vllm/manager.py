@@ -22,12 +22,13 @@ from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingMana
 from vllm.v1.request import RequestStatus
 
 from kvxfer.client import ExtraKeys
+from kvxfer.core.envelope import store_hint as envelope_store_hint
 from kvxfer.core.errors import InvalidArgument, KvxferError
 from kvxfer.core.records import HintAction
 from kvxfer.core.validate import checked_extra_keys
 from kvxfer.integrations.sidecar_link import DaemonLink, LinkDown
 from kvxfer.integrations.vllm.naming import EngineNames
-from kvxfer.integrations.vllm.scheduler_hints import (HintCall, envelope_of, envelope_parts, envelope_store_hint,
+from kvxfer.integrations.vllm.scheduler_hints import (HintCall, envelope_builtins, envelope_of, envelope_parts,
                                                       request_id, store_hint)
 
 log = logging.getLogger("kvxfer.vllm")
@@ -158,19 +159,20 @@ class KvxferManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         kv_hints = envelope_of(req_context)
         hint = store_hint(req_context.kv_transfer_params)
-        if hint is None and kv_hints is not None:
-            hint = envelope_store_hint(kv_hints, self._hint_max_ttl_s)
-        if hint is not None:
-            self._store_hints[req_context.req_id] = hint
         if kv_hints is not None:
             try:
-                self._envelopes[req_context.req_id] = envelope_parts(kv_hints)
+                envelope = envelope_builtins(kv_hints)
+                if hint is None:  # (kv_transfer_params' own hint comes first)
+                    hint = envelope_store_hint(envelope, self._hint_max_ttl_s)
+                self._envelopes[req_context.req_id] = envelope_parts(envelope)
             except ValueError as exc:  # the request goes on without them
                 self.envelopes_dropped += 1
                 if time.monotonic() - self._warned_at >= WARN_EVERY_S:
                     self._warned_at = time.monotonic()
                     log.warning("kvxfer: a request's kv_hints were not sent: %s (%d so far)", exc,
                                 self.envelopes_dropped)
+        if hint is not None:
+            self._store_hints[req_context.req_id] = hint
         return RequestOffloadingContext()
 
     def prefetch_request(self, req_id: str, keys: list[OffloadKey]) -> None:

@@ -32,7 +32,6 @@ import msgspec
 from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
 
 from kvxfer.core.envelope import MAX_ENVELOPE_BYTES
-from kvxfer.core.envelope import store_hint as envelope_hint
 from kvxfer.core.records import HintAction
 
 log = logging.getLogger("kvxfer.vllm")
@@ -93,15 +92,20 @@ def envelope_json(kv_hints: Any) -> bytes:
     return data
 
 
-def envelope_parts(kv_hints: Any) -> tuple[bytes | None, bytes | None]:
-    """A request's envelope as the daemon takes it, in two parts with the router's ids (``envelope_json`` each):
-    what is sent when the request arrives, and its ``kv.release`` of the request's own blocks, sent when it ends.
-    Released on arrival, the prefix it is about to load would stand at the eviction front; at its end the whole
-    session's blocks go there, as the router meant."""
+def envelope_builtins(kv_hints: Any) -> Any:
+    """A request's ``kv_hints`` (vLLM's msgspec struct, or a mapping) as plain Python values; ValueError when it
+    cannot be."""
     try:
-        envelope = msgspec.to_builtins(kv_hints)
+        return msgspec.to_builtins(kv_hints)
     except (TypeError, ValueError, msgspec.EncodeError) as exc:
         raise ValueError(f"not JSON ({exc})") from None
+
+
+def envelope_parts(envelope: Any) -> tuple[bytes | None, bytes | None]:
+    """A request's envelope (``envelope_builtins``) as the daemon takes it, in two parts with the router's ids
+    (``envelope_json`` each): what is sent when the request arrives, and its ``kv.release`` of the request's own
+    blocks, sent when it ends. Released on arrival, the prefix it is about to load would stand at the eviction
+    front; at its end the whole session's blocks go there, as the router meant."""
     actions = envelope.get("actions") if isinstance(envelope, dict) else None
     at_end = [a for a in actions if _own_release(a)] if isinstance(actions, list) else []
     if not at_end:
@@ -114,14 +118,6 @@ def envelope_parts(kv_hints: Any) -> tuple[bytes | None, bytes | None]:
 def _own_release(action: Any) -> bool:
     return isinstance(action, dict) and action.get("action_type") == "kv.release" and \
         isinstance(action.get("payload"), dict) and "block_hashes" not in action["payload"]
-
-
-def envelope_store_hint(kv_hints: Any, max_ttl_s: int) -> tuple[HintAction, int] | None:
-    """The retention an envelope gives the request's own blocks as they are stored (``kvxfer.core.envelope``)."""
-    try:
-        return envelope_hint(msgspec.to_builtins(kv_hints), max_ttl_s)
-    except (TypeError, ValueError, msgspec.EncodeError):
-        return None
 
 
 def request_id(req_id: str) -> str:
