@@ -15,7 +15,6 @@ from pathlib import Path
 
 import yaml
 
-from kvxfer.client.fdpass import SUFFIX
 from kvxfer.core.defaults import DEFAULT_POOL
 from kvxfer.core.errors import ConfigError, InvalidArgument
 from kvxfer.core.validate import MAX_BATCH_BLOCKS, POOL_ID_RE, shown
@@ -30,6 +29,7 @@ from kvxfer.serving.prefetch import HintSettings
 from kvxfer.tiers.host import capacity_blocks
 from kvxfer.tiers.registry import LOWER_TIERS
 from kvxfer.tiers.sections import RENAMED
+from kvxfer.wire.descriptor_frames import SUFFIX
 from service import config_sections as sections
 from service.config_peering import peering as peering_section
 

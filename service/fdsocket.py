@@ -1,4 +1,4 @@
-"""The daemon's descriptor socket (protocol: ``kvxfer.client.fdpass``).
+"""The daemon's descriptor socket (protocol: ``kvxfer.wire.descriptor_frames``).
 
 One thread serves it with a poll loop: connections are accepted as fast as they
 come (a backlog of ``BACKLOG``) and each is answered as soon as its request arrives.
@@ -24,10 +24,10 @@ import time
 import uuid
 from collections import OrderedDict
 
-from kvxfer.client.fdpass import AUTH, MAX_MESSAGE
 from kvxfer.core.errors import InvalidArgument, KvxferError, Unauthenticated
 from kvxfer.core.validate import shown
 from kvxfer.serving.pool_registry import PoolRegistry
+from kvxfer.wire.descriptor_frames import AUTH, MAX_MESSAGE
 
 TIMEOUT_S = 2.0  # a client starting on busy cores may take over 0.5 s to send its line
 ANSWER_TIMEOUT_S = 0.5  # the poll loop waits at most this long on one connection's answer

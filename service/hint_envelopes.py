@@ -23,40 +23,37 @@ from kvxfer.core.records import TierKind
 from kvxfer.core.validate import checked_keys
 from kvxfer.events.event_records import EventKind, HintTrace
 from kvxfer.serving.group import CacheGroup
-from kvxfer.serving.pool_registry import PoolRegistry
+from service.parts import Hints
 
 log = logging.getLogger("kvxfer.hints")
 TAKEN = "taken"
 
 
-def carry_out(registry: PoolRegistry, group: CacheGroup, namespace: str, keys: list[bytes], vllm_keys: bool,
+def carry_out(hints: Hints, group: CacheGroup, namespace: str, keys: list[bytes], vllm_keys: bool,
               data: bytes, owner: tuple[str, str], max_keys: int) -> None:
     """Carry out the envelope ``data`` (JSON) for the request whose blocks are ``keys``; InvalidArgument only
     where it is no envelope at all."""
-    envelope = parse(loads(data), registry.hints.max_ttl_s, max_keys)
+    envelope = parse(loads(data), hints.settings.max_ttl_s, max_keys)
     done = [(a.action_id, a.label, a.reason.value, []) for a in envelope.set_aside]
     for action in envelope.actions:
-        outcome, named = _one(registry, group, namespace, keys, vllm_keys, action, owner, max_keys)
+        outcome, named = _one(hints, group, namespace, keys, vllm_keys, action, owner, max_keys)
         done.append((action.action_id, action.kind.value, outcome, named))
-    registry.envelopes.add([(label, outcome) for _, label, outcome, _ in done])
-    if registry.kv_events is not None:  # each action in the group's event stream: what a router traces it by
+    hints.envelopes.add([(label, outcome) for _, label, outcome, _ in done])
+    if hints.kv_events is not None:  # each action in the group's event stream: what a router traces it by
         for action_id, label, outcome, named in done:
-            registry.kv_events.emit(EventKind.HINTED, TierKind.HOST, group.name, namespace, named,
+            hints.kv_events.emit(EventKind.HINTED, TierKind.HOST, group.name, namespace, named,
                                     scope=group.event_scope,
                                     hint=HintTrace(envelope.message_id, action_id, label, outcome))
-    _log(envelope, [(a, label, outcome, len(named)) for a, label, outcome, named in done], registry.envelopes, owner)
+    _log(envelope, [(a, label, outcome, len(named)) for a, label, outcome, named in done], hints.envelopes, owner)
 
 
-def _one(registry: PoolRegistry, group: CacheGroup, namespace: str, keys: list[bytes], vllm_keys: bool, action: Action,
+def _one(hints: Hints, group: CacheGroup, namespace: str, keys: list[bytes], vllm_keys: bool, action: Action,
          owner: tuple[str, str], max_keys: int) -> tuple[str, list[bytes]]:
     """One action done: its outcome, and the blocks it named."""
     tiers = None
     if action.kind is Kind.FETCH:  # a source that is none of the peers is never dialled, whatever it names
-        link = registry.peering.named(action.source) if registry.peering is not None else None
-        if link is None:
-            return Reason.UNKNOWN_PEER.value, []
-        tiers = registry.peering.reading(group, link)
-        if not tiers:  # (a group without a peer tier reads from no peer)
+        tiers = group.reading_from(action.source, router=True)
+        if not tiers:  # (no such peer, or a group without a peer tier: it reads from no peer)
             return Reason.UNKNOWN_PEER.value, []
     try:
         named = checked_keys(resolve(action.names, keys, vllm_keys), limit=max_keys)
@@ -69,7 +66,7 @@ def _one(registry: PoolRegistry, group: CacheGroup, namespace: str, keys: list[b
         group.hint(namespace, named, hint, time.monotonic() + action.ttl_s)
         return TAKEN, named
     try:
-        registry.prefetcher.submit(group, namespace, named, owner, action.ttl_s, tiers=tiers)
+        hints.prefetcher.submit(group, namespace, named, owner, action.ttl_s, tiers=tiers)
     except (ResourceExhausted, Unavailable):
         return Reason.REFUSED.value, named
     group.hints[hint] += 1

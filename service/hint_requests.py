@@ -16,22 +16,21 @@ import re
 import time
 from collections.abc import Callable
 
-from kvxfer.client import wire
 from kvxfer.core.errors import InvalidArgument
 from kvxfer.core.records import HintAction, PoolRef
 from kvxfer.core.validate import check_name, check_namespace, checked_keys
 from kvxfer.serving.pool_registry import PoolRegistry
-from kvxfer.serving.prefetch import HintSettings
 from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire import messages as wire
 from service import hint_envelopes
+from service.parts import Hints
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 STORE_HINTS = (HintAction.RETAIN, HintAction.RELEASE)  # what an Offload's blocks may carry
 
 
-def checked_ttl(action: HintAction, ttl_s: int, settings: HintSettings) -> int:
-    """The TTL a hint carries, checked against what its action takes."""
-    top = settings.max_ttl_s
+def checked_ttl(action: HintAction, ttl_s: int, top: int) -> int:
+    """The TTL a hint carries, checked against what its action takes (``top``: hints.max_ttl_s)."""
     if action is HintAction.RETAIN and not 1 <= ttl_s <= top:
         raise InvalidArgument(f"ttl_s {ttl_s} is out of range: RETAIN takes 1 to {top} seconds (hints.max_ttl_s)")
     if action is HintAction.PREFETCH and ttl_s > top:
@@ -49,20 +48,21 @@ def action_of(value: int) -> HintAction:
     return action
 
 
-def store_hint(msg: pb.BlockHint, settings: HintSettings) -> tuple[HintAction, int]:
+def store_hint(msg: pb.BlockHint, max_ttl_s: int) -> tuple[HintAction, int]:
     """An Offload's hint for its blocks, checked: (RETAIN or RELEASE, its TTL)."""
     action = action_of(msg.action)
     if action not in STORE_HINTS:
         raise InvalidArgument(f"an Offload's hint is RETAIN or RELEASE, not {action.name} (send a Hint)")
-    return action, checked_ttl(action, msg.ttl_s, settings)
+    return action, checked_ttl(action, msg.ttl_s, max_ttl_s)
 
 
-def hint(registry: PoolRegistry, max_keys: int, request: pb.HintRequest) -> Callable[[], pb.HintResponse]:
+def hint(registry: PoolRegistry, hints: Hints, max_keys: int, request: pb.HintRequest
+         ) -> Callable[[], pb.HintResponse]:
     """A Hint, checked (cheap: no pass over its keys); the call carries it out (on a worker thread)."""
     ref = PoolRef(request.pool.pool_id, request.pool.epoch, request.pool.registration_token)
     served = registry.get(ref, reader=True)  # a private group: its registrant only, as for a Lookup
     action = action_of(request.action)
-    ttl_s = checked_ttl(action, request.ttl_s, registry.hints)
+    ttl_s = checked_ttl(action, request.ttl_s, hints.settings.max_ttl_s)
     request_id = request.request_id
     if request_id or action is HintAction.CANCEL:
         check_name(request_id, REQUEST_ID_RE, "request_id", "1-128 letters, digits, '_', '.', ':', '-'")
@@ -77,21 +77,21 @@ def hint(registry: PoolRegistry, max_keys: int, request: pb.HintRequest) -> Call
         raise InvalidArgument("an envelope goes with action ENVELOPE, and ENVELOPE with an envelope")
 
     def run() -> pb.HintResponse:
-        with registry.hint_gate:
+        with hints.gate:
             return carry_out()
 
     def carry_out() -> pb.HintResponse:
         if action is HintAction.CANCEL:
             group.hints[action] += 1
-            registry.prefetcher.cancel(owner)
+            hints.prefetcher.cancel(owner)
         elif action is HintAction.ENVELOPE:
             keys = checked_keys(request.keys, unique=False, limit=max_keys)
-            hint_envelopes.carry_out(registry, group, namespace, keys, request.key_format == pb.KEY_FORMAT_VLLM,
+            hint_envelopes.carry_out(hints, group, namespace, keys, request.key_format == pb.KEY_FORMAT_VLLM,
                                      request.envelope, owner, max_keys)
             group.hints[action] += 1
         elif action is HintAction.PREFETCH:
             keys = checked_keys(request.keys, limit=max_keys)
-            registry.prefetcher.submit(group, namespace, keys, owner, ttl_s)  # (raises when its queue is full)
+            hints.prefetcher.submit(group, namespace, keys, owner, ttl_s)  # (raises when its queue is full)
             group.hints[action] += 1  # counted once taken: a refused hint is no hint taken
         else:
             group.hint(namespace, checked_keys(request.keys, limit=max_keys), action, time.monotonic() + ttl_s)

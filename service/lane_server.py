@@ -1,4 +1,4 @@
-"""The daemon's local lane (protocol and client: ``kvxfer.client.lane_client``).
+"""The daemon's local lane (protocol: ``kvxfer.wire.lane_frames``).
 
 One thread accepts; each connection is answered on a thread of its own, one call at a time,
 the transfer running on that thread (as gRPC's would on a worker): a slow or stuck call holds
@@ -25,15 +25,16 @@ import time
 
 from google.protobuf.message import Message
 
-from kvxfer.client.lane_client import HEADER, IDLE_S, MAX_ANSWER, MAX_MESSAGE, MAX_WAITED_IDS, Method, encode_answer
 from kvxfer.core.errors import InvalidArgument, Unauthenticated, Unavailable
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.jobs import JOB_WEIGHT
 from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire.lane_frames import HEADER, IDLE_S, MAX_ANSWER, MAX_MESSAGE, MAX_WAITED_IDS, Method, encode_answer
 from service import hint_requests, transfers
 from service.grpc_errors import Malformed, failure, parser
 from service.metrics import LaneMetrics
+from service.parts import Hints
 
 log = logging.getLogger("kvxfer.lane")
 POLL_S = 0.5  # a connection's thread looks at the daemon's state this often while it waits for a call
@@ -45,10 +46,11 @@ _TOO_LARGE = bytes(HEADER.size)  # what ``_receive`` returns for a message cut s
 class Lane:
     """Serves Offload, Restore, Lookup, WaitJobs and Hint on a Unix SOCK_SEQPACKET socket."""
 
-    def __init__(self, path: str, registry: PoolRegistry, limits: transfers.RequestLimits, mode: int, gid: int,
-                 token: str = "", metrics: LaneMetrics | None = None) -> None:
+    def __init__(self, path: str, registry: PoolRegistry, hints: Hints, limits: transfers.RequestLimits, mode: int,
+                 gid: int, token: str = "", metrics: LaneMetrics | None = None) -> None:
         self.path = path
         self.registry = registry
+        self.hints = hints
         self.limits = limits
         self.max_connections = limits.max_concurrent_rpcs
         self.max_per_uid = max(1, self.max_connections // 2)
@@ -155,7 +157,7 @@ class Lane:
             return False
         if message is _TOO_LARGE or len(message) < HEADER.size or message[0] != Method.AUTH:
             conn.send(encode_answer("INVALID_ARGUMENT",
-                                    b"a lane connection starts with AUTH (kvxfer.client.lane_client)"))
+                                    b"a lane connection starts with AUTH (kvxfer.wire.lane_frames)"))
             return False
         if self._token and not hmac.compare_digest(message[HEADER.size:], self._token):
             conn.send(encode_answer(Unauthenticated.code, b"missing or wrong token"))
@@ -206,7 +208,7 @@ class Lane:
             if message is _TOO_LARGE:
                 raise InvalidArgument(f"a lane request is at most {MAX_MESSAGE} bytes (larger ones go over gRPC)")
             if len(message) < HEADER.size:
-                raise InvalidArgument("a lane request starts with its method and timeout (kvxfer.client.lane_client)")
+                raise InvalidArgument("a lane request starts with its method and timeout (kvxfer.wire.lane_frames)")
             method, timeout_ms = HEADER.unpack_from(message)
             if method not in self._methods:
                 raise InvalidArgument(f"the lane carries Offload, Restore, Lookup, WaitJobs and Hint; "
@@ -229,15 +231,13 @@ class Lane:
         return self._transfer(TransferKind.OFFLOAD, request)
 
     def _restore(self, request: pb.RestoreRequest, remaining: float | None) -> bytes:
-        if request.peer:  # the caller knows who holds the keys: read them from there first
-            transfers.peer_pull(self.registry, self.limits, request)()
         return self._transfer(TransferKind.RESTORE, request)
 
     def _lookup(self, request: pb.LookupRequest, remaining: float | None) -> bytes:
         return transfers.lookup(self.registry, self.limits, request, remaining)().SerializeToString()
 
     def _hint(self, request: pb.HintRequest, remaining: float | None) -> bytes:
-        return hint_requests.hint(self.registry, self.limits.max_batch_blocks, request)().SerializeToString()
+        return hint_requests.hint(self.registry, self.hints, self.limits.max_batch_blocks, request)().SerializeToString()
 
     def _wait_jobs(self, request: pb.WaitJobsRequest, remaining: float | None) -> bytes:
         """Blocks this connection's thread (only its own) until a job of the client's finishes, the wait ends,

@@ -37,6 +37,7 @@ from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.serving.prefetch import PrefetchCounts
 from service import metrics_http
+from service.parts import Hints
 
 log = logging.getLogger("kvxfer.metrics")
 
@@ -65,8 +66,10 @@ class TransferObserver:
 class DaemonCollector(Collector):
     """The daemon's measured counters, read from its pools at scrape time."""
 
-    def __init__(self, pools: PoolRegistry) -> None:
+    def __init__(self, pools: PoolRegistry, hints: Hints, peering: Peering | None = None) -> None:
         self.pools = pools
+        self.hints = hints
+        self.peering = peering
 
     def collect(self) -> Iterator[Metric]:
         served = self.pools.served()
@@ -75,8 +78,8 @@ class DaemonCollector(Collector):
         yield from _outcomes_and_lookups(stats)
         yield from _tiers(stats)
         yield from _tenants(stats)
-        yield from _hints(served, self.pools.prefetcher.counts())
-        yield from _envelopes(self.pools.envelopes)
+        yield from _hints(served, self.hints.prefetcher.counts())
+        yield from _envelopes(self.hints.envelopes)
         yield from _jobs(stats)
         limit = GaugeMetricFamily("kvxfer_jobs_max_queued", "Jobs a pool holds queued or uncollected at most "
                                   "(max_queued_jobs): beyond it submissions are refused.", labels=["pool"])
@@ -97,8 +100,8 @@ class DaemonCollector(Collector):
         yield info
         if self.pools.kv_events is not None:
             yield from _kv_events(self.pools.kv_events)
-        if self.pools.peering is not None:
-            yield from _peering(self.pools.peering)
+        if self.peering is not None:
+            yield from _peering(self.peering)
 
 
 def _peering(peering: Peering) -> Iterator[Metric]:
@@ -386,8 +389,8 @@ class Metrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
 
-    def watch(self, pools: PoolRegistry) -> None:
-        self.registry.register(DaemonCollector(pools))
+    def watch(self, pools: PoolRegistry, hints: Hints, peering: Peering | None = None) -> None:
+        self.registry.register(DaemonCollector(pools, hints, peering))
 
     def serve(self, listen: str) -> metrics_http.MetricsServer:
         """Serve ``/metrics`` on ``HOST:PORT`` in a thread, its connections bounded; returns the server

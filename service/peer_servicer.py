@@ -139,10 +139,9 @@ def certificate_names(auth: dict) -> set[str]:
 def _exposed(granted: Granted) -> dict:
     """The fields a lease's and a reservation's answers share: the slots exposed, and for how long."""
     e = granted.exposed
-    checksums = e.checksums or [0] * len(e.slots)  # a reservation's are the pusher's to say
     return {"block_bytes": e.group.slot_bytes, "lease_ms": granted.lease_ms, "memory_metadata": granted.metadata,
             "blocks": [pb.LeasedBlock(position=p, address=a, checksum=c)
-                       for p, a, c in zip(e.positions, e.addresses, checksums)]}
+                       for p, a, c in zip(e.positions, e.addresses, e.checksums)]}
 
 
 def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:

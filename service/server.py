@@ -30,17 +30,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvxfer.client.fdpass import SUFFIX
-from kvxfer.client.lane_client import SUFFIX as LANE_SUFFIX
 from kvxfer.core.errors import FailedPrecondition, InvalidArgument
-from kvxfer.events.event_hub import EventHub
 from kvxfer.memory.cuda_driver import CudaError, on_device_lost
 from kvxfer.memory.shm import resolve_group
-from kvxfer.peering.hub import Peering
 from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.tiers.registry import placements
 from kvxfer.v1 import kvxfer_pb2 as pb
-from service import logs, metrics_http, preflight
+from kvxfer.wire.descriptor_frames import SUFFIX
+from kvxfer.wire.lane_frames import SUFFIX as LANE_SUFFIX
+from service import logs, metrics_http, parts, preflight
 from service.config import Config, unknown_variables
 from service.fdsocket import DescriptorSocket
 from service.lane_server import Lane
@@ -159,13 +157,8 @@ class Daemon:
             claim_socket(config.socket + LANE_SUFFIX)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvxfer-rpc")
         self.metrics = Metrics()
-        events = config.events
-        self.kv_events = EventHub(events.replay_keys, events.linger_ms / 1000, events.max_subscribers,
-                                  events.replay_mib << 20)
-        self.registry = PoolRegistry(config.limits, self.metrics.transfers, self.kv_events,  # empty until listening
-                                     (lambda groups: Peering(config.peering, groups)) if config.peering else None,
-                                     config.tiers, config.admission, config.tenants, config.hints)
-        self.peering: Peering | None = self.registry.peering
+        self.parts = parts.build(config, self.metrics.transfers)  # no pool until listening
+        self.kv_events, self.registry, self.peering = self.parts.kv_events, self.parts.registry, self.parts.peering
         self.publisher: ZmqPublisher | None = None
         self.metrics_server: metrics_http.MetricsServer | None = None
         self.health = health.aio.HealthServicer()
@@ -180,9 +173,11 @@ class Daemon:
         token = c.token
         interceptors = [self.metrics.grpc, *([TokenAuth(token)] if token else [])]  # metrics see refusals too
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
-        limits = RequestLimits(c.max_concurrent_rpcs, c.max_batch_blocks, c.max_pools, c.max_queued_jobs)
+        limits = RequestLimits(c.max_concurrent_rpcs, c.max_batch_blocks, c.max_pools, c.max_queued_jobs,
+                               c.hints.max_ttl_s, tuple(p.name for p in c.peering.peers) if c.peering else ())
         self.limits = limits
-        self.server.add_generic_rpc_handlers((handlers(KVTransferServicer(self.registry, limits, self.executor)),))
+        servicer = KVTransferServicer(self.registry, limits, self.executor, self.parts.hints, self.peering)
+        self.server.add_generic_rpc_handlers((handlers(servicer),))
         if self.peering is not None:
             self.server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self.peering, self.executor,
                                                                              c.max_batch_blocks)),))
@@ -196,7 +191,7 @@ class Daemon:
         try:
             self._listen()  # before allocating: a busy port fails at once, not after the pools
             create_pools(config, self.registry)
-            self.metrics.watch(self.registry)
+            self.metrics.watch(self.registry, self.parts.hints, self.peering)
         except BaseException:
             self._release()
             raise
@@ -210,8 +205,8 @@ class Daemon:
             if gid >= 0:
                 os.chown(c.socket, -1, gid)
             self.fd_socket = DescriptorSocket(c.socket + SUFFIX, self.registry, c.socket_mode, gid, c.token)
-            self.lane = Lane(c.socket + LANE_SUFFIX, self.registry, self.limits, c.socket_mode, gid, c.token,
-                             self.metrics.lane)
+            self.lane = Lane(c.socket + LANE_SUFFIX, self.registry, self.parts.hints, self.limits, c.socket_mode,
+                             gid, c.token, self.metrics.lane)
             self.addresses.append(f"unix:{c.socket}")
         if c.listen:
             # With peering, callers show a certificate of the peers' CA (a peer is known by the name it carries).
@@ -261,7 +256,7 @@ class Daemon:
         if lane_closed is not None:
             await lane_closed
         # Queued jobs finish first (on a thread: closing waits).
-        await asyncio.get_running_loop().run_in_executor(None, self.registry.close, self.config.grace_period_s)
+        await asyncio.get_running_loop().run_in_executor(None, self.parts.drain, self.config.grace_period_s)
         self._release()
         log.info("stopped")
 
@@ -273,11 +268,7 @@ class Daemon:
             self.fd_socket.close()
         if self.lane is not None:
             self.lane.close()
-        if self.peering is not None:
-            self.peering.leases.close()  # before the groups whose slots they pin
-        self.registry.close()
-        if self.peering is not None:
-            self.peering.close()
+        self.parts.close()
         if self.publisher is not None:
             self.publisher.close()
         self.executor.shutdown(wait=False, cancel_futures=True)

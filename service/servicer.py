@@ -16,20 +16,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kvxfer.client import wire
 from kvxfer.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvxfer.core.records import TransferResult
 from kvxfer.core.validate import check_count, check_namespace, checked_keys
 from kvxfer.events.event_hub import EventHub
 from kvxfer.geometry.layout import Layout
 from kvxfer.geometry.sharding import MAX_FORMAT_CHARS, MAX_MODEL_CHARS
+from kvxfer.peering.hub import Peering
 from kvxfer.serving.batch import TransferKind
 from kvxfer.serving.group_table import Sharing
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire import messages as wire
 from service import hint_requests, transfers, watch
 from service.grpc_errors import parser, rpc, stream_rpc
+from service.parts import Hints
 from service.transfers import RequestLimits
 
 POLL_S = 1.0  # a waiting WaitJobs looks again at least this often (and renews its leases)
@@ -44,9 +46,14 @@ def _check_length(value: str, limit: int, what: str) -> None:
 class KVTransferServicer:
     """Async handlers of kvxfer.v1.KVTransfer over one registry."""
 
-    def __init__(self, registry: PoolRegistry, limits: RequestLimits, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, registry: PoolRegistry, limits: RequestLimits, executor: ThreadPoolExecutor,
+                 hints: Hints, peering: Peering | None) -> None:
+        """``hints``: the prefetcher and envelope counts hints use; ``peering``: the daemon's, for Push (none: a
+        Push is FAILED_PRECONDITION)."""
         self.registry = registry
         self.limits = limits
+        self.hints = hints
+        self.peering = peering
         self._executor = executor
         self._in_flight = 0
         self._encoded = watch.Encoded()  # events serialized once for every WatchEvents stream
@@ -83,8 +90,6 @@ class KVTransferServicer:
 
     @rpc
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.TransferResponse:
-        if request.peer:  # the caller knows who holds the keys: read them from there first
-            await self._blocking(transfers.peer_pull(self.registry, self.limits, request))
         return await self._transfer(TransferKind.RESTORE, request)
 
     @rpc
@@ -92,7 +97,7 @@ class KVTransferServicer:
         served = self.registry.get(transfers.ref(request.pool), registrant=True)
         check_namespace(request.namespace)
         keys = checked_keys(request.keys, limit=self.limits.max_batch_blocks)
-        peering = self.registry.peering
+        peering = self.peering
         if peering is None:
             raise FailedPrecondition("peering is not configured on this daemon (docs/peering.md)")
         pushed = await self._blocking(peering.push, served.manager.group, request.namespace, keys, request.peer)
@@ -101,7 +106,7 @@ class KVTransferServicer:
 
     @rpc
     async def Hint(self, request: pb.HintRequest, context) -> pb.HintResponse:
-        return await self._blocking(hint_requests.hint(self.registry, self.limits.max_batch_blocks, request))
+        return await self._blocking(hint_requests.hint(self.registry, self.hints, self.limits.max_batch_blocks, request))
 
     @rpc
     async def WaitJobs(self, request: pb.WaitJobsRequest, context) -> pb.WaitJobsResponse:

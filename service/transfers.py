@@ -12,15 +12,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvxfer.client import wire
-from kvxfer.core.errors import FailedPrecondition
+from kvxfer.core.errors import FailedPrecondition, InvalidArgument
 from kvxfer.core.records import TIER_TO_PB, PoolRef, TransferResult
-from kvxfer.core.validate import check_count, check_name, check_namespace, checked_keys, shown
+from kvxfer.core.validate import check_count, check_name, shown
 from kvxfer.events.event_wire import engine_from_pb
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.jobs import Job, JobRunner
 from kvxfer.serving.pool_registry import PoolRegistry
 from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire import messages as wire
 from service.hint_requests import store_hint
 
 INLINE_BYTES = 1 << 20  # a transfer this small runs on the event loop: cheaper than a thread hop
@@ -34,6 +34,8 @@ class RequestLimits:
     max_batch_blocks: int = 65536
     max_pools: int = 8
     max_job_ids: int = 256
+    max_hint_ttl_s: int = 3600  # hints.max_ttl_s: an Offload's RETAIN lasts at most this long
+    peers: tuple[str, ...] = ()  # the peers a Restore may name (peering.peers; none: peering is not configured)
 
 
 def ref(msg: pb.PoolRef) -> PoolRef:
@@ -96,12 +98,18 @@ def transfer(registry: PoolRegistry, limits: RequestLimits, kind: TransferKind,
     engine = engine_from_pb(request.engine) if kind is TransferKind.OFFLOAD and request.HasField("engine") else None
     hint = None
     if kind is TransferKind.OFFLOAD and request.HasField("hint"):
-        hint = store_hint(request.hint, registry.hints)
+        hint = store_hint(request.hint, limits.max_hint_ttl_s)
+    peer = request.peer if kind is TransferKind.RESTORE else ""
+    if peer:  # the caller knows who holds the keys: the restore reads what this daemon lacks from there first
+        if not limits.peers:
+            raise FailedPrecondition("peer: peering is not configured on this daemon (docs/peering.md)")
+        if peer not in limits.peers:
+            raise InvalidArgument(f"peer {shown(peer)} is not one of peering.peers")
     num_blocks = manager.num_blocks
 
     def batch() -> TransferBatch:  # the one validation of the request, where it enters
         return TransferBatch.build(kind, request.namespace, blocks, keys, num_blocks, limit, ready_event, deadline,
-                                   engine, hint)
+                                   engine, hint, peer)
 
     job = None
     if request.HasField("wait") and not request.wait:
@@ -111,18 +119,6 @@ def transfer(registry: PoolRegistry, limits: RequestLimits, kind: TransferKind,
     pool = manager.pool
     inline = not pool.is_cuda and not manager.group.lower and len(blocks) * pool.layout.block_bytes <= INLINE_BYTES
     return Transfer(served.jobs, batch, inline, job)
-
-
-def peer_pull(registry: PoolRegistry, limits: RequestLimits, request: pb.RestoreRequest) -> Callable[[], None]:
-    """A Restore naming a peer: the checked pull of the keys from it (blocking: call it on a worker thread)."""
-    served = registry.get(ref(request.pool), registrant=True)
-    check_namespace(request.namespace)
-    keys = checked_keys(request.keys, limit=limits.max_batch_blocks)
-    peering = registry.peering
-    if peering is None:
-        raise FailedPrecondition("peer: peering is not configured on this daemon (docs/peering.md)")
-    group, namespace, peer = served.manager.group, request.namespace, request.peer
-    return lambda: peering.pull(group, namespace, keys, peer)
 
 
 def lookup(registry: PoolRegistry, limits: RequestLimits, request: pb.LookupRequest,

@@ -20,7 +20,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer.client import fdpass
 from kvxfer.client import lane_client as lane_mod
-from kvxfer.client import wire
 from kvxfer.client.channel import monotonic_ns, open_channel, rpc_error, time_left
 from kvxfer.client.results import DROPPABLE, FinishedJobs, PendingJobs, failures, finished
 from kvxfer.core.errors import FailedPrecondition, InvalidArgument, KvxferError
@@ -37,6 +36,7 @@ from kvxfer.memory.ipc_event import CudaEvent, event_handle
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire import messages as wire
 
 
 class Client:

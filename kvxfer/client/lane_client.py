@@ -10,66 +10,32 @@ be left in flight (``Lane.start``): a WaitJobs the daemon answers when a job fin
 its connection meanwhile, and the caller looks at the socket when it likes (an engine, once a
 step), with no thread of its own.
 
-The wire, one message each way per call, many calls per connection:
-
-- request: ``method`` (1 byte), ``timeout_ms`` (uint32, little-endian; 0: none), then the
-  request message's protobuf bytes; ``AUTH`` (method 0) carries the token and comes first
-  when the daemon has one;
-- answer: the status code (1 byte, gRPC's numbering), then the response's protobuf bytes
-  (OK) or the status message (UTF-8).
-
 Everything else (registration, events, stats, health) stays on gRPC, and so do a request
 larger than ``MAX_MESSAGE`` and a WaitJobs with ``wait_all`` or more than ``MAX_WAITED_IDS``
 ids (the lane's answer is one message of at most ``MAX_ANSWER``: its WaitJobs reports as many
 finished jobs as fit, the rest the next time). The lane is never a reason for a call to fail: a
 daemon without one, or with every connection taken, is asked over gRPC instead. This module
-is the client side and the wire format; the daemon's side is ``service/lane_server.py``.
+is the client side; the wire format is ``kvxfer.wire.lane_frames``, the daemon's side ``service/lane_server.py``.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import select
 import socket
-import struct
 import threading
 import time
 
 from google.protobuf.message import DecodeError, Message
 
-from kvxfer.client.fdpass import unix_path
 from kvxfer.core.errors import DeadlineExceeded, Unavailable, error_for_code
 from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire.descriptor_frames import unix_path
+from kvxfer.wire.lane_frames import (CODES, HEADER, IDLE_S, MAX_ANSWER, MAX_MESSAGE, MAX_WAITED_IDS, SUFFIX, Method,
+                                     encode_answer)
 
-SUFFIX = ".lane"
-#: The largest request the lane carries (larger ones go over gRPC): below the default socket
-#: buffer (net.core.wmem_default, 208 KiB), which bounds one SOCK_SEQPACKET message.
-MAX_MESSAGE = 160 << 10
-MAX_ANSWER = 96 << 10  # one status byte per block (65,536 at most), or a status message
-MAX_WAITED_IDS = 2048  # job ids one WaitJobs on the lane names: their unknown ones fit its answer beside a job
-HEADER = struct.Struct("<BI")
-IDLE_S = 30.0  # the daemon closes a connection idle this long; the client reuses one idle under half of it
 MAX_IDLE_CONNECTIONS = 4  # connections a client keeps open between calls (one per thread in a call at once)
 RETRY_S = 5.0  # after the lane could not be had, gRPC only for this long
-#: gRPC's status codes by number (the first byte of an answer).
-CODES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-         "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-         "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")
-
-
-class Method(enum.IntEnum):
-    AUTH = 0
-    OFFLOAD = 1
-    RESTORE = 2
-    LOOKUP = 3
-    WAIT_JOBS = 4
-    HINT = 5
-
-    @property
-    def rpc(self) -> str:
-        """The gRPC method's name (metrics and logs name a call by it, whichever way it came)."""
-        return "".join(part.title() for part in self.name.split("_"))
 
 
 class NoLane(Exception):
@@ -148,14 +114,6 @@ def path_for(target: str) -> str | None:
     """The lane's socket beside a ``unix:`` gRPC target (None for TCP targets)."""
     path = unix_path(target)
     return None if path is None else path + SUFFIX
-
-
-def code_number(name: str) -> int:
-    return CODES.index(name) if name in CODES else CODES.index("UNKNOWN")
-
-
-def encode_answer(code: str, payload: bytes) -> bytes:
-    return bytes((code_number(code),)) + payload
 
 
 class Lane:

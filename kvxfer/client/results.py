@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from kvxfer.client import wire
 from kvxfer.client.lane_client import LaneCall
 from kvxfer.core.errors import DeadlineExceeded, KvxferError, ResourceExhausted, Unavailable, error_for_code
 from kvxfer.core.records import Outcome, TransferResult
 from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire import messages as wire
 
 SUCCESS = frozenset({Outcome.DONE, Outcome.ALREADY_PRESENT, Outcome.NOT_ADMITTED})  # (declined: not a failure)
 #: Which status a failed batch reports, worst first.

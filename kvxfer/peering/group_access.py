@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvxfer.core.records import Outcome, TierKind
 from kvxfer.index.block_index import Plan
 
 
@@ -26,8 +25,6 @@ class PeeredGroup(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    def tier(self, kind: TierKind): ...
-
     def slot_address(self, slot: int) -> int: ...
 
     def slot_checksums(self, slots: list[int]) -> list[int]: ...
@@ -44,5 +41,3 @@ class PeeredGroup(Protocol):
 
     def prepare_store(self, namespace: str, keys: list[bytes], engine: bool = True) -> Plan: ...
 
-    def promote(self, namespace: str, keys: list[bytes], tiers: list | None = None,
-                deadline: float | None = None) -> dict[bytes, Outcome]: ...

@@ -1,7 +1,9 @@
 """Peering for one daemon: its NIXL agent, the leases it grants, the peers it reads from.
 
 The reading side is a lower tier of each cache group (``kvxfer.tiers.peer``, made from this
-object by ``kvxfer.tiers.registry``); this package is the serving side and the links both use.
+object by ``kvxfer.tiers.registry``): a pull goes down to it through the group's promotion and
+comes back as return values. This package is the serving side (leases, reservations, pushes) and
+the links and agent both use.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import time
 from collections.abc import Callable
 
 from kvxfer.core.errors import InvalidArgument
-from kvxfer.core.records import TierKind
 from kvxfer.core.validate import shown
 from kvxfer.peering.agent import Agent
 from kvxfer.peering.counters import PeerCounters
@@ -41,23 +42,6 @@ class Peering:
     def push(self, group: PeeredGroup, namespace: str, keys: list[bytes], peer: str) -> Pushed:
         """Write the blocks of ``keys`` this daemon holds into peer ``peer``'s host tier."""
         return push(self.agent, self._link(peer), self.counters, group, namespace, keys, self.settings.lease_ms)
-
-    def pull(self, group: PeeredGroup, namespace: str, keys: list[bytes], peer: str) -> None:
-        """Read the keys the group lacks from peer ``peer`` into its host tier (a caller said it holds them)."""
-        tiers = self.reading(group, self._link(peer))
-        if tiers:
-            group.promote(namespace, keys, tiers=tiers)
-
-    def reading(self, group: PeeredGroup, link: PeerLink) -> list:
-        """The group's peer tier reading from ``link`` alone (none where the group has no peer tier)."""
-        tier = group.tier(TierKind.PEER)
-        return [tier.only(link)] if tier is not None else []
-
-    def named(self, source: str) -> PeerLink | None:
-        """The configured peer a router names: by its name, or by its address (``HOST:PORT``, ``tcp://`` or not).
-        Nothing else is ever dialled."""
-        address = source.removeprefix("tcp://")
-        return next((link for link in self.links if source == link.name or address == link.peer.address), None)
 
     def _link(self, peer: str) -> PeerLink:
         link = next((link for link in self.links if link.name == peer), None)

@@ -1,6 +1,7 @@
 """The serving side: host-tier slots exposed to a peer for a bounded time.
 
-Two kinds, one table (bounded in number and in blocks, ended on time by a timer thread):
+Two kinds (``Lease``, ``Reservation``: each ends as it must), one table (bounded in number and in
+blocks, ended on time by a timer thread):
 
 - a **lease** (a peer pulls): the blocks the host tier holds of the keys asked, pinned (neither
   evicted nor overwritten while it lasts), their slots exposed to the peer's NIXL agent; ends at
@@ -22,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 from kvxfer.core.errors import InvalidArgument, ResourceExhausted
 from kvxfer.core.records import Outcome
@@ -32,28 +34,62 @@ from kvxfer.peering.group_access import PeeredGroup
 from kvxfer.peering.settings import PeeringSettings
 
 log = logging.getLogger("kvxfer.peering")
+E = TypeVar("E", bound="Exposed")
 
 
 @dataclass
 class Exposed:
+    """Host slots of one group exposed to one peer's NIXL agent until a deadline: a ``Lease`` or a ``Reservation``."""
+
     peer: str
     group: PeeredGroup
     positions: list[int]  # in the peer's request
     slots: list[int]
-    addresses: list[int]
-    checksums: list[int]  # a lease's blocks' (a reservation's: unknown until commit)
-    expires: float  # monotonic
-    pushed: bool = False  # a reservation (else a lease)
-    namespace: str = ""  # a reservation's, and its keys (reserved slot j holds keys[j]): the engine may take them
-    keys: list[bytes] = field(default_factory=list)
-    yielded: set[int] = field(default_factory=set)  # reserved slots whose key the engine stored meanwhile
+    addresses: list[int] = field(default_factory=list)
+    expires: float = 0.0  # monotonic
+    pushed: ClassVar[bool] = False  # (what the log says of one that expired)
 
     def drop(self) -> None:
-        """End unreleased (its deadline, the daemon stopping): unpin a lease, drop a reservation."""
-        if self.pushed:
-            self.group.publish(self.slots, [None] * len(self.slots))
-        else:
-            self.group.unpin(self.slots)
+        """End unreleased (its deadline, the daemon stopping)."""
+        raise NotImplementedError
+
+    def forget(self, reserved: dict) -> None:
+        """(the table's lock held) It ended: the table's map of reserved keys forgets what it holds."""
+
+
+@dataclass
+class Lease(Exposed):
+    """A peer pulls: blocks the host tier holds, pinned while it lasts."""
+
+    checksums: list[int] = field(default_factory=list)  # each block's, as the peer must find it
+
+    def drop(self) -> None:
+        self.group.unpin(self.slots)
+
+
+@dataclass
+class Reservation(Exposed):
+    """A peer pushes: fresh host slots, invisible until its commit publishes what matched."""
+
+    namespace: str = ""
+    keys: list[bytes] = field(default_factory=list)  # reserved slot j holds keys[j]: the engine may take them
+    yielded: set[int] = field(default_factory=set)  # reserved slots whose key the engine stored meanwhile
+    pushed: ClassVar[bool] = True
+
+    @property
+    def checksums(self) -> list[int]:
+        """What a peer's answer says of its blocks' checksums: nothing yet (the pusher says, at commit)."""
+        return [0] * len(self.slots)
+
+    def drop(self) -> None:
+        self.group.publish(self.slots, [None] * len(self.slots))
+
+    def forget(self, reserved: dict) -> None:
+        gid = id(self.group)
+        for key in self.keys:
+            entry = (gid, self.namespace, key)
+            if reserved.get(entry, (None,))[0] is self:  # (a key yielded may be reserved again since)
+                del reserved[entry]
 
 
 @dataclass(frozen=True)
@@ -80,7 +116,7 @@ class LeaseTable:
         self._peer_blocks: Counter[str] = Counter()  # blocks of each peer's
         self._group_blocks: Counter[int] = Counter()  # blocks exposed of each host tier (by id of its group)
         # (id of the group, namespace, key) -> the open reservation holding that key's slot, and its position
-        self._reserved: dict[tuple[int, str, bytes], tuple[Exposed, int]] = {}
+        self._reserved: dict[tuple[int, str, bytes], tuple[Reservation, int]] = {}
         self._lock = threading.Condition()
         self._closed = False
         self.expired = 0
@@ -113,8 +149,8 @@ class LeaseTable:
                 best[0].unpin(best[1].slots)
             return None
         group, plan = best
-        return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], list(plan.checksums),
-                                      0.0), lease_ms, [])
+        return self._open_new(Lease(peer, group, list(plan.positions), list(plan.slots),
+                                    checksums=list(plan.checksums)), lease_ms, [])
 
     def reserve(self, peer: str, cache_group: str, block_format: bytes, namespace: str, keys: list[bytes],
                 lease_ms: int) -> Granted | None:
@@ -129,9 +165,9 @@ class LeaseTable:
         plan = group.prepare_store(namespace, keys, engine=False)  # evicts (and demotes); invisible until commit
         present = [i for i, o in enumerate(plan.outcomes) if o is Outcome.ALREADY_PRESENT]
         if not plan.slots:
-            return Granted(b"", Exposed(peer, group, [], [], [], [], 0.0, True), 0, b"", present)
-        return self._open_new(Exposed(peer, group, list(plan.positions), list(plan.slots), [], [], 0.0, True,
-                                      namespace, [keys[i] for i in plan.positions]), lease_ms, present)
+            return Granted(b"", Reservation(peer, group, [], []), 0, b"", present)
+        return self._open_new(Reservation(peer, group, list(plan.positions), list(plan.slots), namespace=namespace,
+                                          keys=[keys[i] for i in plan.positions]), lease_ms, present)
 
     def yield_to_engine(self, group: PeeredGroup, namespace: str, keys: list[bytes]) -> None:
         """The local engine stores these keys: reservations of them in ``group`` give them up (the engine comes
@@ -204,20 +240,20 @@ class LeaseTable:
             self._opening -= 1
             exposed.expires = time.monotonic() + lease_ms / 1000
             self._open[exposed_id] = exposed
-            gid = id(group)
-            for j, key in enumerate(exposed.keys):  # (a reservation's: the engine may take them back)
-                self._reserved[gid, exposed.namespace, key] = (exposed, j)
+            if isinstance(exposed, Reservation):  # the engine may take its keys back
+                for j, key in enumerate(exposed.keys):
+                    self._reserved[id(group), exposed.namespace, key] = (exposed, j)
             heapq.heappush(self._deadlines, (exposed.expires, exposed_id))
             self._lock.notify()
             if len(self._open) == 1:
                 self.agent.hold()  # NIXL's worker is progressed while anything is exposed
         return Granted(exposed_id, exposed, lease_ms, metadata, present)
 
-    def _take(self, peer: str, exposed_id: bytes, pushed: bool) -> Exposed | None:
-        """Close a lease or reservation of ``peer``'s (None: ended already, or not its own)."""
+    def _take(self, peer: str, exposed_id: bytes, kind: type[E]) -> E | None:
+        """Close a lease or reservation of ``peer``'s (None: ended already, not its own, or not a ``kind``)."""
         with self._lock:
             exposed = self._open.get(exposed_id)
-            if exposed is None or exposed.peer != peer or exposed.pushed != pushed:
+            if not isinstance(exposed, kind) or exposed.peer != peer:
                 return None
             self._end(exposed_id)
             return exposed
@@ -235,7 +271,7 @@ class LeaseTable:
             if lease is not None and not set(corrupt_positions) <= set(lease.positions):
                 wrong = sorted(set(corrupt_positions) - set(lease.positions))
                 raise InvalidArgument(f"corrupt_positions: {shown(wrong[:4])} were not leased")
-        lease = self._take(peer, lease_id, pushed=False)
+        lease = self._take(peer, lease_id, Lease)
         if lease is None:
             return False
         suspects = set(corrupt_positions)
@@ -257,7 +293,7 @@ class LeaseTable:
             if reservation is not None and len(checksums) != len(reservation.slots):
                 raise InvalidArgument(f"checksums: one per reserved block ({len(reservation.slots)}), got "
                                       f"{len(checksums)}")
-        reservation = self._take(peer, reservation_id, pushed=True)
+        reservation = self._take(peer, reservation_id, Reservation)
         if reservation is None:
             return []
         got = reservation.group.slot_checksums(reservation.slots)
@@ -286,11 +322,7 @@ class LeaseTable:
         """(lock held) Withdraw a lease's or reservation's slots; the caller unpins or publishes them."""
         exposed = self._open.pop(exposed_id)
         self._count(exposed, -1)
-        gid = id(exposed.group)
-        for key in exposed.keys:
-            entry = (gid, exposed.namespace, key)
-            if self._reserved.get(entry, (None,))[0] is exposed:  # (a key yielded may be reserved again since)
-                del self._reserved[entry]
+        exposed.forget(self._reserved)
         self.agent.withdraw(exposed.addresses, exposed.group.slot_bytes)
         if not self._open:
             self.agent.unhold()

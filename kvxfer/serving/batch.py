@@ -42,6 +42,7 @@ class TransferBatch:
     deadline: float | None = None  # time.monotonic(): no pool copy starts after it, none ending after it counts
     engine: EngineBlocks | None = None  # offload: what the engine said of its blocks (for the KV events)
     hint: tuple[HintAction, int] | None = None  # offload: RETAIN (its TTL, seconds) or RELEASE, once stored
+    peer: str = ""  # restore: the peer that holds the blocks this daemon lacks, read from first (its name)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -50,7 +51,7 @@ class TransferBatch:
     def build(cls, kind: TransferKind, namespace: str, blocks: Sequence[int], keys: Sequence[bytes],
               num_blocks: int, limit: int = MAX_BATCH_BLOCKS, ready_event: bytes = b"",
               deadline: float | None = None, engine: EngineBlocks | None = None,
-              hint: tuple[HintAction, int] | None = None) -> TransferBatch:
+              hint: tuple[HintAction, int] | None = None, peer: str = "") -> TransferBatch:
         """Validate a request whole (namespace, blocks of a pool of ``num_blocks``, keys) and build it."""
         check_namespace(namespace)
         blocks = list(blocks)
@@ -64,7 +65,9 @@ class TransferBatch:
             engine = _checked_engine(kind, engine, keys)
         if hint is not None and kind is not TransferKind.OFFLOAD:
             raise InvalidArgument("a hint for blocks goes with an offload (a Restore is a read)")
-        return cls(kind, namespace, blocks, keys, bytes(ready_event), deadline, engine, hint)
+        if peer and kind is not TransferKind.RESTORE:
+            raise InvalidArgument("a peer to read from goes with a restore")
+        return cls(kind, namespace, blocks, keys, bytes(ready_event), deadline, engine, hint, peer)
 
     @classmethod
     def offload(cls, namespace: str, pairs: Sequence[tuple[int, bytes]], num_blocks: int,

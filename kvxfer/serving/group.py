@@ -32,7 +32,7 @@ from kvxfer.index.block_index import BlockIndex, Evicted, Plan
 from kvxfer.index.hintbook import DEFAULT_SHARE, HintStats
 from kvxfer.index.tenancy import Tenant
 from kvxfer.serving.assembly import Assembly, Verified
-from kvxfer.serving.promotion import InFlight, promote
+from kvxfer.serving.promotion import Held, InFlight, promote
 from kvxfer.tiers.host import HostTier
 from kvxfer.tiers.lower import GroupContext, LowerTier, LowerTierFactory
 from kvxfer.tiers.reach import SHARED, Reach
@@ -131,6 +131,13 @@ class CacheGroup:
         """The group's lower tier of this kind, if it has one."""
         return next((t for t in self.lower_tiers if t.kind is kind), None)
 
+    def reading_from(self, source: str, router: bool = False) -> list[LowerTier]:
+        """The group's peer tier reading from the one peer ``source`` names alone (``router``: a router's word,
+        which may name it by address too); none where the group has no peer tier or no peer is named so."""
+        tier = self.tier(TierKind.PEER)
+        view = tier.only(source, by_address=router) if tier is not None else None  # (PeerTier.only)
+        return [view] if view is not None else []
+
     @property
     def lower(self) -> bool:
         return bool(self.lower_tiers)
@@ -227,29 +234,36 @@ class CacheGroup:
                                        if c is not None], key_format)
 
     def promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None = None,
-                deadline: float | None = None) -> dict[bytes, Outcome]:
+                deadline: float | None = None, held: Held | None = None) -> dict[bytes, Outcome]:
         """Bring the named keys up from the lower tiers (or ``tiers``), top down; returns those that failed
         (DATA_LOSS, FAILED; RESOURCE_EXHAUSTED: held below, but the host tier had no room for them). Keys another
         restore is promoting now are waited for (until ``deadline``, ``time.monotonic()``; else
-        ``PROMOTION_WAIT_S``), not promoted twice."""
+        ``PROMOTION_WAIT_S``), not promoted twice. ``held``: blocks a tier lets the caller's copy check are left
+        there, unpublished (``kvxfer.serving.promotion.Held``); their promotion ends once it settles them."""
         until = deadline if deadline is not None else time.monotonic() + PROMOTION_WAIT_S
         mine, waits = self._promoting.claim(namespace, keys)
         try:
-            failed = self._promote(namespace, mine, tiers, until) if mine else {}
-        finally:
+            failed = self._promote(namespace, mine, tiers, until, held) if mine else {}
+        except BaseException:
             self._promoting.release(namespace, mine)
+            raise
+        if held is None:
+            self._promoting.release(namespace, mine)
+        else:
+            held.when_done(lambda: self._promoting.release(namespace, mine))
         for event in waits:
             event.wait(max(0.0, until - time.monotonic()))
         return failed
 
-    def _promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None, until: float
-                 ) -> dict[bytes, Outcome]:
+    def _promote(self, namespace: str, keys: list[bytes], tiers: list[LowerTier] | None, until: float,
+                 held: Held | None) -> dict[bytes, Outcome]:
         failed: dict[bytes, Outcome] = {}
         for tier in self.lower_tiers if tiers is None else tiers:
             tier.wait_ready(until)
-            missing = [k for k, t in zip(keys, self.index.tiers_of(namespace, keys)) if t is None and k not in failed]
+            missing = [k for k, t in zip(keys, self.index.tiers_of(namespace, keys))
+                       if t is None and k not in failed and (held is None or k not in held.keys)]
             if missing:
-                failed.update(promote(tier, self, namespace, missing))
+                failed.update(promote(tier, self, namespace, missing, held))
         return failed
 
     def tiers_of(self, namespace: str, keys: list[bytes], deadline: float | None = None) -> list[TierKind | None]:

@@ -25,6 +25,7 @@ from kvxfer.memory.pool import Pool
 from kvxfer.serving.assembly import Claim, heads_mask
 from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.promotion import Held
 from kvxfer.transfer import CopyEngine, engine_for
 from kvxfer.transfer.copy_engine import LateCopies
 from kvxfer.transfer.pipeline import CheckedCopier
@@ -229,27 +230,44 @@ class PoolManager:
         release([s for s in slots if s not in held])
         self.engine.quarantine(late.handles, lambda: release(late.slots), restore)
 
-    def _prepare_load(self, namespace: str, keys: list[bytes], deadline: float | None = None) -> Plan:
-        """Pin the host tier's blocks of the batch, then bring the others up from disk and pin them too."""
+    def _prepare_load(self, namespace: str, keys: list[bytes], deadline: float | None = None, peer: str = "",
+                      held: Held | None = None) -> Plan:
+        """Pin the host tier's blocks of the batch, then bring the others up from the lower tiers (``peer``'s first)
+        and pin them too. ``held``: blocks a tier lets this restore's copy check stay there, reserved, unpinned."""
         plan = self.group.pin(namespace, keys)
         if len(plan.slots) == len(keys) or not self.group.lower:
             return plan
         missing = [i for i, o in enumerate(plan.outcomes) if o is Outcome.NOT_FOUND]
-        lost = self.group.promote(namespace, [keys[i] for i in missing], deadline=deadline)  # may evict: ours pinned
-        more = self.group.pin(namespace, [keys[i] for i in missing])
-        for j, i in enumerate(missing):
+        tiers = self.group.reading_from(peer) + self.group.lower_tiers if peer else None
+        lost = self.group.promote(namespace, [keys[i] for i in missing], tiers, deadline, held)  # may evict: ours pinned
+        came = {} if held is None else held.keys
+        more = self.group.pin(namespace, [keys[i] for i in missing if keys[i] not in came])
+        rest = [i for i in missing if keys[i] not in came]
+        for j, i in enumerate(rest):
             plan.outcomes[i] = lost.get(keys[i], more.outcomes[j])
+        mine = [(i, came[keys[i]]) for i in missing if keys[i] in came]
+        for i, _ in mine:
+            plan.outcomes[i] = Outcome.DONE
         # One plan, in batch order (positions ascending, as the index gives them).
-        merged = sorted(zip(plan.positions + [missing[j] for j in more.positions], plan.slots + more.slots,
-                            plan.checksums + more.checksums))
+        merged = sorted(zip(plan.positions + [rest[j] for j in more.positions] + [i for i, _ in mine],
+                            plan.slots + more.slots + [s for _, s in mine],
+                            plan.checksums + more.checksums + [held.expected(s) for _, s in mine]))
         plan.positions, plan.slots, plan.checksums = (list(c) for c in zip(*merged)) if merged else ([], [], [])
         return plan
 
     def _restore(self, batch: TransferBatch, cancelled: Callable[[], bool] | None) -> TransferResult:
-        plan = self._prepare_load(batch.namespace, batch.keys, batch.deadline)
+        # Blocks a lower tier lets this copy check (a peer's) are checked in it: one pass over them fewer. (Not in a
+        # canonical group, whose ranks may trust a block verified once: those are checked before any copy.)
+        held = Held(self.group, batch.namespace) if self.group.verified is None else None
+        try:
+            plan = self._prepare_load(batch.namespace, batch.keys, batch.deadline, batch.peer, held)
+        except BaseException:
+            if held is not None:
+                held.drop()
+            raise
         slots, positions = plan.slots, plan.positions
         corrupt: set[int] = set()
-        moved, seconds = 0, 0.0
+        moved, seconds, checked = 0, 0.0, 0
         late: LateCopies | None = None
         trusted = None
         try:
@@ -263,7 +281,8 @@ class PoolManager:
                 stopped = Outcome.DEADLINE_EXCEEDED if done.expired else Outcome.CANCELLED
                 _set(plan.outcomes, positions[done.completed:], stopped)
                 seconds = time.perf_counter() - start
-                good = done.completed - sum(1 for j in corrupt if j < done.completed)
+                checked = done.completed
+                good = checked - sum(1 for j in corrupt if j < checked)
                 moved = self._count(TransferKind.RESTORE, good, seconds)
         except LateCopies as exc:
             late = exc
@@ -273,9 +292,35 @@ class PoolManager:
         finally:
             # dropped at complete_load; the engine must not read these blocks
             _set(plan.outcomes, [positions[j] for j in corrupt], Outcome.DATA_LOSS)
-            self._complete(slots, late, self.group.unpin, lambda: self.group.unpin(slots, corrupt),
-                           restore=True)
+            if held is None or not held.keys:
+                self._complete(slots, late, self.group.unpin, lambda: self.group.unpin(slots, corrupt), restore=True)
+            else:
+                self._complete_held(plan, held, late, corrupt, checked)
         return TransferResult(plan.outcomes, moved, seconds)
+
+    def _complete_held(self, plan: Plan, held: Held, late: LateCopies | None, corrupt: set[int], copied: int
+                       ) -> None:
+        """End a restore some of whose blocks are ``held``: those its copy checked good are published, the rest
+        dropped (a wrong one is DATA_LOSS, or a miss where it may have changed under the read); the others are
+        unpinned as any restore's."""
+        slots, positions = plan.slots, plan.positions
+        kept = set(held.keys.values())
+        checked = range(copied)  # the copy checked these (in batch order); ``corrupt`` among them are wrong
+
+        def release(some: list[int]) -> None:  # not checked: unpinned, or dropped
+            self.group.unpin([s for s in some if s not in kept])
+            held.settle((), [s for s in some if s in kept])
+
+        def complete() -> None:
+            pinned = [j for j in range(len(slots)) if slots[j] not in kept]
+            self.group.unpin([slots[j] for j in pinned], {n for n, j in enumerate(pinned) if j in corrupt})
+            ok = [slots[j] for j in checked if slots[j] in kept and j not in corrupt]
+            outcomes = held.settle(ok, [slots[j] for j in range(len(slots)) if slots[j] in kept and slots[j] not in ok])
+            for j in range(len(slots)):
+                if j in corrupt and slots[j] in outcomes:
+                    plan.outcomes[positions[j]] = outcomes[slots[j]]
+
+        self._complete(slots, late, release, complete, restore=True)
 
     def _verify_once(self, slots: Sequence[int], expected: list[int], deadline: float | None) -> list[bool]:
         """Which of these pinned canonical blocks are known good in their pin run: verified here now, or by

@@ -19,10 +19,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
-from kvxfer.core.envelope import EnvelopeCounts
 from kvxfer.core.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                 ResourceExhausted)
 from kvxfer.core.records import LookupResult, Medium, PoolRef
@@ -31,25 +29,22 @@ from kvxfer.events.event_hub import EventHub
 from kvxfer.geometry.layout import KVSpec, Layout, PoolLayout
 from kvxfer.geometry.sharding import Sharding, stored_format
 from kvxfer.index.admission import AdmissionSettings
+from kvxfer.index.hintbook import DEFAULT_SHARE
 from kvxfer.index.tenancy import Tenant
 from kvxfer.memory import cuda_mem, room
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle, new_epoch
 from kvxfer.memory.shm import size_sealed
-from kvxfer.serving.group import CacheGroup
+from kvxfer.serving.group import CacheGroup, Reservations
 from kvxfer.serving.group_table import DAEMON_SHARING, GroupEntry, GroupTable, Sharing, close_released
 from kvxfer.serving.handoff import HandOff, HandOffs, check_path_names, file_identity, token_digest
 from kvxfer.serving.jobs import JobRunner
 from kvxfer.serving.lifetimes import ProcessWatch, UntilLanded
 from kvxfer.serving.limits import Limits
 from kvxfer.serving.pool_manager import PoolManager, TransferObserver
-from kvxfer.serving.prefetch import HintSettings, Prefetcher
 from kvxfer.serving.served_pool import DAEMON, ServedPool
 from kvxfer.tiers.host import capacity_blocks
 from kvxfer.tiers.registry import lower_tiers as make_lower_tiers
 from kvxfer.transfer import native
-
-if TYPE_CHECKING:
-    from kvxfer.peering.hub import Peering
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +53,18 @@ class PoolRegistry:
     """Thread-safe map of pool id -> served pool."""
 
     def __init__(self, limits: Limits = Limits(), observer: TransferObserver | None = None,
-                 kv_events: EventHub | None = None,
-                 peering: Callable[[Callable[[], list[CacheGroup]]], Peering] | None = None,
-                 lower_tiers: Mapping[str, object] | None = None, admission: AdmissionSettings | None = None,
-                 tenants: Sequence[Tenant] = (), hints: HintSettings | None = None) -> None:
-        """``peering``: makes the daemon's peering from the groups peers may reach (``peer_groups``); each
-        group made here then has the peers as a lower tier. ``lower_tiers``: every group's other lower
-        tiers, settings by config section (``kvxfer.tiers.registry``). ``admission``: every group's rules for
-        the new blocks engines offload (``kvxfer.index.admission``). ``tenants``: their shares of every group's
-        host tier (``kvxfer.index.tenancy``). ``hints``: the TTL cap, shares and prefetch queue of hints
-        (``kvxfer.serving.prefetch``)."""
+                 kv_events: EventHub | None = None, lower_tiers: Mapping[str, object] | None = None,
+                 admission: AdmissionSettings | None = None, tenants: Sequence[Tenant] = (),
+                 reservations: Reservations | None = None, hint_share: float = DEFAULT_SHARE) -> None:
+        """``lower_tiers``: every group's lower tiers, their sources by config section (settings; ``peering``:
+        the daemon's peering, built beside the registry: ``service/parts.py``; ``kvxfer.tiers.registry``).
+        ``admission``: every group's rules for the new blocks engines offload (``kvxfer.index.admission``).
+        ``tenants``: their shares of every group's host tier (``kvxfer.index.tenancy``). ``reservations``: peers'
+        pushes into the groups peers reach. ``hint_share``: of a host tier, per tenant, what hinted blocks hold."""
         self.limits = limits
         self.admission = admission
         self.tenants = tuple(tenants)
-        self.hints = hints if hints is not None else HintSettings()
-        self.prefetcher = Prefetcher(self.hints)  # PREFETCH hints, every group's, at the lowest priority
-        self.envelopes = EnvelopeCounts()  # routers' hint envelopes: their actions by outcome
-        # Hints run one at a time: a storm of them takes one thread's share of the GIL, not every worker's.
-        self.hint_gate = threading.Lock()
+        self.hint_share = hint_share
         self.observer = observer  # told of every transfer of every pool (the daemon's metrics)
         self.kv_events = kv_events  # where the groups' tiers announce their blocks (WatchEvents)
         self.handoffs = HandOffs(max_pending=2 * limits.max_pools)
@@ -85,8 +74,8 @@ class PoolRegistry:
         self._job_ids = itertools.count(1)  # job ids are unique across the daemon's pools
         self._watch = ProcessWatch(self._registrant_exited)
         self.until_landed = UntilLanded()  # pools whose late GPU copies may still land: freed once they have
-        self.peering = peering(self.peer_groups) if peering is not None else None
-        self._lower_tiers = make_lower_tiers({**(lower_tiers or {}), "peering": self.peering})
+        self._reservations = reservations
+        self._lower_tiers = make_lower_tiers(lower_tiers or {})
 
     def add(self, pool: Pool, host_capacity_blocks: int, cache_group: str = "", owner: str = DAEMON,
             token: bytes = b"", registrant_pid: int = 0, sharing: Sharing | None = None,
@@ -121,9 +110,9 @@ class PoolRegistry:
                                               lower=self._lower_tiers,
                                               kv_events=self.kv_events.scoped(private=not sharing.events)
                                               if self.kv_events is not None else None, manifest=manifest,
-                                              reservations=self.peering.leases if self.peering else None,
+                                              reservations=self._reservations,
                                               admission=self.admission, tenants=self.tenants,
-                                              hash_threads=self.limits.copy_threads, hint_share=self.hints.share,
+                                              hash_threads=self.limits.copy_threads, hint_share=self.hint_share,
                                               reach=sharing.reach(name, chosen)),
                                        owner, sharing)
                 # PoolManager refuses a pool whose block format differs from the group's.
@@ -363,7 +352,6 @@ class PoolRegistry:
     def close(self, drain_timeout: float = 0.0) -> None:
         """Stop every pool's jobs, write the host tiers to their disk tiers (for up to
         ``drain_timeout``), and release every pool (owned pool files are removed)."""
-        self.prefetcher.stop()
         with self._lock:
             served, self._pools = list(self._pools.values()), {}
             groups = self._groups.groups()

@@ -3,16 +3,18 @@
 The tier finds what it holds and holds it (``LowerTier.fetch``); the group reserves host slots
 (``prepare_store``: evicting, and so demoting, others); the tier copies each block's verified
 bytes into its slot; the group publishes the good blocks and drops the rest, and the tier is
-told which were corrupt (it removes them).
+told which were corrupt (it removes them). A tier whose check is a pass of its own (a peer's
+blocks, read by NIXL) may leave it to the restore's copy into the engine's pool (``Held``).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from kvxfer.core.records import Outcome
-from kvxfer.tiers.lower import LowerTier
+from kvxfer.tiers.lower import CheckedLater, LowerTier
 
 if TYPE_CHECKING:
     from kvxfer.serving.group import CacheGroup
@@ -52,11 +54,78 @@ class InFlight:
             event.set()
 
 
-def promote(tier: LowerTier, group: CacheGroup, namespace: str, keys: list[bytes]) -> dict[bytes, Outcome]:
+class Held:
+    """Blocks promotions read into host slots and left unpublished, for the restore that copies them into the
+    engine's pool to check in that copy (it hashes as it copies): one pass over the bytes fewer than checking
+    them first. The restore ``settle``s each slot: checked good, it is published (others may read it then);
+    else it is dropped, never seen. Once every slot is settled each tier is told what was corrupt and the
+    keys' promotion ends (restores waiting for it go on)."""
+
+    def __init__(self, group: CacheGroup, namespace: str) -> None:
+        self.group, self.namespace = group, namespace
+        self.keys: dict[bytes, int] = {}  # key -> its host slot
+        self._by_slot: dict[int, tuple[CheckedLater, int, int, int]] = {}  # slot -> (fetch, j, checksum, format)
+        self._fetches: dict[int, tuple[CheckedLater, dict[int, bool]]] = {}  # id -> (fetch, j -> checked good)
+        self._when_done: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def add(self, fetch: CheckedLater, j: int, slot: int, checksum: int) -> None:
+        self.keys[fetch.keys[j]] = slot
+        self._by_slot[slot] = (fetch, j, checksum, fetch.formats[j])
+        self._fetches.setdefault(id(fetch), (fetch, {}))
+
+    def expected(self, slot: int) -> int:
+        """The checksum the block in ``slot`` must have: the one its tier gave."""
+        return self._by_slot[slot][2]
+
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once every slot is settled (now, if none is held)."""
+        with self._lock:
+            if self._by_slot:
+                self._when_done.append(fn)
+                return
+        fn()
+
+    def settle(self, good: Iterable[int], bad: Iterable[int] = ()) -> dict[int, Outcome]:
+        """Publish the held slots in ``good`` (their copy's checksum matched) and drop those in ``bad`` (it did
+        not, or they were not copied: unchecked). Returns the outcome each slot of ``bad`` gets if its copy found
+        it wrong: DATA_LOSS, or NOT_FOUND where its tier says the block could have changed under the read."""
+        good, bad = [s for s in good if s in self._by_slot], [s for s in bad if s in self._by_slot]
+        outcomes = {s: self._by_slot[s][0].mismatch(self._by_slot[s][1]) for s in bad}
+        slots = good + bad
+        if not slots:
+            return outcomes
+        self.group.publish(slots, [self._by_slot[s][2] for s in good] + [None] * len(bad),
+                           formats=[self._by_slot[s][3] for s in slots])
+        with self._lock:
+            for s, ok in [(s, True) for s in good] + [(s, False) for s in bad]:
+                fetch, j, _, _ = self._by_slot.pop(s)
+                self._fetches[id(fetch)][1][j] = ok
+            if self._by_slot:
+                return outcomes
+            finished, self._when_done = self._when_done, []
+            ends, self._fetches = list(self._fetches.values()), {}
+        for fetch, checked in ends:
+            fetch.end(fetch.checked(checked))
+        for fn in finished:
+            fn()
+        return outcomes
+
+    def drop(self) -> None:
+        """Drop every slot not settled yet (the restore failed before its copy)."""
+        self.settle((), list(self._by_slot))
+
+
+def promote(tier: LowerTier, group: CacheGroup, namespace: str, keys: list[bytes], held: Held | None = None
+            ) -> dict[bytes, Outcome]:
     """Move the named blocks ``tier`` holds into ``group``'s host tier; returns the keys that failed (DATA_LOSS,
-    FAILED, or RESOURCE_EXHAUSTED: held there, but the host tier had no room for them)."""
+    FAILED, or RESOURCE_EXHAUSTED: held there, but the host tier had no room for them). ``held``: where the
+    tier's fetch can leave its check to whoever copies the blocks next (``CheckedLater``), the blocks read
+    are left unpublished there, for the restore's copy to check."""
     fetch = tier.fetch(namespace, keys)
+    later = held is not None and getattr(fetch, "checks_later", False)
     corrupt: set[int] = set()
+    kept: set[int] = set()  # slots left to ``held``, which then ends the fetch
     try:
         if not fetch.keys:
             return {}
@@ -68,16 +137,22 @@ def promote(tier: LowerTier, group: CacheGroup, namespace: str, keys: list[bytes
                                         if o is Outcome.RESOURCE_EXHAUSTED}
         try:
             targets = [(j, group.slot_view(slot)) for j, slot in zip(plan.positions, plan.slots)]
-            for (j, _), slot, (verdict, checksum) in zip(targets, plan.slots, fetch.read(targets)):
-                if verdict is Outcome.DONE:
+            read = fetch.read(targets, check=False) if later else fetch.read(targets)
+            for (j, _), slot, (verdict, checksum) in zip(targets, plan.slots, read):
+                if verdict is Outcome.DONE and later:
+                    held.add(fetch, j, slot, checksum)
+                    kept.add(slot)
+                elif verdict is Outcome.DONE:
                     checksums[slot] = checksum
                 elif verdict in FAILURES:
                     failed[fetch.keys[j]] = verdict
                     if verdict is Outcome.DATA_LOSS:
                         corrupt.add(j)
         finally:  # whatever happens, the reserved slots are completed (else they stay pinned, unseen)
-            group.publish(plan.slots, [checksums.get(s) for s in plan.slots],
-                          formats=[fetch.formats[j] for j in plan.positions])
+            done = [(j, s) for j, s in zip(plan.positions, plan.slots) if s not in kept]
+            group.publish([s for _, s in done], [checksums.get(s) for _, s in done],
+                          formats=[fetch.formats[j] for j, _ in done])
         return failed
     finally:
-        fetch.end(corrupt)
+        if not kept:
+            fetch.end(corrupt)

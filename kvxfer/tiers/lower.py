@@ -106,6 +106,27 @@ class LowerTier(Protocol):
         ...
 
 
+class CheckedLater(Fetch, Protocol):
+    """A fetch whose blocks may be checked by whoever copies them next (a restore's copy into the engine's pool
+    hashes as it copies), not in a pass of their own."""
+
+    checks_later: bool  # True
+
+    def read(self, targets: list[tuple[int, torch.Tensor]], check: bool = True) -> list[tuple[Outcome, int]]:
+        """As ``Fetch.read``; ``check=False``: DONE means read, not checked, and carries the checksum the block must
+        have. Whoever copies it compares, then says what it found (``checked``)."""
+        ...
+
+    def mismatch(self, j: int) -> Outcome:
+        """What block ``j``, read unchecked, is when its bytes turn out wrong: DATA_LOSS, or NOT_FOUND where they
+        could have changed under the read (the tier's hold on it ended first)."""
+        ...
+
+    def checked(self, good: dict[int, bool]) -> set[int]:
+        """Every block read unchecked was checked (``good[j]``); returns the positions to report corrupt (``end``)."""
+        ...
+
+
 #: What a cache group is given at construction: its lower tiers, top down (``kvxfer.tiers.registry``).
 LowerTierFactory = Callable[[GroupContext], list[LowerTier]]
 

@@ -52,21 +52,57 @@ class _Leased:
 
 
 class PeerFetch:
-    """Blocks leased from peers for one promotion; ``end`` releases the leases."""
+    """Blocks leased from peers for one promotion; ``end`` releases the leases. Its blocks may be checked by the
+    restore that copies them on (``kvxfer.tiers.lower.CheckedLater``): one pass over them fewer."""
+
+    checks_later = True
 
     def __init__(self, store: PeerTier, keys: list[bytes], leases: list[_Leased]) -> None:
         self.store = store
         self.keys = keys
         self.formats = [0] * len(keys)  # (a peer's lease does not say: opaque)
         self._leases = leases
+        self._unchecked: dict[int, tuple[_Leased, bool]] = {}  # j -> (its lease, read inside the lease)
+        self._seconds: dict[int, float] = {}  # id(lease) -> its read's seconds (counted once checked)
 
-    def read(self, targets: list[tuple[int, torch.Tensor]]) -> list[tuple[Outcome, int]]:
+    def read(self, targets: list[tuple[int, torch.Tensor]], check: bool = True) -> list[tuple[Outcome, int]]:
         verdicts: dict[int, tuple[Outcome, int]] = {}
         for leased in self._leases:
             mine = [(j, t) for j, t in targets if j in leased.blocks]
-            if mine:
-                verdicts.update(self.store.read_leased(leased, mine))
+            if not mine:
+                continue
+            read = self.store.read_leased(leased, mine, check)
+            if read is None:
+                continue  # a miss: counted there
+            if check:
+                verdicts.update(read)
+                continue
+            in_lease, self._seconds[id(leased)] = read
+            for j, _ in mine:
+                self._unchecked[j] = (leased, in_lease)
+                verdicts[j] = (Outcome.DONE, leased.blocks[j][2])
         return [verdicts.get(j, (Outcome.NOT_FOUND, 0)) for j, _ in targets]
+
+    def mismatch(self, j: int) -> Outcome:
+        return Outcome.DATA_LOSS if self._unchecked[j][1] else Outcome.NOT_FOUND
+
+    def checked(self, good: dict[int, bool]) -> set[int]:
+        corrupt: set[int] = set()
+        moved: dict[int, int] = {}
+        for j, ok in good.items():
+            leased, in_lease = self._unchecked.pop(j)
+            if ok:
+                moved[id(leased)] = moved.get(id(leased), 0) + 1
+                continue
+            self.store.counters.failed(leased.link.name, "corrupt" if in_lease else "lease_expired")
+            if in_lease:
+                corrupt.add(j)
+        for leased in self._leases:
+            n = moved.get(id(leased), 0)
+            if n:
+                self.store.counters.moved(leased.link.name, "in", n, n * self.store.slot_bytes,
+                                          self._seconds.get(id(leased), 0.0))
+        return corrupt
 
     def end(self, corrupt: set[int]) -> None:
         for leased in self._leases:
@@ -166,15 +202,17 @@ class PeerTier:
         blocks = {wanted[b.position]: (b.position, b.address, b.checksum) for b in answer.blocks}
         return _Leased(link, answer.lease_id, asked + answer.lease_ms / 1000, blocks)
 
-    def read_leased(self, leased: _Leased, targets: list[tuple[int, torch.Tensor]]) -> dict[int, tuple[Outcome, int]]:
-        """Read one lease's blocks into their host slots and check each; a miss where the read failed."""
-        name, missed = leased.link.name, {j: (Outcome.NOT_FOUND, 0) for j, _ in targets}
+    def read_leased(self, leased: _Leased, targets: list[tuple[int, torch.Tensor]], check: bool = True
+                    ) -> dict[int, tuple[Outcome, int]] | tuple[bool, float] | None:
+        """Read one lease's blocks into their host slots and check each (their verdicts); None where the read
+        failed (a miss). ``check=False``: not checked; whether the read ended inside the lease, and its seconds."""
+        name = leased.link.name
         margin = min(MARGIN_S, (leased.expires - time.monotonic()) / 10)
         timeout_at = time.monotonic() + leased.link.timeout_s
         deadline = min(timeout_at, leased.expires - margin)  # a read never outlasts its lease
         if time.monotonic() >= deadline:
             self.counters.failed(name, "lease_expired")
-            return missed
+            return None
         pairs = [(t.data_ptr(), leased.blocks[j][1]) for j, t in targets]
         log.debug("peer read", extra={"peer": name, "blocks": len(pairs)})
         start = time.perf_counter()
@@ -184,8 +222,10 @@ class PeerTier:
             stopped_by = "timeout" if deadline == timeout_at else "lease_expired"
             self.counters.failed(name, "transfer" if result is XferResult.FAILED else stopped_by)
             leased.link.disconnect()  # connect again next time (the peer may have restarted)
-            return missed
+            return None
         in_lease = time.monotonic() < leased.expires
+        if not check:
+            return in_lease, seconds
         sums = self._verify([t for _, t in targets])
         verdicts: dict[int, tuple[Outcome, int]] = {}
         for (j, _), got in zip(targets, sums):
@@ -205,8 +245,15 @@ class PeerTier:
             return rows_checksums(t.numpy() for t in landed)
         return self._checksums([(t.data_ptr() - self._host_base) // self.slot_bytes for t in landed])
 
-    def only(self, link: PeerLink) -> PeerTier:
-        """This tier reading from one peer alone (the one a caller named)."""
+    def only(self, source: str, by_address: bool = False) -> PeerTier | None:
+        """This tier reading from the one peer ``source`` names alone: by its name, or, ``by_address`` (a router's
+        word), by its address too (``HOST:PORT``, ``tcp://`` or not); None if no configured peer is named so.
+        Nothing else is ever dialled."""
+        address = source.removeprefix("tcp://")
+        link = next((link for link in self.links
+                     if source == link.name or (by_address and address == link.peer.address)), None)
+        if link is None:
+            return None
         view = copy.copy(self)
         view.links = [link]
         return view

@@ -16,13 +16,13 @@ import threading
 import grpc
 
 from kvxfer.client import Client, fdpass
-from kvxfer.client.wire import spec_from_pb
 from kvxfer.core.errors import KvxferError
 from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import Layout
 from kvxfer.memory.pool import PoolHandle
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire.messages import spec_from_pb
 
 SPEC = pb.KVSpec(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype="float16")
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # L * KV * N * H * D * 2 bytes = 512

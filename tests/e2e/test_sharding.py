@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from kvxfer import Client
-from kvxfer.client import wire
 from kvxfer.core.errors import FailedPrecondition, InvalidArgument
 from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import KVSpec, Layout
@@ -18,6 +17,7 @@ from kvxfer.memory import shm
 from kvxfer.memory.pool import PoolHandle
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire import messages as wire
 from tests.conftest import PYTHON, ROOT, python_env
 from tests.e2e.tp_engine import GEOMETRY
 

@@ -42,9 +42,9 @@ def test_devcheck_without_a_gpu_says_so_and_exits_3(tmp_path):
 
 
 def test_a_cuda_handle_and_its_gpu_uuid_survive_the_wire():
-    from kvxfer.client import wire
     from kvxfer.core.records import Medium
     from kvxfer.memory.pool import PoolDescriptor, PoolHandle
+    from kvxfer.wire import messages as wire
 
     handle = PoolHandle(Medium.CUDA, ipc_handle=bytes(range(64)), device=3, offset=4096,
                         device_uuid="GPU-6f1d2c3b-0000-1111-2222-333344445555")

@@ -14,6 +14,7 @@ FLOORS = [
     ["core"],  # the vocabulary: errors, records, validation, defaults, slots, breaker, tables; no torch
     ["geometry", "events", "engine"],  # what a pool and a block are; what a tier announces; the engine's kernels
     ["memory", "index"],  # pools' memory; the tiers' books (touch no bytes)
+    ["wire"],  # what the client and the daemon exchange: protobuf mappings, the lane's and the descriptor socket's frames
     ["peering", "client"],  # daemon-to-daemon leases; the engine-side client
     ["tiers", "integrations"],  # host memory and the lower tiers; the engine backends
     ["transfer"],  # copy engines (chosen by medium; no policy)
@@ -79,7 +80,7 @@ def test_no_two_modules_share_a_name_for_different_things():
 def test_the_client_imports_no_server_internals():
     loaded = _loaded_after("import kvxfer.client")
     assert [m for m in loaded if m.startswith(SERVER_SIDE)] == []
-    assert "kvxfer.core.records" in loaded and "kvxfer.client.wire" in loaded
+    assert "kvxfer.core.records" in loaded and "kvxfer.wire.messages" in loaded
 
 
 def test_from_kvxfer_import_client_works_and_the_core_stays_light():
@@ -94,6 +95,25 @@ def test_from_kvxfer_import_client_works_and_the_core_stays_light():
 def test_the_library_never_imports_the_daemon():
     offenders = [f"{path.relative_to(ROOT)}: {name}" for path in (ROOT / "kvxfer").rglob("*.py")
                  for name in _imports(path) if name == "service" or name.startswith("service.")]
+    assert offenders == []
+
+
+def test_the_daemon_and_the_client_share_the_wire_and_nothing_else():
+    """``service/`` takes the wire from ``kvxfer.wire``, never from the client: the engine-side library and the
+    server change apart. The wire imports neither."""
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in (ROOT / "service").rglob("*.py")
+                 for name in _imports(path) if name == "kvxfer.client" or name.startswith("kvxfer.client.")]
+    assert offenders == []
+    loaded = _loaded_after("import kvxfer.wire.messages, kvxfer.wire.lane_frames, kvxfer.wire.descriptor_frames")
+    assert [m for m in loaded if m.startswith(("kvxfer.client", "service"))] == []
+
+
+def test_serving_knows_no_peering():
+    """Peering is a lower tier the cache groups read (``kvxfer.tiers.peer``) and a servicer beside them; the
+    pools as the daemon serves them never name it, not even for type checking. The composition root
+    (``service/parts.py``) builds both and hands each what it uses."""
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in (ROOT / "kvxfer" / "serving").rglob("*.py")
+                 for name in _imports(path) if name.startswith("kvxfer.peering")]
     assert offenders == []
 
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from kvxfer.cli import commands as cli
-from kvxfer.client.wire import spec_from_pb, spec_to_pb
 from kvxfer.core.errors import InvalidArgument
 from kvxfer.geometry.block_checksum import FORMAT
 from kvxfer.geometry.layout import PRESETS, Axis, KVSpec, PoolLayout, Run
 from kvxfer.serving.group import BlockFormat
+from kvxfer.wire.messages import spec_from_pb, spec_to_pb
 
 MLA = KVSpec(num_layers=3, num_blocks=4, block_size=2, num_kv_heads=1, head_size=6, dtype=torch.bfloat16,
              kv_parts=1)

@@ -17,6 +17,7 @@ from kvxfer.peering.counters import PeerCounters
 from kvxfer.peering.leases import LeaseTable
 from kvxfer.peering.push import push
 from kvxfer.peering.settings import PeeringSettings
+from kvxfer.serving.batch import TransferBatch, TransferKind
 from kvxfer.serving.group import CacheGroup
 from kvxfer.serving.pool_manager import PoolManager
 from kvxfer.tiers.peer import PeerTier
@@ -174,3 +175,62 @@ def test_a_lease_bound_counts_the_blocks_held_not_the_keys_asked():
         assert a.leases.grant("b", "g", a.group.format.fingerprint, "ns", [KEYS[3]] + asked[3:], 5000) is not None
     finally:
         a.close()
+
+
+def _peered(b: Node, link: FakeLink, lease_ms: int = 5000) -> PoolManager:
+    """``b``'s pool in a new group whose one lower tier is its peers (as a daemon's shared group has)."""
+    peers = SimpleNamespace(agent=b.agent, links=[link], counters=b.counters,
+                            settings=PeeringSettings("b", lease_ms=lease_ms))
+    return PoolManager(b.pool, CacheGroup("g", b.pool.layout, 8, lower=lambda ctx: [PeerTier(peers, ctx)]))
+
+
+def _no_second_pass(monkeypatch) -> None:
+    def verify(self, landed):
+        raise AssertionError("a restore's pulled block was checksummed in a pass of its own")
+
+    monkeypatch.setattr(PeerTier, "_verify", verify)
+
+
+def test_a_restore_checks_a_pulled_block_in_its_copy_and_publishes_it_only_then(nodes, monkeypatch):
+    """One pass fewer: the NIXL read lands in host slots; the copy into the engine's pool checks each block
+    (the C loop hashes as it copies) and only then is it published; the lease is released after."""
+    a, b, b_to_a, _ = nodes
+    _no_second_pass(monkeypatch)
+    manager = _peered(b, b_to_a)
+    result = manager.run(TransferBatch.build(TransferKind.RESTORE, "ns", [9, 10], KEYS[:2], SPEC.num_blocks,
+                                             peer=b_to_a.name))
+    assert result.outcomes == [Outcome.DONE, Outcome.DONE]
+    assert torch.equal(b.block(9), a.block(1)) and torch.equal(b.block(10), a.block(2))
+    assert manager.lookup("ns", KEYS[:2]).hits == 2 and manager.group.index.stats().pinned == 0
+    assert b_to_a.released and b_to_a.released[0][1] == [] and a.leases.open == (0, 0)
+    assert b.counters.events()["read"] == 2
+    assert manager.run(TransferBatch.build(TransferKind.RESTORE, "ns", [11], KEYS[:1], SPEC.num_blocks)).outcomes \
+        == [Outcome.DONE]  # from host memory now: it was published with the peer's checksum
+
+
+def test_a_pulled_block_wrong_in_the_copy_is_data_loss_never_published_and_reported(nodes, monkeypatch):
+    a, b, b_to_a, _ = nodes
+    _no_second_pass(monkeypatch)
+    manager = _peered(b, b_to_a)
+    b.agent.corrupt_next = True  # the wire flips a byte of each block
+    result = manager.run(TransferBatch.build(TransferKind.RESTORE, "ns", [9, 10, 11], KEYS[:3], SPEC.num_blocks))
+    assert result.outcomes == [Outcome.DATA_LOSS] * 3
+    stats = manager.group.index.stats()
+    assert stats.used == 0 and stats.pinned == 0  # nothing of them visible, no slot left reserved
+    assert sorted(b_to_a.released[0][1]) == [0, 1, 2] and a.leases.open == (0, 0)
+    assert b.counters.events() == {"read": 0, "served": 0, "failed_corrupt": 3}
+    assert manager.run(TransferBatch.build(TransferKind.RESTORE, "ns", [9], KEYS[:1], SPEC.num_blocks)).outcomes \
+        == [Outcome.DONE] and torch.equal(b.block(9), a.block(1))  # read again, intact this time
+
+
+def test_a_restore_of_held_and_pulled_blocks_at_once_keeps_batch_order(nodes, monkeypatch):
+    a, b, b_to_a, _ = nodes
+    manager = _peered(b, b_to_a)
+    assert manager.run(TransferBatch.build(TransferKind.RESTORE, "ns", [9], [KEYS[2]], SPEC.num_blocks)).outcomes \
+        == [Outcome.DONE]  # KEYS[2] now in b's host tier
+    _no_second_pass(monkeypatch)
+    result = manager.run(TransferBatch.build(TransferKind.RESTORE, "ns", [12, 13, 14, 15],
+                                             [KEYS[3], KEYS[2], b"absent", KEYS[0]], SPEC.num_blocks))
+    assert result.outcomes == [Outcome.DONE, Outcome.DONE, Outcome.NOT_FOUND, Outcome.DONE]
+    assert [torch.equal(b.block(n), a.block(i)) for n, i in ((12, 4), (13, 3), (15, 1))] == [True] * 3
+    assert manager.group.index.stats().pinned == 0 and a.leases.open == (0, 0)

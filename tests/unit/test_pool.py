@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
-from kvxfer.client import wire
 from kvxfer.core.errors import FailedPrecondition, InvalidArgument
 from kvxfer.core.records import Medium
 from kvxfer.geometry.layout import PRESETS, KVSpec, PoolLayout
 from kvxfer.memory import shm
 from kvxfer.memory.pool import Pool, PoolDescriptor, PoolHandle
 from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire import messages as wire
 from tests.conftest import PYTHON, python_env
 
 SPEC = KVSpec(num_layers=3, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
@@ -35,7 +35,7 @@ def test_second_process_maps_and_sees_bytes(shm_dir, layout):
         v[5].fill_(-2.5)
         child = run_child("""
             import sys, torch
-            from kvxfer.client import wire
+            from kvxfer.wire import messages as wire
             from kvxfer.memory.pool import Pool
             from kvxfer.v1 import kvxfer_pb2 as pb
             pool = Pool.attach(wire.descriptor_from_pb(pb.PoolInfo.FromString(bytes.fromhex(sys.argv[1]))))

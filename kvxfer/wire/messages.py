@@ -1,7 +1,4 @@
-"""Conversions between kvxfer's records and the kvxfer.v1 protobuf messages.
-
-Shared by the daemon (service/) and the client, so both read the wire the same way.
-"""
+"""Conversions between kvxfer's records and the kvxfer.v1 protobuf messages: both ends read the wire the same way."""
 
 from __future__ import annotations
 
