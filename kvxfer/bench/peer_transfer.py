@@ -3,8 +3,8 @@
 Two real daemons on this machine peer over loopback (TLS, a token, NIXL's UCX backend over
 ``--transports``: UCX's default (shared memory, cma) and TCP alone, the cross-node path). A
 offloads ``--blocks`` blocks of the embedded pool's geometry; B restores batches of them into
-its pool: a lease on A, one NIXL READ straight into B's host tier, every checksum, publication,
-the copy into B's pool. B then deletes its copies, so that each repetition reads from A again.
+its pool: a lease on A, one NIXL READ straight into B's host tier, the copy into B's pool that
+checks every block as it copies, publication. B then deletes its copies, so that each repetition reads from A again.
 
 Reported per transport and batch, beside baselines measured in the same run and interleaved with
 the requests: the whole request's median time against one gRPC round trip over mutual TLS to A
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                          r["whole_vs_memcpy"], r["cpu_s_per_gb"], r["memcpy_cpu_s_per_gb"], r["cpu_vs_memcpy"]]
                         for r in rows],
                        {"pull": f"B's Restore of blocks only A holds ({human_bytes(block)} each): lease, NIXL READ, "
-                                "checksums, publication, the copy into B's pool",
+                                "the copy into B's pool checking each block, publication",
                         "whole ms": "the median request's milliseconds (of --reps, interleaved with the baselines)",
                         "TLS RTT": "one gRPC round trip over mutual TLS to A from this process (a health Check), "
                                    "interleaved: whole / RTT is the median of per-repetition ratios",

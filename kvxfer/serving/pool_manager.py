@@ -240,18 +240,17 @@ class PoolManager:
         missing = [i for i, o in enumerate(plan.outcomes) if o is Outcome.NOT_FOUND]
         tiers = self.group.reading_from(peer) + self.group.lower_tiers if peer else None
         lost = self.group.promote(namespace, [keys[i] for i in missing], tiers, deadline, held)  # may evict: ours pinned
-        came = {} if held is None else held.keys
-        more = self.group.pin(namespace, [keys[i] for i in missing if keys[i] not in came])
-        rest = [i for i in missing if keys[i] not in came]
+        came = [i for i in missing if held is not None and keys[i] in held.keys]  # read, in reserved slots
+        rest = [i for i in missing if i not in came]
+        more = self.group.pin(namespace, [keys[i] for i in rest])
         for j, i in enumerate(rest):
             plan.outcomes[i] = lost.get(keys[i], more.outcomes[j])
-        mine = [(i, came[keys[i]]) for i in missing if keys[i] in came]
-        for i, _ in mine:
-            plan.outcomes[i] = Outcome.DONE
+        _set(plan.outcomes, came, Outcome.DONE)  # (unless the copy finds them wrong)
+        held_slots = [held.keys[keys[i]] for i in came] if came else []
         # One plan, in batch order (positions ascending, as the index gives them).
-        merged = sorted(zip(plan.positions + [rest[j] for j in more.positions] + [i for i, _ in mine],
-                            plan.slots + more.slots + [s for _, s in mine],
-                            plan.checksums + more.checksums + [held.expected(s) for _, s in mine]))
+        merged = sorted(zip(plan.positions + [rest[j] for j in more.positions] + came,
+                            plan.slots + more.slots + held_slots,
+                            plan.checksums + more.checksums + [held.expected(s) for s in held_slots]))
         plan.positions, plan.slots, plan.checksums = (list(c) for c in zip(*merged)) if merged else ([], [], [])
         return plan
 
@@ -294,33 +293,9 @@ class PoolManager:
             _set(plan.outcomes, [positions[j] for j in corrupt], Outcome.DATA_LOSS)
             if held is None or not held.keys:
                 self._complete(slots, late, self.group.unpin, lambda: self.group.unpin(slots, corrupt), restore=True)
-            else:
-                self._complete_held(plan, held, late, corrupt, checked)
+            else:  # those it checked good are published, the rest dropped; the others unpinned
+                self._complete(slots, late, *held.endings(plan, corrupt, checked), restore=True)
         return TransferResult(plan.outcomes, moved, seconds)
-
-    def _complete_held(self, plan: Plan, held: Held, late: LateCopies | None, corrupt: set[int], copied: int
-                       ) -> None:
-        """End a restore some of whose blocks are ``held``: those its copy checked good are published, the rest
-        dropped (a wrong one is DATA_LOSS, or a miss where it may have changed under the read); the others are
-        unpinned as any restore's."""
-        slots, positions = plan.slots, plan.positions
-        kept = set(held.keys.values())
-        checked = range(copied)  # the copy checked these (in batch order); ``corrupt`` among them are wrong
-
-        def release(some: list[int]) -> None:  # not checked: unpinned, or dropped
-            self.group.unpin([s for s in some if s not in kept])
-            held.settle((), [s for s in some if s in kept])
-
-        def complete() -> None:
-            pinned = [j for j in range(len(slots)) if slots[j] not in kept]
-            self.group.unpin([slots[j] for j in pinned], {n for n, j in enumerate(pinned) if j in corrupt})
-            ok = [slots[j] for j in checked if slots[j] in kept and j not in corrupt]
-            outcomes = held.settle(ok, [slots[j] for j in range(len(slots)) if slots[j] in kept and slots[j] not in ok])
-            for j in range(len(slots)):
-                if j in corrupt and slots[j] in outcomes:
-                    plan.outcomes[positions[j]] = outcomes[slots[j]]
-
-        self._complete(slots, late, release, complete, restore=True)
 
     def _verify_once(self, slots: Sequence[int], expected: list[int], deadline: float | None) -> list[bool]:
         """Which of these pinned canonical blocks are known good in their pin run: verified here now, or by

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from kvxfer.core.records import Outcome
+from kvxfer.index.block_index import Plan
 from kvxfer.tiers.lower import CheckedLater, LowerTier
 
 if TYPE_CHECKING:
@@ -114,6 +115,29 @@ class Held:
     def drop(self) -> None:
         """Drop every slot not settled yet (the restore failed before its copy)."""
         self.settle((), list(self._by_slot))
+
+    def endings(self, plan: Plan, corrupt: set[int], copied: int
+                ) -> tuple[Callable[[list[int]], None], Callable[[], None]]:
+        """How a restore of ``plan`` ends (``PoolManager._complete``'s ``release`` and ``complete``) when some of
+        its slots are held here: its copy checked ``plan.slots[:copied]``, ``corrupt`` among them wrong. Held
+        slots it checked good are published, the other held ones dropped (a wrong one's outcome is this
+        tier's verdict: DATA_LOSS, or NOT_FOUND); the pinned ones are unpinned as any restore's."""
+        slots, group, kept = plan.slots, self.group, set(self.keys.values())
+
+        def release(some: list[int]) -> None:  # not checked: unpinned, or dropped
+            group.unpin([s for s in some if s not in kept])
+            self.settle((), [s for s in some if s in kept])
+
+        def complete() -> None:
+            pinned = [j for j in range(len(slots)) if slots[j] not in kept]
+            group.unpin([slots[j] for j in pinned], {n for n, j in enumerate(pinned) if j in corrupt})
+            ok = {slots[j] for j in range(copied) if slots[j] in kept and j not in corrupt}
+            verdicts = self.settle(ok, [s for s in slots if s in kept and s not in ok])
+            for j in corrupt:
+                if slots[j] in verdicts:
+                    plan.outcomes[plan.positions[j]] = verdicts[slots[j]]
+
+        return release, complete
 
 
 def promote(tier: LowerTier, group: CacheGroup, namespace: str, keys: list[bytes], held: Held | None = None

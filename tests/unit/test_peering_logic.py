@@ -234,3 +234,24 @@ def test_a_restore_of_held_and_pulled_blocks_at_once_keeps_batch_order(nodes, mo
     assert result.outcomes == [Outcome.DONE, Outcome.DONE, Outcome.NOT_FOUND, Outcome.DONE]
     assert [torch.equal(b.block(n), a.block(i)) for n, i in ((12, 4), (13, 3), (15, 1))] == [True] * 3
     assert manager.group.index.stats().pinned == 0 and a.leases.open == (0, 0)
+
+
+def test_a_pulled_block_wrong_after_its_lease_ended_under_the_read_is_a_miss_not_data_loss(nodes, monkeypatch):
+    """The read ended after the lease: the peer may have reused the slot, so wrong bytes say nothing of the
+    block. The copy's check drops it as a miss, and the peer is not told it is corrupt."""
+    a, b, b_to_a, _ = nodes
+    manager = _peered(b, b_to_a, lease_ms=100)
+    read = b.agent.read
+
+    def slow_read(*args):
+        result = read(*args)
+        time.sleep(0.3)  # ends after the lease
+        return result
+
+    monkeypatch.setattr(b.agent, "read", slow_read)
+    b.agent.corrupt_next = True
+    result = manager.run(TransferBatch.build(TransferKind.RESTORE, "ns", [9], KEYS[:1], SPEC.num_blocks))
+    assert result.outcomes == [Outcome.NOT_FOUND]
+    assert manager.group.index.stats().used == 0 and manager.group.index.stats().pinned == 0
+    assert b.counters.events().get("failed_lease_expired") == 1 and "failed_corrupt" not in b.counters.events()
+    assert all(corrupt == [] for _, corrupt in b_to_a.released)
