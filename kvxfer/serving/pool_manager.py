@@ -241,7 +241,7 @@ class PoolManager:
         tiers = self.group.reading_from(peer) + self.group.lower_tiers if peer else None
         lost = self.group.promote(namespace, [keys[i] for i in missing], tiers, deadline, held)  # may evict: ours pinned
         came = [i for i in missing if held is not None and keys[i] in held.keys]  # read, in reserved slots
-        rest = [i for i in missing if i not in came]
+        rest = [i for i in missing if held is None or keys[i] not in held.keys]
         more = self.group.pin(namespace, [keys[i] for i in rest])
         for j, i in enumerate(rest):
             plan.outcomes[i] = lost.get(keys[i], more.outcomes[j])
